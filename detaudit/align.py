@@ -1,0 +1,154 @@
+"""Rollout-vs-trainer alignment: sample rollouts on one engine/TP (incremental decode with a KV cache,
+batched), re-score exactly those tokens on another (one full-sequence forward per sequence, as a
+training step computes it), and compare the probabilities of the sampled tokens."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from detaudit.errors import DetauditError
+
+ALIGN_FILE = "alignment.parquet"
+ALIGN_SUMMARY = "alignment.json"
+
+
+@dataclass(frozen=True)
+class Side:
+    engine: str
+    tp: int
+
+    @classmethod
+    def parse(cls, text: str, option: str) -> "Side":
+        engine, _, tp = text.partition(":")
+        if engine not in ("builtin", "vllm") or not tp.isdigit():
+            raise DetauditError(f"{option} {text!r}: expected ENGINE:TP, e.g. builtin:4 or vllm:2")
+        if int(tp) not in (1, 2, 4, 8):
+            raise DetauditError(f"{option} {text!r}: TP size must be one of 1, 2, 4, 8")
+        return cls(engine, int(tp))
+
+    def __str__(self) -> str:
+        return f"{self.engine}:{self.tp}"
+
+
+def metrics(rollout_lp: np.ndarray, trainer_lp: np.ndarray) -> dict[str, float]:
+    """Per-token comparison of the sampled tokens' log-probabilities (fp32 values as recorded).
+    kl: the sample estimate of KL(rollout || trainer) = mean(log p_r - log p_t) over tokens sampled
+    from the rollout policy."""
+    r = np.asarray(rollout_lp, dtype=np.float64)
+    t = np.asarray(trainer_lp, dtype=np.float64)
+    if r.size == 0:
+        return {"tokens": 0, "bitwise_equal_frac": math.nan, "dp_max": math.nan, "dp_mean": math.nan,
+                "dp_std": math.nan, "pearson": math.nan, "kl": math.nan}
+    pr, pt = np.exp(r), np.exp(t)
+    dp = np.abs(pr - pt)
+    pearson = float(np.corrcoef(pr, pt)[0, 1]) if r.size > 1 and pr.std() > 0 and pt.std() > 0 else (1.0 if np.array_equal(pr, pt) else math.nan)
+    return {
+        "tokens": int(r.size),
+        "bitwise_equal_frac": float(np.mean(np.asarray(rollout_lp, np.float32) == np.asarray(trainer_lp, np.float32))),
+        "dp_max": float(dp.max()),
+        "dp_mean": float(dp.mean()),
+        "dp_std": float(dp.std()),
+        "pearson": pearson,
+        "kl": float(np.mean(r - t)),
+    }
+
+
+def run_align(*, model_path: Path, model_name: str, prompts: list[list[int]], prompt_ids: list[str], rollout: Side,
+              trainer: Side, backends: tuple[str, ...], decoding, batch_size: int, dtype: str, device: str,
+              eos_ids: list[int], tp_mode: str = "real", progress=None) -> pd.DataFrame:
+    """One row per (backend, prompt, position)."""
+    from detaudit.engine import open_engine
+
+    rows = []
+    for backend in backends:
+        def _open(side: Side):
+            if side.engine == "vllm":
+                from detaudit.vllm.engine import open_vllm_engine
+
+                return open_vllm_engine(model_path, backend, side.tp, dtype=dtype, device=device, eos_ids=eos_ids)
+            return open_engine(model_path, backend, side.tp, tp_mode, dtype=dtype, device=device, eos_ids=eos_ids)
+
+        eng = _open(rollout)
+        try:
+            gens = eng.generate(prompts, prompt_ids, decoding, batch_size, progress=progress)
+        finally:
+            eng.close()
+        eng = _open(trainer)
+        try:
+            scores = eng.score(prompts, [g.token_ids for g in gens], 1)  # one forward per sequence
+        finally:
+            eng.close()
+        for pid, g, s in zip(prompt_ids, gens, scores):
+            for i, (tok, lr, lt) in enumerate(zip(g.token_ids, g.token_logprobs, s)):
+                rows.append({"model": model_name, "backend": backend, "rollout": str(rollout), "trainer": str(trainer),
+                             "prompt_id": pid, "position": i, "token_id": tok, "rollout_logprob": lr, "trainer_logprob": lt})
+    return pd.DataFrame(rows)
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    out = []
+    for (backend, rollout, trainer), g in df.groupby(["backend", "rollout", "trainer"], sort=False):
+        out.append({"backend": backend, "rollout": rollout, "trainer": trainer,
+                    **metrics(g["rollout_logprob"].to_numpy(np.float32), g["trainer_logprob"].to_numpy(np.float32))})
+    return pd.DataFrame(out)
+
+
+def write_alignment(df: pd.DataFrame, summary: pd.DataFrame, out_dir: Path, meta: dict) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from detaudit.store import atomic_write_bytes, atomic_write_json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    p = out_dir / ALIGN_FILE
+    df.to_parquet(p, index=False)
+    files.append(p)
+    p = out_dir / ALIGN_SUMMARY
+    atomic_write_json(p, {"meta": meta, "summary": summary.to_dict(orient="records")})
+    files.append(p)
+    p = out_dir / "alignment.csv"
+    atomic_write_bytes(p, summary.to_csv(index=False).encode())
+    files.append(p)
+    md = ["# Rollout vs trainer alignment", "", f"Command: `{meta.get('command', '')}`", "",
+          f"Model: {meta.get('model')}; rollout {meta.get('rollout')} (incremental decode, KV cache, batch "
+          f"{meta.get('batch_size')}); trainer {meta.get('trainer')} (one full-sequence forward per sequence).", "",
+          summary.to_markdown(index=False, floatfmt=".3g"), "",
+          "bitwise_equal_frac: share of sampled tokens whose fp32 log-probability is bitwise equal on both sides. "
+          "dp = |p_rollout - p_trainer|. kl: sample estimate of KL(rollout || trainer) = mean(log p_r - log p_t).", ""]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for backend, g in df.groupby("backend", sort=False):
+        dp = (np.exp(g["rollout_logprob"]) - np.exp(g["trainer_logprob"])).abs()
+        ax.scatter(g["position"], dp, s=4, label=backend, alpha=0.6)
+    ax.set_xlabel("output position")
+    ax.set_ylabel("|p_rollout - p_trainer|")
+    ax.set_yscale("symlog", linthresh=1e-6)
+    ax.legend()
+    fig.tight_layout()
+    p = out_dir / "alignment-dp.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    files.append(p)
+    md.append("![|dp| by position](alignment-dp.png)")
+    p = out_dir / "alignment.md"
+    atomic_write_bytes(p, ("\n".join(md) + "\n").encode())
+    files.append(p)
+    return files
+
+
+def load_alignment(path: Path) -> dict:
+    f = Path(path) / ALIGN_SUMMARY
+    try:
+        return json.loads(f.read_text())
+    except FileNotFoundError:
+        raise DetauditError(f"{path} holds no alignment results ({ALIGN_SUMMARY})") from None
+    except json.JSONDecodeError as e:
+        raise DetauditError(f"{f} is corrupt: {e}") from None

@@ -1,0 +1,479 @@
+"""Metrics over a run directory -> pandas tables.
+
+Every metric is computed per (model, suite, backend) over that backend's completed ("done") cells,
+with prompts matched across cells by `prompt_id`. The building blocks are pure functions on small
+inputs (token id sequences, top-k log-probability matrices); `analyze()` only gathers and groups.
+
+Definitions (the edge cases are part of the definition):
+
+- unique: number of distinct output token sequences across the cells, per prompt.
+  `unique_mean` averages it over prompts (1.0: every cell agreed on every prompt).
+- first divergence: the first output index at which two cells' token ids differ; where one output
+  is a strict prefix of another, the index where the shorter one ends. Prompts whose outputs are all
+  identical have no divergence: they are counted (`identical_prompts`) and left out of
+  `first_div_median` (NaN when no prompt diverged).
+- max probability divergence (published definition): at output position i, each cell's top-5
+  probabilities (exp of its recorded top-k log-probabilities, sorted descending, the 5 largest; a
+  row with fewer than 5 entries is padded with probability 0); the divergence at i is the largest,
+  over the 5 ranks, of (max over cells - min over cells). Only positions at which every cell has a
+  token are compared (up to the shortest output; an empty output contributes no position). Per
+  prompt: mean over positions; `maxprob_div_mean`: mean over prompts. A prompt with no comparable
+  position (an empty output, or only one cell has it) is left out of the mean and counted
+  (`maxprob_excluded`); with fewer than two done cells every divergence is NaN, never 0. Identical inputs give 0.0
+  exactly (computed in float64 from the stored float32 values).
+- prefix divergence: the same, restricted to positions before the first divergence (all compared
+  positions when outputs are identical); prompts that diverge at position 0 are left out and
+  counted (`prefix_excluded`).
+- teacher-forced divergence: every cell scored the same reference continuation
+  (`tf_token_logprobs`); per position, the largest |p_cell - p_ref| over cells, p = exp(logprob),
+  p_ref from the cell named by `tf_reference_cell` (when that cell has no data: the first cell, in
+  grid order, that has). `teacher_forced_div_mean`: mean over positions, then prompts;
+  `teacher_forced_div_max`: the largest value at any position of any prompt. NaN without data.
+- accuracy: per cell, the mean of `correct` over prompts where it is known; `acc_mean` and
+  `acc_std` over cells with an accuracy. `acc_std` is the POPULATION std (ddof=0) of the cells'
+  accuracies: the spread of this fixed set of configurations (the paper's Std@Acc), 0 for one cell.
+- len_std: per prompt, the population std of output length (tokens) across cells; mean over prompts.
+- agreement: for each pair of cells, the fraction of their common prompts with identical outputs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from detaudit.config import Cell
+from detaudit.errors import DetauditError
+from detaudit.records import COLUMNS
+from detaudit.store import RunDir
+
+TOPK = 5
+BACKEND_ORDER = ("bf16", "bio", "bio+tbik")
+
+SUMMARY_COLUMNS = [
+    "model", "suite", "backend", "cells", "prompts",
+    "unique_mean", "unique_max", "identical_prompts",
+    "maxprob_div_mean", "maxprob_excluded", "prefix_div_mean", "prefix_excluded",
+    "teacher_forced_div_max", "teacher_forced_div_mean", "tf_reference",
+    "first_div_median", "acc_mean", "acc_std", "len_mean", "len_std",
+    "failed_cells", "pending_cells", "failed_cell_ids", "emulated",
+]
+PER_PROMPT_COLUMNS = [
+    "model", "suite", "backend", "prompt_index", "prompt_id", "cells", "unique", "first_div",
+    "maxprob_div", "maxprob_positions", "prefix_div", "prefix_positions",
+    "tf_div_mean", "tf_div_max", "len_mean", "len_std", "correct_frac",
+]
+PER_CELL_COLUMNS = [
+    "cell_id", "model", "suite", "backend", "tp", "batch_size", "tp_mode", "state", "error",
+    "wall_s", "prompts", "acc", "len_mean", "agree_ref",
+]
+BY_POSITION_COLUMNS = ["suite", "backend", "position", "maxprob_div_mean", "prompts", "diverged_frac"]
+
+
+# ---------------------------------------------------------------- pure metric functions
+
+
+def _ids(seq: Any) -> np.ndarray:
+    if seq is None:
+        return np.zeros(0, dtype=np.int64)
+    return np.asarray(seq, dtype=np.int64).reshape(-1)
+
+
+def unique_count(seqs: Sequence[Sequence[int]]) -> int:
+    """Number of distinct token sequences."""
+    return len({_ids(s).tobytes() for s in seqs})
+
+
+def first_divergence(seqs: Sequence[Sequence[int]]) -> int | None:
+    """First index at which the sequences differ (a strict prefix diverges where it ends);
+    None when all are identical (or fewer than two)."""
+    arrs = [_ids(s) for s in seqs]
+    if len(arrs) < 2:
+        return None
+    n = min(len(a) for a in arrs)
+    if n:
+        m = np.stack([a[:n] for a in arrs])
+        diff = np.flatnonzero((m != m[0]).any(axis=0))
+        if diff.size:
+            return int(diff[0])
+    return n if any(len(a) != n for a in arrs) else None
+
+
+def top5_probs(topk_logprobs: Any, k: int = TOPK) -> np.ndarray:
+    """(positions, k) float64: each row's k largest probabilities, descending; rows with fewer than
+    k entries are padded with probability 0."""
+    rows = [] if topk_logprobs is None else list(topk_logprobs)
+    if not rows:
+        return np.zeros((0, k))
+    try:
+        m = np.stack([np.asarray(r, dtype=np.float64) for r in rows])
+        if m.ndim != 2:
+            raise ValueError
+    except ValueError:  # ragged rows
+        width = max(k, max(len(r) for r in rows))
+        m = np.full((len(rows), width), -np.inf)
+        for i, r in enumerate(rows):
+            m[i, : len(r)] = np.asarray(r, dtype=np.float64)
+    if m.shape[1] < k:
+        m = np.concatenate([m, np.full((m.shape[0], k - m.shape[1]), -np.inf)], axis=1)
+    p = np.exp(m)
+    return -np.sort(-p, axis=1)[:, :k]
+
+
+def maxprob_divergence_by_position(probs: Sequence[np.ndarray]) -> np.ndarray:
+    """Per position (up to the shortest), the largest over ranks of the spread across cells."""
+    if not probs:
+        return np.zeros(0)
+    n = min(p.shape[0] for p in probs)
+    stack = np.stack([p[:n] for p in probs])  # cells, positions, ranks
+    return (stack.max(axis=0) - stack.min(axis=0)).max(axis=-1)
+
+
+def teacher_forced_by_position(tf_logprobs: Sequence[Any], reference: Any) -> np.ndarray:
+    """Per position (up to the shortest), the largest |p_cell - p_ref| over cells."""
+    ref = np.exp(np.asarray(reference if reference is not None else [], dtype=np.float64).reshape(-1))
+    arrs = [np.exp(np.asarray(a, dtype=np.float64).reshape(-1)) for a in tf_logprobs if a is not None]
+    n = min([len(ref)] + [len(a) for a in arrs])
+    if not arrs:
+        return np.zeros(n)
+    return np.abs(np.stack([a[:n] for a in arrs]) - ref[:n]).max(axis=0)
+
+
+def mean_or_nan(x: Iterable[float] | np.ndarray) -> float:
+    a = np.asarray(list(x) if not isinstance(x, np.ndarray) else x, dtype=np.float64)
+    a = a[~np.isnan(a)]
+    return float(a.mean()) if a.size else math.nan
+
+
+def accuracy_std(accs: Iterable[float]) -> float:
+    """Population std (ddof=0) of the known accuracies; NaN when none is known."""
+    a = np.asarray([x for x in accs if x is not None and not math.isnan(x)], dtype=np.float64)
+    return float(a.std(ddof=0)) if a.size else math.nan
+
+
+def agreement_matrix(outputs: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """outputs: cell -> {prompt -> token ids}. Fraction of common prompts with identical outputs."""
+    cells = list(outputs)
+    keys = {c: {p: _ids(s).tobytes() for p, s in outputs[c].items()} for c in cells}
+    m = np.full((len(cells), len(cells)), np.nan)
+    for i, a in enumerate(cells):
+        for j in range(i, len(cells)):
+            b = cells[j]
+            common = keys[a].keys() & keys[b].keys()
+            if common:
+                m[i, j] = m[j, i] = sum(keys[a][p] == keys[b][p] for p in common) / len(common)
+    return pd.DataFrame(m, index=cells, columns=cells)
+
+
+# ---------------------------------------------------------------- loading
+
+
+@dataclass
+class Analysis:
+    summary: pd.DataFrame
+    per_prompt: pd.DataFrame
+    per_cell: pd.DataFrame
+    agreement: dict[tuple[str, str], pd.DataFrame]
+    divergence_by_position: pd.DataFrame
+    manifest: dict[str, Any]
+    run_dir: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model(self) -> str:
+        return model_name(self.manifest)
+
+    @property
+    def backends(self) -> list[str]:
+        return order_backends(self.per_cell["backend"].unique(), self.manifest)
+
+    @property
+    def suites(self) -> list[str]:
+        return list(dict.fromkeys(self.per_cell["suite"]))
+
+
+def model_name(manifest: dict[str, Any]) -> str:
+    model = manifest.get("model")
+    if isinstance(model, dict) and model.get("name"):
+        return str(model["name"])
+    if isinstance(model, str) and model:
+        return model
+    return str((manifest.get("config") or {}).get("model") or "?")
+
+
+def order_backends(names: Iterable[str], manifest: dict[str, Any] | None = None) -> list[str]:
+    """Configured order, else the canonical bf16 / bio / bio+tbik, then the others by name."""
+    names = list(dict.fromkeys(names))
+    configured = list((manifest or {}).get("config", {}).get("backends") or [])
+    order = configured + [b for b in BACKEND_ORDER if b not in configured]
+    return sorted(names, key=lambda b: (order.index(b) if b in order else len(order), b))
+
+
+def _top5_column(column: pa.ChunkedArray) -> list[np.ndarray]:
+    """Per record, `top5_probs` of its topk_logprobs, without a Python loop over positions when
+    every position holds the same number (>= TOPK) of entries."""
+    outer = column.combine_chunks()
+    inner = outer.values
+    if isinstance(outer, pa.ListArray) and outer.null_count == 0 and inner.null_count == 0 and len(inner):
+        widths = np.diff(inner.offsets.to_numpy())
+        k = int(widths[0])
+        if k >= TOPK and (widths == k).all() and inner.values.null_count == 0:
+            start = inner.offsets[0].as_py()
+            flat = inner.values.to_numpy(zero_copy_only=False)[start : start + k * len(inner)]
+            p = np.exp(flat.astype(np.float64).reshape(-1, k))
+            p = -np.sort(-p, axis=1)[:, :TOPK]
+            offsets = outer.offsets.to_numpy()
+            base = offsets[0]
+            return [p[offsets[i] - base : offsets[i + 1] - base] for i in range(len(outer))]
+    return [top5_probs(x) for x in outer.to_pylist()]
+
+
+def _read_cell(run: RunDir, cell_id: str) -> pd.DataFrame:
+    """One cell's records; `topk_logprobs` is replaced by `top5` (see `_top5_column`)."""
+    path = run.cell_path(cell_id)
+    try:
+        table = pq.read_table(path)
+    except Exception as e:
+        raise DetauditError(f"cell file {path} is unreadable or truncated ({type(e).__name__}); "
+                            f"rerun the sweep to recompute it") from None
+    missing = [c for c in COLUMNS if c not in table.column_names]
+    if missing:
+        raise DetauditError(f"cell file {path} lacks columns {', '.join(missing)}")
+    top5 = _top5_column(table.column("topk_logprobs"))
+    df = table.drop_columns(["topk_logprobs", "topk_ids"]).to_pandas()
+    df["top5"] = pd.Series(top5, index=df.index, dtype=object)
+    df["cell_id"] = cell_id
+    return df
+
+
+def _expected_cells(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    try:
+        return {
+            Cell(b, int(tp), int(bs), s).id: dict(backend=b, tp=int(tp), batch_size=int(bs), suite=s)
+            for b in config["backends"] for tp in config["tp"]
+            for s in config["suites"] for bs in config["batch_sizes"]
+        }
+    except (KeyError, TypeError, ValueError):
+        return {}
+
+
+def _load(run_dir: str | os.PathLike) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
+    """Manifest, records of the done cells, and one row per cell (grid cells absent from the
+    manifest, and done cells whose file is gone, get state "missing"). A cell file that exists but
+    cannot be read is bad input (DetauditError)."""
+    run = RunDir(run_dir)
+    if not run.path.is_dir():
+        raise DetauditError(f"run directory {run.path} does not exist")
+    manifest = run.load()
+    cells = manifest["cells"]
+    config = manifest.get("config") or {}
+    if not isinstance(cells, dict) or not isinstance(config, dict):
+        raise DetauditError(f"{run.manifest_path} is not a detaudit manifest (cells/config are not mappings)")
+    model = model_name(manifest)
+    rows, frames = [], []
+    for cid, meta in cells.items():
+        if not isinstance(meta, dict):
+            raise DetauditError(f"{run.manifest_path}: cell {cid} is not a mapping")
+        state, error = str(meta.get("state") or "pending"), meta.get("error")
+        if state == "done":
+            if not run.cell_path(cid).exists():
+                state, error = "missing", "marked done but its cell file is missing"
+            else:
+                frames.append(_read_cell(run, cid))
+        rows.append(dict(
+            cell_id=cid, model=model, suite=meta.get("suite"), backend=meta.get("backend"),
+            tp=meta.get("tp"), batch_size=meta.get("batch_size"),
+            tp_mode=meta.get("tp_mode") or config.get("tp_mode") or "real",
+            state=state, error=error if state != "done" else None, wall_s=meta.get("wall_s"),
+        ))
+    for cid, meta in _expected_cells(config).items():
+        if cid not in cells:
+            rows.append(dict(cell_id=cid, model=model, **meta, tp_mode=config.get("tp_mode") or "real",
+                             state="missing", error="in the configured grid but not in the manifest",
+                             wall_s=None))
+    records = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
+        columns=["cell_id", "suite", "backend", "prompt_id", "prompt_index"])
+    per_cell = pd.DataFrame(rows, columns=PER_CELL_COLUMNS[:10])
+    if len(records):  # fill cell coordinates the manifest lacks from the records themselves
+        first = records.groupby("cell_id").first()
+        for col in ("suite", "backend", "tp", "batch_size"):
+            fill = per_cell["cell_id"].map(first[col])
+            per_cell[col] = per_cell[col].where(per_cell[col].notna(), fill)
+    order = order_backends(per_cell["backend"].dropna(), manifest)
+    per_cell["_b"] = per_cell["backend"].map(lambda b: order.index(b) if b in order else len(order))
+    per_cell = per_cell.sort_values(["suite", "_b", "tp", "batch_size", "cell_id"], kind="stable")
+    per_cell = per_cell.drop(columns="_b").reset_index(drop=True)
+    return manifest, records, per_cell
+
+
+# ---------------------------------------------------------------- analysis
+
+
+def _prompt_key(row: dict[str, Any]) -> str:
+    pid = row.get("prompt_id")
+    if pid is None or (isinstance(pid, float) and math.isnan(pid)):
+        return f"#{row['prompt_index']}"
+    return str(pid)
+
+
+def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: pd.DataFrame):
+    """Metrics of one (suite, backend): (summary row, per-prompt rows, per-cell extras,
+    agreement, by-position rows)."""
+    present = set(records["cell_id"]) if len(records) else set()
+    done = [c for c in cells["cell_id"] if c in present]
+    # per cell: prompt -> data
+    data: dict[str, dict[str, dict[str, Any]]] = {}
+    prompt_index: dict[str, int] = {}
+    for cid, sub in records.groupby("cell_id", sort=False) if len(records) else ():
+        d = {}
+        for r in sub.to_dict("records"):
+            key = _prompt_key(r)
+            ids = _ids(r["output_token_ids"])
+            probs = r["top5"][: len(ids)]
+            correct = r["correct"]
+            d[key] = dict(
+                ids=ids, probs=probs, tf=r.get("tf_token_logprobs"), ref=r.get("tf_reference_cell"),
+                correct=None if correct is None or pd.isna(correct) else bool(correct),
+            )
+            prompt_index.setdefault(key, int(r["prompt_index"]) if pd.notna(r["prompt_index"]) else len(prompt_index))
+        data[cid] = d
+    prompts = sorted(prompt_index, key=lambda k: (prompt_index[k], k))
+
+    pp_rows, div_arrays, first_divs = [], [], []
+    for key in prompts:
+        have = [c for c in done if key in data[c]]
+        recs = [data[c][key] for c in have]
+        seqs = [r["ids"] for r in recs]
+        fd = first_divergence(seqs)
+        compared = len(have) >= 2  # a prompt seen by one cell compares nothing: NaN, not 0
+        by_pos = maxprob_divergence_by_position([r["probs"] for r in recs]) if compared else np.zeros(0)
+        prefix = by_pos[: fd] if fd is not None else by_pos
+        # teacher forcing
+        tf_cells = [c for c, r in zip(have, recs) if r["tf"] is not None]
+        tf_mean = tf_max = math.nan
+        if len(tf_cells) >= 2:
+            named = next((r["ref"] for r in recs if isinstance(r["ref"], str) and r["ref"]), None)
+            ref_cell = named if named in tf_cells else tf_cells[0]
+            tf = teacher_forced_by_position([data[c][key]["tf"] for c in tf_cells], data[ref_cell][key]["tf"])
+            if tf.size:
+                tf_mean, tf_max = float(tf.mean()), float(tf.max())
+        lengths = np.array([len(s) for s in seqs], dtype=np.float64)
+        known = [r["correct"] for r in recs if r["correct"] is not None]
+        if compared:
+            first_divs.append(fd)
+            div_arrays.append(by_pos)
+        pp_rows.append(dict(
+            model=model, suite=suite, backend=backend, prompt_index=prompt_index[key], prompt_id=key,
+            cells=len(have), unique=unique_count(seqs), first_div=fd,
+            maxprob_div=float(by_pos.mean()) if by_pos.size else math.nan, maxprob_positions=int(by_pos.size),
+            prefix_div=float(prefix.mean()) if prefix.size else math.nan, prefix_positions=int(prefix.size),
+            tf_div_mean=tf_mean, tf_div_max=tf_max,
+            len_mean=float(lengths.mean()) if lengths.size else math.nan,
+            len_std=float(lengths.std(ddof=0)) if lengths.size else math.nan,
+            correct_frac=float(np.mean(known)) if known else math.nan,
+        ))
+    pp = pd.DataFrame(pp_rows, columns=PER_PROMPT_COLUMNS)
+
+    # per cell
+    cell_extra = {}
+    ref_cell = done[0] if done else None
+    for cid in done:
+        d = data[cid]
+        known = [r["correct"] for r in d.values() if r["correct"] is not None]
+        same = [d[k]["ids"].tobytes() == data[ref_cell][k]["ids"].tobytes() for k in d if k in data[ref_cell]]
+        cell_extra[cid] = dict(
+            prompts=len(d), acc=float(np.mean(known)) if known else math.nan,
+            len_mean=float(np.mean([len(r["ids"]) for r in d.values()])) if d else math.nan,
+            agree_ref=float(np.mean(same)) if same else math.nan,
+        )
+    agreement = agreement_matrix({cid: {k: r["ids"] for k, r in data[cid].items()} for cid in done})
+
+    # by position
+    width = max((a.size for a in div_arrays), default=0)
+    max_len = max(width, max(([len(data[c][k]["ids"]) for c in done for k in data[c]]), default=0))
+    sums, counts = np.zeros(max_len), np.zeros(max_len)
+    for a in div_arrays:
+        sums[: a.size] += a
+        counts[: a.size] += 1
+    fds = np.sort(np.array([f for f in first_divs if f is not None], dtype=np.int64))
+    positions = np.arange(max_len)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_by_pos = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    if first_divs:  # share of compared prompts diverged at or before each position
+        diverged = np.searchsorted(fds, positions, side="right") / len(first_divs)
+    else:
+        diverged = np.full(max_len, np.nan)
+    by_position = pd.DataFrame(dict(
+        suite=suite, backend=backend, position=positions, maxprob_div_mean=mean_by_pos,
+        prompts=counts.astype(np.int64), diverged_frac=diverged,
+    ), columns=BY_POSITION_COLUMNS)
+
+    accs = [cell_extra[c]["acc"] for c in done]
+    failed = cells[cells["state"].isin(["failed", "missing"])]["cell_id"].tolist()
+    pending = cells[~cells["state"].isin(["failed", "missing", "done"])]["cell_id"].tolist()
+    diverging = [f for f in first_divs if f is not None]
+    tf_refs = sorted({r["ref"] for c in done for r in data[c].values() if isinstance(r["ref"], str) and r["ref"]})
+    summary = dict(
+        model=model, suite=suite, backend=backend, cells=len(done), prompts=len(prompts),
+        unique_mean=mean_or_nan(pp["unique"]), unique_max=float(pp["unique"].max()) if len(pp) else math.nan,
+        identical_prompts=int(sum(f is None for f in first_divs)),
+        maxprob_div_mean=mean_or_nan(pp["maxprob_div"]), maxprob_excluded=int(pp["maxprob_div"].isna().sum()),
+        prefix_div_mean=mean_or_nan(pp["prefix_div"]), prefix_excluded=int(pp["prefix_div"].isna().sum()),
+        teacher_forced_div_max=float(np.nanmax(pp["tf_div_max"])) if pp["tf_div_max"].notna().any() else math.nan,
+        teacher_forced_div_mean=mean_or_nan(pp["tf_div_mean"]),
+        tf_reference=", ".join(tf_refs),
+        first_div_median=float(np.median(diverging)) if diverging else math.nan,
+        acc_mean=mean_or_nan(accs), acc_std=accuracy_std(accs),
+        len_mean=mean_or_nan(pp["len_mean"]), len_std=mean_or_nan(pp["len_std"]),
+        failed_cells=len(failed), pending_cells=len(pending), failed_cell_ids=", ".join(failed),
+        emulated=bool((cells.loc[cells["cell_id"].isin(done), "tp_mode"] == "emulated").any()),
+    )
+    return summary, pp, cell_extra, agreement, by_position
+
+
+def analyze(run_dir: str | os.PathLike) -> Analysis:
+    """All metrics of one run directory (see the module docstring for the definitions)."""
+    manifest, records, per_cell = _load(run_dir)
+    model = model_name(manifest)
+    summaries, prompt_frames, position_frames = [], [], []
+    agreement: dict[tuple[str, str], pd.DataFrame] = {}
+    extras: dict[str, dict[str, Any]] = {}
+    groups = per_cell[["suite", "backend"]].dropna().drop_duplicates().itertuples(index=False)
+    for suite, backend in groups:
+        cells = per_cell[(per_cell["suite"] == suite) & (per_cell["backend"] == backend)]
+        recs = records[records["cell_id"].isin(cells["cell_id"])] if len(records) else records
+        summary, pp, extra, agree, by_pos = _group(model, suite, backend, cells, recs)
+        summaries.append(summary)
+        prompt_frames.append(pp)
+        position_frames.append(by_pos)
+        agreement[(suite, backend)] = agree
+        extras.update(extra)
+    for col in ("prompts", "acc", "len_mean", "agree_ref"):
+        per_cell[col] = per_cell["cell_id"].map(lambda c: extras.get(c, {}).get(col, math.nan))
+    per_prompt = _concat(prompt_frames, PER_PROMPT_COLUMNS)
+    per_prompt["first_div"] = per_prompt["first_div"].astype("Int64")
+    notes = []
+    if manifest.get("mixed_hardware"):
+        notes.append("mixed hardware: the cells of this run were computed on different machines")
+    return Analysis(
+        summary=pd.DataFrame(summaries, columns=SUMMARY_COLUMNS),
+        per_prompt=per_prompt,
+        per_cell=per_cell[PER_CELL_COLUMNS],
+        agreement=agreement,
+        divergence_by_position=_concat(position_frames, BY_POSITION_COLUMNS),
+        manifest=manifest,
+        run_dir=Path(run_dir),
+        notes=notes,
+    )
+
+
+def _concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
+    frames = [f for f in frames if len(f)]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)

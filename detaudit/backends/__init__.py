@@ -1,0 +1,60 @@
+"""Backend registry: "bf16" (native), "bio" (batch-invariant ops), "bio+tbik" (tree-based invariant
+row-parallel layers). Built-in backends register on import; third-party ones come from the
+`detaudit.backends` entry-point group."""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+from typing import Callable
+
+from detaudit.backends.base import Backend, Group
+from detaudit.errors import DetauditError
+
+BACKENDS: dict[str, Callable[[], Backend]] = {}
+_entry_points_loaded = False
+
+
+def register_backend(*names: str):
+    def deco(factory):
+        for name in names:
+            BACKENDS[name] = factory
+        return factory
+
+    return deco
+
+
+def _load_builtin() -> None:
+    from detaudit.backends import native  # noqa: F401
+
+    for mod in ("detaudit.backends.bio", "detaudit.backends.tbik"):
+        try:
+            __import__(mod)
+        except ModuleNotFoundError as e:  # a backend module not written yet
+            if e.name != mod:
+                raise
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded or "pytest" in sys.modules:
+        return
+    _entry_points_loaded = True
+    for ep in metadata.entry_points(group="detaudit.backends"):
+        ep.load()
+
+
+def available() -> list[str]:
+    _load_builtin()
+    _load_entry_points()
+    return sorted(BACKENDS)
+
+
+def get_backend(name: str) -> Backend:
+    names = available()
+    if name not in BACKENDS:
+        raise DetauditError(f"unknown backend {name!r}; known backends: {', '.join(names)}")
+    return BACKENDS[name]()
+
+
+__all__ = ["Backend", "Group", "BACKENDS", "register_backend", "get_backend", "available"]

@@ -1,0 +1,132 @@
+"""The Backend protocol: how every reduction of a forward pass is computed.
+
+A backend decides how matmuls, RMSNorm, log-softmax, attention and the tensor-parallel (TP)
+all-reduce are computed. The engine's layers call these methods explicitly; nothing else in the
+engine performs a reduction that can change with batch size or TP size.
+
+Shapes and conventions:
+- `linear(x, w)`: x[..., K] @ w[N, K]^T, returned in x.dtype. Column-parallel and replicated layers.
+- `row_partial(x, w, tp_size)`: this rank's partial sum of a row-parallel layer (o_proj, down_proj);
+  x[..., K/C], w[N, K/C]; `name` is the layer's name, for error messages. The dtype of the partial is the backend's choice (tbik keeps fp32).
+- `combine(partials, dtype)`: the fixed-order reduction of all C partials, given in rank order.
+  Used by emulated TP directly and, after an all-gather, by the default `all_reduce`.
+- `all_reduce(partial, group, dtype)`: the single TP seam in real TP mode.
+- `attention(q, k, v, q_pos, scale)`: q[B, Hq, T, D]; k, v[B, Hkv, L, D] are the KV cache, already
+  holding the new tokens; q_pos[B, T] are the queries' absolute positions; key j is visible to a query
+  at position p iff j <= p. Returns [B, Hq, T, D] in q.dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@runtime_checkable
+class Group(Protocol):
+    """A TP process group. Implementations live in detaudit.engine.dist (the only place that talks
+    to torch.distributed)."""
+
+    rank: int
+    size: int
+
+    def all_gather(self, t: Tensor) -> list[Tensor]: ...
+    def all_reduce_sum(self, t: Tensor) -> Tensor: ...
+    def all_to_all(self, chunks: list[Tensor]) -> list[Tensor]: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+
+    def activate(self) -> contextlib.AbstractContextManager[None]: ...
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor: ...
+    def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor: ...
+    def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor: ...
+    def all_reduce(self, partial: Tensor, group: Group, dtype: torch.dtype) -> Tensor: ...
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor: ...
+    def log_softmax(self, logits: Tensor) -> Tensor: ...
+    def describe(self) -> dict[str, str]: ...
+
+
+class TorchFlags:
+    """Re-entrant activation shared by all backends: pins the global torch numeric switches that
+    can silently change results (TF32, reduced-precision reductions) and restores them in `finally`.
+    Nesting is counted per instance, so an inner exit never undoes an outer activation."""
+
+    _lock = threading.RLock()
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._saved: dict[str, object] = {}
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth == 0:
+                self._saved = _read_flags()
+                _write_flags(
+                    {
+                        "matmul_tf32": False,
+                        "cudnn_tf32": False,
+                        "bf16_reduced": False,
+                        "fp16_reduced": False,
+                    }
+                )
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    _write_flags(self._saved)
+
+    @property
+    def active(self) -> bool:
+        return self._depth > 0
+
+
+def _read_flags() -> dict[str, object]:
+    m = torch.backends.cuda.matmul
+    return {
+        "matmul_tf32": m.allow_tf32,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "bf16_reduced": m.allow_bf16_reduced_precision_reduction,
+        "fp16_reduced": m.allow_fp16_reduced_precision_reduction,
+    }
+
+
+def _write_flags(flags: dict[str, object]) -> None:
+    m = torch.backends.cuda.matmul
+    m.allow_tf32 = bool(flags["matmul_tf32"])
+    torch.backends.cudnn.allow_tf32 = bool(flags["cudnn_tf32"])
+    m.allow_bf16_reduced_precision_reduction = bool(flags["bf16_reduced"])
+    m.allow_fp16_reduced_precision_reduction = bool(flags["fp16_reduced"])
+
+
+def sequential_sum(partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """(((p0 + p1) + p2) + ...) in rank order, in the partials' dtype, then cast."""
+    acc = partials[0].clone()
+    for p in partials[1:]:
+        acc = acc + p
+    return acc.to(dtype)
+
+
+def library_versions() -> dict[str, str]:
+    out = {"torch": torch.__version__}
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+        out["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except Exception:  # triton is optional (GPU only)
+        pass
+    return out

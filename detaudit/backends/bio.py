@@ -1,0 +1,74 @@
+"""`bio`: batch-invariant ops. Every reduction has a fixed shape and order, so a request's outputs do
+not depend on how many other requests share its batch (see `kernels/fixed.py`):
+
+- matmul / linear: CPU fixed-shape fp32 block products; GPU one persistent Triton kernel with one fixed
+  tile config per dtype, no split-K, fp32 accumulation, fp32 inputs in IEEE precision (no TF32);
+- RMSNorm and log-softmax: row-local, the row sum as a fixed-shape product with a ones vector;
+- attention: KV cache updated before attention (the engine), KV split into chunks of a fixed size
+  (`SPLIT` keys, never a fixed number of chunks), fp32 online softmax, unseen chunks are exact no-ops;
+- TP all-reduce: all-gather of fp32 partials, then a rank-order sum (deterministic, but the K split
+  still depends on C: `bio` is batch invariant, not TP invariant; that is `bio+tbik`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from detaudit.backends import register_backend
+from detaudit.backends.base import Group, TorchFlags, library_versions, sequential_sum
+from detaudit.backends.kernels import fixed, triton_mm
+
+SPLIT = 64  # keys per attention chunk
+
+
+@register_backend("bio")
+class BioBackend:
+    name = "bio"
+
+    def __init__(self) -> None:
+        self._flags = TorchFlags()
+
+    def activate(self):
+        return self._flags.activate()
+
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        return fixed.matmul(x, weight).to(x.dtype)
+
+    def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor:
+        return fixed.matmul(x, weight)  # fp32 partial
+
+    def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+        return sequential_sum([p.float() for p in partials], dtype)
+
+    def all_reduce(self, partial: Tensor, group: Group, dtype: torch.dtype) -> Tensor:
+        return self.combine(group.all_gather(partial.float().contiguous()), dtype)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        xf = x.float()
+        var = fixed.row_sum(xf * xf) / x.shape[-1]
+        y = xf * torch.rsqrt(var + eps)
+        return (y.to(x.dtype) * weight) if x.dtype != torch.float32 else y * weight
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+        return fixed.attention(q, k, v, q_pos, scale, SPLIT)
+
+    def log_softmax(self, logits: Tensor) -> Tensor:
+        z = logits.float()
+        z = z - z.amax(-1, keepdim=True)
+        return z - torch.log(fixed.row_sum(torch.exp(z)))
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "backend": self.name,
+            "matmul_cpu": f"fp32 bmm on zero-padded blocks of R={fixed.ROWS} rows, fixed shape [R, K] @ [K, N]",
+            "matmul_gpu": f"Triton persistent kernel, no split-K, fp32 accumulate; {triton_mm.describe()}",
+            "rms_norm": "fp32, row sum of squares as a fixed-shape product with ones",
+            "log_softmax": "fp32, row max then row sum of exp as a fixed-shape product with ones",
+            "attention": f"KV chunks of {SPLIT} keys, fp32 online softmax, masked chunks exact no-ops",
+            "all_reduce": "all-gather fp32 partials, rank-order sum, cast once",
+            "tf32": "off",
+            **library_versions(),
+        }

@@ -1,0 +1,94 @@
+"""Tree matmul and tree sums for row-parallel layers (TBIK).
+
+The full K of a row-parallel layer (o_proj, down_proj) is cut into TP_MAX = 8 contiguous blocks: the
+top 3 levels of one complete binary tree. A block is one leaf. Rank r of C ranks owns blocks
+[r*8/C, (r+1)*8/C), one subtree; `tree_matmul` returns that subtree's value in fp32 and `tree_sum`
+adds the ranks' subtrees along the top of the same tree. Every leaf is computed the same way whatever
+C is (same shapes, same order) and leaves are added pairwise in the same order, so the result is
+bitwise identical for C = 1, 2, 4, 8.
+
+- CPU: a leaf is the fixed-shape fp32 block product of `fixed` ([R, K/8] @ [K/8, N] per R rows).
+- GPU: the Triton kernel of `triton_mm` with NUM_LEAVES = 8/C (flat K loop, one leaf accumulated in
+  fp32 registers, binary-counter carries, 2 live fp32 tiles, one fixed config per dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from detaudit.backends.kernels import fixed, triton_mm
+from detaudit.errors import DetauditError
+
+TP_MAX = 8
+
+
+def leaf_plan(k_local: int, tp_size: int, name: str = "") -> tuple[int, int]:
+    """(leaf size K/8, leaves on this rank) for a rank holding k_local = K/C columns."""
+    layer = name or "row-parallel layer"
+    if tp_size not in (1, 2, 4, 8):
+        raise DetauditError(f"{layer}: bio+tbik supports TP sizes 1, 2, 4, 8, got {tp_size}")
+    k = k_local * tp_size
+    if k == 0 or k % TP_MAX:
+        raise DetauditError(
+            f"{layer}: bio+tbik needs the reduction size K (here {k} = {k_local} x TP {tp_size}) to be a "
+            f"positive multiple of {TP_MAX}, so that K splits into {TP_MAX} equal tree blocks")
+    return k // TP_MAX, TP_MAX // tp_size
+
+
+def tree_sum(parts: list[Tensor]) -> Tensor:
+    """((p0 + p1) + (p2 + p3)) + ...: pairwise along a complete binary tree (len must be 2^k)."""
+    n = len(parts)
+    if n == 0 or n & (n - 1):
+        raise ValueError(f"tree_sum needs a power-of-two number of parts, got {n}")
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _packed(w: Tensor, leaves: int, leaf: int) -> Tensor:
+    """fp32 leaf-major copy [leaves, K/8, N] of w[N, K_local]."""
+    return fixed.derived(w, f"leaves{leaves}x{leaf}",
+                         lambda d: d.float().reshape(d.shape[0], leaves, leaf).permute(1, 2, 0).contiguous())
+
+
+def tree_matmul(x: Tensor, w: Tensor, tp_size: int, name: str = "") -> Tensor:
+    """This rank's subtree of x[..., K/C] @ w[N, K/C]^T, in fp32 (never cast)."""
+    k_local = x.shape[-1]
+    if k_local != w.shape[1]:
+        raise DetauditError(f"{name or 'row-parallel layer'}: x has K={k_local}, weight has K={w.shape[1]}")
+    leaf, leaves = leaf_plan(k_local, tp_size, name)
+    lead, n = x.shape[:-1], w.shape[0]
+    x2 = x.reshape(-1, k_local)
+    if x.is_cuda:
+        return triton_mm.mm(x2.contiguous(), w, leaves=leaves, tree=True).reshape(*lead, n)
+    return tree_matmul_cpu(x2, w, leaf, leaves).reshape(*lead, n)
+
+
+def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
+    m = x2.shape[0]
+    xb = fixed.blocks_of(x2)  # [nb, R, K_local]
+    nb = xb.shape[0]
+    wp = _packed(w, leaves, leaf)
+    stack: list[Tensor] = []  # binary-counter carries: stack[i] is a finished node of level i
+    for j in range(leaves):
+        xl = xb[:, :, j * leaf : (j + 1) * leaf].contiguous()
+        c = torch.bmm(xl, wp[j].expand(nb, *wp[j].shape))
+        level = 0
+        while (j >> level) & 1:  # a right child: left sibling + it
+            c = stack.pop() + c
+            level += 1
+        stack.append(c)
+    return stack[0].view(nb * fixed.ROWS, -1)[:m]
+
+
+def describe() -> dict[str, str]:
+    return {
+        "tree": f"K cut into {TP_MAX} equal blocks (top 3 levels, TP_max={TP_MAX}); leaves added pairwise "
+                "((l0+l1)+(l2+l3))+... in fp32; K % 8 != 0 is refused naming the layer",
+        "tree_matmul_cpu": f"per leaf fp32 bmm on zero-padded blocks of R={fixed.ROWS} rows, fixed shapes "
+                           "[R, K/8] @ [K/8, N]",
+        "tree_matmul_gpu": "Triton persistent kernel, NUM_LEAVES=8/C, one flat K loop, fp32 leaf accumulator, "
+                           f"binary-counter carries (2 live fp32 tiles; level-1/2 nodes parked in memory), no split-K, no autotune; {triton_mm.describe(tree=True)}",
+        "tree_all_reduce": "fp32 subtrees combined pairwise along the top of the same tree, cast once",
+    }

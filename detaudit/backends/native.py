@@ -1,0 +1,66 @@
+"""`bf16`: whatever the stack does by default. cuBLAS / oneDNN GEMMs, PyTorch's SDPA attention, and
+the library all-reduce (NCCL ring on GPU, gloo on CPU) in the model dtype."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from detaudit.backends import register_backend
+from detaudit.backends.base import Group, TorchFlags, library_versions, sequential_sum
+
+
+@register_backend("bf16", "native")
+class NativeBackend:
+    name = "bf16"
+
+    def __init__(self) -> None:
+        self._flags = TorchFlags()
+
+    def activate(self):
+        return self._flags.activate()
+
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        return F.linear(x, weight)
+
+    def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor:
+        return F.linear(x, weight)
+
+    def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+        # Emulated TP: rank-order sequential sum. A real ring all-reduce adds in an order that
+        # depends on the tensor size and rank count; emulation cannot reproduce it.
+        return sequential_sum(partials, dtype)
+
+    def all_reduce(self, partial: Tensor, group: Group, dtype: torch.dtype) -> Tensor:
+        return group.all_reduce_sum(partial).to(dtype)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf.to(x.dtype) * weight) if x.dtype != torch.float32 else xf * weight
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        keys = torch.arange(k.shape[2], device=q.device)
+        mask = keys.view(1, 1, 1, -1) <= q_pos.view(q_pos.shape[0], 1, -1, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+    def log_softmax(self, logits: Tensor) -> Tensor:
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "backend": self.name,
+            "matmul": "F.linear (cuBLAS / oneDNN-MKL, library-chosen tiling)",
+            "attention": "torch scaled_dot_product_attention",
+            "rms_norm": "torch mean over hidden, fp32",
+            "all_reduce": "library all-reduce (NCCL / gloo) in model dtype; emulated: rank-order sum",
+            "tf32": "off",
+            **library_versions(),
+        }

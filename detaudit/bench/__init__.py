@@ -1,0 +1,1 @@
+"""Benchmarks: `detaudit bench engine|kernels|allreduce`."""

@@ -1,0 +1,58 @@
+"""`detaudit bench engine`: the built-in engine's decode throughput against transformers' `generate`
+on the same prompts, batch size, dtype and thread count."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from detaudit.config import DecodingParams
+
+
+def bench_engine(model_path: Path, prompts: list[list[int]], batch_size: int = 8, max_new_tokens: int = 32,
+                 dtype: str = "bfloat16", backends: tuple[str, ...] = ("bf16",), repeats: int = 2) -> pd.DataFrame:
+    from transformers import AutoModelForCausalLM
+
+    from detaudit.engine.local import DTYPES, LocalEngine
+
+    prompts = prompts[:batch_size]
+    ids = [str(i) for i in range(len(prompts))]
+    # eos disabled on both sides so both generate exactly max_new_tokens per prompt
+    decoding = DecodingParams(greedy=True, max_new_tokens=max_new_tokens)
+    rows = []
+    for backend in backends:
+        eng = LocalEngine(model_path, backend, 1, dtype=dtype, eos_ids=())
+        eng.generate(prompts, ids, DecodingParams(greedy=True, max_new_tokens=2), batch_size)  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            gens = eng.generate(prompts, ids, decoding, batch_size)
+            best = min(best, time.perf_counter() - t)
+        ntok = sum(len(g.token_ids) for g in gens)
+        rows.append({"engine": f"detaudit ({backend})", "tokens": ntok, "seconds": best, "tokens_per_s": ntok / best})
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=DTYPES[dtype]).eval()
+    width = max(len(p) for p in prompts)
+    inp = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(inp)
+    for i, p in enumerate(prompts):  # left padding, as HF generate expects for decoder-only models
+        inp[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kw = dict(attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+              pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(inp, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            out = hf.generate(inp, **kw)
+            best = min(best, time.perf_counter() - t)
+    ntok = (out.shape[1] - width) * len(prompts)
+    rows.append({"engine": "transformers generate", "tokens": ntok, "seconds": best, "tokens_per_s": ntok / best})
+    df = pd.DataFrame(rows)
+    df["vs_transformers"] = df["tokens_per_s"] / df["tokens_per_s"].iloc[-1]
+    df.attrs.update(batch_size=batch_size, max_new_tokens=max_new_tokens, dtype=dtype, threads=torch.get_num_threads())
+    return df

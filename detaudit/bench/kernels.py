@@ -1,0 +1,69 @@
+"""`detaudit bench kernels`: bio matmul and TBIK tree matmul throughput as a ratio of the native GEMM
+(cuBLAS on GPU, oneDNN/MKL on CPU) in the same run, and accuracy against an fp64 reference."""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import torch
+
+from detaudit.backends.kernels import fixed, tree
+
+M_VALUES = (8, 32, 256, 2048, 8192)
+KN_VALUES = ((4096, 4096), (6144, 2048))
+
+
+def _time(fn, device: torch.device, min_s: float = 0.2, reps: int | None = None) -> float:
+    """Median seconds per call: CUDA events on GPU, perf_counter on CPU."""
+    fn()  # warm-up / compile
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps or 20):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        return float(sorted(times)[len(times) // 2])
+    times, start = [], time.perf_counter()
+    while len(times) < (reps or 3) or time.perf_counter() - start < min_s:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        if reps and len(times) >= reps:
+            break
+    return float(sorted(times)[len(times) // 2])
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def bench_kernels(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, m_values=M_VALUES,
+                  kn_values=KN_VALUES, progress=None) -> pd.DataFrame:
+    dev = torch.device(device)
+    rows = []
+    for k, n in kn_values:
+        g = torch.Generator(device=dev).manual_seed(0)
+        w = torch.randn(n, k, device=dev, generator=g, dtype=torch.float32).to(dtype)
+        for m in m_values:
+            x = torch.randn(m, k, device=dev, generator=g, dtype=torch.float32).to(dtype)
+            ref = x.double() @ w.double().t() if m * n * k <= 2048 * 4096 * 6144 else None
+            native = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+            bio = lambda: fixed.matmul(x, w).to(dtype)  # noqa: E731
+            tbik = lambda: tree.tree_matmul(x, w, 1).to(dtype)  # noqa: E731
+            t_nat, t_bio, t_tree = (_time(f, dev) for f in (native, bio, tbik))
+            flops = 2 * m * n * k
+            row = {"M": m, "K": k, "N": n, "native_tflops": flops / t_nat / 1e12,
+                   "bio_tflops": flops / t_bio / 1e12, "bio_ratio": t_nat / t_bio,
+                   "tree_tflops": flops / t_tree / 1e12, "tree_ratio": t_nat / t_tree}
+            if ref is not None:
+                row.update(native_relerr=_rel_err(native(), ref), bio_relerr=_rel_err(bio(), ref),
+                           tree_relerr=_rel_err(tbik(), ref))
+            rows.append(row)
+            if progress:
+                progress()
+    return pd.DataFrame(rows)

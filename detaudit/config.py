@@ -1,0 +1,129 @@
+"""Frozen configuration: decoding parameters, sweep grid, cells; validation of user input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from detaudit.errors import DetauditError
+
+TP_SIZES = (1, 2, 4, 8)
+TP_MODES = ("real", "emulated")
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class DecodingParams:
+    """Published setup by default (TBIK paper, Qwen3): T=0.6, top-p 0.95, top-k 20, seed 42."""
+
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    max_new_tokens: int = 64
+    seed: int = 42
+    greedy: bool = False
+    logprobs: int = 10  # top-k log-probabilities recorded per position (>= 5)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise DetauditError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.logprobs < 5:
+            raise DetauditError(f"--logprobs must be >= 5 (got {self.logprobs})")
+        if not self.greedy:
+            if self.temperature <= 0:
+                raise DetauditError("--temperature must be > 0 (use --greedy for greedy decoding)")
+            if not 0 < self.top_p <= 1:
+                raise DetauditError(f"--top-p must be in (0, 1] (got {self.top_p})")
+            if self.top_k < 0:
+                raise DetauditError(f"--top-k must be >= 0 (got {self.top_k}; 0 disables it)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Cell:
+    backend: str
+    tp: int
+    batch_size: int
+    suite: str
+
+    @property
+    def id(self) -> str:
+        safe_backend = self.backend.replace("+", "-")
+        return f"{self.suite}__{safe_backend}__tp{self.tp}__bs{self.batch_size}"
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    model: str
+    suites: tuple[str, ...]
+    backends: tuple[str, ...] = ("bf16", "bio", "bio+tbik")
+    tp: tuple[int, ...] = (1, 2, 4, 8)
+    batch_sizes: tuple[int, ...] = (8, 16, 32)
+    decoding: DecodingParams = field(default_factory=DecodingParams)
+    limit: int | None = None
+    dtype: str = "bfloat16"
+    tp_mode: str = "real"
+    engine: str = "builtin"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not self.suites:
+            raise DetauditError("no suite given (--suites)")
+        if not self.backends:
+            raise DetauditError("no backend given (--backends)")
+        for tp in self.tp:
+            if tp not in TP_SIZES:
+                raise DetauditError(f"--tp {tp}: TP size must be one of 1, 2, 4, 8 (a power of two <= 8)")
+        for bs in self.batch_sizes:
+            if bs < 1:
+                raise DetauditError(f"--batch-sizes {bs}: batch size must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise DetauditError(f"--limit must be >= 1 (got {self.limit})")
+        if self.dtype not in DTYPES:
+            raise DetauditError(f"--dtype {self.dtype}: must be one of {', '.join(DTYPES)}")
+        if self.tp_mode not in TP_MODES:
+            raise DetauditError(f"--tp-mode {self.tp_mode}: must be one of {', '.join(TP_MODES)}")
+        for name, values in (("--backends", self.backends), ("--tp", self.tp), ("--batch-sizes", self.batch_sizes), ("--suites", self.suites)):
+            if len(set(values)) != len(values):
+                raise DetauditError(f"{name} lists a value twice: {', '.join(map(str, values))}")
+
+    def cells(self) -> list[Cell]:
+        """Grid order: backend, TP, then suite and batch size, so one engine per (backend, TP) serves
+        consecutive cells."""
+        return [
+            Cell(b, tp, bs, s)
+            for b in self.backends
+            for tp in self.tp
+            for s in self.suites
+            for bs in self.batch_sizes
+        ]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["decoding"] = self.decoding.to_dict()
+        return d
+
+    def comparable_key(self) -> str:
+        """Hash of what must match for two run directories to be comparable (not the grid)."""
+        d = {k: v for k, v in self.to_dict().items() if k not in ("backends", "tp", "batch_sizes")}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def parse_int_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise DetauditError(f"{option} expects comma-separated integers (got {text!r})") from None
+    if not values:
+        raise DetauditError(f"{option} is empty")
+    return values
+
+
+def parse_str_list(text: str, option: str) -> tuple[str, ...]:
+    values = tuple(x.strip() for x in str(text).split(",") if x.strip())
+    if not values:
+        raise DetauditError(f"{option} is empty")
+    return values

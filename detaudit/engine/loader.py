@@ -1,0 +1,66 @@
+"""safetensors -> sharded parameters. Each rank reads only its own slices (`get_slice`); in emulated
+TP one process holds all C shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from detaudit.engine.layers import TPContext
+from detaudit.errors import DetauditError
+
+
+class ShardLoader:
+    def __init__(self, path: Path, ctx: TPContext, device: torch.device) -> None:
+        self.path = Path(path)
+        self.ctx = ctx
+        self.device = device
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise DetauditError(f"model directory {path} holds no *.safetensors file")
+        self._files = files
+        self._handles: dict[Path, object] = {}
+        self._where: dict[str, Path] = {}
+
+    def __enter__(self) -> "ShardLoader":
+        for f in self._files:
+            try:
+                h = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as e:
+                raise DetauditError(f"cannot read {f}: {e}") from None
+            self._handles[f] = h
+            for k in h.keys():
+                self._where[k] = f
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handles.clear()
+
+    def _slice(self, name: str):
+        f = self._where.get(name)
+        if f is None:
+            raise DetauditError(f"model {self.path} lacks parameter {name}")
+        return self._handles[f].get_slice(name)
+
+    def _to(self, t: Tensor) -> Tensor:
+        return t.to(device=self.device, dtype=self.ctx.dtype).contiguous()
+
+    def full(self, name: str) -> Tensor:
+        return self._to(self._slice(name)[:])
+
+    def shards(self, name: str, dim: int) -> list[Tensor]:
+        """This process's shards of a parameter split into C contiguous equal parts along `dim`."""
+        sl = self._slice(name)
+        shape = sl.get_shape()
+        c = self.ctx.size
+        if shape[dim] % c:
+            raise DetauditError(f"TP {c} does not divide dim {dim} ({shape[dim]}) of {name}")
+        n = shape[dim] // c
+        out = []
+        for r in self.ctx.local_ranks:
+            t = sl[r * n : (r + 1) * n] if dim == 0 else sl[:, r * n : (r + 1) * n]
+            out.append(self._to(t))
+        return out

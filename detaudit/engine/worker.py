@@ -1,0 +1,217 @@
+"""Real TP: the tool launches one worker process per rank (gloo on CPU, NCCL on GPU, one GPU per
+rank) and drives them over pipes. Workers start once per (backend, TP) and serve every cell of it.
+
+Failure handling: a worker that dies fails the command at once; a worker that sends no progress for
+`hang_timeout` seconds fails it too. Either way every worker is killed (no orphans: workers also
+die with their parent through PR_SET_PDEATHSIG) and the next command restarts the pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Sequence
+
+from detaudit.config import DecodingParams
+from detaudit.engine.generate import Generation, ProgressFn
+from detaudit.engine.local import cpu_cores
+from detaudit.errors import CellFailed
+
+FAULT_ENV = "DETAUDIT_FAULT_INJECT"  # tests: "crash:RANK" or "hang:RANK" (at the first generate)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _inject_fault(rank: int) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    kind, _, who = spec.partition(":")
+    if who and int(who) != rank:
+        return
+    if kind == "crash":
+        os._exit(17)
+    if kind == "hang":
+        while True:
+            time.sleep(60)
+
+
+def _entry() -> None:
+    """`python -c 'from detaudit.engine.worker import _entry; _entry()' RANK SIZE PORT FD SPEC`."""
+    rank, size, port, fd = (int(a) for a in sys.argv[1:5])
+    _worker_main(rank, size, port, Connection(fd), json.loads(sys.argv[5]))
+
+
+def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller handles Ctrl-C and kills us
+    os.environ["OMP_NUM_THREADS"] = str(spec["threads"])
+    try:
+        import torch
+
+        from detaudit.engine import dist
+        from detaudit.engine.local import LocalEngine
+
+        device = f"cuda:{rank}" if spec["device"].startswith("cuda") else "cpu"
+        if device != "cpu":
+            torch.cuda.set_device(rank)
+        torch.set_num_interop_threads(1)
+        group = dist.init(rank, size, port, device)
+        engine = LocalEngine(
+            Path(spec["model_path"]), spec["backend"], size, rank=rank, group=group,
+            dtype=spec["dtype"], device=device, eos_ids=spec["eos_ids"], threads=spec["threads"],
+        )
+        conn.send(("ready", engine.describe()))
+        while True:
+            cmd, payload = conn.recv()
+            if cmd == "close":
+                break
+            if cmd == "generate":
+                _inject_fault(rank)
+                progress = (lambda n: conn.send(("progress", n))) if rank == 0 else None
+                res: Any = engine.generate(*payload, progress=progress)
+            elif cmd == "score":
+                res = engine.score(*payload)
+            else:
+                raise ValueError(f"unknown command {cmd}")
+            conn.send(("result", res if rank == 0 else None))
+        dist.shutdown()
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass
+    except BaseException as e:  # report, then exit non-zero
+        try:
+            conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"))
+        except Exception:
+            pass
+        os._exit(1)
+
+
+class DistEngine:
+    """Controller for C worker processes; same interface as LocalEngine."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        backend: str,
+        tp: int,
+        *,
+        dtype: str = "bfloat16",
+        device: str = "cpu",
+        eos_ids: Sequence[int] = (),
+        hang_timeout: float = 300.0,
+        start_timeout: float = 600.0,
+    ) -> None:
+        from detaudit.engine.dist import free_port
+
+        self.tp = tp
+        self.hang_timeout = hang_timeout
+        threads = max(1, cpu_cores() // tp) if not device.startswith("cuda") else 1
+        self.spec = dict(model_path=str(model_path), backend=backend, dtype=dtype, device=device,
+                         eos_ids=list(eos_ids), threads=threads)
+        port = free_port()
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        try:
+            for r in range(tp):
+                parent, child = socket.socketpair()
+                code = "from detaudit.engine.worker import _entry; _entry()"
+                argv = [sys.executable, "-c", code, str(r), str(tp), str(port), str(child.fileno()), json.dumps(self.spec)]
+                p = subprocess.Popen(argv, pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                child.close()
+                self.procs.append(p)
+                self.conns.append(Connection(parent.detach()))
+            self._describe = self._collect("ready", start_timeout)[0]
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- protocol
+    def _collect(self, expect: str, timeout: float, progress: ProgressFn | None = None) -> list[Any]:
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self.conns))
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CellFailed(f"TP worker hung: no progress for {timeout:.0f} s (workers killed)")
+            ready = wait(list(pending.values()), timeout=min(0.5, left))
+            for r, p in enumerate(self.procs):
+                if p.poll() is not None and not (r in pending and pending[r].poll()):
+                    raise CellFailed(f"TP worker rank {r} died (exit code {p.returncode})")
+            for r, c in list(pending.items()):
+                if c not in ready:
+                    continue
+                try:
+                    kind, data = c.recv()
+                except (EOFError, OSError):
+                    raise CellFailed(f"TP worker rank {r} closed its pipe (exit code {self.procs[r].poll()})") from None
+                if kind == "progress":
+                    deadline = time.monotonic() + timeout
+                    if progress:
+                        progress(data)
+                elif kind == "error":
+                    raise CellFailed(data.splitlines()[0] if data else f"rank {r} failed")
+                elif kind == expect:
+                    results[r] = data
+                    del pending[r]
+        return [results[r] for r in range(len(self.conns))]
+
+    def _call(self, cmd: str, payload: tuple, progress: ProgressFn | None = None) -> Any:
+        if not self.procs:
+            raise CellFailed("TP workers are not running")
+        try:
+            for c in self.conns:
+                c.send((cmd, payload))
+            return self._collect("result", self.hang_timeout, progress)[0]
+        except BaseException:
+            self.close()
+            raise
+
+    def generate(self, prompts, prompt_ids, decoding: DecodingParams, batch_size: int,
+                 progress: ProgressFn | None = None) -> list[Generation]:
+        return self._call("generate", (list(map(list, prompts)), list(prompt_ids), decoding, batch_size), progress)
+
+    def score(self, prompts, continuations, batch_size: int) -> list[list[float]]:
+        return self._call("score", (list(map(list, prompts)), list(map(list, continuations)), batch_size))
+
+    def describe(self) -> dict:
+        return {**self._describe, "workers": self.tp}
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(("close", None))
+            except Exception:
+                pass
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            try:
+                p.wait(max(0.01, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+        for c in self.conns:
+            c.close()
+        self.procs, self.conns = [], []

@@ -1,0 +1,375 @@
+"""CI gate: a policy (YAML) applied to a run's metrics -> pass / fail with reasons.
+
+Policy format (see `detaudit/data/default-policy.yaml`, the default)::
+
+    version: 1
+    backends:                      # backend -> rules on its summary metrics (per suite)
+      bio+tbik:
+        unique_mean: {max: 1}
+        teacher_forced_div_max: {max: 0, optional: true}   # skipped when the run has no value
+      bf16: {report_only: true}    # measured, never fails the gate
+    baseline_tolerance:            # with --baseline: allowed worsening per metric (absolute)
+      unique_mean: 0.25
+
+A backend may also carry its own `baseline_tolerance`. Whatever the policy says, cells that are
+missing, failed or pending fail the gate, and so does a gated (not report-only) backend that is
+absent from the run or has no completed cell: what was not computed cannot be verified.
+Bad input (policy, run directory) raises DetauditError.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.table import Table
+
+from detaudit.analyze import Analysis, analyze
+from detaudit.errors import DetauditError
+
+# metric -> the direction that is worse (used by --baseline)
+METRICS: dict[str, str] = {
+    "cells": "lower",
+    "prompts": "lower",
+    "unique_mean": "higher",
+    "unique_max": "higher",
+    "identical_prompts": "lower",
+    "maxprob_div_mean": "higher",
+    "maxprob_excluded": "higher",
+    "prefix_div_mean": "higher",
+    "prefix_excluded": "higher",
+    "teacher_forced_div_max": "higher",
+    "teacher_forced_div_mean": "higher",
+    "first_div_median": "lower",
+    "acc_mean": "lower",
+    "acc_std": "higher",
+    "len_std": "higher",
+}
+DEFAULT_BASELINE_TOLERANCE = {
+    "unique_mean": 0.25,
+    "maxprob_div_mean": 1e-3,
+    "prefix_div_mean": 1e-3,
+    "teacher_forced_div_mean": 1e-3,
+    "acc_std": 0.02,
+}
+TOP_KEYS = ("version", "description", "backends", "baseline_tolerance")
+RULE_KEYS = ("max", "min", "optional")
+DEFAULT_POLICY = "default-policy.yaml"
+
+
+# ---------------------------------------------------------------- policy
+
+
+@dataclass(frozen=True)
+class Rule:
+    metric: str
+    max: float | None = None
+    min: float | None = None
+    optional: bool = False
+
+    def threshold(self) -> str:
+        parts = ([f"<= {_num(self.max)}"] if self.max is not None else []) + (
+            [f">= {_num(self.min)}"] if self.min is not None else [])
+        return " and ".join(parts)
+
+    def check(self, value: float) -> bool:
+        return (self.max is None or value <= self.max) and (self.min is None or value >= self.min)
+
+
+@dataclass(frozen=True)
+class BackendPolicy:
+    report_only: bool = False
+    rules: tuple[Rule, ...] = ()
+    baseline_tolerance: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    backends: dict[str, BackendPolicy]
+    baseline_tolerance: dict[str, float]
+    source: str
+
+    def tolerance(self, backend: str) -> dict[str, float]:
+        own = self.backends[backend].baseline_tolerance
+        return own if own is not None else self.baseline_tolerance
+
+
+def load_policy(path: str | os.PathLike | None = None) -> Policy:
+    """The policy at `path`, or the shipped default."""
+    if path is None:
+        source = f"default ({DEFAULT_POLICY})"
+        text = resources.files("detaudit").joinpath("data", DEFAULT_POLICY).read_text()
+    else:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise DetauditError(f"policy file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise DetauditError(f"cannot read policy file {path}: {e}") from None
+    try:
+        obj = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise DetauditError(f"policy {source} is not valid YAML{at}: {problem}") from None
+    return parse_policy(obj, source)
+
+
+def parse_policy(obj: Any, source: str = "policy") -> Policy:
+    def bad(msg: str) -> DetauditError:
+        return DetauditError(f"policy {source}: {msg}")
+
+    if obj is None:
+        raise bad("is empty")
+    if not isinstance(obj, dict):
+        raise bad("must be a mapping with a `backends:` key")
+    unknown = [k for k in obj if k not in TOP_KEYS]
+    if unknown:
+        raise bad(f"unknown key {unknown[0]!r} (known: {', '.join(TOP_KEYS)})")
+    if obj.get("version", 1) != 1:
+        raise bad(f"version {obj['version']!r} is not supported (this detaudit reads version 1)")
+    backends = obj.get("backends")
+    if not isinstance(backends, dict):
+        raise bad("`backends:` must be a mapping backend -> rules")
+    parsed = {}
+    for backend, spec in backends.items():
+        where = f"backends.{backend}"
+        if spec is None:
+            spec = {}
+        if not isinstance(spec, dict):
+            raise bad(f"{where} must be a mapping (metric: {{max: X}} or report_only: true)")
+        report_only = spec.get("report_only", False)
+        if not isinstance(report_only, bool):
+            raise bad(f"{where}.report_only must be true or false")
+        tol = spec.get("baseline_tolerance")
+        rules = []
+        for metric, rule in spec.items():
+            if metric in ("report_only", "baseline_tolerance"):
+                continue
+            rules.append(_parse_rule(metric, rule, f"{where}.{metric}", bad))
+        parsed[str(backend)] = BackendPolicy(
+            report_only=report_only, rules=tuple(rules),
+            baseline_tolerance=None if tol is None else _parse_tolerance(tol, f"{where}.baseline_tolerance", bad),
+        )
+    tol = obj.get("baseline_tolerance")
+    tolerance = DEFAULT_BASELINE_TOLERANCE if tol is None else _parse_tolerance(tol, "baseline_tolerance", bad)
+    return Policy(backends=parsed, baseline_tolerance=dict(tolerance), source=source)
+
+
+def _known_metric(metric: Any, where: str, bad) -> str:
+    if metric not in METRICS:
+        raise bad(f"{where}: unknown metric {metric!r} (known: {', '.join(METRICS)})")
+    return metric
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _parse_rule(metric: Any, rule: Any, where: str, bad) -> Rule:
+    _known_metric(metric, where, bad)
+    if not isinstance(rule, dict) or not rule:
+        raise bad(f"{where} must be a mapping such as {{max: 0}} or {{min: 2}}")
+    unknown = [k for k in rule if k not in RULE_KEYS]
+    if unknown:
+        raise bad(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(RULE_KEYS)})")
+    for key in ("max", "min"):
+        if key in rule and not _number(rule[key]):
+            raise bad(f"{where}.{key} must be a number (got {rule[key]!r})")
+    if "max" not in rule and "min" not in rule:
+        raise bad(f"{where} needs max or min")
+    if not isinstance(rule.get("optional", False), bool):
+        raise bad(f"{where}.optional must be true or false")
+    return Rule(metric, max=rule.get("max"), min=rule.get("min"), optional=rule.get("optional", False))
+
+
+def _parse_tolerance(tol: Any, where: str, bad) -> dict[str, float]:
+    if not isinstance(tol, dict):
+        raise bad(f"{where} must be a mapping metric -> allowed worsening")
+    out = {}
+    for metric, value in tol.items():
+        _known_metric(metric, where, bad)
+        if not _number(value) or value < 0:
+            raise bad(f"{where}.{metric} must be a number >= 0 (got {value!r})")
+        out[metric] = float(value)
+    return out
+
+
+# ---------------------------------------------------------------- result
+
+
+@dataclass(frozen=True)
+class Violation:
+    suite: str
+    backend: str
+    metric: str
+    value: Any
+    threshold: str
+    reason: str
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    violations: list[Violation]
+    warnings: list[Violation] = field(default_factory=list)  # breaches on report-only backends
+    notes: list[str] = field(default_factory=list)
+    checks: int = 0
+    policy: Policy | None = None
+    analysis: Analysis | None = None
+    baseline: Analysis | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (NaN -> None), for `detaudit gate --json`."""
+        def row(v: Violation) -> dict[str, Any]:
+            d = asdict(v)
+            if isinstance(d["value"], float) and math.isnan(d["value"]):
+                d["value"] = None
+            return d
+
+        return dict(
+            passed=self.passed, checks=self.checks,
+            violations=[row(v) for v in self.violations], warnings=[row(v) for v in self.warnings],
+            notes=list(self.notes), policy=self.policy.source if self.policy else None,
+            run=str(self.analysis.run_dir) if self.analysis else None,
+            baseline=str(self.baseline.run_dir) if self.baseline else None,
+        )
+
+
+# ---------------------------------------------------------------- gate
+
+
+def gate(
+    run_dir: str | os.PathLike,
+    policy_path: str | os.PathLike | None = None,
+    baseline_dir: str | os.PathLike | None = None,
+) -> GateResult:
+    """Apply the policy (default: the shipped one) to the run, optionally against a baseline run."""
+    policy = load_policy(policy_path)
+    analysis = analyze(run_dir)
+    baseline = analyze(baseline_dir) if baseline_dir is not None else None
+    return evaluate(policy, analysis, baseline)
+
+
+def evaluate(policy: Policy, analysis: Analysis, baseline: Analysis | None = None) -> GateResult:
+    violations: list[Violation] = []
+    warnings: list[Violation] = []
+    notes: list[str] = list(analysis.notes)
+    checks = 0
+
+    # 1. every cell must be complete, whatever the backend
+    for c in analysis.per_cell.itertuples(index=False):
+        checks += 1
+        if c.state != "done":
+            violations.append(Violation(
+                str(c.suite), str(c.backend), "cell", c.state, "done",
+                f"cell {c.cell_id} is {c.state}: {c.error or 'no reason recorded'}"))
+
+    summary = analysis.summary
+    present = set(analysis.per_cell["backend"].dropna())
+    suites = ", ".join(analysis.suites) or "*"
+    for backend, bp in policy.backends.items():
+        if backend not in present:
+            if bp.report_only:
+                notes.append(f"report-only backend {backend} is not in the run")
+            else:
+                checks += 1
+                violations.append(Violation(
+                    suites, backend, "backend", "absent", "present",
+                    f"backend {backend} is gated by the policy but absent from the run: its "
+                    "invariance cannot be verified"))
+    for backend in sorted(present - set(policy.backends)):
+        notes.append(f"backend {backend} is not in the policy: only its cells' states are checked")
+
+    # 2. absolute rules
+    for row in summary.to_dict("records"):
+        backend, suite = row["backend"], row["suite"]
+        bp = policy.backends.get(backend)
+        if bp is None:
+            continue
+        sink = warnings if bp.report_only else violations
+        if row["cells"] == 0:
+            if not bp.report_only:
+                checks += 1
+                violations.append(Violation(suite, backend, "cells", 0, ">= 1",
+                                            "no completed cell: nothing could be checked"))
+            continue
+        for rule in bp.rules:
+            checks += 1
+            value = float(row[rule.metric])
+            if math.isnan(value):
+                if rule.optional:
+                    notes.append(f"{suite}/{backend}: {rule.metric} not computed (no data); optional rule skipped")
+                else:
+                    sink.append(Violation(suite, backend, rule.metric, value, rule.threshold(),
+                                          f"{rule.metric} could not be computed from this run (no comparable data)"))
+            elif not rule.check(value):
+                sink.append(Violation(suite, backend, rule.metric, value, rule.threshold(),
+                                      f"{rule.metric} = {_num(value)} breaks {rule.threshold()}"))
+
+    # 3. baseline
+    if baseline is not None:
+        if baseline.manifest.get("comparable_key") != analysis.manifest.get("comparable_key"):
+            notes.append("the baseline is not the same sweep (model, suites, decoding, dtype, engine or "
+                         "device differ): compare with care")
+        base = {(r["suite"], r["backend"]): r for r in baseline.summary.to_dict("records")}
+        for row in summary.to_dict("records"):
+            suite, backend = row["suite"], row["backend"]
+            bp = policy.backends.get(backend)
+            if bp is None or bp.report_only or row["cells"] == 0:
+                continue
+            old = base.get((suite, backend))
+            if old is None:
+                notes.append(f"{suite}/{backend} is not in the baseline; not compared")
+                continue
+            for metric, tol in policy.tolerance(backend).items():
+                value, ref = float(row[metric]), float(old[metric])
+                if math.isnan(value) or math.isnan(ref):
+                    continue
+                checks += 1
+                worse = value - ref if METRICS[metric] == "higher" else ref - value
+                if worse > tol:
+                    sign = "+" if METRICS[metric] == "higher" else "-"
+                    violations.append(Violation(
+                        suite, backend, metric, value, f"baseline {_num(ref)} {sign} {_num(tol)}",
+                        f"{metric} regressed from {_num(ref)} to {_num(value)} (tolerance {_num(tol)})"))
+
+    if (analysis.per_cell["tp_mode"] == "emulated").any():
+        notes.append("some cells ran with emulated TP: native emulation cannot reproduce a ring all-reduce's order")
+    return GateResult(passed=not violations, violations=violations, warnings=warnings, notes=notes,
+                      checks=checks, policy=policy, analysis=analysis, baseline=baseline)
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _num(x: Any) -> str:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return str(x)
+    if isinstance(x, float) and math.isnan(x):
+        return "n/a"
+    if float(x).is_integer():
+        return str(int(x))
+    return f"{x:.4g}"
+
+
+def violations_table(result: GateResult) -> Table:
+    """Violations (red) and report-only warnings (yellow) as a rich table."""
+    verdict = "[bold green]PASSED[/]" if result.passed else "[bold red]FAILED[/]"
+    table = Table(
+        title=f"detaudit gate: {verdict} ({len(result.violations)} violation(s), {result.checks} checks)",
+        caption=f"policy: {result.policy.source}" if result.policy else None,
+    )
+    for col in ("", "suite", "backend", "metric", "value", "threshold", "reason"):
+        table.add_column(col, overflow="fold")
+    for status, style, rows in (("FAIL", "red", result.violations), ("warn", "yellow", result.warnings)):
+        for v in rows:
+            table.add_row(status, v.suite, v.backend, v.metric, _num(v.value), v.threshold, v.reason, style=style)
+    return table

@@ -1,0 +1,24 @@
+"""Where detaudit keeps its cache (prepared models) and where the suite mirror lives."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+
+def home() -> Path:
+    """`DETAUDIT_HOME`, or the user's cache dir (e.g. ~/.cache/detaudit)."""
+    env = os.environ.get("DETAUDIT_HOME")
+    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("detaudit"))
+
+
+def models_dir() -> Path:
+    return home() / "models"
+
+
+def data_dir(explicit: str | os.PathLike | None = None) -> Path | None:
+    """The local suite mirror: `--data-dir`, else `DETAUDIT_DATA_DIR`, else None (use the hub)."""
+    value = explicit or os.environ.get("DETAUDIT_DATA_DIR")
+    return Path(value).expanduser() if value else None

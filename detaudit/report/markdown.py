@@ -1,0 +1,78 @@
+"""Markdown report: the published tables (rows: models, columns: backends, one block per suite),
+the full summary, the cells, and how the run was made."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from detaudit.analyze import Analysis
+from detaudit.report import (
+    DEFINITIONS,
+    EMULATED_NOTE,
+    cell_rows,
+    command,
+    is_text,
+    published_table,
+    summary_rows,
+    warnings,
+    yaml_dump,
+)
+from detaudit.report import write_file
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub table; text columns left-aligned, numbers right-aligned."""
+    esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    align = ["---" if is_text(h) else "---:" for h in header]
+    lines = ["| " + " | ".join(esc(h) for h in header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(analysis: Analysis) -> str:
+    m = analysis.manifest
+    cmd, recorded = command(m)
+    pc = analysis.per_cell
+    done = int((pc["state"] == "done").sum())
+    out = [f"# detaudit report: {analysis.model}", ""]
+    for w in warnings(analysis):
+        head, _, rest = w.partition(": ")
+        out += [f"> **{head}**: {rest}", ""]
+    out += [
+        f"- Run: `{analysis.run_dir}`" + (f", created {m['created']}" if m.get("created") else ""),
+        f"- Command{'' if recorded else ' (reconstructed from the manifest)'}: `{cmd}`",
+        f"- Cells: {done} done of {len(pc)}; suites: {', '.join(analysis.suites)}; "
+        f"backends: {', '.join(analysis.backends)}",
+        "",
+        "## Unique outputs per prompt",
+        "",
+        "Mean over prompts of the number of distinct outputs across the cells "
+        "(1 = every configuration agreed on every prompt; at most the number of cells).",
+        "",
+    ]
+    for suite in analysis.suites:
+        out += [f"### {suite}", "", md_table(*published_table(analysis, suite, "unique_mean")), ""]
+    out += [
+        "## Average max probability divergence (×1e-3)",
+        "",
+        "Top-5 probabilities, largest spread across the cells, mean over positions then prompts. "
+        "`0` means exactly zero.",
+        "",
+    ]
+    for suite in analysis.suites:
+        out += [f"### {suite}", "", md_table(*published_table(analysis, suite, "maxprob_div_mean")), ""]
+    out += ["## Summary", "", md_table(*summary_rows(analysis)), ""]
+    out += ["Definitions:", ""] + [f"- **{k}**: {v}" for k, v in DEFINITIONS] + [""]
+    out += ["## Cells", "", md_table(*cell_rows(analysis)), ""]
+    if (pc["tp_mode"] == "emulated").any():
+        out += [f"Cells labelled `emulated`: {EMULATED_NOTE}", ""]
+    out += ["## Configuration", "", "```yaml", yaml_dump(m.get("config") or {}), "```", ""]
+    if m.get("model"):
+        out += ["## Model", "", "```yaml", yaml_dump(m["model"]), "```", ""]
+    out += ["## Environment", "", "```yaml", yaml_dump(m.get("environment") or {}), "```", ""]
+    return "\n".join(out)
+
+
+def write_markdown(analysis: Analysis, path: str | Path) -> Path:
+    return write_file(path, render_markdown(analysis))

@@ -1,0 +1,62 @@
+"""Shared fixtures. The embedded model is prepared once into a persistent test cache
+(`.cache-test/home`, or DETAUDIT_HOME when set) so repeated runs and CI reuse it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("DETAUDIT_HOME", str(REPO / ".cache-test" / "home"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    env = os.environ.get("DETAUDIT_DATA_DIR")
+    path = Path(env) if env else REPO.parent / "shared" / "data" / "suites"
+    if not (path / "aime24.jsonl").exists():
+        pytest.skip(f"suite mirror not found at {path} (set DETAUDIT_DATA_DIR)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded model (SmolLM2-135M-Instruct, heads padded to 24/8), prepared once."""
+    from detaudit.models import resolve_model
+
+    return resolve_model("smollm2-135m", auto_prepare=True)
+
+
+def _tiny(kind: str, path: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=8, head_dim=16, max_position_embeddings=512,
+                  tie_word_embeddings=kind == "llama")
+    model = LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else Qwen3ForCausalLM(Qwen3Config(**common))
+    with torch.no_grad():  # larger weights than the default init so logits are far from uniform
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A random-weight Llama checkpoint built with transformers (stands in only where the real
+    model would be too slow)."""
+    return _tiny("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    return _tiny("qwen3", tmp_path_factory.mktemp("tiny-qwen3"))

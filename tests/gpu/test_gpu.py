@@ -1,0 +1,114 @@
+"""GPU checks at real shapes (skipped without CUDA): the Triton kernels' batch and TP invariance, the
+bio row ops and attention on CUDA, and the engine on the embedded model with NCCL when 2+ GPUs exist."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from detaudit.backends import get_backend
+from detaudit.backends.kernels import fixed, tree
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytest.importorskip("triton")
+
+SHAPES = [(576, 1536), (1536, 576), (576, 49152), (4096, 4096), (6144, 2048)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_matmul_prefix_invariant(k, n, dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(256, k, device="cuda", generator=g).to(dtype)
+    w = torch.randn(n, k, device="cuda", generator=g).to(dtype)
+    full = fixed.matmul(a, w)
+    for m in range(1, 257):
+        assert torch.equal(fixed.matmul(a[:m], w), full[:m]), m
+    for start in (1, 77, 130):  # a row's bits do not depend on its slot in the tile
+        assert torch.equal(fixed.matmul(a[start : start + 5], w), full[start : start + 5]), start
+    ref = a.double() @ w.double().t()
+    assert ((full.double() - ref).norm() / ref.norm()) < (1e-5 if dtype == torch.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k,n", [(1536, 576), (4096, 4096), (6144, 2048)])
+def test_tree_tp_invariant(k, n, dtype):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(300, k, device="cuda", generator=g).to(dtype)
+    w = torch.randn(n, k, device="cuda", generator=g).to(dtype)
+    b = get_backend("bio+tbik")
+    one = b.combine([b.row_partial(x, w, 1)], dtype)
+    for c in (2, 4, 8):
+        kc = k // c
+        parts = [b.row_partial(x[:, r * kc : (r + 1) * kc], w[:, r * kc : (r + 1) * kc], c) for r in range(c)]
+        assert torch.equal(b.combine(parts, dtype), one), c
+        assert torch.equal(b.combine([p[:7] for p in parts], dtype), one[:7])
+
+
+def test_row_ops_and_attention_on_cuda():
+    b = get_backend("bio")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(64, 576, device="cuda", generator=g).bfloat16()
+    wt = torch.randn(576, device="cuda", generator=g).bfloat16()
+    full = b.rms_norm(x, wt, 1e-5)
+    assert all(torch.equal(b.rms_norm(x[:m], wt, 1e-5), full[:m]) for m in (1, 3, 33))
+    logits = torch.randn(40, 49152, device="cuda", generator=g) * 4
+    lp = b.log_softmax(logits)
+    assert all(torch.equal(b.log_softmax(logits[:m]), lp[:m]) for m in (1, 9))
+    q = torch.randn(2, 24, 150, 64, device="cuda", generator=g).bfloat16()
+    k = torch.randn(2, 8, 150, 64, device="cuda", generator=g).bfloat16()
+    v = torch.randn(2, 8, 150, 64, device="cuda", generator=g).bfloat16()
+    pos = torch.arange(150, device="cuda").expand(2, 150)
+    pre = b.attention(q, k, v, pos, 0.125)
+    for t in (0, 63, 64, 149):
+        step = b.attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], pos[:, t : t + 1], 0.125)
+        assert torch.equal(step, pre[:, :, t : t + 1]), t
+    ref = get_backend("bf16").attention(q.float(), k.float(), v.float(), pos, 0.125)
+    assert torch.allclose(pre.float(), ref, atol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def smollm_gpu():
+    from detaudit.errors import DetauditError
+    from detaudit.models import resolve_model
+
+    try:
+        return resolve_model("smollm2-135m", auto_prepare=True)
+    except DetauditError as e:
+        pytest.skip(f"embedded model unavailable here: {e}")
+
+
+def _smoke(model):
+    from detaudit.suites import load_suite, prompt_token_ids
+    from detaudit.sweep import tokenizer_for
+
+    suite = load_suite("smoke")
+    tok = tokenizer_for(model.path)
+    return [prompt_token_ids(tok, p) for p in suite.prompts] * 4, [f"{p.id}#{r}" for r in range(4) for p in suite.prompts]
+
+
+def _out(gens):
+    return [(g.token_ids, g.token_logprobs, g.topk_logprobs) for g in gens]
+
+
+def test_engine_bio_batch_and_tbik_tp_invariant_on_gpu(smollm_gpu):
+    from detaudit.config import DecodingParams
+    from detaudit.engine import open_engine
+
+    ids, pids = _smoke(smollm_gpu)
+    dec = DecodingParams(max_new_tokens=32)
+    ref = open_engine(smollm_gpu.path, "bio", 1, "real", device="cuda").generate(ids[:8], pids[:8], dec, 1)
+    for bs in (8, 16, 32):
+        eng = open_engine(smollm_gpu.path, "bio", 1, "real", device="cuda")
+        assert _out(eng.generate(ids, pids, dec, bs)[:8]) == _out(ref), bs
+    tref = open_engine(smollm_gpu.path, "bio+tbik", 1, "real", device="cuda").generate(ids, pids, dec, 32)
+    for tp in (2, 4, 8):
+        got = open_engine(smollm_gpu.path, "bio+tbik", tp, "emulated", device="cuda").generate(ids, pids, dec, 8)
+        assert _out(got) == _out(tref), tp
+    if torch.cuda.device_count() >= 2:
+        for tp in [t for t in (2, 4) if t <= torch.cuda.device_count()]:
+            eng = open_engine(smollm_gpu.path, "bio+tbik", tp, "real", device="cuda")
+            try:
+                assert _out(eng.generate(ids, pids, dec, 16)) == _out(tref), f"real NCCL TP {tp}"
+            finally:
+                eng.close()

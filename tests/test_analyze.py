@@ -1,0 +1,354 @@
+"""Metrics on hand-built record sets with known answers.
+
+`make_run` / `rec` are also used by test_report.py and test_gate.py (imported as `test_analyze`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from detaudit.analyze import (
+    accuracy_std,
+    agreement_matrix,
+    analyze,
+    first_divergence,
+    maxprob_divergence_by_position,
+    teacher_forced_by_position,
+    top5_probs,
+    unique_count,
+)
+from detaudit.config import SweepConfig
+from detaudit.errors import DetauditError
+from detaudit.records import COLUMNS
+from detaudit.store import RunDir
+
+SUITE = "smoke"
+BF16 = {1: "smoke__bf16__tp1__bs1", 2: "smoke__bf16__tp2__bs1"}
+TBIK = {1: "smoke__bio-tbik__tp1__bs1", 2: "smoke__bio-tbik__tp2__bs1"}
+
+# default top-k distribution of every position: 6 entries, descending, exact in float32 log space
+DEFAULT_TOPK = [0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def rec(prompt: int, ids, topk=None, tf=None, correct=None, tf_ref=None) -> dict:
+    """One record. `topk`: per position a list of probabilities (stored as log-probabilities);
+    default: DEFAULT_TOPK at every position. `tf`: teacher-forced probabilities."""
+    ids = list(ids)
+    topk = topk if topk is not None else [DEFAULT_TOPK] * len(ids)
+    return dict(
+        prompt_index=prompt, prompt_id=f"p{prompt}", output_token_ids=ids,
+        topk_ids=[list(range(len(row))) for row in topk],
+        topk_logprobs=[[math.log(p) for p in row] for row in topk],
+        token_logprobs=[math.log(row[0]) for row in topk],
+        tf_token_logprobs=None if tf is None else [math.log(p) for p in tf],
+        tf_reference_cell=tf_ref, correct=correct,
+    )
+
+
+def make_run(
+    path: Path,
+    cells: dict[str, list[dict]],
+    *,
+    backends=("bf16", "bio+tbik"),
+    tp=(1, 2),
+    batch_sizes=(1,),
+    suites=(SUITE,),
+    states: dict[str, tuple[str, str]] | None = None,
+    tp_mode: str = "real",
+    manifest_extra: dict | None = None,
+) -> Path:
+    """A run directory: the grid of `SweepConfig(...)`, cells listed in `cells` written as done,
+    cells in `states` marked (state, error), the others left pending."""
+    cfg = SweepConfig(model="tiny", suites=tuple(suites), backends=tuple(backends), tp=tuple(tp),
+                      batch_sizes=tuple(batch_sizes), tp_mode=tp_mode)
+    manifest = {
+        "comparable_key": cfg.comparable_key(),
+        "config": cfg.to_dict(),
+        "model": {"name": "tiny"},
+        "environment": {"python": "3.11", "torch": "2.13", "hardware": {"cpu": "test"}},
+        "command": "detaudit sweep --model tiny --suites smoke",
+        "cells": {
+            c.id: dict(backend=c.backend, tp=c.tp, batch_size=c.batch_size, suite=c.suite,
+                       tp_mode=tp_mode if c.tp > 1 else "real", state="pending")
+            for c in cfg.cells()
+        },
+        **(manifest_extra or {}),
+    }
+    run = RunDir(path)
+    with run.locked():
+        run.init_or_check(manifest)
+        for cid, rows in cells.items():
+            meta = manifest["cells"][cid]
+            full = []
+            for r in rows:
+                row = {c: None for c in COLUMNS}
+                row.update(cell_id=cid, model="tiny", suite=meta["suite"], backend=meta["backend"],
+                           tp=meta["tp"], batch_size=meta["batch_size"], tp_mode=meta["tp_mode"],
+                           engine="builtin", prompt_hash="h", prompt_tokens=3, output_text="",
+                           finish_reason="length")
+                row.update(r)
+                full.append(row)
+            run.write_cell(cid, full, {"wall_s": 1.5})
+        for cid, (state, error) in (states or {}).items():
+            run.mark(cid, state, error=error)
+    return path
+
+
+def invariant_cells(n_prompts: int = 3, tf: bool = True) -> dict[str, list[dict]]:
+    """bio+tbik cells that agree bit for bit."""
+    rows = [rec(p, [10 + p, 11, 12], tf=[0.5, 0.25, 0.125] if tf else None, correct=p % 2 == 0,
+                tf_ref=TBIK[1] if tf else None) for p in range(n_prompts)]
+    return {TBIK[1]: rows, TBIK[2]: [dict(r) for r in rows]}
+
+
+def p32(p: float) -> float:
+    """The probability analyze() sees for p after the float32 round trip of the record."""
+    return float(np.exp(np.float64(np.float32(math.log(p)))))
+
+
+def lp(rows):
+    return [[math.log(p) for p in row] for row in rows]
+
+
+# ---------------------------------------------------------------- pure functions
+
+
+def test_unique_count():
+    assert unique_count([[1, 2], [1, 2], [1, 3], []]) == 3
+    assert unique_count([[], []]) == 1
+    assert unique_count([np.array([1, 2], dtype=np.int32), [1, 2]]) == 1
+    assert unique_count([[1], [1, 0]]) == 2  # a prefix is a different output
+
+
+def test_first_divergence():
+    assert first_divergence([[1, 2, 3], [1, 2, 3]]) is None
+    assert first_divergence([[1, 2, 3]]) is None
+    assert first_divergence([[1, 2, 3], [1, 2, 4], [1, 2, 3]]) == 2
+    assert first_divergence([[5, 2], [6, 2]]) == 0
+    assert first_divergence([[1, 2], [1, 2, 3]]) == 2  # a strict prefix diverges where it ends
+    assert first_divergence([[], [7]]) == 0
+    assert first_divergence([[], []]) is None
+
+
+def test_top5_probs_sorts_truncates_and_pads():
+    m = top5_probs(lp([[0.1, 0.4, 0.2, 0.05, 0.15, 0.1], [0.6, 0.4]]))
+    assert m.shape == (2, 5)
+    np.testing.assert_allclose(m[0], [0.4, 0.2, 0.15, 0.1, 0.1], rtol=1e-12)
+    np.testing.assert_allclose(m[1], [0.6, 0.4, 0, 0, 0], rtol=1e-12)
+    assert top5_probs(None).shape == (0, 5)
+    assert top5_probs([]).shape == (0, 5)
+
+
+def test_maxprob_divergence_exact_numbers():
+    a = top5_probs(lp([[0.5, 0.2, 0.1, 0.1, 0.05], [0.9, 0.05, 0.02, 0.02, 0.01]]))
+    b = top5_probs(lp([[0.4, 0.3, 0.1, 0.1, 0.05], [0.9, 0.05, 0.02, 0.02, 0.01]]))
+    c = top5_probs(lp([[0.45, 0.25, 0.1, 0.1, 0.02]]))  # shorter output: 1 position
+    d = maxprob_divergence_by_position([a, b])
+    assert d == pytest.approx([0.1, 0.0], abs=1e-12)
+    d3 = maxprob_divergence_by_position([a, b, c])  # only position 0: max-min over 3 cells per rank
+    assert d3 == pytest.approx([0.1], abs=1e-12)
+    assert maxprob_divergence_by_position([a, top5_probs([])]).size == 0  # empty output: no position
+
+
+def test_maxprob_divergence_is_rank_wise_with_ties():
+    # the same top-5 probabilities with tied ranks (token ids may be ordered differently): 0
+    tie = lp([[0.3, 0.3, 0.2, 0.1, 0.1]])
+    assert maxprob_divergence_by_position([top5_probs(tie), top5_probs(tie)]).tolist() == [0.0]
+    # rank 2 and 3 tie in one cell, not in the other
+    x = top5_probs(lp([[0.4, 0.2, 0.2, 0.1, 0.1]]))
+    y = top5_probs(lp([[0.4, 0.25, 0.15, 0.1, 0.1]]))
+    assert maxprob_divergence_by_position([x, y]) == pytest.approx([0.05], abs=1e-12)
+
+
+def test_maxprob_divergence_identical_is_exactly_zero():
+    rows = np.log(np.random.default_rng(0).dirichlet(np.ones(8), size=50)).astype(np.float32)
+    p = [top5_probs(rows) for _ in range(4)]
+    d = maxprob_divergence_by_position(p)
+    assert d.shape == (50,) and (d == 0.0).all()
+
+
+def test_teacher_forced_by_position():
+    ref = [math.log(0.5), math.log(0.25)]
+    cells = [ref, [math.log(0.4), math.log(0.25)], [math.log(0.5), math.log(0.3)]]
+    assert teacher_forced_by_position(cells, ref) == pytest.approx([0.1, 0.05], abs=1e-12)
+    assert teacher_forced_by_position([ref, ref], ref).tolist() == [0.0, 0.0]
+
+
+def test_accuracy_std_is_population_std():
+    assert accuracy_std([1.0, 0.5]) == pytest.approx(0.25)
+    assert accuracy_std([1.0, 0.5, 0.5, 0.0]) == pytest.approx(math.sqrt(0.125))
+    assert accuracy_std([0.7]) == 0.0
+    assert math.isnan(accuracy_std([math.nan]))
+
+
+def test_agreement_matrix():
+    m = agreement_matrix({
+        "a": {"p0": [1, 2], "p1": [3], "p2": [4]},
+        "b": {"p0": [1, 2], "p1": [3, 3], "p2": [4]},
+        "c": {"p0": [9], "p1": [3], "p2": [4]},
+    })
+    assert m.loc["a", "a"] == 1.0
+    assert m.loc["a", "b"] == m.loc["b", "a"] == pytest.approx(2 / 3)
+    assert m.loc["a", "c"] == pytest.approx(2 / 3)
+    assert m.loc["b", "c"] == pytest.approx(1 / 3)
+
+
+# ---------------------------------------------------------------- analyze() end to end
+
+
+def diverging_bf16() -> dict[str, list[dict]]:
+    """p0: same tokens, different probabilities at position 1; p1: tokens differ at position 2;
+    p2: tp2's output is empty (no comparable position)."""
+    t = DEFAULT_TOPK
+    return {
+        BF16[1]: [
+            rec(0, [1, 2, 3], topk=[t, t, t], correct=True, tf=[0.5, 0.25], tf_ref=BF16[1]),
+            rec(1, [1, 2, 3, 4], topk=[t, t, t, t], correct=True, tf=[0.5, 0.5], tf_ref=BF16[1]),
+            rec(2, [7, 7], correct=False, tf=[0.5], tf_ref=BF16[1]),
+        ],
+        BF16[2]: [
+            rec(0, [1, 2, 3], topk=[t, [0.25, 0.25, 0.125, 0.0625, 0.03125], t], correct=True,
+                tf=[0.5, 0.5], tf_ref=BF16[1]),
+            rec(1, [1, 2, 5], topk=[t, t, [0.5, 0.5, 0.5, 0.5, 0.5]], correct=False,
+                tf=[0.25, 0.5], tf_ref=BF16[1]),
+            rec(2, [], topk=[], correct=False, tf=[0.5], tf_ref=BF16[1]),
+        ],
+    }
+
+
+@pytest.fixture
+def audit(tmp_path):
+    return analyze(make_run(tmp_path / "run", {**diverging_bf16(), **invariant_cells()}))
+
+
+def test_analyze_summary_known_answers(audit):
+    s = audit.summary.set_index("backend")
+    assert list(audit.summary["backend"]) == ["bf16", "bio+tbik"]
+    bf, tb = s.loc["bf16"], s.loc["bio+tbik"]
+    assert bf["cells"] == 2 and bf["prompts"] == 3 and tb["cells"] == 2 and tb["prompts"] == 3
+
+    assert bf["unique_mean"] == pytest.approx(5 / 3)  # 1, 2, 2
+    assert tb["unique_mean"] == 1.0 and tb["unique_max"] == 1.0
+
+    # p0: positions 0..2 diverge 0, 0.25, 0 -> 0.25/3 ; p1: 0, 0, 0.5-... rank-wise max -> see below
+    d0 = (p32(0.5) - p32(0.25)) / 3
+    d1 = max(p32(0.5) - p32(0.5), p32(0.5) - p32(0.25), p32(0.5) - p32(0.125),
+             p32(0.5) - p32(0.0625), p32(0.5) - p32(0.03125)) / 3
+    assert bf["maxprob_div_mean"] == pytest.approx((d0 + d1) / 2, abs=1e-12)
+    assert bf["maxprob_excluded"] == 1  # p2: empty output
+    # prefix: p0 identical tokens -> all 3 positions; p1 diverges at 2 -> positions 0, 1 (both 0)
+    assert bf["prefix_div_mean"] == pytest.approx((d0 + 0.0) / 2, abs=1e-12)
+    assert tb["maxprob_div_mean"] == 0.0 and tb["prefix_div_mean"] == 0.0
+
+    # first divergence: p0 none, p1 at 2, p2 at 0 -> median 1
+    assert bf["first_div_median"] == 1.0 and bf["identical_prompts"] == 1
+    assert math.isnan(tb["first_div_median"]) and tb["identical_prompts"] == 3
+
+    # teacher forcing against bf16 tp1: p0 max .25 (pos 1), p1 .25 (pos 0), p2 0
+    assert bf["teacher_forced_div_max"] == pytest.approx(p32(0.5) - p32(0.25), abs=1e-12)
+    assert bf["teacher_forced_div_mean"] == pytest.approx((0.125 + 0.125 + 0) / 3, abs=1e-6)
+    assert tb["teacher_forced_div_max"] == 0.0 and tb["teacher_forced_div_mean"] == 0.0
+
+    # accuracy: tp1 2/3, tp2 1/3 -> mean 0.5, population std 1/6
+    assert bf["acc_mean"] == pytest.approx(0.5) and bf["acc_std"] == pytest.approx(1 / 6)
+    assert tb["acc_std"] == 0.0
+    # lengths: p0 (3,3) std 0; p1 (4,3) 0.5; p2 (2,0) 1 -> 0.5
+    assert bf["len_std"] == pytest.approx(0.5)
+    assert bf["failed_cells"] == 0 and not bf["emulated"]
+
+
+def test_analyze_per_prompt_per_cell_agreement(audit):
+    pp = audit.per_prompt[audit.per_prompt["backend"] == "bf16"].set_index("prompt_id")
+    assert pp["unique"].tolist() == [1, 2, 2]
+    assert pp.loc["p1", "first_div"] == 2 and pp.loc["p2", "first_div"] == 0
+    assert pd.isna(pp.loc["p0", "first_div"])
+    assert pp.loc["p1", "prefix_positions"] == 2 and pp.loc["p2", "maxprob_positions"] == 0
+    assert math.isnan(pp.loc["p2", "maxprob_div"])
+
+    cells = audit.per_cell.set_index("cell_id")
+    assert list(audit.per_cell["cell_id"]) == [BF16[1], BF16[2], TBIK[1], TBIK[2]]
+    assert cells.loc[BF16[1], "acc"] == pytest.approx(2 / 3)
+    assert cells.loc[BF16[2], "agree_ref"] == pytest.approx(1 / 3)
+
+    m = audit.agreement[(SUITE, "bf16")]
+    assert m.loc[BF16[1], BF16[2]] == pytest.approx(1 / 3)
+    assert (audit.agreement[(SUITE, "bio+tbik")].to_numpy() == 1.0).all()
+
+    pos = audit.divergence_by_position
+    bfp = pos[pos["backend"] == "bf16"].set_index("position")
+    assert bfp.loc[0, "diverged_frac"] == pytest.approx(1 / 3)  # p2 diverged at 0
+    assert bfp.loc[2, "diverged_frac"] == pytest.approx(2 / 3)
+    assert bfp.loc[1, "prompts"] == 2
+
+
+def test_failed_missing_and_emulated_cells(tmp_path):
+    cells = invariant_cells()
+    run = make_run(tmp_path / "r", {**cells, BF16[1]: diverging_bf16()[BF16[1]]},
+                   states={BF16[2]: ("failed", "worker 1 ran out of memory")}, tp_mode="emulated")
+    a = analyze(run)
+    s = a.summary.set_index("backend")
+    assert s.loc["bf16", "cells"] == 1 and s.loc["bf16", "failed_cells"] == 1
+    assert s.loc["bf16", "failed_cell_ids"] == BF16[2]
+    assert s.loc["bf16", "unique_mean"] == 1.0  # one cell: trivially
+    assert math.isnan(s.loc["bf16", "maxprob_div_mean"])  # ... but it compares nothing: not 0
+    assert math.isnan(s.loc["bf16", "teacher_forced_div_max"])
+    assert s.loc["bio+tbik", "emulated"]
+    assert a.per_cell.set_index("cell_id").loc[BF16[2], "error"] == "worker 1 ran out of memory"
+
+    (run / "cells" / f"{TBIK[2]}.parquet").unlink()
+    a = analyze(run)
+    row = a.per_cell.set_index("cell_id").loc[TBIK[2]]
+    assert row["state"] == "missing" and "missing" in row["error"]
+    assert a.summary.set_index("backend").loc["bio+tbik", "failed_cells"] == 1
+
+
+def test_bad_input_is_detaudit_error(tmp_path):
+    with pytest.raises(DetauditError, match="does not exist"):
+        analyze(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DetauditError, match="not a detaudit run"):
+        analyze(tmp_path / "empty")
+    run = make_run(tmp_path / "r", invariant_cells())
+    (run / "manifest.json").write_text("{not json")
+    with pytest.raises(DetauditError, match="corrupt"):
+        analyze(run)
+    run = make_run(tmp_path / "r2", invariant_cells())
+    f = run / "cells" / f"{TBIK[1]}.parquet"
+    f.write_bytes(f.read_bytes()[:40])
+    with pytest.raises(DetauditError, match="truncated"):
+        analyze(run)
+
+
+def test_analyze_is_fast_enough(tmp_path):
+    """12 cells x 40 prompts x 400 positions in well under the budget."""
+    import time
+
+    rng = np.random.default_rng(1)
+    cells = {}
+    cfg_tp, cfg_bs = (1, 2, 4, 8), (1, 2, 3)
+    base = rng.integers(0, 1000, size=(40, 400))
+    topk = np.sort(np.log(rng.dirichlet(np.ones(10), size=400)), axis=1)[:, ::-1].astype(np.float32).tolist()
+    for tp in cfg_tp:
+        for bs in cfg_bs:
+            ids = base.copy()
+            ids[:, 200 + tp * 10 + bs:] += 1
+            cells[f"smoke__bf16__tp{tp}__bs{bs}"] = [
+                dict(prompt_index=p, prompt_id=f"p{p}", output_token_ids=ids[p].tolist(),
+                     topk_logprobs=topk, tf_token_logprobs=None, correct=bool(p % 2))
+                for p in range(40)
+            ]
+    run = make_run(tmp_path / "big", cells, backends=("bf16",), tp=cfg_tp, batch_sizes=cfg_bs)
+    t = time.perf_counter()
+    a = analyze(run)
+    assert time.perf_counter() - t < 10
+    row = a.summary.iloc[0]
+    assert row["cells"] == 12 and row["prompts"] == 40 and row["unique_mean"] == 12.0
+    assert row["first_div_median"] == 211.0 and row["maxprob_div_mean"] == 0.0

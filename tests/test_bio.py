@@ -1,0 +1,130 @@
+"""`bio` kernels: bitwise batch invariance on CPU (torch.equal, never a tolerance), and correctness
+against fp64 / PyTorch references with tolerances that fit the precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from detaudit.backends import get_backend
+from detaudit.backends.kernels import fixed
+
+# (K, N) of the embedded model (hidden 576, 24/8 heads of 64, MLP 1536, vocab 49152) and odd ones
+MODEL_SHAPES = [(576, 1536), (576, 512), (1536, 576), (576, 49152)]
+ODD_SHAPES = [(64, 64), (100, 37), (7, 300)]
+
+
+def _rand(*shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k,n", MODEL_SHAPES[:3] + ODD_SHAPES)
+def test_matmul_prefix_invariant_every_m(k, n, dtype):
+    a, w = _rand(256, k, dtype=dtype), _rand(n, k, dtype=dtype, seed=1)
+    full = fixed.matmul(a, w)
+    for m in range(1, 257):
+        assert torch.equal(fixed.matmul(a[:m], w), full[:m]), m
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matmul_lm_head_shape_and_row_position(dtype):
+    k, n = MODEL_SHAPES[-1]
+    a, w = _rand(40, k, dtype=dtype), _rand(n, k, dtype=dtype, seed=1)
+    full = fixed.matmul(a, w)
+    for m in (1, 8, 17, 32):
+        assert torch.equal(fixed.matmul(a[:m], w), full[:m])
+    assert torch.equal(fixed.matmul(a[29:30], w), full[29:30])  # a row's bits do not depend on its slot
+
+
+def test_matmul_thread_count_invariant():
+    a, w = _rand(50, 576, dtype=torch.bfloat16), _rand(1536, 576, dtype=torch.bfloat16, seed=1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fixed.matmul(a, w)
+        torch.set_num_threads(max(2, before))
+        assert torch.equal(one, fixed.matmul(a, w))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_matmul_column_shard_invariant():
+    """A column-parallel shard (N/C columns) computes the same bits as those columns of the full product."""
+    a, w = _rand(33, 576, dtype=torch.bfloat16), _rand(1536, 576, dtype=torch.bfloat16, seed=1)
+    full = fixed.matmul(a, w)
+    for c in (2, 4, 8):
+        n = 1536 // c
+        for r in range(c):
+            assert torch.equal(fixed.matmul(a, w[r * n : (r + 1) * n]), full[:, r * n : (r + 1) * n])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matmul_accuracy_vs_fp64(dtype):
+    a, w = _rand(64, 576, dtype=dtype), _rand(1536, 576, dtype=dtype, seed=1)
+    ref = a.double() @ w.double().t()
+    ours = fixed.matmul(a, w).double()
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()  # fp32 accumulation of exact products
+
+
+def test_row_ops_invariant_and_correct():
+    b = get_backend("bio")
+    x = _rand(40, 576, dtype=torch.bfloat16)
+    wt = _rand(576, dtype=torch.bfloat16, seed=2)
+    full = b.rms_norm(x, wt, 1e-5)
+    for m in (1, 3, 16, 39):
+        assert torch.equal(b.rms_norm(x[:m], wt, 1e-5), full[:m])
+    ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16) * wt
+    assert torch.allclose(full.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    logits = _rand(20, 49152, dtype=torch.float32) * 5
+    lp = b.log_softmax(logits)
+    for m in (1, 7, 19):
+        assert torch.equal(b.log_softmax(logits[:m]), lp[:m])
+    assert torch.allclose(lp, torch.log_softmax(logits.double(), -1).float(), rtol=1e-5, atol=1e-4)
+
+
+def _attn_inputs(bsz=3, hq=6, hkv=2, t=70, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(bsz, hq, t, d, generator=g).bfloat16()
+    k = torch.randn(bsz, hkv, t, d, generator=g).bfloat16()
+    v = torch.randn(bsz, hkv, t, d, generator=g).bfloat16()
+    pos = torch.arange(t).expand(bsz, t)
+    return q, k, v, pos
+
+
+def test_attention_matches_sdpa():
+    q, k, v, pos = _attn_inputs()
+    b = get_backend("bio")
+    ours = b.attention(q.float(), k.float(), v.float(), pos, 0.25)
+    ref = get_backend("bf16").attention(q.float(), k.float(), v.float(), pos, 0.25)
+    assert torch.allclose(ours, ref, atol=1e-5)
+
+
+def test_attention_prefill_equals_decode():
+    """A token's attention output is the same bits computed with all queries at once (prefill) or
+    one query at a time over the cache (decode), including across the KV split boundary (70 > 64)."""
+    q, k, v, pos = _attn_inputs()
+    b = get_backend("bio")
+    prefill = b.attention(q, k, v, pos, 0.25)
+    for t in (0, 1, 63, 64, 65, 69):
+        step = b.attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], pos[:, t : t + 1], 0.25)
+        assert torch.equal(step, prefill[:, :, t : t + 1]), t
+
+
+def test_attention_batch_and_cache_length_invariant():
+    """A row's output does not depend on its neighbours or on how long the batch's cache is
+    (chunks it cannot see are exact no-ops)."""
+    q, k, v, pos = _attn_inputs(bsz=4)
+    b = get_backend("bio")
+    short = pos.clone()
+    short[0] = torch.arange(70).clamp(max=20)  # row 0 only sees 21 keys; the cache holds 70
+    full = b.attention(q, k, v, short, 0.25)
+    alone = b.attention(q[:1, :, :21], k[:1, :, :21], v[:1, :, :21], short[:1, :21], 0.25)
+    assert torch.equal(full[:1, :, :21], alone)
+    assert torch.equal(b.attention(q[2:3], k[2:3], v[2:3], pos[2:3], 0.25), full[2:3])
+
+
+def test_describe_names_configs():
+    d = get_backend("bio").describe()
+    assert "matmul_cpu" in d and "R=16" in d["matmul_cpu"] and "torch" in d

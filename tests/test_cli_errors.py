@@ -1,0 +1,58 @@
+"""Bad input: one clear line, exit code 2, no traceback. These cases fail before any model work."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from detaudit.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tp", "3"], "TP size must be one of 1, 2, 4, 8"),
+        (["--tp", "16"], "TP size must be one of 1, 2, 4, 8"),
+        (["--tp", "a,b"], "comma-separated integers"),
+        (["--batch-sizes", "0"], "batch size must be >= 1"),
+        (["--batch-sizes", "-4"], "batch size must be >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--backends", "bf16,nope"], "unknown backend 'nope'"),
+        (["--suites", "nope"], "unknown suite"),
+        (["--logprobs", "3"], "--logprobs must be >= 5"),
+        (["--tp-mode", "fake"], "--tp-mode fake"),
+        (["--dtype", "float16"], "--dtype float16"),
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--temperature", "0"], "use --greedy"),
+        (["--tp", "1,1"], "lists a value twice"),
+        (["--device", "cuda", "--tp", "2"], "no CUDA device"),
+        (["--engine", "sglang"], "unknown engine"),
+    ],
+)
+def test_sweep_bad_input(tmp_path, args, message):
+    result = runner.invoke(app, ["sweep", "--output-path", str(tmp_path / "run"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert len([l for l in result.output.strip().splitlines() if l.strip()]) <= 2
+
+
+def test_analyze_missing_dir(tmp_path):
+    result = runner.invoke(app, ["analyze", str(tmp_path / "none")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_unknown_model(tmp_path):
+    result = runner.invoke(app, ["sweep", "--model", "no-such-model", "--output-path", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "no-such-model" in result.output
+
+
+def test_listings_have_json():
+    import json
+
+    for cmd in (["suites", "ls", "--json"], ["backends", "ls", "--json"], ["models", "ls", "--json"]):
+        result = runner.invoke(app, cmd)
+        assert result.exit_code == 0, result.output
+        assert isinstance(json.loads(result.output), list)

@@ -1,0 +1,187 @@
+"""Gate: default policy, custom policies, incomplete runs, bad input, baseline regressions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rich.console import Console
+
+from detaudit.errors import DetauditError
+from detaudit.gate import gate, load_policy, violations_table
+from test_analyze import BF16, TBIK, diverging_bf16, invariant_cells, make_run
+
+
+def as_tbik(cells: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """The diverging bf16 records, filed under the bio+tbik cells."""
+    return {TBIK[1]: cells[BF16[1]], TBIK[2]: cells[BF16[2]]}
+
+
+def metrics(result) -> set[tuple[str, str]]:
+    return {(v.backend, v.metric) for v in result.violations}
+
+
+def write(tmp_path, text: str, name: str = "policy.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_default_policy_loads_from_package_data():
+    policy = load_policy()
+    assert policy.source.startswith("default")
+    tbik = policy.backends["bio+tbik"]
+    assert not tbik.report_only
+    rules = {r.metric: r for r in tbik.rules}
+    assert rules["unique_mean"].max == 1 and rules["maxprob_div_mean"].max == 0
+    assert rules["prefix_div_mean"].max == 0 and rules["teacher_forced_div_max"].optional
+    assert policy.backends["bf16"].report_only and policy.backends["bio"].report_only
+
+
+def test_invariant_run_passes(tmp_path):
+    run = make_run(tmp_path / "r", {**diverging_bf16(), **invariant_cells()})
+    result = gate(run)
+    assert result.passed, result.violations
+    assert result.violations == [] and result.checks > 0
+    assert any("bio" in n and "not in the run" in n for n in result.notes)  # report-only, absent: a note
+
+
+def test_divergent_tbik_fails_with_every_metric(tmp_path):
+    run = make_run(tmp_path / "r", {**diverging_bf16(), **as_tbik(diverging_bf16())})
+    result = gate(run)
+    assert not result.passed
+    assert metrics(result) == {("bio+tbik", m) for m in
+                               ("unique_mean", "maxprob_div_mean", "prefix_div_mean", "teacher_forced_div_max")}
+    v = next(v for v in result.violations if v.metric == "unique_mean")
+    assert v.suite == "smoke" and v.value == pytest.approx(5 / 3) and v.threshold == "<= 1"
+    assert "breaks" in v.reason
+
+
+def test_teacher_forced_rule_is_optional(tmp_path):
+    run = make_run(tmp_path / "r", invariant_cells(tf=False), backends=("bio+tbik",))
+    result = gate(run)
+    assert result.passed, result.violations
+    assert any("teacher_forced_div_max not computed" in n for n in result.notes)
+
+
+def test_pending_and_missing_cells_fail(tmp_path):
+    cells = invariant_cells()
+    run = make_run(tmp_path / "r", {TBIK[1]: cells[TBIK[1]], TBIK[2]: cells[TBIK[2]], **diverging_bf16()})
+    (run / "cells" / f"{BF16[2]}.parquet").unlink()
+    result = gate(run)
+    assert not result.passed
+    (v,) = result.violations
+    assert (v.backend, v.metric, v.value) == ("bf16", "cell", "missing")  # report-only backends too
+    assert BF16[2] in v.reason and "file is missing" in v.reason
+
+    manifest = json.loads((run / "manifest.json").read_text())
+    del manifest["cells"][TBIK[2]]  # a grid cell the manifest does not know
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    v = next(v for v in gate(run).violations if v.backend == "bio+tbik")
+    assert (v.metric, v.value) == ("cell", "missing") and "not in the manifest" in v.reason
+
+    run = make_run(tmp_path / "p", {TBIK[1]: cells[TBIK[1]]})  # bf16 cells and tbik tp2 pending
+    result = gate(run)
+    assert {(v.backend, v.value) for v in result.violations if v.metric == "cell"} == {
+        ("bf16", "pending"), ("bio+tbik", "pending")}
+    assert ("bio+tbik", "cells") in metrics(result)  # one done cell compares nothing
+
+
+def test_failed_cell_fails_with_reason(tmp_path):
+    run = make_run(tmp_path / "r", {TBIK[1]: invariant_cells()[TBIK[1]], **diverging_bf16()},
+                   states={TBIK[2]: ("failed", "rank 1 hung in all_reduce (timeout 300 s)")})
+    result = gate(run)
+    assert not result.passed
+    v = next(v for v in result.violations if v.metric == "cell")
+    assert v.value == "failed" and "rank 1 hung in all_reduce" in v.reason
+
+
+def test_policy_backend_absent_from_run_fails(tmp_path):
+    run = make_run(tmp_path / "r", diverging_bf16(), backends=("bf16",))
+    result = gate(run)
+    assert not result.passed
+    (v,) = result.violations
+    assert (v.backend, v.metric, v.value) == ("bio+tbik", "backend", "absent")
+    assert "cannot be verified" in v.reason
+
+
+def test_backend_with_no_done_cell_fails(tmp_path):
+    run = make_run(tmp_path / "r", diverging_bf16(),
+                   states={TBIK[1]: ("failed", "boom"), TBIK[2]: ("failed", "boom")})
+    result = gate(run)
+    assert ("bio+tbik", "cells") in metrics(result)
+    assert sum(v.metric == "cell" for v in result.violations) == 2
+
+
+def test_report_only_rules_warn(tmp_path):
+    policy = write(tmp_path, "backends:\n  bf16: {report_only: true, unique_mean: {max: 1}}\n")
+    run = make_run(tmp_path / "r", {**diverging_bf16(), **invariant_cells()})
+    result = gate(run, policy)
+    assert result.passed and [(w.backend, w.metric) for w in result.warnings] == [("bf16", "unique_mean")]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("backends: [unclosed", "not valid YAML"),
+    ("", "is empty"),
+    ("- a\n- b\n", "must be a mapping"),
+    ("backends:\n  bio+tbik: {unique_meen: {max: 1}}\n", "unknown metric 'unique_meen'"),
+    ("backends:\n  bio+tbik: {unique_mean: {maximum: 1}}\n", "unknown key 'maximum'"),
+    ("backends:\n  bio+tbik: {unique_mean: {max: one}}\n", "must be a number"),
+    ("backends:\n  bio+tbik: {unique_mean: 1}\n", "must be a mapping such as"),
+    ("backends:\n  bf16: {report_only: maybe}\n", "report_only must be true or false"),
+    ("backend:\n  bf16: {}\n", "unknown key 'backend'"),
+    ("backends: {}\nbaseline_tolerance: {acc_mean: -1}\n", "must be a number >= 0"),
+    ("version: 2\nbackends: {}\n", "version 2 is not supported"),
+])
+def test_bad_policy_is_detaudit_error(tmp_path, text, match):
+    run = make_run(tmp_path / "r", invariant_cells())
+    with pytest.raises(DetauditError, match=match):
+        gate(run, write(tmp_path, text))
+
+
+def test_bad_run_input_is_detaudit_error(tmp_path):
+    with pytest.raises(DetauditError, match="does not exist"):
+        gate(tmp_path / "nope")
+    with pytest.raises(DetauditError, match="policy file .* does not exist"):
+        gate(make_run(tmp_path / "ok", invariant_cells()), tmp_path / "missing.yaml")
+
+    run = make_run(tmp_path / "r", {**diverging_bf16(), **invariant_cells()})
+    f = run / "cells" / f"{TBIK[2]}.parquet"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # truncated parquet
+    with pytest.raises(DetauditError, match="unreadable or truncated"):
+        gate(run)
+
+    run = make_run(tmp_path / "m", invariant_cells())
+    (run / "manifest.json").write_text(json.dumps({"cells": {}}))
+    with pytest.raises(DetauditError, match="missing config/cells"):
+        gate(run)
+
+
+def test_baseline_regression(tmp_path):
+    policy = write(tmp_path, "backends:\n  bf16: {}\nbaseline_tolerance: {unique_mean: 0.1, maxprob_div_mean: 0.01}\n")
+    identical = {BF16[1]: invariant_cells()[TBIK[1]], BF16[2]: invariant_cells()[TBIK[2]]}
+    baseline = make_run(tmp_path / "base", identical, backends=("bf16",))
+    worse = make_run(tmp_path / "new", diverging_bf16(), backends=("bf16",))
+
+    result = gate(worse, policy, baseline_dir=baseline)
+    assert not result.passed
+    assert metrics(result) == {("bf16", "unique_mean"), ("bf16", "maxprob_div_mean")}
+    v = next(v for v in result.violations if v.metric == "unique_mean")
+    assert v.threshold == "baseline 1 + 0.1" and "regressed from 1 to 1.667" in v.reason
+
+    assert gate(baseline, policy, baseline_dir=worse).passed  # better than the baseline passes
+    assert gate(worse, policy, baseline_dir=worse).passed
+    # the default policy's tolerances only apply to gated backends (bf16 is report-only)
+    assert gate(worse, None, baseline_dir=baseline).violations[0].metric == "backend"
+
+
+def test_violations_table_and_json(tmp_path):
+    run = make_run(tmp_path / "r", {**diverging_bf16(), **as_tbik(diverging_bf16())})
+    result = gate(run)
+    console = Console(record=True, width=200)
+    console.print(violations_table(result))
+    text = console.export_text()
+    assert "FAILED" in text and "unique_mean" in text and "policy: default" in text
+    d = result.to_dict()
+    assert d["passed"] is False and len(d["violations"]) == 4
+    json.dumps(d)  # JSON-ready

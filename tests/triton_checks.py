@@ -1,0 +1,51 @@
+"""Checks of the Triton kernels, run by test_triton_interpret.py in a subprocess with
+TRITON_INTERPRET=1 (the variable must be set before triton is imported). Small shapes: the interpreter
+is slow. Exits non-zero with a message on the first failed check."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from detaudit.backends.kernels import tree, triton_mm
+
+
+def check(cond: bool, what: str) -> None:
+    if not cond:
+        sys.exit(f"FAILED: {what}")
+
+
+def main() -> None:
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16):
+        for k, n in ((64, 20), (48, 33), (40, 16)):
+            x = torch.randn(40, k, generator=g).to(dt)
+            w = torch.randn(n, k, generator=g).to(dt)
+            full = triton_mm.mm(x, w)
+            ref = x.double() @ w.double().t()
+            check(((full.double() - ref).abs().max() < 1e-4 * ref.abs().max()).item(), f"accuracy {dt} {k}x{n}")
+            for m in range(1, 41):
+                check(torch.equal(triton_mm.mm(x[:m], w), full[:m]), f"mm prefix {dt} {k}x{n} m={m}")
+            # (no row-position check here: the interpreter's tl.dot is numpy's BLAS, whose bits for a row
+            # can depend on its slot in the block; tests/gpu checks row positions on the real kernel)
+            # the tree kernel: rank r of C owns K/C columns; subtrees combined along the top of the tree
+            if k % 8 == 0:
+                one = triton_mm.mm(x, w, leaves=8)
+                for c in (2, 4, 8):
+                    kc = k // c
+                    parts = [triton_mm.mm(x[:, r * kc : (r + 1) * kc].contiguous(), w[:, r * kc : (r + 1) * kc], leaves=8 // c)
+                             for r in range(c)]
+                    check(torch.equal(tree.tree_sum(parts), one), f"tree TP invariance {dt} {k}x{n} C={c}")
+                check(torch.equal(triton_mm.mm(x[:3], w, leaves=8), one[:3]), f"tree batch invariance {dt}")
+        # batched (attention-shaped) products: invariant in the batch count
+        a = torch.randn(6, 5, 16, generator=g).to(dt)
+        b = torch.randn(6, 16, 16, generator=g).to(dt)
+        full = triton_mm.mm(a, b)
+        check(torch.equal(triton_mm.mm(a[2:3], b[2:3]), full[2:3]), f"batched mm {dt}")
+        check(torch.equal(triton_mm.mm(a, b.transpose(1, 2).contiguous().transpose(1, 2)), full), f"strided operand {dt}")
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
