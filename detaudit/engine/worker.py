@@ -159,7 +159,11 @@ class DistEngine:
                 try:
                     kind, data = c.recv()
                 except (EOFError, OSError):
-                    raise CellFailed(f"TP worker rank {r} closed its pipe (exit code {self.procs[r].poll()})") from None
+                    try:
+                        code = self.procs[r].wait(2)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    raise CellFailed(f"TP worker rank {r} died (pipe closed, exit code {code})") from None
                 if kind == "progress":
                     deadline = time.monotonic() + timeout
                     if progress:

@@ -1,0 +1,128 @@
+"""Reliability on the real model and real processes (no mocks of the failures): SIGKILL and resume,
+the run-directory lock, TP worker crash / hang, sharded sweeps and merge."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from detaudit.cli import app
+
+runner = CliRunner()
+GRID = ["--suites", "smoke", "--limit", "2", "--max-new-tokens", "4", "--backends", "bf16,bio",
+        "--tp", "1", "--batch-sizes", "1,2,4"]
+
+
+def _workers() -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any("detaudit.engine.worker" in part for part in (p.info["cmdline"] or [])):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _sweep_cmd(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-c", "from detaudit.cli import main; main()", "sweep", *GRID, "--output-path", str(out),
+            "--no-analyze", *extra]
+
+
+def _summary(out: Path) -> list[dict]:
+    res = runner.invoke(app, ["analyze", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout[res.stdout.index("[") :])
+
+
+def _cell_files(out: Path) -> dict[str, float]:
+    return {p.name: p.stat().st_mtime_ns for p in (out / "cells").glob("*.parquet")} if (out / "cells").exists() else {}
+
+
+def test_kill_and_resume(smollm, tmp_path):
+    clean = tmp_path / "clean"
+    subprocess.run(_sweep_cmd(clean), check=True, capture_output=True)
+    out = tmp_path / "killed"
+    rng = random.Random(7)
+    recomputed = 0
+    for attempt in range(3):
+        before = _cell_files(out)
+        proc = subprocess.Popen(_sweep_cmd(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(4, 12))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        after = _cell_files(out)
+        recomputed += sum(1 for name, mtime in before.items() if after.get(name) != mtime)
+    before = _cell_files(out)
+    done = subprocess.run(_sweep_cmd(out), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    after = _cell_files(out)
+    recomputed += sum(1 for name, mtime in before.items() if after.get(name) != mtime)
+    assert recomputed == 0  # no completed cell is ever recomputed
+    assert len(after) == 6 and not list(out.rglob("*.tmp*"))
+    assert _summary(out) == _summary(clean)
+
+
+def test_second_sweep_into_same_dir_is_refused_and_lock_does_not_outlive_a_kill(smollm, tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.Popen(_sweep_cmd(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not (out / "manifest.json").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        second = subprocess.run(_sweep_cmd(out), capture_output=True, text=True)
+        assert second.returncode == 2
+        assert "another sweep is writing to" in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    # the lock died with its holder: a new sweep resumes
+    third = subprocess.run(_sweep_cmd(out), capture_output=True, text=True)
+    assert third.returncode == 0, third.stderr
+
+
+@pytest.mark.parametrize("fault", ["crash:1", "hang:0"])
+def test_tp_worker_failure_fails_the_cell_and_the_sweep_goes_on(smollm, tmp_path, monkeypatch, fault):
+    out = tmp_path / "run"
+    monkeypatch.setenv("DETAUDIT_FAULT_INJECT", fault)
+    t0 = time.monotonic()
+    res = runner.invoke(app, ["sweep", "--suites", "smoke", "--limit", "2", "--max-new-tokens", "4",
+                              "--backends", "bio", "--tp", "1,2", "--batch-sizes", "2", "--hang-timeout", "10",
+                              "--output-path", str(out)])
+    assert time.monotonic() - t0 < 120
+    assert res.exit_code == 1, res.output
+    assert ("died" in res.output) if fault.startswith("crash") else ("hung" in res.output)
+    manifest = json.loads((out / "manifest.json").read_text())
+    states = {c: m.get("state") for c, m in manifest["cells"].items()}
+    assert states["smoke__bio__tp1__bs2"] == "done" and states["smoke__bio__tp2__bs2"] == "failed"
+    assert "failed" in (out / "report.md").read_text().lower()
+    assert not _workers()  # no orphans
+
+
+def test_shards_merge_to_the_whole(smollm, tmp_path):
+    whole = tmp_path / "whole"
+    subprocess.run(_sweep_cmd(whole), check=True, capture_output=True)
+    parts = []
+    for i in (1, 2):
+        part = tmp_path / f"part{i}"
+        subprocess.run(_sweep_cmd(part, "--shard", f"{i}/2"), check=True, capture_output=True)
+        parts.append(str(part))
+    merged = tmp_path / "merged"
+    res = runner.invoke(app, ["merge", *parts, "--output-path", str(merged)])
+    assert res.exit_code == 0, res.output
+    assert _summary(merged) == _summary(whole)
+    other = tmp_path / "other"
+    subprocess.run([*_sweep_cmd(other), "--seed", "1"], check=True, capture_output=True)
+    bad = runner.invoke(app, ["merge", parts[0], str(other), "--output-path", str(tmp_path / "m2")])
+    assert bad.exit_code == 2 and "decoding" in bad.output.lower()
