@@ -26,8 +26,10 @@ class Side:
     @classmethod
     def parse(cls, text: str, option: str) -> "Side":
         engine, _, tp = text.partition(":")
-        if engine not in ("builtin", "vllm") or not tp.isdigit():
-            raise DetauditError(f"{option} {text!r}: expected ENGINE:TP, e.g. builtin:4 or vllm:2")
+        if not tp.isdigit():
+            raise DetauditError(f"{option} {text!r}: expected ENGINE:TP, e.g. builtin:4")
+        if engine != "builtin":
+            raise DetauditError(f"{option} {text!r}: unknown engine {engine!r} (available: builtin; the vLLM engine is not in this release)")
         if int(tp) not in (1, 2, 4, 8):
             raise DetauditError(f"{option} {text!r}: TP size must be one of 1, 2, 4, 8")
         return cls(engine, int(tp))
@@ -68,10 +70,6 @@ def run_align(*, model_path: Path, model_name: str, prompts: list[list[int]], pr
     rows = []
     for backend in backends:
         def _open(side: Side):
-            if side.engine == "vllm":
-                from detaudit.vllm.engine import open_vllm_engine
-
-                return open_vllm_engine(model_path, backend, side.tp, dtype=dtype, device=device, eos_ids=eos_ids)
             return open_engine(model_path, backend, side.tp, tp_mode, dtype=dtype, device=device, eos_ids=eos_ids)
 
         eng = _open(rollout)

@@ -76,7 +76,7 @@ def sweep(
     tp: str = typer.Option("1,2,4,8", "--tp", help="Comma-separated TP sizes (1, 2, 4, 8).", rich_help_panel="grid"),
     batch_sizes: str = typer.Option("8,16,32", "--batch-sizes", help="Comma-separated batch sizes.", rich_help_panel="grid"),
     tp_mode: str = typer.Option("real", "--tp-mode", help="real: one process per rank; emulated: one process computes every rank's partials.", rich_help_panel="grid"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens generated per prompt.", rich_help_panel="decoding"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens generated per prompt (32 keeps the default CPU sweep short; divergence needs more on long suites).", rich_help_panel="decoding"),
     temperature: float = typer.Option(0.6, "--temperature", rich_help_panel="decoding"),
     top_p: float = typer.Option(0.95, "--top-p", rich_help_panel="decoding"),
     top_k: int = typer.Option(20, "--top-k", rich_help_panel="decoding"),
@@ -94,8 +94,11 @@ def sweep(
     """Run every cell of the grid (backend x TP x batch size x suite) and store the records."""
     from detaudit import paths
     from detaudit.config import DecodingParams, SweepConfig, parse_int_list, parse_str_list
+    from detaudit.errors import DetauditError
     from detaudit.sweep import parse_shard, run_sweep
 
+    if greedy and (temperature, top_p, top_k) != (0.6, 0.95, 20):
+        raise DetauditError("conflicting flags: --greedy decodes without sampling; drop --temperature/--top-p/--top-k or --greedy")
     decoding = DecodingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                               seed=seed, greedy=greedy, logprobs=logprobs)
     cfg = SweepConfig(
