@@ -56,3 +56,15 @@ def test_listings_have_json():
         result = runner.invoke(app, cmd)
         assert result.exit_code == 0, result.output
         assert isinstance(json.loads(result.output), list)
+
+
+def test_doctor_prints_the_fingerprint():
+    import json
+
+    result = runner.invoke(app, ["doctor", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    env, checks = data["environment"], data["checks"]
+    assert env["torch_threads"] >= 1 and env["cpu_cores"] >= 1 and "torch" in env["versions"]
+    assert "cpu_capability" in env["torch_build"] and env["hardware_key"]
+    assert "bio+tbik" in checks["backends"] and "smollm2-135m" in checks["models"]
