@@ -48,8 +48,19 @@ def handle_errors(fn):
     return wrapper
 
 
+def _finite(obj):
+    """NaN / inf (e.g. metrics of a backend with no completed cell) become null: strict JSON."""
+    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def print_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.write(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False) + "\n")
 
 
 def print_rows(rows: list[dict], columns: list[str], title: str | None = None) -> None:
