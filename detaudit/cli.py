@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -50,7 +51,7 @@ def handle_errors(fn):
 
 def _finite(obj):
     """NaN / inf (e.g. metrics of a backend with no completed cell) become null: strict JSON."""
-    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
+    if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
         return {k: _finite(v) for k, v in obj.items()}
@@ -108,7 +109,8 @@ def sweep(
     from detaudit.errors import DetauditError
     from detaudit.sweep import parse_shard, run_sweep
 
-    if greedy and (temperature, top_p, top_k) != (0.6, 0.95, 20):
+    sampling = DecodingParams()
+    if greedy and (temperature, top_p, top_k) != (sampling.temperature, sampling.top_p, sampling.top_k):
         raise DetauditError("conflicting flags: --greedy decodes without sampling; drop --temperature/--top-p/--top-k or --greedy")
     decoding = DecodingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                               seed=seed, greedy=greedy, logprobs=logprobs)

@@ -17,8 +17,12 @@ from typer.testing import CliRunner
 from detaudit.cli import app
 
 runner = CliRunner()
-SMALL = ["--suites", "smoke", "--limit", "1", "--max-new-tokens", "2", "--backends", "bio", "--tp", "1",
-         "--batch-sizes", "1", "--no-analyze"]
+def small(batch_sizes: str = "1") -> list[str]:
+    return ["--suites", "smoke", "--limit", "1", "--max-new-tokens", "2", "--backends", "bio", "--tp", "1",
+            "--batch-sizes", batch_sizes, "--no-analyze"]
+
+
+SMALL = small()
 
 
 def _bad(result, message):
@@ -45,7 +49,7 @@ def _copy(run, tmp_path):
 def test_malformed_suite_yaml_and_jsonl(tmp_path, smollm):
     y = tmp_path / "bad.yaml"
     y.write_text("task: bad\ndocs: [unclosed\n")
-    _bad(runner.invoke(app, ["sweep", *SMALL[:0], "--suites", str(y), "--output-path", str(tmp_path / "r")]), "bad.yaml")
+    _bad(runner.invoke(app, ["sweep", "--suites", str(y), "--output-path", str(tmp_path / "r")]), "bad.yaml")
     d = tmp_path / "mirror"
     d.mkdir()
     (d / "aime24.jsonl").write_text('{"id": 1, "problem": "x", "answer": "1"}\n{oops\n')
@@ -122,8 +126,7 @@ def test_disk_full_while_writing_a_cell_loses_nothing(done_run, tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
 
-    args = [a if a != "1" or i != SMALL.index("--batch-sizes") + 1 else "1,2" for i, a in enumerate(SMALL)]
-    proc = subprocess.run([sys.executable, "-c", "from detaudit.cli import main; main()", "sweep", *args,
+    proc = subprocess.run([sys.executable, "-c", "from detaudit.cli import main; main()", "sweep", *small("1,2"),
                            "--output-path", str(run)], capture_output=True, text=True, preexec_fn=limit)
     assert proc.returncode == 2, proc.stderr
     assert "cannot write" in proc.stderr and "Traceback" not in proc.stderr
