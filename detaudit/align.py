@@ -28,8 +28,12 @@ class Side:
         engine, _, tp = text.partition(":")
         if not tp.isdigit():
             raise DetauditError(f"{option} {text!r}: expected ENGINE:TP, e.g. builtin:4")
-        if engine != "builtin":
-            raise DetauditError(f"{option} {text!r}: unknown engine {engine!r} (available: builtin; the vLLM engine is not in this release)")
+        if engine not in ("builtin", "vllm"):
+            raise DetauditError(f"{option} {text!r}: unknown engine {engine!r} (available: builtin, vllm)")
+        if engine == "vllm":
+            from detaudit.vllm import require_vllm
+
+            require_vllm()
         if int(tp) not in (1, 2, 4, 8):
             raise DetauditError(f"{option} {text!r}: TP size must be one of 1, 2, 4, 8")
         return cls(engine, int(tp))
@@ -70,7 +74,8 @@ def run_align(*, model_path: Path, model_name: str, prompts: list[list[int]], pr
     rows = []
     for backend in backends:
         def _open(side: Side):
-            return open_engine(model_path, backend, side.tp, tp_mode, dtype=dtype, device=device, eos_ids=eos_ids)
+            return open_engine(model_path, backend, side.tp, tp_mode if side.engine == "builtin" else "real",
+                               dtype=dtype, device=device, eos_ids=eos_ids, engine=side.engine)
 
         eng = _open(rollout)
         try:

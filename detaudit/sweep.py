@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from detaudit import fingerprint
 from detaudit.config import Cell, SweepConfig
 from detaudit.errors import CellFailed, DetauditError
 from detaudit.store import RunDir, now
+
+ENGINES = ("builtin", "vllm")
 
 
 @dataclass
@@ -180,8 +183,14 @@ def run_sweep(cfg: SweepConfig, output_path: Path, *, data_dir: Path | None = No
     for b in cfg.backends:
         if b not in known:
             raise DetauditError(f"unknown backend {b!r}; known backends: {', '.join(known)}")
-    if cfg.engine != "builtin":
-        raise DetauditError(f"unknown engine {cfg.engine!r} (available: builtin)")
+    if cfg.engine not in ENGINES:
+        raise DetauditError(f"unknown engine {cfg.engine!r} (available: {', '.join(ENGINES)})")
+    if cfg.engine == "vllm":
+        from detaudit.vllm import require_vllm
+
+        require_vllm()
+        if cfg.tp_mode != "real":
+            raise DetauditError("--engine vllm runs real TP only (drop --tp-mode emulated)")
     validate_devices(cfg)
     suites = load_suites(cfg, data_dir)  # bad suites fail before any model work
     from detaudit.models import resolve_model
@@ -229,7 +238,7 @@ def _run_engine_cells(cfg, run, model, tokenizer, prompts, eos, backend, tp, cel
                 if engine is None:
                     progress.update(task, description=f"{cell.id} [dim](starting engine)[/]")
                     engine = open_engine(model.path, backend, tp, cfg.tp_mode, dtype=cfg.dtype, device=cfg.device,
-                                         eos_ids=eos, hang_timeout=hang_timeout)
+                                         eos_ids=eos, hang_timeout=hang_timeout, engine=cfg.engine)
                     load_s = time.monotonic() - t0
                     run.manifest["backends"][f"{backend}@tp{tp}"] = engine.describe()
                     progress.update(task, description=cell.id)
@@ -246,6 +255,8 @@ def _run_engine_cells(cfg, run, model, tokenizer, prompts, eos, backend, tp, cel
                 rows = _rows(cfg, cell, model, tokenizer, ps, gens, tf, ref.id if tf is not None else None)
                 wall = time.monotonic() - t0
                 timing = {"wall_s": round(wall, 3), "engine_start_s": round(load_s, 3), "generate_s": round(gen_s, 3)}
+                if cfg.engine != "builtin":  # vLLM: knobs of the engine built for this batch size
+                    run.manifest["backends"][f"{backend}@tp{tp}@bs{cell.batch_size}"] = engine.describe()
                 run.write_cell(cell.id, rows, {**timing, "finished": now(), "tp_mode": "emulated" if engine_emulated(engine) else "real"})
                 result.done.append(cell.id)
                 result.timings[cell.id] = timing
@@ -253,7 +264,7 @@ def _run_engine_cells(cfg, run, model, tokenizer, prompts, eos, backend, tp, cel
             except CellFailed as e:
                 result.failed[cell.id] = str(e)
                 run.mark(cell.id, "failed", error=str(e), finished=now())
-                progress.console.print(f"[red]cell {cell.id} failed:[/] {e}")
+                progress.console.print(f"[red]cell {cell.id} failed:[/] {escape(str(e))}")
                 if engine is not None:
                     engine.close()
                     engine = None

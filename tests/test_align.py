@@ -28,5 +28,5 @@ def test_align_tbik_is_bitwise_and_bf16_is_not(smollm, tmp_path):
 
 
 def test_align_bad_side(tmp_path):
-    res = runner.invoke(app, ["align", "--rollout", "vllm:4", "--output-path", str(tmp_path / "a")])
+    res = runner.invoke(app, ["align", "--rollout", "sglang:4", "--output-path", str(tmp_path / "a")])
     assert res.exit_code == 2 and "Traceback" not in res.output

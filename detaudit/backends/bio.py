@@ -35,7 +35,7 @@ class BioBackend:
         return self._flags.activate()
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        return fixed.matmul(x, weight).to(x.dtype)
+        return fixed.matmul(x, weight, out_dtype=x.dtype)
 
     def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor:
         return fixed.matmul(x, weight)  # fp32 partial

@@ -53,7 +53,7 @@ def bench_kernels(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, m_v
             x = torch.randn(m, k, device=dev, generator=g, dtype=torch.float32).to(dtype)
             ref = x.double() @ w.double().t() if m * n * k <= 2048 * 4096 * 6144 else None
             native = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
-            bio = lambda: fixed.matmul(x, w).to(dtype)  # noqa: E731
+            bio = lambda: fixed.matmul(x, w, out_dtype=dtype)  # noqa: E731 (what bio's linear runs)
             tbik = lambda: tree.tree_matmul(x, w, 1).to(dtype)  # noqa: E731
             t_nat, t_bio, t_tree = (_time(f, dev) for f in (native, bio, tbik))
             flops = 2 * m * n * k

@@ -17,19 +17,22 @@ from torch import Tensor
 
 
 class TorchGroup:
-    def __init__(self, rank: int, size: int) -> None:
+    """`pg`: a torch ProcessGroup (default: the default group), ranks in `pg`'s order."""
+
+    def __init__(self, rank: int, size: int, pg=None) -> None:
         self.rank = rank
         self.size = size
+        self.pg = pg
 
     def all_gather(self, t: Tensor) -> list[Tensor]:
         t = t.contiguous()
         out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t)
+        dist.all_gather(out, t, group=self.pg)
         return out
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
         t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg)
         return t
 
     def all_to_all(self, chunks: list[Tensor]) -> list[Tensor]:
@@ -38,11 +41,19 @@ class TorchGroup:
         assert len(chunks) == self.size
         inp = torch.stack([c.contiguous() for c in chunks])
         out = torch.empty_like(inp)
-        dist.all_to_all_single(out, inp)
+        dist.all_to_all_single(out, inp, group=self.pg)
         return list(out.unbind(0))
 
     def barrier(self) -> None:
-        dist.barrier()
+        dist.barrier(group=self.pg)
+
+
+def vllm_tp_group() -> TorchGroup:
+    """Inside a vLLM worker: vLLM's TP group (gloo on CPU, NCCL on GPU) with the same collectives."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    g = get_tp_group()
+    return TorchGroup(g.rank_in_group, g.world_size, g.device_group)
 
 
 def free_port() -> int:

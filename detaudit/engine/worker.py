@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,14 +68,21 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict) 
         from detaudit.engine.local import LocalEngine
 
         device = f"cuda:{rank}" if spec["device"].startswith("cuda") else "cpu"
-        if device != "cpu":
-            torch.cuda.set_device(rank)
-        torch.set_num_interop_threads(1)
-        group = dist.init(rank, size, port, device)
-        engine = LocalEngine(
-            Path(spec["model_path"]), spec["backend"], size, rank=rank, group=group,
-            dtype=spec["dtype"], device=device, eos_ids=spec["eos_ids"], threads=spec["threads"],
-        )
+        if spec.get("engine") == "vllm":  # one host process; vLLM launches its own TP workers
+            os.environ.update(spec["env"])
+            from detaudit.vllm.host import VllmHost
+
+            engine: Any = VllmHost(Path(spec["model_path"]), spec["backend"], spec["tp"], dtype=spec["dtype"],
+                                   device=spec["device"], eos_ids=spec["eos_ids"])
+        else:
+            if device != "cpu":
+                torch.cuda.set_device(rank)
+            torch.set_num_interop_threads(1)
+            group = dist.init(rank, size, port, device)
+            engine = LocalEngine(
+                Path(spec["model_path"]), spec["backend"], size, rank=rank, group=group,
+                dtype=spec["dtype"], device=device, eos_ids=spec["eos_ids"], threads=spec["threads"],
+            )
         conn.send(("ready", engine.describe()))
         while True:
             cmd, payload = conn.recv()
@@ -86,9 +94,13 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict) 
                 res: Any = engine.generate(*payload, progress=progress)
             elif cmd == "score":
                 res = engine.score(*payload)
+            elif cmd == "describe":
+                res = engine.describe()
             else:
                 raise ValueError(f"unknown command {cmd}")
             conn.send(("result", res if rank == 0 else None))
+        if spec.get("engine") == "vllm":
+            engine.close()
         dist.shutdown()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass
@@ -114,31 +126,45 @@ class DistEngine:
         eos_ids: Sequence[int] = (),
         hang_timeout: float = 300.0,
         start_timeout: float = 600.0,
+        host: dict | None = None,
     ) -> None:
+        """`host`: instead of one worker per rank, start one process that hosts another engine
+        (`{"engine": "vllm", "env": {...}}`), which runs its own TP workers."""
         from detaudit.engine.dist import free_port
 
         self.tp = tp
         self.hang_timeout = hang_timeout
         threads = max(1, cpu_cores() // tp) if not device.startswith("cuda") else 1
         self.spec = dict(model_path=str(model_path), backend=backend, dtype=dtype, device=device,
-                         eos_ids=list(eos_ids), threads=threads)
+                         eos_ids=list(eos_ids), threads=threads, tp=tp, **(host or {}))
+        nprocs = 1 if host else tp
         port = free_port()
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         try:
-            for r in range(tp):
+            for r in range(nprocs):
                 parent, child = socket.socketpair()
                 code = "from detaudit.engine.worker import _entry; _entry()"
-                argv = [sys.executable, "-c", code, str(r), str(tp), str(port), str(child.fileno()), json.dumps(self.spec)]
-                p = subprocess.Popen(argv, pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                argv = [sys.executable, "-c", code, str(r), str(nprocs), str(port), str(child.fileno()), json.dumps(self.spec)]
+                log = open(host["log"], "ab") if host and host.get("log") else None  # vLLM's own chatter
+                p = subprocess.Popen(argv, pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                     stdout=log, stderr=log)
+                if log is not None:
+                    log.close()
                 child.close()
                 self.procs.append(p)
                 self.conns.append(Connection(parent.detach()))
             self._describe = self._collect("ready", start_timeout)[0]
         except BaseException:
+            self.keep_log = True
             self.close()
             raise
+
+    def _who(self, r: int) -> str:
+        if self.spec.get("engine") == "vllm":
+            return f"vLLM engine process (log: {self.spec.get('log')})"
+        return f"TP worker rank {r}"
 
     # ---- protocol
     def _collect(self, expect: str, timeout: float, progress: ProgressFn | None = None) -> list[Any]:
@@ -152,7 +178,7 @@ class DistEngine:
             ready = wait(list(pending.values()), timeout=min(0.5, left))
             for r, p in enumerate(self.procs):
                 if p.poll() is not None and not (r in pending and pending[r].poll()):
-                    raise CellFailed(f"TP worker rank {r} died (exit code {p.returncode})")
+                    raise CellFailed(f"{self._who(r)} died (exit code {p.returncode})")
             for r, c in list(pending.items()):
                 if c not in ready:
                     continue
@@ -163,7 +189,7 @@ class DistEngine:
                         code = self.procs[r].wait(2)
                     except subprocess.TimeoutExpired:
                         code = None
-                    raise CellFailed(f"TP worker rank {r} died (pipe closed, exit code {code})") from None
+                    raise CellFailed(f"{self._who(r)} died (pipe closed, exit code {code})") from None
                 if kind == "progress":
                     deadline = time.monotonic() + timeout
                     if progress:
@@ -183,6 +209,7 @@ class DistEngine:
                 c.send((cmd, payload))
             return self._collect("result", self.hang_timeout, progress)[0]
         except BaseException:
+            self.keep_log = True  # the error message names the host's log file
             self.close()
             raise
 
@@ -194,6 +221,8 @@ class DistEngine:
         return self._call("score", (list(map(list, prompts)), list(map(list, continuations)), batch_size))
 
     def describe(self) -> dict:
+        if self.spec.get("engine") == "vllm":  # knobs are known once vLLM is built for a batch size
+            return self._call("describe", ())
         return {**self._describe, "workers": self.tp}
 
     @property
@@ -219,3 +248,6 @@ class DistEngine:
         for c in self.conns:
             c.close()
         self.procs, self.conns = [], []
+        log = self.spec.get("log")
+        if log and not getattr(self, "keep_log", False):  # the vLLM host's marker + log directory
+            shutil.rmtree(os.path.dirname(log), ignore_errors=True)

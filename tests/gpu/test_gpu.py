@@ -30,6 +30,20 @@ def test_matmul_prefix_invariant(k, n, dtype):
     assert ((full.double() - ref).norm() / ref.norm()) < (1e-5 if dtype == torch.float32 else 1e-5)
 
 
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_bf16_epilogue_rounds_like_a_cast(k, n):
+    """bio's linear stores bf16 from the kernel: the same bits as casting the fp32 result, and still
+    batch invariant."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    a = torch.randn(300, k, device="cuda", generator=g).bfloat16()
+    w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+    full = fixed.matmul(a, w, out_dtype=torch.bfloat16)
+    assert full.dtype == torch.bfloat16
+    assert torch.equal(full, fixed.matmul(a, w).to(torch.bfloat16))
+    for m in (1, 7, 64, 129, 256):
+        assert torch.equal(fixed.matmul(a[:m], w, out_dtype=torch.bfloat16), full[:m]), m
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k,n", [(1536, 576), (4096, 4096), (6144, 2048)])
 def test_tree_tp_invariant(k, n, dtype):

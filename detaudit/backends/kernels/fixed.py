@@ -75,16 +75,17 @@ def bmm_fixed(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(ap, bb).view(g, nb * ROWS, n)[:, :m]
 
 
-def matmul(x: Tensor, w: Tensor) -> Tensor:
-    """fp32 x[..., K] @ w[N, K]^T, batch invariant."""
+def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """x[..., K] @ w[N, K]^T accumulated in fp32, batch invariant, rounded once to `out_dtype` (on GPU
+    inside the kernel's epilogue: no separate cast pass)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x.is_cuda:
-        return triton_mm.mm(x2, w).reshape(*lead, w.shape[0])
+        return triton_mm.mm(x2, w, out_dtype=out_dtype).reshape(*lead, w.shape[0])
     xb = blocks_of(x2)
     wt = weight_t(w)
     out = torch.bmm(xb, wt.expand(xb.shape[0], *wt.shape))
-    return out.view(-1, w.shape[0])[: x2.shape[0]].reshape(*lead, w.shape[0])
+    return out.view(-1, w.shape[0])[: x2.shape[0]].reshape(*lead, w.shape[0]).to(out_dtype)
 
 
 _ONES: dict[tuple[int, str], Tensor] = {}

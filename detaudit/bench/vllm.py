@@ -1,0 +1,47 @@
+"""`detaudit bench vllm`: vLLM's decode throughput with bf16 (vLLM's own kernels), bio and bio+tbik
+(detaudit's plugin) on the same prompts, per TP size: the cost of determinism inside vLLM."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from detaudit.config import DecodingParams
+
+
+def bench_vllm(model_path: Path, prompts: list[list[int]], *, backends: tuple[str, ...], tps: tuple[int, ...],
+               batch_size: int = 8, max_new_tokens: int = 32, dtype: str = "bfloat16", device: str = "cpu",
+               repeats: int = 2, progress=None) -> pd.DataFrame:
+    from detaudit.engine import open_engine
+
+    prompts = prompts[:batch_size]
+    ids = [str(i) for i in range(len(prompts))]
+    decoding = DecodingParams(greedy=True, max_new_tokens=max_new_tokens)  # eos off: exactly max_new_tokens each
+    rows = []
+    for tp in tps:
+        for backend in backends:
+            t0 = time.perf_counter()
+            eng = open_engine(model_path, backend, tp, dtype=dtype, device=device, eos_ids=(), engine="vllm")
+            try:
+                eng.generate(prompts, ids, DecodingParams(greedy=True, max_new_tokens=2), batch_size)  # build + warm up
+                start_s = time.perf_counter() - t0
+                best = float("inf")
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    gens = eng.generate(prompts, ids, decoding, batch_size)
+                    best = min(best, time.perf_counter() - t)
+            finally:
+                eng.close()
+            ntok = sum(len(g.token_ids) for g in gens)
+            rows.append({"tp": tp, "backend": backend, "tokens": ntok, "seconds": round(best, 3),
+                         "tokens_per_s": ntok / best, "engine_start_s": round(start_s, 1)})
+            if progress:
+                progress()
+    df = pd.DataFrame(rows)
+    base = df[df.backend == "bf16"].set_index("tp")["tokens_per_s"] if "bf16" in backends else None
+    if base is not None:
+        df["vs_bf16"] = [r.tokens_per_s / base[r.tp] for r in df.itertuples()]
+    df.attrs.update(batch_size=batch_size, max_new_tokens=max_new_tokens, dtype=dtype, device=device)
+    return df

