@@ -457,14 +457,13 @@ def bench_vllm_cmd(
     from rich.progress import Progress
 
     from detaudit.bench.vllm import bench_vllm
-    from detaudit.config import TP_SIZES, parse_int_list, parse_str_list
+    from detaudit.config import check_tp_size, parse_int_list, parse_str_list
     from detaudit.vllm import require_vllm
 
     require_vllm()
     bl, tps = parse_str_list(backends, "--backends"), parse_int_list(tp, "--tp")
     for t in tps:
-        if t not in TP_SIZES:
-            raise DetauditError(f"--tp {t}: TP size must be one of 1, 2, 4, 8 (a power of two <= 8)")
+        check_tp_size(t)
     ref, prompts = _bench_prompts(model, suite, data_dir)
     with Progress(console=err) as prog:
         task = prog.add_task("vLLM engines", total=len(bl) * len(tps))

@@ -13,6 +13,11 @@ TP_MODES = ("real", "emulated")
 DTYPES = ("bfloat16", "float32")
 
 
+def check_tp_size(tp: int) -> None:
+    if tp not in TP_SIZES:
+        raise DetauditError(f"--tp {tp}: TP size must be one of 1, 2, 4, 8 (a power of two <= 8)")
+
+
 @dataclass(frozen=True)
 class DecodingParams:
     """Published setup by default (TBIK paper, Qwen3): T=0.6, top-p 0.95, top-k 20, seed 42."""
@@ -75,8 +80,7 @@ class SweepConfig:
         if not self.backends:
             raise DetauditError("no backend given (--backends)")
         for tp in self.tp:
-            if tp not in TP_SIZES:
-                raise DetauditError(f"--tp {tp}: TP size must be one of 1, 2, 4, 8 (a power of two <= 8)")
+            check_tp_size(tp)
         for bs in self.batch_sizes:
             if bs < 1:
                 raise DetauditError(f"--batch-sizes {bs}: batch size must be >= 1")

@@ -12,6 +12,21 @@ import torch
 from detaudit.config import DecodingParams
 
 
+def time_generate(engine, prompts: list[list[int]], ids: list[str], decoding: DecodingParams, batch_size: int,
+                  repeats: int) -> tuple[float, float, list]:
+    """(seconds of a 2-token warm-up call, best seconds of `repeats` timed generate calls, the last
+    call's outputs)."""
+    t = time.perf_counter()
+    engine.generate(prompts, ids, DecodingParams(greedy=True, max_new_tokens=2), batch_size)  # warm-up / build
+    warm_s = time.perf_counter() - t
+    best, gens = float("inf"), []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        gens = engine.generate(prompts, ids, decoding, batch_size)
+        best = min(best, time.perf_counter() - t)
+    return warm_s, best, gens
+
+
 def bench_engine(model_path: Path, prompts: list[list[int]], batch_size: int = 8, max_new_tokens: int = 32,
                  dtype: str = "bfloat16", backends: tuple[str, ...] = ("bf16",), repeats: int = 2) -> pd.DataFrame:
     from transformers import AutoModelForCausalLM
@@ -25,12 +40,7 @@ def bench_engine(model_path: Path, prompts: list[list[int]], batch_size: int = 8
     rows = []
     for backend in backends:
         eng = LocalEngine(model_path, backend, 1, dtype=dtype, eos_ids=())
-        eng.generate(prompts, ids, DecodingParams(greedy=True, max_new_tokens=2), batch_size)  # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            gens = eng.generate(prompts, ids, decoding, batch_size)
-            best = min(best, time.perf_counter() - t)
+        _, best, gens = time_generate(eng, prompts, ids, decoding, batch_size, repeats)
         ntok = sum(len(g.token_ids) for g in gens)
         rows.append({"engine": f"detaudit ({backend})", "tokens": ntok, "seconds": best, "tokens_per_s": ntok / best})
 

@@ -14,6 +14,7 @@ from detaudit.config import DecodingParams
 def bench_vllm(model_path: Path, prompts: list[list[int]], *, backends: tuple[str, ...], tps: tuple[int, ...],
                batch_size: int = 8, max_new_tokens: int = 32, dtype: str = "bfloat16", device: str = "cpu",
                repeats: int = 2, progress=None) -> pd.DataFrame:
+    from detaudit.bench.engine import time_generate
     from detaudit.engine import open_engine
 
     prompts = prompts[:batch_size]
@@ -24,16 +25,12 @@ def bench_vllm(model_path: Path, prompts: list[list[int]], *, backends: tuple[st
         for backend in backends:
             t0 = time.perf_counter()
             eng = open_engine(model_path, backend, tp, dtype=dtype, device=device, eos_ids=(), engine="vllm")
+            open_s = time.perf_counter() - t0
             try:
-                eng.generate(prompts, ids, DecodingParams(greedy=True, max_new_tokens=2), batch_size)  # build + warm up
-                start_s = time.perf_counter() - t0
-                best = float("inf")
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    gens = eng.generate(prompts, ids, decoding, batch_size)
-                    best = min(best, time.perf_counter() - t)
+                warm_s, best, gens = time_generate(eng, prompts, ids, decoding, batch_size, repeats)
             finally:
                 eng.close()
+            start_s = open_s + warm_s  # host process start, vLLM build (on the first generate) and warm-up
             ntok = sum(len(g.token_ids) for g in gens)
             rows.append({"tp": tp, "backend": backend, "tokens": ntok, "seconds": round(best, 3),
                          "tokens_per_s": ntok / best, "engine_start_s": round(start_s, 1)})

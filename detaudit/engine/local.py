@@ -18,11 +18,16 @@ from detaudit.engine.model import Decoder
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def cpu_cores() -> int:
+def cpu_core_ids() -> list[int]:
+    """The cores this process may run on, sorted."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def cpu_cores() -> int:
+    return len(cpu_core_ids())
 
 
 def chunks(n: int, size: int) -> list[range]:

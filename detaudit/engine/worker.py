@@ -99,8 +99,7 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict) 
             else:
                 raise ValueError(f"unknown command {cmd}")
             conn.send(("result", res if rank == 0 else None))
-        if spec.get("engine") == "vllm":
-            engine.close()
+        engine.close()
         dist.shutdown()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass
@@ -134,10 +133,12 @@ class DistEngine:
 
         self.tp = tp
         self.hang_timeout = hang_timeout
+        self.hosted = host is not None
+        self.keep_log = False  # set when a failure's message names the host's log file
         threads = max(1, cpu_cores() // tp) if not device.startswith("cuda") else 1
         self.spec = dict(model_path=str(model_path), backend=backend, dtype=dtype, device=device,
                          eos_ids=list(eos_ids), threads=threads, tp=tp, **(host or {}))
-        nprocs = 1 if host else tp
+        nprocs = 1 if self.hosted else tp
         port = free_port()
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
@@ -162,7 +163,7 @@ class DistEngine:
             raise
 
     def _who(self, r: int) -> str:
-        if self.spec.get("engine") == "vllm":
+        if self.hosted:
             return f"vLLM engine process (log: {self.spec.get('log')})"
         return f"TP worker rank {r}"
 
@@ -209,7 +210,7 @@ class DistEngine:
                 c.send((cmd, payload))
             return self._collect("result", self.hang_timeout, progress)[0]
         except BaseException:
-            self.keep_log = True  # the error message names the host's log file
+            self.keep_log = True
             self.close()
             raise
 
@@ -221,7 +222,7 @@ class DistEngine:
         return self._call("score", (list(map(list, prompts)), list(map(list, continuations)), batch_size))
 
     def describe(self) -> dict:
-        if self.spec.get("engine") == "vllm":  # knobs are known once vLLM is built for a batch size
+        if self.hosted:  # knobs are known once vLLM is built for a batch size
             return self._call("describe", ())
         return {**self._describe, "workers": self.tp}
 
@@ -249,5 +250,5 @@ class DistEngine:
             c.close()
         self.procs, self.conns = [], []
         log = self.spec.get("log")
-        if log and not getattr(self, "keep_log", False):  # the vLLM host's marker + log directory
+        if log and not self.keep_log:  # the vLLM host's marker + log directory
             shutil.rmtree(os.path.dirname(log), ignore_errors=True)

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from detaudit.config import DecodingParams
 from detaudit.engine.generate import Generation, ProgressFn, request_seed
-from detaudit.engine.local import chunks, cpu_cores
+from detaudit.engine.local import chunks, cpu_core_ids
 
 BACKEND_ENV = "DETAUDIT_VLLM_BACKEND"  # read by detaudit.vllm.plugin in every vLLM process
 MARKER_ENV = "DETAUDIT_VLLM_MARKER_DIR"  # each process the plugin patches writes a marker here
@@ -45,7 +45,7 @@ def engine_env(backend: str, tp: int, device: str, marker_dir: str) -> dict[str,
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     }
     if not device.startswith("cuda"):
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(cpu_cores()))
+        cores = cpu_core_ids()
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or thread_binds(tp, cores)
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
         env["OMP_NUM_THREADS"] = str(max(1, len(cores) // tp))

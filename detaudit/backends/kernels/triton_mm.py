@@ -184,25 +184,27 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
         w3 = w3.expand(batch, n, k)
     if k % leaves:
         raise DetauditError(f"K={k} does not split into {leaves} leaves")
-    cfg = dict(config or (INTERPRET_CONFIG if x.device.type == "cpu" else (TREE_CONFIGS if tree else CONFIGS)[x.dtype]))
     if leaves > 8 or leaves & (leaves - 1):
         raise DetauditError(f"the tree kernel takes 1, 2, 4 or 8 leaves, got {leaves}")
-    interpret = x.device.type == "cpu"  # the interpreter's fp32 -> bf16 store does not round like torch
-    store_dtype = torch.float32 if (tree or leaves > 1 or interpret) else out_dtype
-    out = torch.empty(batch, m, n, dtype=store_dtype, device=x.device)
+    tree = tree or leaves > 1
+    interpret = x.device.type == "cpu"  # TRITON_INTERPRET on CPU tensors
+    cfg = dict(config or (INTERPRET_CONFIG if interpret else (TREE_CONFIGS if tree else CONFIGS)[x.dtype]))
+    # tree results stay fp32; the interpreter's fp32 -> bf16 store does not round like torch, so it
+    # stores fp32 and torch rounds below
+    out = torch.empty(batch, m, n, dtype=torch.float32 if (tree or interpret) else out_dtype, device=x.device)
     if m and n and batch:
         leaf = k // leaves
         tiles = batch * triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         progs = _num_programs(x.device, tiles)
         strides = (*x3.stride(), *w3.stride(), *out.stride())
-        common = dict(PRECISION="ieee" if (x.dtype == torch.float32 or x.device.type == "cpu") else "tf32",
-                      UPCAST=x.device.type == "cpu", **cfg)
-        if leaves > 1 or tree:
+        common = dict(PRECISION="ieee" if (x.dtype == torch.float32 or interpret) else "tf32", UPCAST=interpret, **cfg)
+        if tree:
             _tree_kernel[(progs,)](x3, w3, out, batch, m, n, leaf, *strides, progs,
                                    NUM_LEAVES=leaves, EVEN_LEAF=leaf % cfg["BLOCK_K"] == 0, **common)
         else:
             _mm_kernel[(progs,)](x3, w3, out, batch, m, n, k, *strides, progs, EVEN_K=k % cfg["BLOCK_K"] == 0, **common)
-    out = out if out.dtype == out_dtype or tree or leaves > 1 else out.to(out_dtype)
+    if not tree:
+        out = out.to(out_dtype)  # a no-op unless the interpreter stored fp32
     return out[0] if squeeze else out
 
 
