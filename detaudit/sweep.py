@@ -238,7 +238,8 @@ def _run_engine_cells(cfg, run, model, tokenizer, prompts, eos, backend, tp, cel
                 if engine is None:
                     progress.update(task, description=f"{cell.id} [dim](starting engine)[/]")
                     engine = open_engine(model.path, backend, tp, cfg.tp_mode, dtype=cfg.dtype, device=cfg.device,
-                                         eos_ids=eos, hang_timeout=hang_timeout, engine=cfg.engine)
+                                         eos_ids=eos, hang_timeout=hang_timeout, engine=cfg.engine,
+                                         max_batch_size=max(c.batch_size for c in cells))
                     load_s = time.monotonic() - t0
                     run.manifest["backends"][f"{backend}@tp{tp}"] = engine.describe()
                     progress.update(task, description=cell.id)
@@ -255,7 +256,7 @@ def _run_engine_cells(cfg, run, model, tokenizer, prompts, eos, backend, tp, cel
                 rows = _rows(cfg, cell, model, tokenizer, ps, gens, tf, ref.id if tf is not None else None)
                 wall = time.monotonic() - t0
                 timing = {"wall_s": round(wall, 3), "engine_start_s": round(load_s, 3), "generate_s": round(gen_s, 3)}
-                if cfg.engine != "builtin":  # vLLM: knobs of the engine built for this batch size
+                if cfg.engine != "builtin":  # vLLM: knobs of the engine that ran this batch size
                     run.manifest["backends"][f"{backend}@tp{tp}@bs{cell.batch_size}"] = engine.describe()
                 run.write_cell(cell.id, rows, {**timing, "finished": now(), "tp_mode": "emulated" if engine_emulated(engine) else "real"})
                 result.done.append(cell.id)

@@ -47,8 +47,8 @@ def test_bio_batch_invariant(smollm, prompts, decoding):
     ids, pids = prompts
     eng = LocalEngine(smollm.path, "bio", 1)
     ref = eng.generate(ids[:8], pids[:8], decoding, batch_size=1)
-    for bs in (8, 16, 32):
-        got = eng.generate(ids, pids, decoding, batch_size=bs)[:8]
+    for bs in (8, 16, 32):  # the first 8 requests share a batch with the next bs - 8
+        got = eng.generate(ids[:bs], pids[:bs], decoding, batch_size=bs)[:8]
         assert _outputs(got) == _outputs(ref), f"bio diverged at batch size {bs}"
 
 
@@ -57,7 +57,7 @@ def test_tbik_tp_and_batch_invariant(smollm, prompts):
     ref = LocalEngine(smollm.path, "bio+tbik", 1).generate(ids[:4], pids[:4], GREEDY, batch_size=1)
     for tp, bs in ((2, 16), (4, 8), (8, 32)):
         eng = LocalEngine(smollm.path, "bio+tbik", tp, emulated=True)
-        got = eng.generate(ids, pids, GREEDY, batch_size=bs)[:4]
+        got = eng.generate(ids[:bs], pids[:bs], GREEDY, batch_size=bs)[:4]
         assert _outputs(got) == _outputs(ref), f"bio+tbik diverged at TP {tp}, batch size {bs}"
 
 
@@ -75,7 +75,7 @@ def test_bf16_negative_control(smollm, prompts, capsys):
     ids, pids = prompts
     eng = LocalEngine(smollm.path, "bf16", 1)
     ref = eng.generate(ids[:8], pids[:8], GREEDY, batch_size=1)
-    report = {bs: _diverging(eng.generate(ids, pids, GREEDY, batch_size=bs)[:8], ref) for bs in (8, 16, 32)}
+    report = {bs: _diverging(eng.generate(ids[:bs], pids[:bs], GREEDY, batch_size=bs)[:8], ref) for bs in (8, 16, 32)}
     msg = "bf16 negative control, prompts (of 8) whose greedy tokens/logprobs differ from batch size 1: " + \
         ", ".join(f"bs {bs}: {n}" for bs, n in report.items())
     with capsys.disabled():

@@ -22,13 +22,15 @@ def open_engine(
     eos_ids: Sequence[int] = (),
     hang_timeout: float = 300.0,
     engine: str = "builtin",
+    max_batch_size: int = 0,
 ):
     if engine == "vllm":
         from detaudit.engine.worker import DistEngine
         from detaudit.vllm.host import engine_env, marker_dir
 
         mdir = marker_dir()
-        host = {"engine": "vllm", "env": engine_env(backend, tp, device, mdir), "log": f"{mdir}/vllm.log"}
+        host = {"engine": "vllm", "env": engine_env(backend, tp, device, mdir), "log": f"{mdir}/vllm.log",
+                "max_batch_size": max_batch_size}
         return DistEngine(model_path, backend, tp, dtype=dtype, device=device, eos_ids=eos_ids,
                           hang_timeout=hang_timeout, host=host)
     if tp == 1 or tp_mode == "emulated":

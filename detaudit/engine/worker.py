@@ -73,7 +73,8 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict) 
             from detaudit.vllm.host import VllmHost
 
             engine: Any = VllmHost(Path(spec["model_path"]), spec["backend"], spec["tp"], dtype=spec["dtype"],
-                                   device=spec["device"], eos_ids=spec["eos_ids"])
+                                   device=spec["device"], eos_ids=spec["eos_ids"],
+                                   max_batch_size=spec.get("max_batch_size", 0))
         else:
             if device != "cpu":
                 torch.cuda.set_device(rank)

@@ -2,8 +2,10 @@
 (`LLM`, in-process engine core) and serves `generate` / `score` over the same pipe protocol as the
 built-in TP workers (`detaudit.engine.worker`), so crashes, hangs and Ctrl-C are handled the same way.
 
-Batch size is vLLM's `max_num_seqs` (the engine is rebuilt when it changes) and the suite is submitted
-in chunks of that size. Every knob that can change the computation order is fixed here and recorded:
+The suite is submitted in chunks of the batch size and each chunk runs as one batch: vLLM's
+`max_num_seqs` is the largest batch size of the sweep's (backend, TP) group, so one engine serves every
+batch size of the group (it is rebuilt only for a larger one), and the scheduler always takes the whole
+chunk at once (prefill of all of it, then decode of all of it). Every knob that can change the computation order is fixed here and recorded:
 eager mode (no CUDA graphs / compilation), prefix caching off, chunked prefill off, custom all-reduce
 off, thread binds, the CPU attention KV split, and which detaudit plugin patches are active.
 """
@@ -82,37 +84,41 @@ def recorded_env() -> dict[str, str]:
 
 
 class VllmHost:
-    def __init__(self, model_path: Path, backend: str, tp: int, *, dtype: str, device: str, eos_ids: Sequence[int]) -> None:
+    def __init__(self, model_path: Path, backend: str, tp: int, *, dtype: str, device: str, eos_ids: Sequence[int],
+                 max_batch_size: int = 0) -> None:
         import vllm
 
         self.model_path, self.backend, self.tp = Path(model_path), backend, tp
         self.dtype, self.device, self.eos = dtype, device, list(eos_ids)
         self.version = vllm.__version__
         self.llm: Any = None
-        self.batch_size = 0
+        self.max_batch_size = max_batch_size
+        self.max_num_seqs = 0
         self.knobs: dict[str, Any] = {}
 
     def _engine(self, batch_size: int):
-        if self.llm is not None and batch_size == self.batch_size:
+        if self.llm is not None and batch_size <= self.max_num_seqs:
+            self.knobs["batch_size"] = batch_size
             return self.llm
         self._shutdown()
         from vllm import LLM
 
+        seqs = max(batch_size, self.max_batch_size)
         self.llm = LLM(
             model=str(self.model_path), tokenizer=str(self.model_path), tensor_parallel_size=self.tp,
-            dtype=self.dtype, max_num_seqs=batch_size, max_model_len=MAX_MODEL_LEN,
-            max_num_batched_tokens=batch_size * MAX_MODEL_LEN, enforce_eager=True,
+            dtype=self.dtype, max_num_seqs=seqs, max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=seqs * MAX_MODEL_LEN, enforce_eager=True,
             enable_prefix_caching=False, enable_chunked_prefill=False, disable_custom_all_reduce=True,
             distributed_executor_backend="mp" if self.tp > 1 else None, seed=0,
         )
-        self.batch_size = batch_size
+        self.max_num_seqs = seqs
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         cache = self.llm.llm_engine.vllm_config.cache_config
         self.knobs = {
             "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
             "enable_chunked_prefill": sched.enable_chunked_prefill, "async_scheduling": sched.async_scheduling,
             "enable_prefix_caching": cache.enable_prefix_caching, "enforce_eager": True,
-            "disable_custom_all_reduce": True, "env": recorded_env(),
+            "disable_custom_all_reduce": True, "env": recorded_env(), "batch_size": batch_size,
         }
         return self.llm
 

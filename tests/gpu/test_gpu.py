@@ -44,6 +44,27 @@ def test_bf16_epilogue_rounds_like_a_cast(k, n):
         assert torch.equal(fixed.matmul(a[:m], w, out_dtype=torch.bfloat16), full[:m]), m
 
 
+@pytest.mark.parametrize("k,n", [(576, 1536), (1000, 576), (4096, 4096)])
+def test_tma_and_pointer_paths_give_the_same_bits(k, n):
+    """The bf16 config loads through TMA on Hopper and falls back to pointer loads elsewhere (batched,
+    misaligned or transposed operands): the two paths, and a transposed weight view, agree bitwise."""
+    from detaudit.backends.kernels import triton_mm
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    a = torch.randn(300, k, device="cuda", generator=g).bfloat16()
+    w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+    cfg = triton_mm.CONFIGS[torch.bfloat16]
+    ptr = dict(cfg, TMA=0)
+    tma = triton_mm.mm(a, w, config=cfg, out_dtype=torch.bfloat16)
+    assert torch.equal(tma, triton_mm.mm(a, w, config=ptr, out_dtype=torch.bfloat16))
+    assert torch.equal(tma, triton_mm.mm(a, w.t().contiguous().t(), config=cfg, out_dtype=torch.bfloat16))
+    assert torch.equal(tma, triton_mm.mm(a.unsqueeze(0).expand(2, -1, -1), w, config=cfg,
+                                         out_dtype=torch.bfloat16)[1])  # batched: pointer path
+    if (k // 8) % 64 == 0:  # leaves of whole BLOCK_K steps: the TMA tree path
+        tcfg = dict(triton_mm.TREE_CONFIGS[torch.bfloat16], TMA=1)
+        assert torch.equal(triton_mm.mm(a, w, leaves=8, config=tcfg), triton_mm.mm(a, w, leaves=8))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k,n", [(1536, 576), (4096, 4096), (6144, 2048)])
 def test_tree_tp_invariant(k, n, dtype):

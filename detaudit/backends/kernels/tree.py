@@ -8,8 +8,9 @@ C is (same shapes, same order) and leaves are added pairwise in the same order, 
 bitwise identical for C = 1, 2, 4, 8.
 
 - CPU: a leaf is the fixed-shape fp32 block product of `fixed` ([R, K/8] @ [K/8, N] per R rows).
-- GPU: the Triton kernel of `triton_mm` with NUM_LEAVES = 8/C (flat K loop, one leaf accumulated in
-  fp32 registers, binary-counter carries, 2 live fp32 tiles, one fixed config per dtype).
+- GPU: the Triton tree kernel of `triton_mm` with NUM_LEAVES = 8/C (leaves unrolled at compile time,
+  each a pipelined K loop accumulated in fp32 registers, compile-time binary-counter carries held in
+  registers, one fixed config per dtype).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def describe() -> dict[str, str]:
                 "((l0+l1)+(l2+l3))+... in fp32; K % 8 != 0 is refused naming the layer",
         "tree_matmul_cpu": f"per leaf fp32 bmm on zero-padded blocks of R={fixed.ROWS} rows, fixed shapes "
                            "[R, K/8] @ [K/8, N]",
-        "tree_matmul_gpu": "Triton persistent kernel, NUM_LEAVES=8/C, one flat K loop, fp32 leaf accumulator, "
-                           f"binary-counter carries (2 live fp32 tiles; level-1/2 nodes parked in memory), no split-K, no autotune; {triton_mm.describe(tree=True)}",
+        "tree_matmul_gpu": "Triton persistent kernel, NUM_LEAVES=8/C unrolled leaves, each a pipelined K loop "
+                           "into an fp32 accumulator, compile-time binary-counter carries in registers, no split-K, "
+                           f"no autotune; {triton_mm.describe(tree=True)}",
         "tree_all_reduce": "fp32 subtrees combined pairwise along the top of the same tree, cast once",
     }

@@ -13,6 +13,8 @@ registers. Its result stays fp32 (the tree all-reduce adds ranks' subtrees befor
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -26,18 +28,23 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 # One fixed config per input dtype (never keyed on shape). Changing one changes bits, so it is part of
-# `describe()`. Chosen on an H100 from a sweep of candidates (tiles, warps, stages) by the geometric
-# mean of the throughput ratio to cuBLAS over the `detaudit bench kernels` grid.
+# `describe()`. TMA=1: on Hopper and later, 2-D bf16/fp16 products load through TMA descriptors
+# (`_tma_kernel`, WS = warp-specialised persistent loop); elsewhere the pointer kernels run the same
+# tiles. Both paths give the same bits (tests/gpu checks it), so which one runs never matters.
+# Chosen on an H100 from a sweep of candidates (tiles, warps, stages, TMA, flatten, WS) timed like
+# `detaudit bench kernels` (reports/gpu/README.md): 128x256 tiles win at M >= 2048; narrower tiles win at
+# M = 8-32 (more programs streaming the weight) but lose at large M, and one config serves every M.
 CONFIGS: dict[torch.dtype, dict[str, int]] = {
-    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-    torch.float16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1, WS=1),
+    torch.float16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1, WS=1),
     torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
 }
 # The tree kernel (TBIK) uses its own fixed config for every leaf count, so that a rank's subtree is
-# computed by the same tiles whatever the TP size.
+# computed by the same tiles whatever the TP size. Pointer loads: with TMA the unrolled leaves measured
+# 3-4x slower.
 TREE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
-    torch.bfloat16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-    torch.float16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    torch.float16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
     torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
 }
 # Small configs for the CPU interpreter (tests only: the interpreter is slow at real tile sizes).
@@ -51,9 +58,9 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        """(batch index, row offsets, column offsets) of a persistent program's tile, grouped along M
-        for L2 reuse. Which program computes a tile never changes how the tile is computed."""
+    def _tile_ids(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """(batch index, tile row, tile column) of a persistent program's tile, grouped along M for L2
+        reuse. Which program computes a tile never changes how the tile is computed."""
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         tiles_per_batch = num_pid_m * num_pid_n
@@ -62,8 +69,12 @@ if triton is not None:
         t = tile % tiles_per_batch
         first_m = (t // group) * GROUP_M
         size_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + ((t % group) % size_m)
-        pid_n = (t % group) // size_m
+        return bid, first_m + ((t % group) % size_m), (t % group) // size_m
+
+    @triton.jit
+    def _tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """(batch index, row offsets, column offsets) of a tile (see `_tile_ids`)."""
+        bid, pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         return bid, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
     @triton.jit
@@ -119,6 +130,68 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
+    def _carry(j: tl.constexpr, acc, s0, s1, s2, node):
+        """Carry finished leaf j up the complete binary tree (binary-counter order; j is a compile-time
+        constant, so the branches vanish and the pending nodes s0..s2 live in registers)."""
+        if j % 2 == 0:
+            s0 = acc
+            node = acc
+        else:
+            node = s0 + acc  # level 1
+            if j % 4 == 1:
+                s1 = node
+            else:
+                node = s1 + node  # level 2
+                if j % 8 == 3:
+                    s2 = node
+                else:
+                    node = s2 + node  # level 3
+        return s0, s1, s2, node
+
+    @triton.jit
+    def _span_desc(x_desc, w_desc, off_m, off_n, start, length, W_KN: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """`_span` with TMA loads (Hopper+): the same sequential BLOCK_K steps from zero; the hardware
+        zero-fills rows and columns past the tensor's edge, and zeros add nothing to a sum."""
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, tl.cdiv(length, BLOCK_K)):
+            k = start + kk * BLOCK_K
+            a = x_desc.load([off_m, k])
+            if W_KN:  # the weight arrives transposed: [K, N] rows
+                b = w_desc.load([k, off_n])
+            else:
+                b = w_desc.load([off_n, k]).T
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
+    def _tma_kernel(
+        x_desc, w_desc, out_ptr, M, N, K, LEAF, som, son, NUM_PROGRAMS,
+        NUM_LEAVES: tl.constexpr, W_KN: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """Both kernels for one 2-D product on Hopper and later, with TMA loads: NUM_LEAVES == 1 is the
+        plain bio matmul over all of K, more leaves the tree matmul (leaves of LEAF columns, LEAF a
+        multiple of BLOCK_K). Per output element the same reduction as `_mm_kernel` / `_tree_kernel`."""
+        total = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
+            _, pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            if NUM_LEAVES == 1:
+                node = _span_desc(x_desc, w_desc, off_m, off_n, 0, K, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
+            else:
+                s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                s1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                s2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                node = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for j in tl.static_range(NUM_LEAVES):
+                    acc = _span_desc(x_desc, w_desc, off_m, off_n, j * LEAF, LEAF, W_KN, BLOCK_M, BLOCK_N, BLOCK_K)
+                    s0, s1, s2, node = _carry(j, acc, s0, s1, s2, node)
+            _store(out_ptr, off_m + tl.arange(0, BLOCK_M), off_n + tl.arange(0, BLOCK_N), M, N, som, son, node)
+
+
+    @triton.jit
     def _tree_kernel(
         x_ptr, w_ptr, out_ptr,
         BATCH, M, N, LEAF,
@@ -141,27 +214,55 @@ if triton is not None:
             for j in tl.static_range(NUM_LEAVES):
                 acc = _span(x_ptr + bid * sxb, w_ptr + bid * swb, offs_m % M, offs_n % N, j * LEAF, LEAF,
                             sxm, sxk, swn, swk, EVEN_LEAF, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
-                # carry the finished leaf up the tree (j is a compile-time constant)
-                if j % 2 == 0:
-                    s0 = acc
-                    node = acc
-                else:
-                    node = s0 + acc  # level 1
-                    if j % 4 == 1:
-                        s1 = node
-                    else:
-                        node = s1 + node  # level 2
-                        if j % 8 == 3:
-                            s2 = node
-                        else:
-                            node = s2 + node  # level 3
+                s0, s1, s2, node = _carry(j, acc, s0, s1, s2, node)
             _store(out_ptr + bid * sob, offs_m, offs_n, M, N, som, son, node)
 
 
-def _num_programs(device: torch.device, tiles: int) -> int:
+@functools.lru_cache(maxsize=None)
+def _device_info(index: int) -> tuple[int, int]:
+    """(SM count, major compute capability) of a CUDA device, asked once."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.major
+
+
+def _num_programs(device: torch.device, tiles: int, per_sm: int = 2) -> int:
     if device.type == "cuda":
-        return max(1, min(tiles, torch.cuda.get_device_properties(device).multi_processor_count * 2))
+        return max(1, min(tiles, _device_info(device.index or 0)[0] * per_sm))
     return max(1, min(tiles, 4))  # interpreter
+
+
+def _launch_args(cfg: dict[str, int]) -> dict[str, int]:
+    """A config less its kernel-choice flags (TMA, FLATTEN, WS)."""
+    return {k: v for k, v in cfg.items() if k not in ("TMA", "FLATTEN", "WS")}
+
+
+def _tma_ready(t: Tensor) -> bool:
+    """A TMA descriptor needs a 16-byte aligned base, unit stride in one dimension and 16-byte aligned
+    strides in the other."""
+    inner = 1 if t.stride(1) == 1 else 0
+    return (t.stride(inner) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(1 - inner) * t.element_size()) % 16 == 0)
+
+
+def _use_tma(x3: Tensor, w3: Tensor, cfg: dict[str, int], leaf: int) -> bool:
+    return (bool(cfg.get("TMA")) and x3.is_cuda and x3.shape[0] == 1 and x3.dtype in (torch.bfloat16, torch.float16)
+            and _device_info(x3.device.index or 0)[1] >= 9 and leaf % cfg["BLOCK_K"] == 0
+            and x3[0].stride(1) == 1 and _tma_ready(x3[0]) and _tma_ready(w3[0]))
+
+
+def _launch_tma(x: Tensor, w: Tensor, out: Tensor, leaves: int, leaf: int, cfg: dict[str, int]) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    w_kn = w.stride(1) != 1  # a transposed view: describe it as the [K, N] tensor it is
+    x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+    w_desc = TensorDescriptor.from_tensor(w.t(), [bk, bn]) if w_kn else TensorDescriptor.from_tensor(w, [bn, bk])
+    m, n = out.shape
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    progs = _num_programs(x.device, tiles, per_sm=1)
+    _tma_kernel[(progs,)](x_desc, w_desc, out, m, n, x.shape[1], leaf, *out.stride(), progs,
+                          NUM_LEAVES=leaves, W_KN=w_kn, FLATTEN=bool(cfg.get("FLATTEN")) and leaves == 1,
+                          WS=bool(cfg.get("WS")), **_launch_args(cfg))
 
 
 def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = None, tree: bool = False,
@@ -192,8 +293,11 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
     # tree results stay fp32; the interpreter's fp32 -> bf16 store does not round like torch, so it
     # stores fp32 and torch rounds below
     out = torch.empty(batch, m, n, dtype=torch.float32 if (tree or interpret) else out_dtype, device=x.device)
-    if m and n and batch:
-        leaf = k // leaves
+    leaf = k // leaves
+    if m and n and batch and _use_tma(x3, w3, cfg, leaf):
+        _launch_tma(x3[0], w3[0], out[0], leaves, leaf, cfg)
+    elif m and n and batch:
+        cfg = _launch_args(cfg)
         tiles = batch * triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         progs = _num_programs(x.device, tiles)
         strides = (*x3.stride(), *w3.stride(), *out.stride())
