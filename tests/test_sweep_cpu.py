@@ -44,9 +44,9 @@ def test_sweep_bio_backends_real_tp(smollm, tmp_path):
     table says so; a rerun skips every cell. (bf16 sweeps through the CLI: test_vllm.py and the default
     main job; TP 2 real vs emulated: test_tbik_dist.py; TP 1/2/4/8 sweeps: reports/.)"""
     out = tmp_path / "run"
-    result = runner.invoke(app, ["sweep", "--suites", "smoke", "--limit", "2", "--max-new-tokens", "4",
-                                 "--backends", "bio,bio+tbik", "--tp", "1,4", "--batch-sizes", "1,2",
-                                 "--output-path", str(out)])
+    args = ["sweep", "--suites", "smoke", "--limit", "2", "--max-new-tokens", "4", "--backends", "bio,bio+tbik",
+            "--tp", "1,4", "--batch-sizes", "1,2", "--output-path", str(out)]
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())
     assert len(manifest["cells"]) == 8
@@ -58,7 +58,5 @@ def test_sweep_bio_backends_real_tp(smollm, tmp_path):
     assert rows["bio"]["cells"] == 4
     assert (out / "report.md").exists()
     # rerunning the same command skips every completed cell
-    again = runner.invoke(app, ["sweep", "--suites", "smoke", "--limit", "2", "--max-new-tokens", "4",
-                                "--backends", "bio,bio+tbik", "--tp", "1,4", "--batch-sizes", "1,2",
-                                "--output-path", str(out), "--no-analyze"])
+    again = runner.invoke(app, [*args, "--no-analyze"])
     assert again.exit_code == 0 and "0 cell(s) computed, 8 skipped" in again.output

@@ -5,9 +5,10 @@ built-in TP workers (`detaudit.engine.worker`), so crashes, hangs and Ctrl-C are
 The suite is submitted in chunks of the batch size and each chunk runs as one batch: vLLM's
 `max_num_seqs` is the largest batch size of the sweep's (backend, TP) group, so one engine serves every
 batch size of the group (it is rebuilt only for a larger one), and the scheduler always takes the whole
-chunk at once (prefill of all of it, then decode of all of it). Every knob that can change the computation order is fixed here and recorded:
-eager mode (no CUDA graphs / compilation), prefix caching off, chunked prefill off, custom all-reduce
-off, thread binds, the CPU attention KV split, and which detaudit plugin patches are active.
+chunk at once (prefill of all of it, then decode of all of it). Every knob that can change the
+computation order is fixed here and recorded: eager mode (no CUDA graphs / compilation), prefix
+caching off, chunked prefill off, custom all-reduce off, thread binds, the CPU attention KV split, and
+which detaudit plugin patches are active.
 """
 
 from __future__ import annotations
@@ -97,13 +98,17 @@ class VllmHost:
         self.knobs: dict[str, Any] = {}
 
     def _engine(self, batch_size: int):
-        if self.llm is not None and batch_size <= self.max_num_seqs:
-            self.knobs["batch_size"] = batch_size
-            return self.llm
+        """The engine for a batch of `batch_size` (built for the group's largest batch; rebuilt only for a
+        larger one)."""
+        if self.llm is None or batch_size > self.max_num_seqs:
+            self._build(max(batch_size, self.max_batch_size))
+        self.knobs["batch_size"] = batch_size
+        return self.llm
+
+    def _build(self, seqs: int) -> None:
         self._shutdown()
         from vllm import LLM
 
-        seqs = max(batch_size, self.max_batch_size)
         self.llm = LLM(
             model=str(self.model_path), tokenizer=str(self.model_path), tensor_parallel_size=self.tp,
             dtype=self.dtype, max_num_seqs=seqs, max_model_len=MAX_MODEL_LEN,
@@ -118,9 +123,8 @@ class VllmHost:
             "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
             "enable_chunked_prefill": sched.enable_chunked_prefill, "async_scheduling": sched.async_scheduling,
             "enable_prefix_caching": cache.enable_prefix_caching, "enforce_eager": True,
-            "disable_custom_all_reduce": True, "env": recorded_env(), "batch_size": batch_size,
+            "disable_custom_all_reduce": True, "env": recorded_env(),
         }
-        return self.llm
 
     def generate(self, prompts, prompt_ids, decoding: DecodingParams, batch_size: int,
                  progress: ProgressFn | None = None) -> list[Generation]:
