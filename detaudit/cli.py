@@ -148,7 +148,7 @@ def _analyze_and_report(run_dir: Path, formats, json_: bool):
 @app.command()
 @handle_errors
 def analyze(
-    run_dir: Path = typer.Argument(..., help="A run directory written by `detaudit sweep`."),
+    run_dir: Path = typer.Argument(..., help="A run directory written by `detaudit sweep`, or an alignment directory written by `detaudit align`."),
     json_: bool = typer.Option(False, "--json", help="Print the summary rows as JSON."),
 ):
     """Metrics per (model, suite, backend): unique outputs, probability divergence, accuracy, ..."""
@@ -158,7 +158,7 @@ def analyze(
 @app.command()
 @handle_errors
 def report(
-    run_dir: Path = typer.Argument(..., help="A run directory written by `detaudit sweep`."),
+    run_dir: Path = typer.Argument(..., help="A run directory written by `detaudit sweep`, or an alignment directory written by `detaudit align`."),
     format: str = typer.Option("md,csv,html", "--format", help="Comma-separated: md, csv, html."),
     output_path: Optional[Path] = typer.Option(None, "--output-path", "-o", help="Where to write (default: the run directory)."),
 ):
@@ -179,7 +179,7 @@ def report(
 @app.command()
 @handle_errors
 def gate(
-    run_dir: Path = typer.Argument(..., help="A run directory written by `detaudit sweep`."),
+    run_dir: Path = typer.Argument(..., help="A run directory written by `detaudit sweep`, or an alignment directory written by `detaudit align`."),
     policy: Optional[Path] = typer.Option(None, "--policy", help="Policy YAML (default: bio+tbik must be bitwise invariant)."),
     baseline: Optional[Path] = typer.Option(None, "--baseline", help="Fail when a metric is worse than this run's by more than its tolerance."),
     json_: bool = typer.Option(False, "--json", help="Print the verdict and violations as JSON."),

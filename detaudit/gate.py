@@ -10,10 +10,15 @@ Policy format (see `detaudit/data/default-policy.yaml`, the default)::
       bf16: {report_only: true}    # measured, never fails the gate
     baseline_tolerance:            # with --baseline: allowed worsening per metric (absolute)
       unique_mean: 0.25
+    alignment:                     # `detaudit align` results: backend -> rules on its alignment row
+      bio+tbik:
+        bitwise_equal_frac: {min: 1}
 
 A backend may also carry its own `baseline_tolerance`. Whatever the policy says, cells that are
 missing, failed or pending fail the gate, and so does a gated (not report-only) backend that is
 absent from the run or has no completed cell: what was not computed cannot be verified.
+Given a directory written by `detaudit align`, the gate applies the `alignment:` rules instead (a
+gated backend missing from the alignment, or one with no token compared, fails).
 Bad input (policy, run directory) raises DetauditError.
 """
 
@@ -29,6 +34,7 @@ from typing import Any
 import yaml
 from rich.table import Table
 
+from detaudit.align import ALIGN_SUMMARY, load_alignment
 from detaudit.analyze import Analysis, analyze
 from detaudit.errors import DetauditError
 
@@ -57,7 +63,17 @@ DEFAULT_BASELINE_TOLERANCE = {
     "teacher_forced_div_mean": 1e-3,
     "acc_std": 0.02,
 }
-TOP_KEYS = ("version", "description", "backends", "baseline_tolerance")
+# alignment metric (columns of `detaudit align --json`) -> the direction that is worse
+ALIGN_METRICS: dict[str, str] = {
+    "tokens": "lower",
+    "bitwise_equal_frac": "lower",
+    "dp_max": "higher",
+    "dp_mean": "higher",
+    "dp_std": "higher",
+    "pearson": "lower",
+    "kl": "higher",
+}
+TOP_KEYS = ("version", "description", "backends", "baseline_tolerance", "alignment")
 RULE_KEYS = ("max", "min", "optional")
 DEFAULT_POLICY = "default-policy.yaml"
 
@@ -93,6 +109,7 @@ class Policy:
     backends: dict[str, BackendPolicy]
     baseline_tolerance: dict[str, float]
     source: str
+    alignment: dict[str, BackendPolicy] = field(default_factory=dict)
 
     def tolerance(self, backend: str) -> dict[str, float]:
         own = self.backends[backend].baseline_tolerance
@@ -138,9 +155,19 @@ def parse_policy(obj: Any, source: str = "policy") -> Policy:
     backends = obj.get("backends")
     if not isinstance(backends, dict):
         raise bad("`backends:` must be a mapping backend -> rules")
+    alignment = obj.get("alignment") or {}
+    if not isinstance(alignment, dict):
+        raise bad("`alignment:` must be a mapping backend -> rules")
+    tol = obj.get("baseline_tolerance")
+    tolerance = DEFAULT_BASELINE_TOLERANCE if tol is None else _parse_tolerance(tol, "baseline_tolerance", bad)
+    return Policy(backends=_parse_backends(backends, "backends", METRICS, bad), baseline_tolerance=dict(tolerance),
+                  source=source, alignment=_parse_backends(alignment, "alignment", ALIGN_METRICS, bad))
+
+
+def _parse_backends(backends: dict, section: str, metrics: dict[str, str], bad) -> dict[str, BackendPolicy]:
     parsed = {}
     for backend, spec in backends.items():
-        where = f"backends.{backend}"
+        where = f"{section}.{backend}"
         if spec is None:
             spec = {}
         if not isinstance(spec, dict):
@@ -149,23 +176,20 @@ def parse_policy(obj: Any, source: str = "policy") -> Policy:
         if not isinstance(report_only, bool):
             raise bad(f"{where}.report_only must be true or false")
         tol = spec.get("baseline_tolerance")
-        rules = []
-        for metric, rule in spec.items():
-            if metric in ("report_only", "baseline_tolerance"):
-                continue
-            rules.append(_parse_rule(metric, rule, f"{where}.{metric}", bad))
+        if tol is not None and metrics is not METRICS:
+            raise bad(f"{where}.baseline_tolerance: baselines compare sweep runs only")
+        rules = [_parse_rule(metric, rule, f"{where}.{metric}", bad, metrics)
+                 for metric, rule in spec.items() if metric not in ("report_only", "baseline_tolerance")]
         parsed[str(backend)] = BackendPolicy(
             report_only=report_only, rules=tuple(rules),
             baseline_tolerance=None if tol is None else _parse_tolerance(tol, f"{where}.baseline_tolerance", bad),
         )
-    tol = obj.get("baseline_tolerance")
-    tolerance = DEFAULT_BASELINE_TOLERANCE if tol is None else _parse_tolerance(tol, "baseline_tolerance", bad)
-    return Policy(backends=parsed, baseline_tolerance=dict(tolerance), source=source)
+    return parsed
 
 
-def _known_metric(metric: Any, where: str, bad) -> str:
-    if metric not in METRICS:
-        raise bad(f"{where}: unknown metric {metric!r} (known: {', '.join(METRICS)})")
+def _known_metric(metric: Any, where: str, bad, metrics: dict[str, str] = METRICS) -> str:
+    if metric not in metrics:
+        raise bad(f"{where}: unknown metric {metric!r} (known: {', '.join(metrics)})")
     return metric
 
 
@@ -173,8 +197,8 @@ def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 
-def _parse_rule(metric: Any, rule: Any, where: str, bad) -> Rule:
-    _known_metric(metric, where, bad)
+def _parse_rule(metric: Any, rule: Any, where: str, bad, metrics: dict[str, str] = METRICS) -> Rule:
+    _known_metric(metric, where, bad, metrics)
     if not isinstance(rule, dict) or not rule:
         raise bad(f"{where} must be a mapping such as {{max: 0}} or {{min: 2}}")
     unknown = [k for k in rule if k not in RULE_KEYS]
@@ -225,6 +249,7 @@ class GateResult:
     policy: Policy | None = None
     analysis: Analysis | None = None
     baseline: Analysis | None = None
+    run: str | None = None  # the directory gated (an alignment has no Analysis)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (NaN -> None), for `detaudit gate --json`."""
@@ -238,7 +263,7 @@ class GateResult:
             passed=self.passed, checks=self.checks,
             violations=[row(v) for v in self.violations], warnings=[row(v) for v in self.warnings],
             notes=list(self.notes), policy=self.policy.source if self.policy else None,
-            run=str(self.analysis.run_dir) if self.analysis else None,
+            run=str(self.analysis.run_dir) if self.analysis else self.run,
             baseline=str(self.baseline.run_dir) if self.baseline else None,
         )
 
@@ -253,9 +278,62 @@ def gate(
 ) -> GateResult:
     """Apply the policy (default: the shipped one) to the run, optionally against a baseline run."""
     policy = load_policy(policy_path)
+    path = Path(run_dir)
+    if (path / ALIGN_SUMMARY).exists() and not (path / "manifest.json").exists():
+        if baseline_dir is not None:
+            raise DetauditError(f"{run_dir} holds alignment results: --baseline compares sweep runs only")
+        return evaluate_alignment(policy, load_alignment(path), str(path))
     analysis = analyze(run_dir)
     baseline = analyze(baseline_dir) if baseline_dir is not None else None
     return evaluate(policy, analysis, baseline)
+
+
+def evaluate_alignment(policy: Policy, results: dict[str, Any], run: str) -> GateResult:
+    """The `alignment:` rules applied to `detaudit align`'s summary rows (one per backend)."""
+    violations: list[Violation] = []
+    warnings: list[Violation] = []
+    notes: list[str] = []
+    checks = 0
+    rows = results.get("summary")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "backend" in r for r in rows):
+        raise DetauditError(f"{run}/{ALIGN_SUMMARY} has no per-backend summary rows: rerun `detaudit align`")
+    if not policy.alignment:
+        raise DetauditError(f"policy {policy.source} has no `alignment:` rules to apply to {run}")
+    meta = results.get("meta", {})
+    pair = f"{meta.get('rollout', '?')} vs {meta.get('trainer', '?')}"
+    present = {r["backend"]: r for r in rows}
+    for backend, bp in policy.alignment.items():
+        row = present.get(backend)
+        if row is None:
+            if not bp.report_only:
+                checks += 1
+                violations.append(Violation(pair, backend, "backend", "absent", "present",
+                                            f"backend {backend} is gated by the policy but absent from the alignment"))
+            continue
+        sink = warnings if bp.report_only else violations
+        if not bp.report_only:
+            checks += 1
+            if not row.get("tokens"):
+                violations.append(Violation(pair, backend, "tokens", row.get("tokens", 0), ">= 1",
+                                            "no sampled token was compared: nothing could be checked"))
+                continue
+        for rule in bp.rules:
+            checks += 1
+            value = row.get(rule.metric)
+            value = math.nan if value is None else float(value)
+            if math.isnan(value):
+                if rule.optional:
+                    notes.append(f"{backend}: {rule.metric} not computed; optional rule skipped")
+                else:
+                    sink.append(Violation(pair, backend, rule.metric, value, rule.threshold(),
+                                          f"{rule.metric} could not be computed from this alignment"))
+            elif not rule.check(value):
+                sink.append(Violation(pair, backend, rule.metric, value, rule.threshold(),
+                                      f"{rule.metric} = {_num(value)} breaks {rule.threshold()}"))
+    for backend in sorted(set(present) - set(policy.alignment)):
+        notes.append(f"backend {backend} is not in the policy's alignment rules: not checked")
+    return GateResult(passed=not violations, violations=violations, warnings=warnings, notes=notes,
+                      checks=checks, policy=policy, run=run)
 
 
 def evaluate(policy: Policy, analysis: Analysis, baseline: Analysis | None = None) -> GateResult:

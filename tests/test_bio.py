@@ -38,14 +38,21 @@ def test_matmul_lm_head_shape_and_row_position(dtype):
     assert torch.equal(fixed.matmul(a[29:30], w), full[29:30])  # a row's bits do not depend on its slot
 
 
-def test_matmul_thread_count_invariant():
-    a, w = _rand(50, 576, dtype=torch.bfloat16), _rand(1536, 576, dtype=torch.bfloat16, seed=1)
+@pytest.mark.parametrize("k,n", [(576, 1536), (1536, 64), (49152, 8), (576, 49152)])
+def test_matmul_thread_count_invariant(k, n):
+    """The caller's thread count only changes how blocks / panels are spread over threads, never a
+    block's bits. (49152, 8) is the log-softmax row sum and (1536, 64) a skinny product: multi-threaded
+    MKL splits their K across threads on AVX-512, which once broke invariance on such a CPU.)"""
+    a, w = _rand(50, k, dtype=torch.bfloat16), _rand(n, k, dtype=torch.bfloat16, seed=1)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = fixed.matmul(a, w)
-        torch.set_num_threads(max(2, before))
-        assert torch.equal(one, fixed.matmul(a, w))
+        one_row = fixed.matmul(a[:1], w)
+        for threads in (2, 3, 4):
+            torch.set_num_threads(threads)
+            assert torch.equal(one, fixed.matmul(a, w)), threads
+            assert torch.equal(one_row, fixed.matmul(a[:1], w)), threads  # one block: spread by panels
     finally:
         torch.set_num_threads(before)
 

@@ -185,3 +185,65 @@ def test_violations_table_and_json(tmp_path):
     d = result.to_dict()
     assert d["passed"] is False and len(d["violations"]) == 4
     json.dumps(d)  # JSON-ready
+
+
+# ---------------------------------------------------------------- alignment results (`detaudit align`)
+
+
+def make_alignment(tmp_path, tbik_trainer=(-0.5, -1.25, -0.125), backends=("bf16", "bio+tbik")):
+    """An alignment directory as `detaudit align` writes it: 3 sampled tokens per backend, bf16's trainer
+    log-probabilities off by a little, bio+tbik's as given."""
+    import pandas as pd
+
+    from detaudit.align import summarize, write_alignment
+
+    rollout = (-0.5, -1.25, -0.125)
+    trainer = {"bf16": (-0.5001, -1.2502, -0.125), "bio+tbik": tbik_trainer}
+    rows = [{"model": "m", "backend": b, "rollout": "vllm:4", "trainer": "builtin:1", "prompt_id": "p", "position": i,
+             "token_id": 7, "rollout_logprob": r, "trainer_logprob": t}
+            for b in backends for i, (r, t) in enumerate(zip(rollout, trainer[b]))]
+    df = pd.DataFrame(rows)
+    out = tmp_path / "align"
+    write_alignment(df, summarize(df), out, {"rollout": "vllm:4", "trainer": "builtin:1", "model": "m"})
+    return out
+
+
+def test_alignment_gate_passes_when_tbik_is_bitwise_aligned(tmp_path):
+    result = gate(make_alignment(tmp_path))
+    assert result.passed, result.violations
+    assert result.checks >= 3 and result.run.endswith("align")
+    assert {(w.backend, w.metric) for w in result.warnings} == set()  # bf16 / bio are report-only, no rules
+
+
+def test_alignment_gate_fails_on_a_gap_and_cli_exit_codes(tmp_path):
+    from typer.testing import CliRunner
+
+    from detaudit.cli import app
+
+    bad = make_alignment(tmp_path, tbik_trainer=(-0.5, -1.25, -0.1250001))
+    result = gate(bad)
+    assert not result.passed
+    assert metrics(result) == {("bio+tbik", "bitwise_equal_frac"), ("bio+tbik", "dp_max")}
+    v = next(v for v in result.violations if v.metric == "bitwise_equal_frac")
+    assert v.suite == "vllm:4 vs builtin:1" and v.value == pytest.approx(2 / 3)
+    runner = CliRunner()
+    res = runner.invoke(app, ["gate", str(bad), "--json"])
+    assert res.exit_code == 1
+    assert {v["metric"] for v in json.loads(res.stdout)["violations"]} == {"bitwise_equal_frac", "dp_max"}
+    assert runner.invoke(app, ["gate", str(make_alignment(tmp_path / "ok"))]).exit_code == 0
+    res = runner.invoke(app, ["gate", str(bad), "--baseline", str(bad)])
+    assert res.exit_code == 2 and "alignment" in res.output
+    (bad / "alignment.json").write_text("{not json")
+    res = runner.invoke(app, ["gate", str(bad)])
+    assert res.exit_code == 2 and "corrupt" in res.output and "Traceback" not in res.output
+
+
+def test_alignment_gate_fails_when_the_gated_backend_is_missing(tmp_path):
+    result = gate(make_alignment(tmp_path, backends=("bf16",)))
+    assert not result.passed and metrics(result) == {("bio+tbik", "backend")}
+
+
+def test_alignment_policy_rules_are_validated(tmp_path):
+    policy = write(tmp_path, "backends: {}\nalignment:\n  bio+tbik:\n    unique_mean: {max: 1}\n")
+    with pytest.raises(DetauditError, match="unknown metric 'unique_mean'"):
+        load_policy(policy)

@@ -63,7 +63,8 @@ class BioBackend:
     def describe(self) -> dict[str, str]:
         return {
             "backend": self.name,
-            "matmul_cpu": f"fp32 bmm on zero-padded blocks of R={fixed.ROWS} rows, fixed shape [R, K] @ [K, N]",
+            "matmul_cpu": f"fp32 products on zero-padded blocks of R={fixed.ROWS} rows, fixed shape [R, K] @ [K, N], "
+                          "one thread per block product (blocks or 64-column panels spread over worker threads)",
             "matmul_gpu": f"Triton persistent kernel, no split-K, fp32 accumulate; {triton_mm.describe()}",
             "rms_norm": "fp32, row sum of squares as a fixed-shape product with ones",
             "log_softmax": "fp32, row max then row sum of exp as a fixed-shape product with ones",

@@ -21,6 +21,10 @@ def install(backend_name: str, marker_cls) -> None:
     marker = marker_cls(backend_name, "vllm VLLM_BATCH_INVARIANT kernels" if native_bi else "detaudit ops")
     if not native_bi:
         _install_bio(backend, marker)
+        if current_platform.is_cpu():
+            from detaudit.vllm import cpu_ops
+
+            cpu_ops.install(backend, marker, _tp_rank)
     _install_row_parallel(backend, marker, "tree_row_parallel" if backend_name == "bio+tbik" else "row_parallel")
     _installed = backend_name
 

@@ -1,10 +1,11 @@
 """Batch-invariant primitives: every reduction has one fixed shape, so its order never depends on the
 batch.
 
-CPU: rows are processed in zero-padded blocks of R rows with a batched `torch.bmm` of fixed shape
-[R, K] @ [K, N] per block, in fp32 (MKL's fp32 GEMM at a fixed shape gives the same bits for a row
-whatever the row's position, the number of blocks, a column subset or the thread count: measured
-on the CI CPU and re-checked by tests/test_bio.py). GPU: the Triton kernel in `triton_mm`.
+CPU: rows are processed in zero-padded blocks of R rows, one fp32 product of fixed shape
+[R, K] @ [K, N] per block, each computed by one thread (`cpu_gemm`: the library's own threading may
+split K, and does so differently for one block than for several). A row's bits then depend on
+nothing but its own values and the weight: not on its position, the number of blocks or the thread
+count (tests/test_bio.py checks each). GPU: the Triton kernel in `triton_mm`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import triton_mm
+from detaudit.backends.kernels import cpu_gemm, triton_mm
 
 ROWS = 16  # R: rows per fixed-shape block on CPU
 
@@ -71,8 +72,8 @@ def bmm_fixed(a: Tensor, b: Tensor) -> Tensor:
         ap = a.float()
     ap = ap.reshape(g * nb, ROWS, k)
     bb = b.float()
-    bb = bb.unsqueeze(1).expand(bb.shape[0], nb, k, n).reshape(-1, k, n) if bb.shape[0] > 1 else bb.expand(g * nb, k, n)
-    return torch.bmm(ap, bb).view(g, nb * ROWS, n)[:, :m]
+    bb = bb.unsqueeze(1).expand(bb.shape[0], nb, k, n).reshape(-1, k, n) if bb.shape[0] > 1 else bb[0]
+    return cpu_gemm.block_products(ap, bb).view(g, nb * ROWS, n)[:, :m]
 
 
 def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
@@ -82,9 +83,7 @@ def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype = torch.float32) -> Tens
     x2 = x.reshape(-1, k)
     if x.is_cuda:
         return triton_mm.mm(x2, w, out_dtype=out_dtype).reshape(*lead, w.shape[0])
-    xb = blocks_of(x2)
-    wt = weight_t(w)
-    out = torch.bmm(xb, wt.expand(xb.shape[0], *wt.shape))
+    out = cpu_gemm.block_products(blocks_of(x2), weight_t(w))
     return out.view(-1, w.shape[0])[: x2.shape[0]].reshape(*lead, w.shape[0]).to(out_dtype)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import fixed, triton_mm
+from detaudit.backends.kernels import cpu_gemm, fixed, triton_mm
 from detaudit.errors import DetauditError
 
 TP_MAX = 8
@@ -73,8 +73,7 @@ def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
     wp = _packed(w, leaves, leaf)
     stack: list[Tensor] = []  # binary-counter carries: stack[i] is a finished node of level i
     for j in range(leaves):
-        xl = xb[:, :, j * leaf : (j + 1) * leaf].contiguous()
-        c = torch.bmm(xl, wp[j].expand(nb, *wp[j].shape))
+        c = cpu_gemm.block_products(xb[:, :, j * leaf : (j + 1) * leaf].contiguous(), wp[j])
         level = 0
         while (j >> level) & 1:  # a right child: left sibling + it
             c = stack.pop() + c
@@ -87,8 +86,8 @@ def describe() -> dict[str, str]:
     return {
         "tree": f"K cut into {TP_MAX} equal blocks (top 3 levels, TP_max={TP_MAX}); leaves added pairwise "
                 "((l0+l1)+(l2+l3))+... in fp32; K % 8 != 0 is refused naming the layer",
-        "tree_matmul_cpu": f"per leaf fp32 bmm on zero-padded blocks of R={fixed.ROWS} rows, fixed shapes "
-                           "[R, K/8] @ [K/8, N]",
+        "tree_matmul_cpu": f"per leaf fp32 products on zero-padded blocks of R={fixed.ROWS} rows, fixed shapes "
+                           "[R, K/8] @ [K/8, N], one thread per block product",
         "tree_matmul_gpu": "Triton persistent kernel, NUM_LEAVES=8/C unrolled leaves, each a pipelined K loop "
                            "into an fp32 accumulator, compile-time binary-counter carries in registers, no split-K, "
                            f"no autotune; {triton_mm.describe(tree=True)}",
