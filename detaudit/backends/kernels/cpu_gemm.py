@@ -27,7 +27,8 @@ from torch import Tensor
 _set_num_threads = torch._C.set_num_threads
 
 PANEL = 64  # output columns are split at multiples of this (keeps every panel 256-byte aligned)
-MIN_SPLIT_FLOPS = 64e6  # below this, one thread does the whole product (a hand-off costs ~0.1 ms)
+MIN_SPLIT_FLOPS = 64e6
+FEW_BLOCKS = 4  # up to this many blocks per group, b is copied per block and one call does all groups  # below this, one thread does the whole product (a hand-off costs ~0.1 ms)
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
@@ -69,51 +70,67 @@ def one_thread() -> Iterator[int]:
         _set_num_threads(n)
 
 
-def _parts(g: int, n: int, width: int) -> list[tuple[slice, slice]]:
-    """Split g blocks x n columns into at most `width` parts: by blocks when there are enough, else by
-    64-column panels."""
+def _jobs(g: int, nb: int, n: int, width: int) -> list[tuple[slice, slice, slice]]:
+    """Split g groups x nb blocks x n columns into about `width` jobs (group range, block range, column
+    range): by groups when there are enough, else by blocks, else by 64-column panels."""
+    if width <= 1:
+        return [(slice(0, g), slice(0, nb), slice(0, n))]
     if g >= width:
-        return [(slice(i * g // width, (i + 1) * g // width), slice(0, n)) for i in range(width)]
-    panels = -(-n // PANEL)
-    width = min(width, panels)
-    return [(slice(0, g), slice(i * panels // width * PANEL, min(n, (i + 1) * panels // width * PANEL)))
-            for i in range(width)]
+        return [(slice(i * g // width, (i + 1) * g // width), slice(0, nb), slice(0, n)) for i in range(width)]
+    jobs = []
+    for gi in range(g):
+        grp = slice(gi, gi + 1)
+        if nb >= width:
+            jobs += [(grp, slice(i * nb // width, (i + 1) * nb // width), slice(0, n)) for i in range(width)]
+        else:
+            panels = -(-n // PANEL)
+            w = min(width, panels)
+            jobs += [(grp, slice(0, nb), slice(i * panels // w * PANEL, min(n, (i + 1) * panels // w * PANEL)))
+                     for i in range(w)]
+    return jobs
 
 
 def block_products(a: Tensor, b: Tensor) -> Tensor:
-    """fp32 out[g] = a[g] @ b (b[K, N] shared, or b[G, K, N] per block), a[G, R, K] fp32: every block
-    product computed by one thread, the blocks spread over this thread and the pool."""
-    g, r, k = a.shape
-    n = b.shape[-1]
-    out = torch.empty(g, r, n, dtype=torch.float32, device=a.device)
+    """fp32 block products of one fixed shape [R, K] @ [K, N], each computed by one thread.
+
+    a[nb, R, K] with b[K, N]: out[j] = a[j] @ b. a[G, nb, R, K] with b[G, K, N]: out[g, j] = a[g, j] @ b[g]
+    (b is shared by a group's blocks, never copied per block). Blocks are spread over this thread and
+    the pool; a block's bits never depend on the split."""
+    grouped = b.dim() == 3
+    a4 = a if grouped else a.unsqueeze(0)
+    b3 = b if grouped else b.unsqueeze(0)
+    g, nb, r, k = a4.shape
+    n = b3.shape[-1]
+    out = torch.empty(g, nb, r, n, dtype=torch.float32, device=a.device)
     if out.numel() == 0:
-        return out.zero_()
-    shared = b.dim() == 2
+        return out.zero_() if grouped else out[0].zero_()
     # grad / inference mode are thread-local: the workers take the caller's
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
 
-    def run(part: tuple[slice, slice]) -> None:
+    def run(job: tuple[slice, slice, slice]) -> None:
+        gs, bs, ns = job
         with torch.set_grad_enabled(modes[0]), torch.inference_mode(modes[1]):
-            _run(part)
-
-    def _run(part: tuple[slice, slice]) -> None:
-        gs, ns = part
-        rows = a[gs]
-        bb = b[:, ns] if shared else b[gs, :, ns]
-        if shared:
-            bb = bb.expand(rows.shape[0], k, bb.shape[-1])
-        if ns.stop - ns.start == n:
-            torch.bmm(rows, bb, out=out[gs])
-        else:
-            out[gs, :, ns] = torch.bmm(rows, bb)
+            blocks = bs.stop - bs.start
+            if gs.stop - gs.start > 1 and blocks <= FEW_BLOCKS:
+                # many groups of few blocks (decode attention): one call, the group's b repeated per block
+                rows = a4[gs, bs].reshape(-1, r, k)
+                rhs = b3[gs, :, ns].unsqueeze(1).expand(-1, blocks, k, ns.stop - ns.start).reshape(-1, k, ns.stop - ns.start)
+                out[gs, bs, :, ns] = torch.bmm(rows, rhs).view(-1, blocks, r, ns.stop - ns.start)
+                return
+            for gi in range(gs.start, gs.stop):  # b shared by the group's blocks: a stride-0 view, no copy
+                rows = a4[gi, bs]
+                rhs = b3[gi, :, ns]
+                dest = out[gi, bs, :, ns]
+                if dest.is_contiguous():
+                    torch.bmm(rows, rhs.expand(rows.shape[0], k, rhs.shape[-1]), out=dest)
+                else:
+                    dest.copy_(torch.bmm(rows, rhs.expand(rows.shape[0], k, rhs.shape[-1])))
 
     with one_thread() as width:
-        parts = _parts(g, n, width) if 2.0 * g * r * k * n >= MIN_SPLIT_FLOPS else [(slice(0, g), slice(0, n))]
-        if len(parts) == 1:
-            run(parts[0])
-            return out
-        futures = [_workers(len(parts) - 1).submit(run, p) for p in parts[1:]]
-        run(parts[0])
+        big = 2.0 * g * nb * r * k * n >= MIN_SPLIT_FLOPS
+        jobs = _jobs(g, nb, n, width if big else 1)
+        futures = [_workers(width - 1).submit(run, j) for j in jobs[1:]] if len(jobs) > 1 else []
+        run(jobs[0])
         for f in futures:
             f.result()
-    return out
+    return out if grouped else out[0]

@@ -70,10 +70,10 @@ def bmm_fixed(a: Tensor, b: Tensor) -> Tensor:
         ap[:, :m] = a
     else:
         ap = a.float()
-    ap = ap.reshape(g * nb, ROWS, k)
+    ap = ap.view(g, nb, ROWS, k)
     bb = b.float()
-    bb = bb.unsqueeze(1).expand(bb.shape[0], nb, k, n).reshape(-1, k, n) if bb.shape[0] > 1 else bb[0]
-    return cpu_gemm.block_products(ap, bb).view(g, nb * ROWS, n)[:, :m]
+    out = cpu_gemm.block_products(ap, bb.expand(g, k, n) if bb.shape[0] == 1 else bb)
+    return out.view(g, nb * ROWS, n)[:, :m]
 
 
 def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
@@ -117,37 +117,77 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, spli
     """Causal attention over the cache in fixed-size KV chunks of `split` keys (never a fixed number of
     chunks), with an fp32 online softmax. A chunk a row cannot see is an exact no-op for that row, so the
     result does not depend on how long the batch's longest sequence is, and a query's output is the same
-    whether it is computed in prefill (many queries) or decode (one)."""
+    whether it is computed in prefill (many queries) or decode (one). Being a no-op, such a row is not
+    computed at all: rows are laid out (position, query head) so that the rows a chunk can reach form a
+    suffix, and only that suffix runs (half the work of a prefill; the same bits)."""
     bsz, hq, t, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     groups = hq // hkv
-    # queries of one KV head together: [B*Hkv, groups*T, D]
-    qg = q.reshape(bsz, hkv, groups * t, d).reshape(bsz * hkv, groups * t, d)
-    pos = q_pos[:, None, None, :].expand(bsz, hkv, groups, t).reshape(bsz * hkv, groups * t, 1)
-    kf = k.reshape(bsz * hkv, length, d)
-    vf = v.reshape(bsz * hkv, length, d)
-    rows = qg.shape[1]
-    m = torch.full((bsz * hkv, rows, 1), float("-inf"), device=q.device)
-    l = torch.zeros((bsz * hkv, rows, 1), device=q.device)
-    acc = torch.zeros((bsz * hkv, rows, d), device=q.device)
-    qs = qg.float() * scale
+    g = bsz * hkv
+    # the queries of one KV head together, position-major: [B*Hkv, T*groups, D]
+    qs = q.view(bsz, hkv, groups, t, d).transpose(2, 3).reshape(g, t * groups, d).float() * scale
+    pos = q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, t * groups, 1)
+    latest = q_pos.amax(0).tolist()  # per query index, the furthest position any request has there
+    kf = k.reshape(g, length, d)
+    vf = v.reshape(g, length, d)
+    rows = qs.shape[1]
+    m = torch.full((g, rows, 1), float("-inf"), device=q.device)
+    l = torch.zeros((g, rows, 1), device=q.device)
+    acc = torch.zeros((g, rows, d), device=q.device)
+    if t == 1:  # decode: every chunk's products in one call each, then the same recurrence
+        out = _decode_chunks(qs, pos, kf, vf, split, m, l, acc)
+        return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
     for start in range(0, length, split):
+        first = next((i for i, p in enumerate(latest) if p >= start), None)
+        if first is None:  # no query reaches this chunk
+            continue
+        r = slice(first * groups, rows)  # rows before it cannot see the chunk: exact no-ops, skipped
         kc = kf[:, start : start + split]
         vc = vf[:, start : start + split]
         width = kc.shape[1]
         if width < split:  # pad the last chunk: same shapes for every chunk
             kc = torch.nn.functional.pad(kc, (0, 0, 0, split - width))
             vc = torch.nn.functional.pad(vc, (0, 0, 0, split - width))
-        s = batched(qs, kc)  # [G, rows, split]
+        s = batched(qs[:, r], kc)  # [G, rows', split]
         keys = torch.arange(start, start + split, device=q.device).view(1, 1, -1)
-        visible = keys <= pos
-        s = s.masked_fill(~visible, float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        s = s.masked_fill(keys > pos[:, r], float("-inf"))
+        m_old = m[:, r]
+        m_new = torch.maximum(m_old, s.amax(-1, keepdim=True))
         safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        alpha = torch.exp(m - safe)  # exp(-inf) = 0 on the first visible chunk; 1 on an unseen chunk
+        alpha = torch.exp(m_old - safe)  # exp(-inf) = 0 on the first visible chunk; 1 on an unseen chunk
         p = torch.exp(s - safe)  # masked keys: exp(-inf) = 0
-        l = l * alpha + row_sum(p)
-        acc = acc * alpha + batched(p, vc.transpose(1, 2))
-        m = m_new
+        l[:, r] = l[:, r] * alpha + row_sum(p)
+        acc[:, r] = acc[:, r] * alpha + batched(p, vc.transpose(1, 2))
+        m[:, r] = m_new
     out = acc / l
-    return out.view(bsz, hkv, groups, t, d).reshape(bsz, hq, t, d).to(q.dtype)
+    return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
+
+
+def _decode_chunks(qs: Tensor, pos: Tensor, kf: Tensor, vf: Tensor, split: int, m: Tensor, l: Tensor,
+                   acc: Tensor) -> Tensor:
+    """`attention`'s chunk loop for a few query rows (decode), with every chunk's scores, row sums and
+    P @ V products computed by one call each: the running max is a cumulative max over the chunks'
+    maxima (max is exact in any order), and the recurrence over chunks then applies the same
+    elementwise operations, chunk by chunk, as the loop. Same bits, far fewer calls."""
+    g, rows, d = qs.shape
+    chunks = -(-kf.shape[1] // split)
+    pad = chunks * split - kf.shape[1]
+    if pad:
+        kf = torch.nn.functional.pad(kf, (0, 0, 0, pad))
+        vf = torch.nn.functional.pad(vf, (0, 0, 0, pad))
+    q_all = qs[:, None].expand(g, chunks, rows, d).reshape(g * chunks, rows, d)
+    s = batched(q_all, kf.reshape(g * chunks, split, d)).view(g, chunks, rows, split)
+    keys = torch.arange(chunks * split, device=qs.device).view(1, chunks, 1, split)
+    s = s.masked_fill(keys > pos[:, None], float("-inf"))
+    m_all = torch.cummax(s.amax(-1, keepdim=True), dim=1).values  # [g, chunks, rows, 1]
+    safe = torch.where(torch.isinf(m_all), torch.zeros_like(m_all), m_all)
+    p = torch.exp(s - safe)
+    sums = row_sum(p)
+    pv = batched(p.reshape(g * chunks, rows, split), vf.reshape(g * chunks, split, d).transpose(1, 2))
+    pv = pv.view(g, chunks, rows, d)
+    for c in range(chunks):
+        alpha = torch.exp(m - safe[:, c])
+        l = l * alpha + sums[:, c]
+        acc = acc * alpha + pv[:, c]
+        m = m_all[:, c]
+    return acc / l
