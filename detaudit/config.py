@@ -73,6 +73,7 @@ class SweepConfig:
     tp_mode: str = "real"
     engine: str = "builtin"
     device: str = "cpu"
+    cuda_graphs: bool = True  # built-in engine on a GPU: decode steps replayed from CUDA graphs
 
     def __post_init__(self) -> None:
         if not self.suites:

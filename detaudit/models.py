@@ -22,11 +22,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from detaudit import synthetic
 from detaudit.errors import DetauditError
 from detaudit.paths import models_dir
 
 MANIFEST = "detaudit-model.json"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+DEFAULT_TOKENIZER_MODEL = "smollm2-135m"  # synthetic models borrow its tokenizer
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,12 @@ def _state(name: str) -> tuple[str, Path]:
 
 def list_models() -> list[dict]:
     rows = []
-    for spec in NAMED.values():
-        state, path = _state(spec.name)
+    for name, description in [(s.name, s.description) for s in NAMED.values()] + \
+            [(p.name, p.description) for p in synthetic.PRESETS.values()]:
+        state, path = _state(name)
         size = sum(p.stat().st_size for p in path.iterdir()) / 2**20 if state == "prepared" else 0.0
-        rows.append({"name": spec.name, "state": state, "size_mb": round(size, 1),
-                     "path": str(path), "description": spec.description})
+        rows.append({"name": name, "state": state, "size_mb": round(size, 1),
+                     "path": str(path), "description": description})
     return rows
 
 
@@ -99,7 +102,7 @@ def _architecture(path: Path) -> str:
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise DetauditError(f"{path}: architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if not any(path.glob("*.safetensors")):
+    if not any(path.glob("*.safetensors")) and not synthetic.is_synthetic(path):
         raise DetauditError(f"{path}: no *.safetensors weights (save the checkpoint with safe_serialization)")
     return arch
 
@@ -123,7 +126,7 @@ def verify(path: Path) -> str:
 
 def resolve_model(spec: str, auto_prepare: bool = False, console=None) -> ModelRef:
     """A named model (prepared on demand when `auto_prepare`) or a local HF checkpoint directory."""
-    if spec in NAMED:
+    if spec in NAMED or spec in synthetic.PRESETS:
         state, path = _state(spec)
         if state != "prepared":
             if not auto_prepare:
@@ -138,7 +141,7 @@ def resolve_model(spec: str, auto_prepare: bool = False, console=None) -> ModelR
         return ModelRef(path.name, path.resolve(), arch, combined_checksum(files))
     if path.exists():
         raise DetauditError(f"{spec}: not a Hugging Face checkpoint directory (no config.json)")
-    raise DetauditError(f"unknown model {spec!r}: not a named model ({', '.join(NAMED)}) and no such directory")
+    raise DetauditError(f"unknown model {spec!r}: not a named model ({', '.join([*NAMED, *synthetic.PRESETS])}) and no such directory")
 
 
 # ------------------------------------------------------------------ preparing
@@ -155,8 +158,10 @@ def _lock(name: str):
 
 def prepare(name: str, force: bool = False, console=None) -> Path:
     """Fetch and convert a named model into the cache. Returns at once when already prepared."""
+    if name in synthetic.PRESETS:
+        return _prepare_synthetic(name, force, console)
     if name not in NAMED:
-        raise DetauditError(f"unknown model {name!r}; named models: {', '.join(NAMED)}")
+        raise DetauditError(f"unknown model {name!r}; named models: {', '.join([*NAMED, *synthetic.PRESETS])}")
     spec = NAMED[name]
     dest = models_dir() / name
     with _lock(name):
@@ -182,6 +187,30 @@ def prepare(name: str, force: bool = False, console=None) -> Path:
             shutil.rmtree(work, ignore_errors=True)
     if console is not None:
         console.print(f"prepared {name} in {dest}")
+    return dest
+
+
+def _prepare_synthetic(name: str, force: bool, console) -> Path:
+    """Config + tokenizer (the embedded model's) + manifest; the weights are drawn when loaded."""
+    tokenizer_dir = prepare(DEFAULT_TOKENIZER_MODEL, console=console)
+    dest = models_dir() / name
+    with _lock(name):
+        if (dest / MANIFEST).exists() and not force:
+            return dest
+        work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models_dir()))
+        try:
+            out = work / "model"
+            manifest = synthetic.prepare(name, out, tokenizer_dir)
+            files = file_checksums(out)
+            manifest.update(files=files, sizes={f: (out / f).stat().st_size for f in files})
+            (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.replace(out, dest)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    if console is not None:
+        console.print(f"prepared {name} in {dest} (weights are generated when the model is loaded)")
     return dest
 
 

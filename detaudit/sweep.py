@@ -147,6 +147,8 @@ def build_manifest(cfg: SweepConfig, model, prompts: dict[str, PromptSet], env: 
         "limit": cfg.limit,
         "engine": cfg.engine,
     }
+    if cfg.device.startswith("cuda"):  # graphs change bf16's attention shapes (not bio's bits)
+        comparable["cuda_graphs"] = cfg.cuda_graphs
     cells = {
         c.id: {"backend": c.backend, "tp": c.tp, "batch_size": c.batch_size, "suite": c.suite,
                "tp_mode": "emulated" if (cfg.tp_mode == "emulated" and c.tp > 1) else "real",
@@ -239,7 +241,7 @@ def _run_engine_cells(cfg, run, model, tokenizer, prompts, eos, backend, tp, cel
                     progress.update(task, description=f"{cell.id} [dim](starting engine)[/]")
                     engine = open_engine(model.path, backend, tp, cfg.tp_mode, dtype=cfg.dtype, device=cfg.device,
                                          eos_ids=eos, hang_timeout=hang_timeout, engine=cfg.engine,
-                                         max_batch_size=max(c.batch_size for c in cells))
+                                         max_batch_size=max(c.batch_size for c in cells), cuda_graphs=cfg.cuda_graphs)
                     load_s = time.monotonic() - t0
                     run.manifest["backends"][f"{backend}@tp{tp}"] = engine.describe()
                     progress.update(task, description=cell.id)

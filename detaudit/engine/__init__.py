@@ -23,6 +23,7 @@ def open_engine(
     hang_timeout: float = 300.0,
     engine: str = "builtin",
     max_batch_size: int = 0,
+    cuda_graphs: bool = True,
 ):
     if engine == "vllm":
         from detaudit.engine.worker import DistEngine
@@ -36,7 +37,8 @@ def open_engine(
     if tp == 1 or tp_mode == "emulated":
         from detaudit.engine.local import LocalEngine
 
-        return LocalEngine(model_path, backend, tp, emulated=tp > 1, dtype=dtype, device=device, eos_ids=eos_ids)
+        return LocalEngine(model_path, backend, tp, emulated=tp > 1, dtype=dtype, device=device, eos_ids=eos_ids,
+                           cuda_graphs=cuda_graphs)
     from detaudit.engine.worker import DistEngine
 
     return DistEngine(model_path, backend, tp, dtype=dtype, device=device, eos_ids=eos_ids, hang_timeout=hang_timeout)

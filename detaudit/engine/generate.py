@@ -8,6 +8,7 @@ computes depends on the other requests in its batch except through the backend's
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from detaudit.config import DecodingParams
+from detaudit.engine.graphs import Step, eager_step, graphed_step
 from detaudit.engine.model import Decoder
 
 ProgressFn = Callable[[int], None]  # called with the number of tokens just produced
@@ -29,16 +31,49 @@ class Generation:
     finish_reason: str
 
 
+class _Clock:
+    """Wall-clock laps, synchronizing the device first so GPU work is counted where it happens."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.t = self._now()
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self) -> float:
+        t, self.t = self.t, self._now()
+        return self.t - t
+
+
 def request_seed(seed: int, prompt_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 class Generator:
-    def __init__(self, model: Decoder, eos_ids: Sequence[int], pad_id: int = 0) -> None:
+    def __init__(self, model: Decoder, eos_ids: Sequence[int], pad_id: int = 0, cuda_graphs: bool = False) -> None:
         self.model = model
         self.eos = set(int(e) for e in eos_ids)
         self.pad_id = pad_id
         self.device = model.device
+        self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
+        self.timings: dict[str, float] = {}  # of the last generate call: prefill_s, capture_s, decode_s, ...
+        self._graphs: dict[int, tuple[list[tuple[Tensor, Tensor]], Step]] = {}  # batch -> (cache, graphed step)
+
+    def _decode_setup(self, batch: int, needed: int) -> tuple[list[tuple[Tensor, Tensor]], Step | None]:
+        """A KV cache of at least `needed` slots and, with CUDA graphs, the graphed step over it. A batch
+        size's cache and graph are reused while they are long enough (slots another batch left behind sit
+        past every query's position: masked), and replaced by a longer pair (rounded up to 256) when not."""
+        if not self.cuda_graphs:
+            return self.model.new_cache(batch, needed), None
+        hit = self._graphs.get(batch)
+        if hit is None or hit[0][0][0].shape[2] < needed:
+            self._graphs.pop(batch, None)
+            cache = self.model.new_cache(batch, -(-needed // 256) * 256)
+            hit = self._graphs[batch] = (cache, graphed_step(self.model, cache, batch, self.pad_id))
+        return hit
 
     # ---- sampling (per row, invariant)
     def _choose(self, logits: Tensor, logprobs: Tensor, decoding: DecodingParams, gens: list[torch.Generator]) -> Tensor:
@@ -75,17 +110,21 @@ class Generator:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         pos = torch.arange(T, device=self.device).expand(B, T)
-        cache = m.new_cache(B, T + decoding.max_new_tokens)
         gens = [torch.Generator().manual_seed(request_seed(decoding.seed, pid)) for pid in prompt_ids]
-
-        h = m.hidden(ids, pos, cache)
+        clock = _Clock(self.device)
+        cache, step_fn = self._decode_setup(B, T + decoding.max_new_tokens)
+        step_fn = step_fn or eager_step(m, cache)
+        capture_s = clock.lap()
+        h = m.hidden(ids, pos, cache, kv_len=T)
         h_last = h[torch.arange(B, device=self.device), lens - 1][:, None]  # [B, 1, H]
+        logits = m.logits(h_last)[:, 0]  # [B, V] fp32
+        logprobs = m.ctx.backend.log_softmax(logits)
+        prefill_s = clock.lap()
         outs = [Generation([], [], [], [], "length") for _ in range(B)]
         active = [True] * B
         cur = lens.clone()
+        steps = 0
         for step in range(decoding.max_new_tokens):
-            logits = m.logits(h_last)[:, 0]  # [B, V] fp32
-            logprobs = m.ctx.backend.log_softmax(logits)
             top_lp, top_id = torch.topk(logprobs, decoding.logprobs, dim=-1)
             nxt = self._choose(logits, logprobs, decoding, gens)
             chosen_lp = logprobs.gather(1, nxt[:, None])[:, 0]
@@ -108,8 +147,11 @@ class Generator:
             if not any(active) or step == decoding.max_new_tokens - 1:
                 break
             feed = torch.where(torch.tensor(active, device=self.device), nxt, torch.full_like(nxt, self.pad_id))
-            h_last = m.hidden(feed[:, None], cur[:, None], cache)
+            logits, logprobs = step_fn(feed, cur)
+            steps += 1
             cur = cur + 1
+        self.timings = {"prefill_s": prefill_s, "capture_s": capture_s, "decode_s": clock.lap(), "decode_steps": steps, "batch": B,
+                        "prompt_tokens": int(lens.sum()), "cuda_graphs": self.cuda_graphs}
         return outs
 
     @torch.inference_mode()

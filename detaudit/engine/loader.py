@@ -64,3 +64,12 @@ class ShardLoader:
             t = sl[r * n : (r + 1) * n] if dim == 0 else sl[:, r * n : (r + 1) * n]
             out.append(self._to(t))
         return out
+
+
+def open_weights(path: Path, ctx: TPContext, device: torch.device):
+    """The checkpoint's safetensors, or a synthetic model's seeded random weights (`detaudit.synthetic`)."""
+    from detaudit import synthetic
+
+    if synthetic.is_synthetic(path):
+        return synthetic.RandomWeights(path, ctx, device)
+    return ShardLoader(path, ctx, device)

@@ -48,6 +48,7 @@ class LocalEngine:
         device: str = "cpu",
         eos_ids: Sequence[int] = (),
         threads: int | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.threads = threads or cpu_cores()
         if not device.startswith("cuda"):
@@ -58,7 +59,10 @@ class LocalEngine:
         self.ctx = TPContext(self.backend, tp, rank, emulated, group, DTYPES[dtype])
         with self.backend.activate():
             self.model = Decoder(Path(model_path), self.ctx, self.device)
-        self.generator = Generator(self.model, eos_ids)
+        # decode from CUDA graphs on a GPU, except across real TP ranks (their collectives run eagerly)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and (emulated or tp == 1)
+        self.generator = Generator(self.model, eos_ids, cuda_graphs=self.cuda_graphs)
+        self.last_timings: dict = {}  # summed over the chunks of the last generate call
 
     def generate(
         self,
@@ -69,9 +73,13 @@ class LocalEngine:
         progress: ProgressFn | None = None,
     ) -> list[Generation]:
         out: list[Generation] = []
+        totals: dict = {}
         with self.backend.activate():
             for r in chunks(len(prompts), batch_size):
                 out += self.generator.generate([prompts[i] for i in r], [prompt_ids[i] for i in r], decoding, progress)
+                for key, value in self.generator.timings.items():
+                    totals[key] = value if isinstance(value, bool) else totals.get(key, 0) + value
+        self.last_timings = totals
         return out
 
     def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], batch_size: int) -> list[list[float]]:
@@ -87,6 +95,7 @@ class LocalEngine:
             "tp": self.tp,
             "tp_mode": "emulated" if self.emulated else "real",
             "threads_per_rank": self.threads if self.device.type == "cpu" else None,
+            "cuda_graphs": self.cuda_graphs,
             "device": str(self.device),
             "backend": self.backend.describe(),
         }

@@ -19,7 +19,7 @@ from detaudit.engine.layers import (
     TPContext,
     apply_rotary,
 )
-from detaudit.engine.loader import ShardLoader
+from detaudit.engine.loader import open_weights
 from detaudit.errors import DetauditError
 
 SUPPORTED = ("llama", "qwen3")
@@ -132,7 +132,7 @@ class Decoder:
         cfg.check_tp(ctx.size)
         self.ctx = ctx
         self.device = device
-        with ShardLoader(path, ctx, device) as load:
+        with open_weights(path, ctx, device) as load:
             self.embed_tokens = load.full("model.embed_tokens.weight")
             self.layers = [Block(i, cfg, load, ctx) for i in range(cfg.num_layers)]
             self.norm = RMSNorm(load.full("model.norm.weight"), cfg.rms_norm_eps, ctx.backend)
@@ -148,11 +148,15 @@ class Decoder:
             for _ in self.layers
         ]
 
-    def hidden(self, ids: Tensor, pos: Tensor, cache: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """Final-normed hidden states [B, T, H] of tokens `ids` at positions `pos` (both [B, T])."""
+    def hidden(self, ids: Tensor, pos: Tensor, cache: list[tuple[Tensor, Tensor]], kv_len: int | None = None) -> Tensor:
+        """Final-normed hidden states [B, T, H] of tokens `ids` at positions `pos` (both [B, T]).
+        Attention reads the first `kv_len` cache slots (default: up to the furthest position, which needs
+        a host sync; a CUDA-graphed decode step passes the whole cache: slots past a query's position
+        are masked)."""
         x = F.embedding(ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(pos, self.ctx.dtype)
-        kv_len = int(pos.max()) + 1
+        if kv_len is None:
+            kv_len = int(pos.max()) + 1
         for layer, c in zip(self.layers, cache):
             x = layer(x, cos, sin, pos, c, kv_len)
         return self.norm(x)

@@ -97,6 +97,8 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict) 
                 res = engine.score(*payload)
             elif cmd == "describe":
                 res = engine.describe()
+            elif cmd == "timings":
+                res = getattr(engine, "last_timings", {})
             else:
                 raise ValueError(f"unknown command {cmd}")
             conn.send(("result", res if rank == 0 else None))
@@ -221,6 +223,11 @@ class DistEngine:
 
     def score(self, prompts, continuations, batch_size: int) -> list[list[float]]:
         return self._call("score", (list(map(list, prompts)), list(map(list, continuations)), batch_size))
+
+    @property
+    def last_timings(self) -> dict:
+        """Rank 0's timings of the last generate call (empty for a hosted engine)."""
+        return self._call("timings", ())
 
     def describe(self) -> dict:
         if self.hosted:  # knobs are known once vLLM is built for a batch size

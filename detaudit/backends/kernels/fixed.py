@@ -127,16 +127,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, spli
     # the queries of one KV head together, position-major: [B*Hkv, T*groups, D]
     qs = q.view(bsz, hkv, groups, t, d).transpose(2, 3).reshape(g, t * groups, d).float() * scale
     pos = q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, t * groups, 1)
-    latest = q_pos.amax(0).tolist()  # per query index, the furthest position any request has there
     kf = k.reshape(g, length, d)
     vf = v.reshape(g, length, d)
     rows = qs.shape[1]
     m = torch.full((g, rows, 1), float("-inf"), device=q.device)
     l = torch.zeros((g, rows, 1), device=q.device)
     acc = torch.zeros((g, rows, d), device=q.device)
-    if t == 1:  # decode: every chunk's products in one call each, then the same recurrence
+    if t == 1:  # decode: every chunk's products in one call each, then the same recurrence (no host sync:
+        # a CUDA graph can capture it)
         out = _decode_chunks(qs, pos, kf, vf, split, m, l, acc)
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
+    latest = q_pos.amax(0).tolist()  # per query index, the furthest position any request has there
     for start in range(0, length, split):
         first = next((i for i, p in enumerate(latest) if p >= start), None)
         if first is None:  # no query reaches this chunk

@@ -1,0 +1,3 @@
+from detaudit.cli import main
+
+main()

@@ -1,0 +1,79 @@
+"""`detaudit bench e2e`: the built-in engine end to end, bf16 vs bio vs bio+tbik on the same prompts.
+
+For each (model, TP, backend) one engine is built and, per batch size, a batch of random prompts of
+`prompt_tokens` ids (seeded: every backend sees the same ids) is generated greedily for `new_tokens`
+tokens with EOS disabled, after a short warm-up call (compilation, caches). The engine times the prefill
+(prompts -> first logits) and the decode loop (steps -> logits, sampling, bookkeeping), synchronizing
+the device at each boundary; CUDA-graph capture is timed apart and left out of decode. Ratios are to
+bf16 of the same model, TP and batch in the same run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+import pandas as pd
+import torch
+
+from detaudit.config import DecodingParams
+
+
+def _release(device: str) -> None:
+    """Free one engine's device memory before the next is built (an 8B model is 16 GB)."""
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (batch, length), generator=g).tolist()
+
+
+def bench_e2e(models: Sequence[tuple[str, Path]], backends: Sequence[str], tps: Sequence[int],
+              batch_sizes: Sequence[int], prompt_tokens: int = 512, new_tokens: int = 64, device: str = "cuda",
+              tp_mode: str = "real", cuda_graphs: bool = True, progress: Callable[[], None] | None = None) -> pd.DataFrame:
+    from detaudit.engine import open_engine
+    from detaudit.engine.model import ModelConfig
+
+    rows = []
+    timed = DecodingParams(greedy=True, max_new_tokens=new_tokens)
+    warm = DecodingParams(greedy=True, max_new_tokens=min(4, new_tokens))
+    for name, path in models:
+        vocab = ModelConfig.from_dir(path).vocab_size
+        for tp in tps:
+            for backend in backends:
+                eng = open_engine(path, backend, tp, tp_mode, device=device, eos_ids=(), cuda_graphs=cuda_graphs)
+                try:
+                    for bs in batch_sizes:
+                        prompts = random_prompts(bs, prompt_tokens, vocab)
+                        ids = [str(i) for i in range(bs)]
+                        eng.generate(prompts, ids, warm, bs)
+                        eng.generate(prompts, ids, timed, bs)
+                        t = eng.last_timings
+                        steps = max(1, t["decode_steps"])
+                        rows.append({
+                            "model": name, "tp": tp, "backend": backend, "batch": bs, "prompt_tokens": prompt_tokens,
+                            "new_tokens": new_tokens, "prefill_tok_s": t["prompt_tokens"] / t["prefill_s"],
+                            "decode_tok_s": bs * steps / t["decode_s"], "ms_per_step": 1e3 * t["decode_s"] / steps,
+                            "capture_s": t["capture_s"], "cuda_graphs": bool(t.get("cuda_graphs")),
+                        })
+                        if progress:
+                            progress()
+                finally:
+                    eng.close()
+                    del eng
+                    _release(device)
+    df = pd.DataFrame(rows)
+    if "bf16" in backends and not df.empty:
+        key = ["model", "tp", "batch"]
+        base = df[df.backend == "bf16"][key + ["prefill_tok_s", "decode_tok_s"]]
+        df = df.merge(base.rename(columns={"prefill_tok_s": "_p", "decode_tok_s": "_d"}), on=key, how="left")
+        df["prefill_vs_bf16"] = df.prefill_tok_s / df._p
+        df["decode_vs_bf16"] = df.decode_tok_s / df._d
+        df = df.drop(columns=["_p", "_d"])
+    df.attrs = {"device": device, "tp_mode": tp_mode, "cuda_graphs": cuda_graphs}
+    return df

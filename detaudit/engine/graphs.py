@@ -1,0 +1,62 @@
+"""Decode steps for the generator: eager, or replayed from a CUDA graph.
+
+A decode step maps each request's next token and position to its fp32 logits and log-probabilities.
+The graphed step captures that forward once per batch (static input buffers, the batch's own KV cache)
+and replays it every step, so a step costs one graph launch instead of a few thousand kernel launches
+from Python. It attends over the whole cache every step: slots past a query's position are masked,
+which for `bio` / `bio+tbik` is an exact no-op (their attention skips nothing it would have added), so
+graphed and eager decode give the same bits; for `bf16` the library attention sees a longer masked
+sequence, as a graphed engine's does. Sampling stays outside the graph (per-request CPU generators).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from detaudit.engine.model import Decoder
+
+Step = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # (tokens [B], positions [B]) -> (logits, logprobs)
+
+
+def eager_step(model: Decoder, cache: list[tuple[Tensor, Tensor]]) -> Step:
+    def step(tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        logits = model.logits(model.hidden(tokens[:, None], positions[:, None], cache))[:, 0]
+        return logits, model.ctx.backend.log_softmax(logits)
+
+    return step
+
+
+def graphed_step(model: Decoder, cache: list[tuple[Tensor, Tensor]], batch: int, pad_id: int) -> Step:
+    """Capture one decode step of `batch` requests over `cache` (every slot attended, masked past each
+    query's position) into a CUDA graph. Warm-up and capture write a pad token's K/V into the last cache
+    slot, which no earlier position can see and a real token overwrites before it is read."""
+    device = model.device
+    length = cache[0][0].shape[2]
+    tokens = torch.full((batch,), pad_id, dtype=torch.long, device=device)
+    positions = torch.full((batch,), length - 1, dtype=torch.long, device=device)
+
+    def forward() -> tuple[Tensor, Tensor]:
+        logits = model.logits(model.hidden(tokens[:, None], positions[:, None], cache, kv_len=length))[:, 0]
+        return logits, model.ctx.backend.log_softmax(logits)
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up: lazy init, Triton compilation, cached constants
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+
+    def step(new_tokens: Tensor, new_positions: Tensor) -> tuple[Tensor, Tensor]:
+        tokens.copy_(new_tokens)
+        positions.copy_(new_positions)
+        graph.replay()
+        return out
+
+    step.graph = graph  # keep the graph (and its memory pool) alive with the step
+    return step

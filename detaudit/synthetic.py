@@ -1,0 +1,124 @@
+"""Synthetic models: a published architecture's exact shapes with random weights.
+
+Machines that audit GPU kernels at real sizes often have no model hub, so `qwen3-8b-shaped` is
+Qwen3-8B's architecture (36 layers, hidden 4096, 32 query / 8 KV heads of 128, MLP 12288, vocab
+151936, QK-norm, untied lm_head) with weights drawn on the device from a fixed seed: every parameter
+from its own generator seeded by sha256(seed, parameter name), N(0, 0.02) for matrices and ones for
+norms, so every machine and every TP rank builds the same model. Preparing it writes only
+`config.json`, the manifest, and the embedded model's tokenizer (ids are only ids here: the text of
+a random model means nothing, its numerics are what is audited).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from detaudit.errors import DetauditError
+
+MANIFEST = "detaudit-model.json"
+SEED = 0
+STD = 0.02
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    config: dict
+
+
+PRESETS = {
+    "qwen3-8b-shaped": Preset(
+        name="qwen3-8b-shaped",
+        description="Qwen3-8B's architecture with random weights (seeded, generated on the device; no download)",
+        config={
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "eos_token_id": 2,
+        },
+    ),
+}
+
+
+def is_synthetic(path: Path) -> bool:
+    try:
+        return "synthetic" in json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def prepare(name: str, dest: Path, tokenizer_dir: Path) -> dict:
+    """Write the preset's config, the tokenizer and the manifest into `dest` (a fresh directory)."""
+    preset = PRESETS[name]
+    dest.mkdir(parents=True)
+    (dest / "config.json").write_text(json.dumps(preset.config, indent=2) + "\n")
+    for f in TOKENIZER_FILES:
+        if (tokenizer_dir / f).exists():
+            shutil.copy(tokenizer_dir / f, dest / f)
+    return {"name": name, "synthetic": {"preset": name, "seed": SEED, "std": STD,
+                                        "init": "N(0, std) matrices, ones for norms, per-parameter seed"}}
+
+
+def _shape(cfg: dict, name: str) -> tuple[int, ...]:
+    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv, v = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d, cfg["vocab_size"]
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (v, h)
+    if name == "model.norm.weight":
+        return (h,)
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
+    if m is None or int(m.group(1)) >= cfg["num_hidden_layers"]:
+        raise DetauditError(f"synthetic model has no parameter {name}")
+    shapes = {"input_layernorm": (h,), "post_attention_layernorm": (h,), "self_attn.q_norm": (d,),
+              "self_attn.k_norm": (d,), "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
+              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h),
+              "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    if m.group(2) not in shapes:
+        raise DetauditError(f"synthetic model has no parameter {name}")
+    return shapes[m.group(2)]
+
+
+class RandomWeights:
+    """The `ShardLoader` interface over seeded random weights (see the module docstring)."""
+
+    def __init__(self, path: Path, ctx, device: torch.device) -> None:
+        self.path = Path(path)
+        self.ctx, self.device = ctx, device
+        self.cfg = json.loads((self.path / "config.json").read_text())
+        spec = json.loads((self.path / MANIFEST).read_text())["synthetic"]
+        self.seed, self.std = int(spec["seed"]), float(spec["std"])
+
+    def __enter__(self) -> "RandomWeights":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def _make(self, name: str) -> Tensor:
+        shape = _shape(self.cfg, name)
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=self.ctx.dtype, device=self.device)
+        seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        return (torch.randn(shape, generator=g, device=self.device) * self.std).to(self.ctx.dtype)
+
+    def full(self, name: str) -> Tensor:
+        return self._make(name)
+
+    def shards(self, name: str, dim: int) -> list[Tensor]:
+        full = self._make(name)
+        c = self.ctx.size
+        if full.shape[dim] % c:
+            raise DetauditError(f"TP {c} does not divide dim {dim} ({full.shape[dim]}) of {name}")
+        return [part.contiguous() for r, part in enumerate(full.chunk(c, dim)) if r in self.ctx.local_ranks]

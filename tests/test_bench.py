@@ -1,0 +1,25 @@
+"""Benchmarks run end to end on CPU at tiny sizes (their speed targets are GPU figures, measured on the
+lent machines and committed under reports/; here only that they run and their tables are well formed)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from detaudit.cli import app
+
+runner = CliRunner()
+
+
+def test_bench_e2e_on_cpu(tiny_llama):
+    """One row per backend, bf16's ratios are 1, bad TP input is one line."""
+    res = runner.invoke(app, ["bench", "e2e", "--models", str(tiny_llama), "--device", "cpu", "--batch-sizes", "2",
+                              "--prompt-tokens", "8", "--new-tokens", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["rows"]
+    assert [r["backend"] for r in rows] == ["bf16", "bio", "bio+tbik"]
+    assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["ms_per_step"] > 0 for r in rows)
+    assert rows[0]["decode_vs_bf16"] == 1.0 and rows[0]["prefill_vs_bf16"] == 1.0
+    res = runner.invoke(app, ["bench", "e2e", "--models", str(tiny_llama), "--device", "cpu", "--tp", "3"])
+    assert res.exit_code == 2 and "TP size" in res.output
