@@ -31,6 +31,23 @@ def test_matmul_prefix_invariant(k, n, dtype):
 
 
 @pytest.mark.parametrize("k,n", SHAPES)
+def test_every_tiling_gives_the_same_bits(k, n):
+    """The output tiling follows M (narrow tiles for few rows, wide ones for many); the reduction does
+    not, so products computed under different tilings agree bitwise, plain and tree."""
+    from detaudit.backends.kernels import triton_mm
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    a = torch.randn(2100, k, device="cuda", generator=g).bfloat16()
+    w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+    full = fixed.matmul(a, w, out_dtype=torch.bfloat16)  # the large-M tiling
+    tree_full = triton_mm.mm(a, w, leaves=8)
+    for m in (1, 8, 64, 65, 300, 1024, 1025, 2048):
+        assert torch.equal(fixed.matmul(a[:m], w, out_dtype=torch.bfloat16), full[:m]), m
+        assert torch.equal(triton_mm.mm(a[:m], w, leaves=8), tree_full[:m]), m
+    assert torch.equal(fixed.matmul(a[1000:1005], w, out_dtype=torch.bfloat16), full[1000:1005])
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
 def test_bf16_epilogue_rounds_like_a_cast(k, n):
     """bio's linear stores bf16 from the kernel: the same bits as casting the fp32 result, and still
     batch invariant."""

@@ -27,26 +27,46 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-# One fixed config per input dtype (never keyed on shape). Changing one changes bits, so it is part of
-# `describe()`. TMA=1: on Hopper and later, 2-D bf16/fp16 products load through TMA descriptors
-# (`_tma_kernel`, WS = warp-specialised persistent loop); elsewhere the pointer kernels run the same
-# tiles. Both paths give the same bits (tests/gpu checks it), so which one runs never matters.
-# Chosen on an H100 from a sweep of candidates (tiles, warps, stages, TMA, flatten, WS) timed like
-# `detaudit bench kernels` (reports/gpu/README.md): 128x256 tiles win at M >= 2048; narrower tiles win at
-# M = 8-32 (more programs streaming the weight) but lose at large M, and one config serves every M.
-CONFIGS: dict[torch.dtype, dict[str, int]] = {
-    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1, WS=1),
-    torch.float16: dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1, WS=1),
-    torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
+# The reduction is fixed per input dtype and never keyed on shape: BLOCK_K-wide steps accumulated in
+# order from zero in fp32, on the tensor cores' warpgroup MMA (BLOCK_M >= 64 and 4 warps per group keep
+# every bf16/fp16 config on Hopper's wgmma), no split-K. Each output element's sum is therefore the same
+# whatever the output tiling, so the tiling is free to follow M: few rows want narrow tiles and many
+# programs streaming the weight, many rows want wide tiles. `TILINGS` maps an upper bound on M to one
+# fixed config (first match wins); tests/gpu checks every M in 1..256 and past 2048 against one another
+# bitwise, and scripts/tile_sweep.py checked each config against the others on an H100
+# (reports/gpu/tile-sweep-h100.md: bitwise equal at every shape and M tried). Changing BLOCK_K, the
+# instruction or the accumulation changes bits, so those are part of `describe()`.
+# TMA=1: on Hopper and later, 2-D bf16/fp16 products load through TMA descriptors (`_tma_kernel`,
+# WS = warp-specialised persistent loop); elsewhere the pointer kernels run the same tiles and give the
+# same bits (tests/gpu checks it).
+_SMALL_M = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=8, TMA=0)
+_MID_M = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=5, TMA=0)
+_LARGE_M = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1, WS=1)
+TILINGS: dict[torch.dtype, tuple[tuple[int | None, dict[str, int]], ...]] = {
+    torch.bfloat16: ((64, _SMALL_M), (1024, _MID_M), (None, _LARGE_M)),
+    torch.float16: ((64, _SMALL_M), (1024, _MID_M), (None, _LARGE_M)),
+    torch.float32: ((None, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)),),
 }
-# The tree kernel (TBIK) uses its own fixed config for every leaf count, so that a rank's subtree is
-# computed by the same tiles whatever the TP size. Pointer loads: with TMA the unrolled leaves measured
-# 3-4x slower.
-TREE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
-    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-    torch.float16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-    torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
+CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][1] for dt, t in TILINGS.items()}  # the large-M tiling
+# The tree kernel (TBIK): the same rule over its leaves (each leaf is the same BLOCK_K steps from zero
+# whatever the tiling). Pointer loads at large M: with TMA the unrolled leaves measured 3-4x slower.
+_TREE_LARGE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+TREE_TILINGS: dict[torch.dtype, tuple[tuple[int | None, dict[str, int]], ...]] = {
+    torch.bfloat16: ((64, _SMALL_M), (1024, _MID_M), (None, _TREE_LARGE)),
+    torch.float16: ((64, _SMALL_M), (1024, _MID_M), (None, _TREE_LARGE)),
+    torch.float32: TILINGS[torch.float32],
 }
+TREE_CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][1] for dt, t in TREE_TILINGS.items()}
+
+
+def tiling(dtype: torch.dtype, m: int, tree: bool = False) -> dict[str, int]:
+    """The fixed config for a product with m rows (see TILINGS)."""
+    for bound, cfg in (TREE_TILINGS if tree else TILINGS)[dtype]:
+        if bound is None or m <= bound:
+            return cfg
+    raise AssertionError("the last tiling has no bound")
+
+
 # Small configs for the CPU interpreter (tests only: the interpreter is slow at real tile sizes).
 INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
 
@@ -289,7 +309,7 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
         raise DetauditError(f"the tree kernel takes 1, 2, 4 or 8 leaves, got {leaves}")
     tree = tree or leaves > 1
     interpret = x.device.type == "cpu"  # TRITON_INTERPRET on CPU tensors
-    cfg = dict(config or (INTERPRET_CONFIG if interpret else (TREE_CONFIGS if tree else CONFIGS)[x.dtype]))
+    cfg = dict(config or (INTERPRET_CONFIG if interpret else tiling(x.dtype, m, tree)))
     # tree results stay fp32; the interpreter's fp32 -> bf16 store does not round like torch, so it
     # stores fp32 and torch rounds below
     out = torch.empty(batch, m, n, dtype=torch.float32 if (tree or interpret) else out_dtype, device=x.device)
@@ -313,5 +333,9 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
 
 
 def describe(tree: bool = False) -> str:
-    return "; ".join(f"{str(dt).removeprefix('torch.')}: " + ", ".join(f"{k}={v}" for k, v in c.items())
-                     for dt, c in (TREE_CONFIGS if tree else CONFIGS).items())
+    def one(c: dict) -> str:
+        return " ".join(f"{k}={v}" for k, v in c.items())
+
+    return "; ".join(f"{str(dt).removeprefix('torch.')}: " + " | ".join(
+        f"M<={b}: {one(c)}" if b is not None else f"larger M: {one(c)}" for b, c in t)
+        for dt, t in (TREE_TILINGS if tree else TILINGS).items())
