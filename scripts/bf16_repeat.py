@@ -21,12 +21,14 @@ from detaudit.engine.local import LocalEngine
 def main() -> None:
     d = tempfile.mkdtemp()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
+    # the embedded model's shapes (SmolLM2-135M padded to 24/8 heads), random weights
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=24, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+                      max_position_embeddings=4096)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
-    prompts = [p[: 60 + 7 * i] for i, p in enumerate(random_prompts(16, 200, 32000, seed=3))]
+    prompts = [p[: 60 + 7 * i] for i, p in enumerate(random_prompts(16, 200, 49152, seed=3))]
     ids = [str(i) for i in range(16)]
-    dec = DecodingParams(greedy=True, max_new_tokens=32)
+    dec = DecodingParams(greedy=True, max_new_tokens=64)
     for backend in ("bf16", "bio"):
         for graphs in (False, True):
             runs = []
