@@ -61,6 +61,16 @@ class NativeBackend:
             "attention": "torch scaled_dot_product_attention",
             "rms_norm": "torch mean over hidden, fp32",
             "all_reduce": "library all-reduce (NCCL / gloo) in model dtype; emulated: rank-order sum",
+            "sdpa_backends": sdpa_backends(),
             "tf32": "off",
             **library_versions(),
         }
+
+
+def sdpa_backends() -> str:
+    """Which CUDA attention kernels PyTorch may pick for SDPA: on an H100 the default pick for decode
+    shapes was not run-to-run deterministic (reports/gpu/bf16-run-to-run-h100.md), math-only was."""
+    b = torch.backends.cuda
+    flags = {"flash": b.flash_sdp_enabled(), "mem_efficient": b.mem_efficient_sdp_enabled(),
+             "cudnn": getattr(b, "cudnn_sdp_enabled", lambda: False)(), "math": b.math_sdp_enabled()}
+    return " ".join(f"{k}={'on' if v else 'off'}" for k, v in flags.items())
