@@ -124,6 +124,7 @@ def write_alignment(df: pd.DataFrame, summary: pd.DataFrame, out_dir: Path, meta
     md = ["# Rollout vs trainer alignment", "", f"Command: `{meta.get('command', '')}`", "",
           f"Model: {meta.get('model')}; rollout {meta.get('rollout')} (incremental decode, KV cache, batch "
           f"{meta.get('batch_size')}); trainer {meta.get('trainer')} (one full-sequence forward per sequence).", "",
+          f"Machine: {meta.get('machine', 'not recorded')}.", "",
           summary.to_markdown(index=False, floatfmt=".3g"), "",
           "bitwise_equal_frac: share of sampled tokens whose fp32 log-probability is bitwise equal on both sides. "
           "dp = |p_rollout - p_trainer|. kl: sample estimate of KL(rollout || trainer) = mean(log p_r - log p_t).", ""]

@@ -264,13 +264,20 @@ def align(
     mcfg.check_tp(t.tp)
     tok = tokenizer_for(ref.path)
     prompts = [prompt_token_ids(tok, p) for p in s.prompts]
-    df = run_align(model_path=ref.path, model_name=ref.name, prompts=prompts, prompt_ids=[p.id for p in s.prompts],
-                   rollout=r, trainer=t, backends=names, decoding=decoding, batch_size=batch_size, dtype=dtype,
-                   device=device, eos_ids=eos_ids(ref.path, tok), tp_mode=tp_mode)
+    with Progress(console=err) as prog:  # rollout tokens sampled, over all backends
+        task = prog.add_task(f"rollouts {r} -> trainer {t}", total=len(names) * len(prompts) * max_new_tokens)
+        df = run_align(model_path=ref.path, model_name=ref.name, prompts=prompts, prompt_ids=[p.id for p in s.prompts],
+                       rollout=r, trainer=t, backends=names, decoding=decoding, batch_size=batch_size, dtype=dtype,
+                       device=device, eos_ids=eos_ids(ref.path, tok), tp_mode=tp_mode,
+                       progress=lambda n: prog.advance(task, n))
     summary = summarize(df)
+    from detaudit.fingerprint import collect
+
+    env = collect()
     meta = {"command": "detaudit " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "model": ref.name,
             "model_checksum": ref.checksum, "suite": s.name, "rollout": str(r), "trainer": str(t),
-            "batch_size": batch_size, "decoding": decoding.to_dict(), "dtype": dtype, "tp_mode": tp_mode}
+            "batch_size": batch_size, "decoding": decoding.to_dict(), "dtype": dtype, "tp_mode": tp_mode,
+            "machine": env.get("hardware_key"), "versions": env.get("versions")}
     files = write_alignment(df, summary, output_path, meta)
     if json_:
         print_json(summary.to_dict(orient="records"))
