@@ -100,12 +100,12 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys):
 def test_vllm_rollout_tp2_is_bitwise_aligned_with_builtin_trainer_tp1(tmp_path):
     """The RL case: vLLM samples at TP 2 (KV-cache decode, batched), the built-in engine re-scores the
     sampled tokens at TP 1 (one full forward per sequence). With bio+tbik every token's log-probability
-    is bitwise equal; with bf16 (vLLM's own kernels vs the built-in engine's) it is not."""
-    res = runner.invoke(app, ["align", "--rollout", "vllm:2", "--trainer", "builtin:1", "--backends", "bf16,bio+tbik",
+    is bitwise equal. (bf16's gap, vLLM's kernels against the built-in engine's, is in
+    reports/cpu-vllm/; the sweep test above already shows bf16 moving inside vLLM.)"""
+    res = runner.invoke(app, ["align", "--rollout", "vllm:2", "--trainer", "builtin:1", "--backends", "bio+tbik",
                               "--limit", "3", "--batch-size", "3", "--max-new-tokens", "6",
                               "--output-path", str(tmp_path / "align"), "--json"])
     assert res.exit_code == 0, res.output
     rows = {r["backend"]: r for r in json.loads(res.stdout[res.stdout.index("["):])}
     assert rows["bio+tbik"]["tokens"] > 0 and rows["bio+tbik"]["bitwise_equal_frac"] == 1.0
     assert rows["bio+tbik"]["dp_max"] == 0.0
-    assert rows["bf16"]["bitwise_equal_frac"] < 1.0 and rows["bf16"]["dp_max"] > 0.0
