@@ -38,7 +38,45 @@ SHAPES = ((4096, 4096), (6144, 2048), (576, 1536), (1536, 576), (4096, 12288), (
 MS = (8, 32, 256, 1024)
 
 
+TREE_LARGE_CANDIDATES = {
+    "128x128 w8 s4 ptr (current)": cfg(128, 128, 8, 4),
+    "128x64 w8 s4 ptr": cfg(128, 64, 8, 4),
+    "128x64 w8 s6 ptr": cfg(128, 64, 8, 6),
+    "64x128 w4 s4 ptr": cfg(64, 128, 4, 4),
+    "64x64 w4 s5 ptr": cfg(64, 64, 4, 5),
+    "128x128 w8 s3 ptr": cfg(128, 128, 8, 3),
+    "256x64 w8 s4 ptr": cfg(256, 64, 8, 4),
+}
+
+
+def tree_large() -> list[dict]:
+    """The tree kernel at large M: tilings against cuBLAS (and their bits against the current one)."""
+    dev = torch.device("cuda")
+    rows = []
+    for k, n in ((4096, 4096), (6144, 2048)):
+        g = torch.Generator(device=dev).manual_seed(k + n)
+        w = torch.randn(n, k, device=dev, generator=g).bfloat16()
+        ws = _weight_copies(w)
+        x = torch.randn(8192, k, device=dev, generator=g).bfloat16()
+        base = triton_mm.mm(x[:2048], w, leaves=8, config=TREE_BASE)
+        for name, c in TREE_LARGE_CANDIDATES.items():
+            row = {"K": k, "N": n, "candidate": name,
+                   "bits_equal_tree": torch.equal(triton_mm.mm(x[:2048], w, leaves=8, config=c), base)}
+            for m in (1024, 2048, 8192):
+                t_nat = _time(lambda i=0, m=m: torch.nn.functional.linear(x[:m], ws[i % len(ws)]), dev)
+                t_t = _time(lambda i=0, m=m: triton_mm.mm(x[:m], ws[i % len(ws)], leaves=8, config=c), dev)
+                row[f"tree_M{m}"] = round(t_nat / t_t, 3)
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def main() -> None:
+    if "--tree-large" in sys.argv:
+        import pandas as pd
+
+        print(pd.DataFrame(tree_large()).to_markdown(index=False))
+        return
     dev = torch.device("cuda")
     rows = []
     for k, n in SHAPES:
