@@ -49,11 +49,12 @@ TILINGS: dict[torch.dtype, tuple[tuple[int | None, dict[str, int]], ...]] = {
 }
 CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][1] for dt, t in TILINGS.items()}  # the large-M tiling
 # The tree kernel (TBIK): the same rule over its leaves (each leaf is the same BLOCK_K steps from zero
-# whatever the tiling). Pointer loads at large M: with TMA the unrolled leaves measured 3-4x slower.
+# whatever the tiling). Pointer loads at large M: with TMA the unrolled leaves measured 3-4x slower;
+# narrower tiles (fewer live registers) were slower too at M >= 1024 (reports/gpu/tile-sweep-h100.md).
 _TREE_LARGE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 TREE_TILINGS: dict[torch.dtype, tuple[tuple[int | None, dict[str, int]], ...]] = {
-    torch.bfloat16: ((64, _SMALL_M), (1024, _MID_M), (None, _TREE_LARGE)),
-    torch.float16: ((64, _SMALL_M), (1024, _MID_M), (None, _TREE_LARGE)),
+    torch.bfloat16: ((64, _SMALL_M), (256, _MID_M), (None, _TREE_LARGE)),
+    torch.float16: ((64, _SMALL_M), (256, _MID_M), (None, _TREE_LARGE)),
     torch.float32: TILINGS[torch.float32],
 }
 TREE_CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][1] for dt, t in TREE_TILINGS.items()}
