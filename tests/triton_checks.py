@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from detaudit.backends.kernels import tree, triton_mm
+from detaudit.backends import get_backend
+from detaudit.backends.kernels import tree, triton_attn, triton_mm
 
 
 def check(cond: bool, what: str) -> None:
@@ -47,6 +48,18 @@ def main() -> None:
         full = triton_mm.mm(a, b)
         check(torch.equal(triton_mm.mm(a[2:3], b[2:3]), full[2:3]), f"batched mm {dt}")
         check(torch.equal(triton_mm.mm(a, b.transpose(1, 2).contiguous().transpose(1, 2)), full), f"strided operand {dt}")
+    # the attention kernel: the same function as the PyTorch formulation (its bits are its own: on a GPU
+    # tests/gpu checks prefill == decode and batch invariance; here numpy's BLAS stands in for tl.dot)
+    for dt in (torch.float32, torch.bfloat16):
+        q = torch.randn(3, 20, 16, generator=g).to(dt)
+        k = torch.randn(3, 70, 16, generator=g).to(dt)
+        v = torch.randn(3, 70, 16, generator=g).to(dt)
+        pos = torch.randint(0, 70, (3, 20), generator=g)
+        out = triton_attn.attention(q, k, v, pos, 0.25, 64)
+        ref = get_backend("bf16").attention(q.float()[:, None], k.float()[:, None], v.float()[:, None],
+                                            pos, 0.25)[:, 0]
+        tol = 1e-5 if dt == torch.float32 else 3e-2
+        check(torch.allclose(out.float(), ref, atol=tol, rtol=tol), f"attention kernel accuracy {dt}")
     print("ok")
 
 

@@ -15,7 +15,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import cpu_gemm, triton_mm
+from detaudit.backends.kernels import cpu_gemm, triton_attn, triton_mm
 
 ROWS = 16  # R: rows per fixed-shape block on CPU
 
@@ -125,8 +125,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, spli
     groups = hq // hkv
     g = bsz * hkv
     # the queries of one KV head together, position-major: [B*Hkv, T*groups, D]
-    qs = q.view(bsz, hkv, groups, t, d).transpose(2, 3).reshape(g, t * groups, d).float() * scale
+    qg = q.reshape(bsz, hkv, groups, t, d).transpose(2, 3).reshape(g, t * groups, d)
     pos = q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, t * groups, 1)
+    if triton_attn.supported(q):  # GPU: the same algorithm as one kernel (its own bits; see triton_attn)
+        out = triton_attn.attention(qg, k.reshape(g, length, d), v.reshape(g, length, d), pos[..., 0], scale, split)
+        return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d)
+    qs = qg.float() * scale
     kf = k.reshape(g, length, d)
     vf = v.reshape(g, length, d)
     rows = qs.shape[1]
