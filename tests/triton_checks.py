@@ -9,7 +9,7 @@ import sys
 import torch
 
 from detaudit.backends import get_backend
-from detaudit.backends.kernels import tree, triton_attn, triton_mm
+from detaudit.backends.kernels import tree, triton_attn, triton_mm, triton_rows
 
 
 def check(cond: bool, what: str) -> None:
@@ -60,6 +60,11 @@ def main() -> None:
                                             pos, 0.25)[:, 0]
         tol = 1e-5 if dt == torch.float32 else 3e-2
         check(torch.allclose(out.float(), ref, atol=tol, rtol=tol), f"attention kernel accuracy {dt}")
+    # row sums: one program per row
+    x = torch.randn(9, 2500, generator=g)
+    sums = triton_rows.row_sum(x)
+    check(torch.allclose(sums.double(), x.double().sum(1), atol=1e-3), "row sum accuracy")
+    check(all(torch.equal(triton_rows.row_sum(x[:m]), sums[:m]) for m in (1, 4)), "row sum batch invariance")
     print("ok")
 
 

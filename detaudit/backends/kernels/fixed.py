@@ -15,7 +15,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import cpu_gemm, triton_attn, triton_mm
+from detaudit.backends.kernels import cpu_gemm, triton_attn, triton_mm, triton_rows
 
 ROWS = 16  # R: rows per fixed-shape block on CPU
 
@@ -91,19 +91,20 @@ _ONES: dict[tuple[int, str], Tensor] = {}
 
 
 def row_sum(x: Tensor) -> Tensor:
-    """fp32 sum over the last dim, as a fixed-shape product with ones. [..., K] -> [..., 1]
+    """fp32 sum over the last dim. [..., K] -> [..., 1]. CPU: a fixed-shape product with ones; GPU: one
+    Triton program per row (`triton_rows`).
 
     The ones have 8 columns, not 1: with N = 1 MKL takes a GEMV path whose order depends on M
     (measured on the CI CPU; tests/test_bio.py guards it)."""
     k = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).float()
+    if x.is_cuda:  # one program per row, the whole row in a fixed order
+        return triton_rows.row_sum(x2).reshape(*lead, 1)
     key = (k, str(x.device))
     if key not in _ONES:
         _ONES[key] = torch.ones(8, k, dtype=torch.float32, device=x.device)
-    ones = _ONES[key]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).float()
-    out = triton_mm.mm(x2.contiguous(), ones) if x.is_cuda else matmul(x2, ones)
-    return out[:, :1].reshape(*lead, 1)
+    return matmul(x2, _ONES[key])[:, :1].reshape(*lead, 1)
 
 
 def batched(a: Tensor, b_t: Tensor) -> Tensor:
