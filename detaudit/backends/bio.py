@@ -66,9 +66,10 @@ class BioBackend:
             "matmul_cpu": f"fp32 products on zero-padded blocks of R={fixed.ROWS} rows, fixed shape [R, K] @ [K, N], "
                           "one thread per block product (blocks or 64-column panels spread over worker threads)",
             "matmul_gpu": f"Triton persistent kernel, no split-K, fp32 accumulate; {triton_mm.describe()}",
-            "rms_norm": "fp32, row sum of squares as a fixed-shape product with ones",
-            "log_softmax": "fp32, row max then row sum of exp as a fixed-shape product with ones",
-            "attention": f"KV chunks of {SPLIT} keys, fp32 online softmax, masked chunks exact no-ops",
+            "rms_norm": "fp32; row sum of squares: CPU a fixed-shape product with ones, GPU one Triton program per row",
+            "log_softmax": "fp32; row max, then the row sum of exp as for rms_norm",
+            "attention": f"KV chunks of {SPLIT} keys, fp32 online softmax, masked chunks exact no-ops "
+                         "(CPU: PyTorch ops; GPU: one Triton kernel, BLOCK_R=16 rows per program)",
             "all_reduce": "all-gather fp32 partials, rank-order sum, cast once",
             "tf32": "off",
             **library_versions(),
