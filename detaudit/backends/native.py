@@ -43,13 +43,10 @@ class NativeBackend:
         return (xf.to(x.dtype) * weight) if x.dtype != torch.float32 else xf * weight
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
         keys = torch.arange(k.shape[2], device=q.device)
         mask = keys.view(1, 1, 1, -1) <= q_pos.view(q_pos.shape[0], 1, -1, 1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        # grouped-query attention inside SDPA (no repeated copies of K/V, as serving engines do)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
     def log_softmax(self, logits: Tensor) -> Tensor:
         return torch.log_softmax(logits.float(), dim=-1)
