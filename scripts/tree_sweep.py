@@ -4,9 +4,9 @@ cuBLAS bf16 (timed like `detaudit bench kernels`)?
 FLAT=1 runs `_tree_flat_kernel` (one pipelined K loop over every leaf, pending tree nodes carried in
 registers); PARK=1 keeps the finished left half of the tree in the output tile instead; PARK=2 runs
 `_tree_scratch_kernel` (only the accumulator in registers, pending nodes in per-program scratch slots).
-Both were tried at commit <this script's first commit> and measured slower than the unrolled-leaf
+Both were tried at commit d911b58 and measured slower than the unrolled-leaf
 kernel (reports/gpu/tree-flat-sweep-h100.md): a conditional use of the accumulator inside the K loop
-makes the loop wait for every MMA. They were removed in the next commit; run this at that commit.
+makes the loop wait for every MMA. They were removed in the next commit: run this script at d911b58.
 Usage: python3 scripts/tree_sweep.py [--save FILE]
 """
 

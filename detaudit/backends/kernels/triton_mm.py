@@ -239,125 +239,6 @@ if triton is not None:
             _store(out_ptr + bid * sob, offs_m, offs_n, M, N, som, son, node)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _tree_flat_kernel(
-        x_ptr, w_ptr, out_ptr,
-        BATCH, M, N, LEAF,
-        sxb, sxm, sxk, swb, swn, swk, sob, som, son,
-        NUM_PROGRAMS,
-        NUM_LEAVES: tl.constexpr, PARK: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        """The tree matmul as one pipelined K loop over all leaves (LEAF a multiple of BLOCK_K): the
-        accumulator restarts from zero at each leaf boundary, where the finished leaf is carried up the
-        tree (binary-counter order, decided at run time). Same leaves, same pairwise adds, same bits as
-        `_tree_kernel`, without restarting the software pipeline at every leaf. PARK=1 keeps the finished
-        left half (leaves 0-3 of 8) in the output tile (fp32, this program's own) instead of registers."""
-        total = BATCH * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        steps = LEAF // BLOCK_K
-        offs_k = tl.arange(0, BLOCK_K)
-        for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
-            bid, offs_m, offs_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            a_ptrs = x_ptr + bid * sxb + (offs_m % M)[:, None] * sxm + offs_k[None, :] * sxk
-            b_ptrs = w_ptr + bid * swb + offs_k[:, None] * swk + (offs_n % N)[None, :] * swn
-            o_ptrs = out_ptr + bid * sob + offs_m[:, None] * som + offs_n[None, :] * son
-            o_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            s1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            s2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(0, NUM_LEAVES * steps):
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-                a_ptrs += BLOCK_K * sxk
-                b_ptrs += BLOCK_K * swk
-                if (kk + 1) % steps == 0:  # leaf j finished: carry it up the tree, restart from zero
-                    j = kk // steps
-                    if j % 2 == 0:
-                        s0 = acc
-                    else:
-                        node = s0 + acc  # level 1
-                        if NUM_LEAVES == 2:
-                            s0 = node
-                        else:
-                            if j % 4 == 1:
-                                s1 = node
-                            else:
-                                node = s1 + node  # level 2
-                                if NUM_LEAVES == 4:
-                                    s0 = node
-                                else:
-                                    if j % 8 == 3:
-                                        if PARK:
-                                            tl.store(o_ptrs, node, mask=o_mask)
-                                        else:
-                                            s2 = node
-                                    else:
-                                        if PARK:
-                                            s0 = tl.load(o_ptrs, mask=o_mask, other=0.0) + node  # level 3
-                                        else:
-                                            s0 = s2 + node  # level 3
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            tl.store(o_ptrs, s0, mask=o_mask)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _tree_scratch_kernel(
-        x_ptr, w_ptr, out_ptr, scratch_ptr,
-        BATCH, M, N, LEAF,
-        sxb, sxm, sxk, swb, swn, swk, sob, som, son,
-        NUM_PROGRAMS,
-        NUM_LEAVES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        """`_tree_flat_kernel` with only the accumulator in registers: pending tree nodes wait in this
-        program's own scratch slots (3 fp32 tiles, L2-resident), so nothing but `acc` is carried by the
-        pipelined K loop."""
-        total = BATCH * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        steps = LEAF // BLOCK_K
-        offs_k = tl.arange(0, BLOCK_K)
-        tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
-        slot = (scratch_ptr + tl.program_id(0).to(tl.int64) * 3 * tile_elems
-                + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
-        for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
-            bid, offs_m, offs_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            a_ptrs = x_ptr + bid * sxb + (offs_m % M)[:, None] * sxm + offs_k[None, :] * sxk
-            b_ptrs = w_ptr + bid * swb + offs_k[:, None] * swk + (offs_n % N)[None, :] * swn
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(0, NUM_LEAVES * steps):
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-                a_ptrs += BLOCK_K * sxk
-                b_ptrs += BLOCK_K * swk
-                if (kk + 1) % steps == 0:  # leaf j finished: carry it up, restart from zero
-                    j = kk // steps
-                    node = acc
-                    if j % 2 == 1:
-                        node = tl.load(slot) + node  # level 1
-                    if j % 4 == 3:
-                        node = tl.load(slot + tile_elems) + node  # level 2
-                    if j % 8 == 7:
-                        node = tl.load(slot + 2 * tile_elems) + node  # level 3
-                    if j == NUM_LEAVES - 1:
-                        _store(out_ptr + bid * sob, offs_m, offs_n, M, N, som, son, node)
-                    else:
-                        level = (j % 2 == 1).to(tl.int32) + (j % 4 == 3).to(tl.int32) + (j % 8 == 7).to(tl.int32)
-                        tl.store(slot + level * tile_elems, node)
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-
 @functools.lru_cache(maxsize=None)
 def _device_info(index: int) -> tuple[int, int]:
     """(SM count, major compute capability) of a CUDA device, asked once."""
@@ -438,24 +319,15 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
         _launch_tma(x3[0], w3[0], out[0], leaves, leaf, cfg)
     elif m and n and batch:
         cfg = _launch_args(cfg)
-        kcfg = {k: v for k, v in cfg.items() if k not in ("FLAT", "PARK")}
         tiles = batch * triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         progs = _num_programs(x.device, tiles)
         strides = (*x3.stride(), *w3.stride(), *out.stride())
-        common = dict(PRECISION="ieee" if (x.dtype == torch.float32 or interpret) else "tf32", UPCAST=interpret)
-        if tree and cfg.get("PARK") == 2 and leaf % cfg["BLOCK_K"] == 0:
-            scratch = torch.empty(progs * 3 * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32, device=x.device)
-            _tree_scratch_kernel[(progs,)](x3, w3, out, scratch, batch, m, n, leaf, *strides, progs,
-                                           NUM_LEAVES=leaves, **common, **kcfg)
-        elif tree and cfg.get("FLAT") and leaf % cfg["BLOCK_K"] == 0:
-            _tree_flat_kernel[(progs,)](x3, w3, out, batch, m, n, leaf, *strides, progs, NUM_LEAVES=leaves,
-                                        PARK=bool(cfg.get("PARK")) and leaves == 8, **common, **kcfg)
-        elif tree:
+        common = dict(PRECISION="ieee" if (x.dtype == torch.float32 or interpret) else "tf32", UPCAST=interpret, **cfg)
+        if tree:
             _tree_kernel[(progs,)](x3, w3, out, batch, m, n, leaf, *strides, progs,
-                                   NUM_LEAVES=leaves, EVEN_LEAF=leaf % cfg["BLOCK_K"] == 0, **common, **kcfg)
+                                   NUM_LEAVES=leaves, EVEN_LEAF=leaf % cfg["BLOCK_K"] == 0, **common)
         else:
-            _mm_kernel[(progs,)](x3, w3, out, batch, m, n, k, *strides, progs, EVEN_K=k % cfg["BLOCK_K"] == 0,
-                                 **common, **kcfg)
+            _mm_kernel[(progs,)](x3, w3, out, batch, m, n, k, *strides, progs, EVEN_K=k % cfg["BLOCK_K"] == 0, **common)
     if not tree:
         out = out.to(out_dtype)  # a no-op unless the interpreter stored fp32
     return out[0] if squeeze else out
