@@ -5,8 +5,8 @@ FLAT=1 runs `_tree_flat_kernel` (one pipelined K loop over every leaf, pending t
 registers); PARK=1 keeps the finished left half of the tree in the output tile instead; PARK=2 runs
 `_tree_scratch_kernel` (only the accumulator in registers, pending nodes in per-program scratch slots).
 Both were tried at commit d911b58 and measured slower than the unrolled-leaf
-kernel (reports/gpu/tree-flat-sweep-h100.md): a conditional use of the accumulator inside the K loop
-makes the loop wait for every MMA. They were removed in the next commit: run this script at d911b58.
+kernel (reports/gpu/tree-flat-sweep-h100.md); the likely cause (not profiled): the accumulator is
+read conditionally inside the K loop, so the compiler cannot keep MMAs in flight across iterations. They were removed in the next commit: run this script at d911b58.
 Usage: python3 scripts/tree_sweep.py [--save FILE]
 """
 
