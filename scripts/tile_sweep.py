@@ -5,7 +5,7 @@ For each candidate (BLOCK_M x BLOCK_N, warps, stages, TMA) it checks, on fresh r
 every element equals the large-M tiling's result (same BLOCK_K = 64 reduction) for the plain product
 and for the 8-leaf tree, then times the plain product at several M like `detaudit bench kernels` (CUDA
 graph of 20 calls, weights rotated past L2) against cuBLAS.
-Usage: python3 scripts/tile_sweep.py [--save FILE]
+Usage: python3 scripts/tile_sweep.py [--save FILE | --tree-large | --small-m]
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import sys
 import torch
 
 from detaudit.backends.kernels import triton_mm
-from detaudit.bench.kernels import _time, _weight_copies
+from detaudit.bench.kernels import _time, _times, _weight_copies
 
 BASE = triton_mm.CONFIGS[torch.bfloat16]
 TREE_BASE = triton_mm.TREE_CONFIGS[torch.bfloat16]
 
 
-def cfg(bm, bn, warps, stages, tma=0):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8, num_warps=warps, num_stages=stages, TMA=tma, WS=0)
+def cfg(bm, bn, warps, stages, tma=0, ws=0, bk=64):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages, TMA=tma, WS=ws)
 
 
 CANDIDATES = {
@@ -49,6 +49,61 @@ TREE_LARGE_CANDIDATES = {
 }
 
 
+SMALL_M_CANDIDATES = {
+    "64x32 w4 s12 ptr": cfg(64, 32, 4, 12),
+    "64x32 w4 s8 ptr (before)": cfg(64, 32, 4, 8),
+    "64x32 w4 s12 ptr mask": dict(cfg(64, 32, 4, 12), MASK_M=1),
+    "64x32 w4 s8 ptr mask": dict(cfg(64, 32, 4, 8), MASK_M=1),
+    "64x16 w4 s12 ptr mask": dict(cfg(64, 16, 4, 12), MASK_M=1),
+    "64x16 w4 s8 ptr mask": dict(cfg(64, 16, 4, 8), MASK_M=1),
+    "64x64 w4 s8 ptr mask": dict(cfg(64, 64, 4, 8), MASK_M=1),
+    "64x32x128 w4 s6 ptr mask": dict(cfg(64, 32, 4, 6, bk=128), MASK_M=1),
+    "64x32x128 w4 s8 ptr mask (now; tree: s6)": dict(cfg(64, 32, 4, 8, bk=128), MASK_M=1),
+    "64x16x128 w4 s8 ptr mask": dict(cfg(64, 16, 4, 8, bk=128), MASK_M=1),
+    "64x16x256 w4 s6 ptr mask": dict(cfg(64, 16, 4, 6, bk=256), MASK_M=1),
+    "64x32 w4 s8 tma": cfg(64, 32, 4, 8, tma=1),
+    "64x32 w4 s12 tma": cfg(64, 32, 4, 12, tma=1),
+    "64x32 w4 s8 tma ws": cfg(64, 32, 4, 8, tma=1, ws=1),
+    "64x64 w4 s8 tma": cfg(64, 64, 4, 8, tma=1),
+    "64x16 w4 s12 tma": cfg(64, 16, 4, 12, tma=1),
+}
+
+
+def small_m() -> list[dict]:
+    """The plain bio kernel at decode sizes: pointer vs TMA loads, deeper pipelines (bits against the
+    large-M tiling)."""
+    dev = torch.device("cuda")
+    rows = []
+    for k, n in ((4096, 4096), (6144, 2048), (4096, 12288), (12288, 4096)):
+        g = torch.Generator(device=dev).manual_seed(k * 3 + n)
+        w = torch.randn(n, k, device=dev, generator=g).bfloat16()
+        ws = _weight_copies(w)
+        x = torch.randn(300, k, device=dev, generator=g).bfloat16()
+        base = triton_mm.mm(x, w, config=BASE, out_dtype=torch.bfloat16)
+        tbase = triton_mm.mm(x, w, leaves=8, config=TREE_BASE)
+        for name, c in SMALL_M_CANDIDATES.items():
+            row = {"K": k, "N": n, "candidate": name}
+            try:
+                row["bits_equal_plain"] = all(torch.equal(triton_mm.mm(x[:m], w, config=c, out_dtype=torch.bfloat16),
+                                                          base[:m]) for m in (1, 8, 33, 64, 300))
+                row["bits_equal_tree"] = all(torch.equal(triton_mm.mm(x[:m], w, leaves=8, config=c), tbase[:m])
+                                             for m in (1, 8, 33, 64))
+                for m in (8, 16, 32, 64):
+                    fns = [lambda i=0, m=m: torch.nn.functional.linear(x[:m], ws[i % len(ws)]),
+                           lambda i=0, m=m: triton_mm.mm(x[:m], ws[i % len(ws)], config=c, out_dtype=torch.bfloat16)]
+                    if m in (8, 32):
+                        fns.append(lambda i=0, m=m: triton_mm.mm(x[:m], ws[i % len(ws)], leaves=8, config=c))
+                    t = _times(fns, dev)
+                    row[f"M{m}"] = round(t[0] / t[1], 3)
+                    if m in (8, 32):
+                        row[f"tree_M{m}"] = round(t[0] / t[2], 3)
+            except Exception as e:  # noqa: BLE001 - a dev sweep: record and go on
+                row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def tree_large() -> list[dict]:
     """The tree kernel at large M: tilings against cuBLAS (and their bits against the current one)."""
     dev = torch.device("cuda")
@@ -72,11 +127,17 @@ def tree_large() -> list[dict]:
 
 
 def main() -> None:
-    if "--tree-large" in sys.argv:
-        import pandas as pd
+    if "--only" in sys.argv:  # candidates whose name contains this text (and the current one)
+        keep = sys.argv[sys.argv.index("--only") + 1]
+        for name in list(SMALL_M_CANDIDATES):
+            if keep not in name and "now" not in name:
+                del SMALL_M_CANDIDATES[name]
+    for flag, fn in (("--tree-large", tree_large), ("--small-m", small_m)):
+        if flag in sys.argv:
+            import pandas as pd
 
-        print(pd.DataFrame(tree_large()).to_markdown(index=False))
-        return
+            print(pd.DataFrame(fn()).to_markdown(index=False))
+            return
     dev = torch.device("cuda")
     rows = []
     for k, n in SHAPES:

@@ -14,32 +14,46 @@ M_VALUES = (8, 32, 256, 2048, 8192)
 KN_VALUES = ((4096, 4096), (6144, 2048))
 
 
-def _time(fn, device: torch.device, min_s: float = 0.2, reps: int | None = None) -> float:
-    """Median seconds per call. GPU: `fn(i)` is captured `reps` times back to back into one CUDA graph
-    (i picks one of the rotated weight copies), and a replay is timed with CUDA events, so launch
-    overhead on the host is not counted (an engine's decode runs from graphs too). CPU: perf_counter."""
-    fn(0)  # warm-up / compile
+def _graph(fn, reps: int) -> torch.cuda.CUDAGraph:
+    """`fn(i)` for i in 0..reps-1 captured back to back into one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):  # warm up on the capture stream (allocator, lazy init)
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i)
+    return graph
+
+
+def _times(fns, device: torch.device, min_s: float = 0.2, reps: int | None = None, rounds: int = 7) -> list[float]:
+    """Median seconds per call of each `fn(i)` (i picks one of the rotated weight copies). GPU: each fn is
+    captured `reps` times back to back into one CUDA graph, and the graphs are replayed in turn, round
+    after round, timed with CUDA events: launch overhead on the host is not counted (an engine's decode
+    runs from graphs too), and a change of clocks during the run hits every fn alike. CPU: perf_counter,
+    one fn after the other."""
+    for fn in fns:
+        fn(0)  # warm-up / compile
     if device.type == "cuda":
         reps = reps or 20
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for i in range(3):  # warm up on the capture stream (allocator, lazy init)
-                fn(i)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(reps):
-                fn(i)
-        times = []
-        for _ in range(7):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graph.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3 / reps)
-        return float(sorted(times)[len(times) // 2])
+        graphs = [_graph(fn, reps) for fn in fns]
+        times: list[list[float]] = [[] for _ in fns]
+        for _ in range(rounds):
+            for graph, out in zip(graphs, times):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                graph.replay()
+                e.record()
+                e.synchronize()
+                out.append(s.elapsed_time(e) / 1e3 / reps)
+        return [float(sorted(t)[len(t) // 2]) for t in times]
+    return [_cpu_time(fn, min_s, reps) for fn in fns]
+
+
+def _cpu_time(fn, min_s: float, reps: int | None) -> float:
     times, start = [], time.perf_counter()
     while len(times) < (reps or 3) or time.perf_counter() - start < min_s:
         t = time.perf_counter()
@@ -48,6 +62,11 @@ def _time(fn, device: torch.device, min_s: float = 0.2, reps: int | None = None)
         if reps and len(times) >= reps:
             break
     return float(sorted(times)[len(times) // 2])
+
+
+def _time(fn, device: torch.device, min_s: float = 0.2, reps: int | None = None) -> float:
+    """Median seconds per call of one fn (see `_times`)."""
+    return _times([fn], device, min_s, reps)[0]
 
 
 def _weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
@@ -78,7 +97,7 @@ def bench_kernels(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, m_v
             native = lambda i=0: torch.nn.functional.linear(x, ws[i % len(ws)])  # noqa: E731
             bio = lambda i=0: fixed.matmul(x, ws[i % len(ws)], out_dtype=dtype)  # noqa: E731 (what bio's linear runs)
             tbik = lambda i=0: tree.tree_matmul(x, ws[i % len(ws)], 1).to(dtype)  # noqa: E731
-            t_nat, t_bio, t_tree = (_time(f, dev) for f in (native, bio, tbik))
+            t_nat, t_bio, t_tree = _times((native, bio, tbik), dev)
             flops = 2 * m * n * k
             row = {"M": m, "K": k, "N": n, "native_tflops": flops / t_nat / 1e12,
                    "bio_tflops": flops / t_bio / 1e12, "bio_ratio": t_nat / t_bio,

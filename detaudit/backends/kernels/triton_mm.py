@@ -27,19 +27,26 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-# The reduction is fixed per input dtype and never keyed on shape: BLOCK_K-wide steps accumulated in
-# order from zero in fp32, on the tensor cores' warpgroup MMA (BLOCK_M >= 64 and 4 warps per group keep
-# every bf16/fp16 config on Hopper's wgmma), no split-K. Each output element's sum is therefore the same
-# whatever the output tiling, so the tiling is free to follow M: few rows want narrow tiles and many
-# programs streaming the weight, many rows want wide tiles. `TILINGS` maps an upper bound on M to one
-# fixed config (first match wins); tests/gpu checks every M in 1..256 and past 2048 against one another
-# bitwise, and scripts/tile_sweep.py checked each config against the others on an H100
-# (reports/gpu/tile-sweep-h100.md: bitwise equal at every shape and M tried). Changing BLOCK_K, the
-# instruction or the accumulation changes bits, so those are part of `describe()`.
+# The reduction is fixed per input dtype and never keyed on shape: for bf16/fp16, each output element is
+# accumulated in one fp32 register from zero by Hopper's warpgroup MMA (BLOCK_M >= 64 and 4 warps per
+# group keep every config on wgmma), one K = 16 slice per instruction, slices in K order, no split-K.
+# BLOCK_K only groups those instructions per loop step (64 and 128 measured bitwise equal on an H100,
+# reports/gpu/tile-sweep-small-m-h100.md); zero-padded slices past K add exact zeros. Each output
+# element's sum is therefore the same whatever the tiling, so the tiling is free to follow M: few rows
+# want narrow tiles and many programs streaming the weight, many rows want wide tiles. `TILINGS` maps an
+# upper bound on M to one fixed config (first match wins); tests/gpu checks every M in 1..256 and past
+# 2048 against one another bitwise, and scripts/tile_sweep.py checked each config against the others on
+# an H100 (reports/gpu/tile-sweep*-h100.md: bitwise equal at every shape and M tried). Changing the
+# instruction, its slice order or the accumulation changes bits, so the configs are part of `describe()`.
 # TMA=1: on Hopper and later, 2-D bf16/fp16 products load through TMA descriptors (`_tma_kernel`,
 # WS = warp-specialised persistent loop); elsewhere the pointer kernels run the same tiles and give the
 # same bits (tests/gpu checks it).
-_SMALL_M = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=8, TMA=0)
+# MASK_M: rows past M are not loaded (a 64-row tile holding 8 rows otherwise re-reads them 8 times).
+_SMALL_M = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=8, TMA=0, MASK_M=1)
+_TREE_SMALL_M = dict(_SMALL_M, num_stages=6)
+# Few rows and a narrow weight (N < NARROW_N): 16-column tiles, so that enough programs stream it.
+NARROW_N = 4096
+_NARROW = dict(_SMALL_M, BLOCK_N=16)
 _MID_M = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=5, TMA=0)
 _LARGE_M = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1, WS=1)
 TILINGS: dict[torch.dtype, tuple[tuple[int | None, dict[str, int]], ...]] = {
@@ -53,17 +60,19 @@ CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][1] for dt, t in TILINGS.
 # narrower tiles (fewer live registers) were slower too at M >= 1024 (reports/gpu/tile-sweep-h100.md).
 _TREE_LARGE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 TREE_TILINGS: dict[torch.dtype, tuple[tuple[int | None, dict[str, int]], ...]] = {
-    torch.bfloat16: ((64, _SMALL_M), (256, _MID_M), (None, _TREE_LARGE)),
-    torch.float16: ((64, _SMALL_M), (256, _MID_M), (None, _TREE_LARGE)),
+    torch.bfloat16: ((64, _TREE_SMALL_M), (256, _MID_M), (None, _TREE_LARGE)),
+    torch.float16: ((64, _TREE_SMALL_M), (256, _MID_M), (None, _TREE_LARGE)),
     torch.float32: TILINGS[torch.float32],
 }
 TREE_CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][1] for dt, t in TREE_TILINGS.items()}
 
 
-def tiling(dtype: torch.dtype, m: int, tree: bool = False) -> dict[str, int]:
-    """The fixed config for a product with m rows (see TILINGS)."""
+def tiling(dtype: torch.dtype, m: int, tree: bool = False, n: int | None = None) -> dict[str, int]:
+    """The fixed config for a product with m rows and n output columns (see TILINGS)."""
     for bound, cfg in (TREE_TILINGS if tree else TILINGS)[dtype]:
         if bound is None or m <= bound:
+            if cfg in (_SMALL_M, _TREE_SMALL_M) and n is not None and n < NARROW_N:
+                return _NARROW
             return cfg
     raise AssertionError("the last tiling has no bound")
 
@@ -99,22 +108,32 @@ if triton is not None:
         return bid, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
     @triton.jit
-    def _span(x_ptr, w_ptr, rows, cols, start, length, sxm, sxk, swn, swk,
-              EVEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    def _span(x_ptr, w_ptr, offs_m, M, cols, start, length, sxm, sxk, swn, swk,
+              EVEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASK_M: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """fp32 x[rows, start:start+length] @ w[cols, start:start+length]^T, accumulated sequentially in
-        BLOCK_K steps from zero: the one reduction order of every output element (a leaf, or all of K)."""
+        BLOCK_K steps from zero: the one reduction order of every output element (a leaf, or all of K).
+        Rows past M are never stored, so what they hold does not matter: they re-read valid rows
+        (offs_m % M, no mask), or with MASK_M they are not read at all (zeros; at a few rows in a
+        64-row tile that saves most of x's traffic)."""
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + rows[:, None] * sxm + (start + offs_k)[None, :] * sxk
+        a_ptrs = x_ptr + (offs_m % M)[:, None] * sxm + (start + offs_k)[None, :] * sxk
+        row_ok = (offs_m < M)[:, None]
         b_ptrs = w_ptr + (start + offs_k)[:, None] * swk + cols[None, :] * swn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(0, tl.cdiv(length, BLOCK_K)):
             if EVEN:
-                a = tl.load(a_ptrs)
+                if MASK_M:
+                    a = tl.load(a_ptrs, mask=row_ok, other=0.0)
+                else:
+                    a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs)
             else:
                 left = length - kk * BLOCK_K
-                a = tl.load(a_ptrs, mask=offs_k[None, :] < left, other=0.0)
+                if MASK_M:
+                    a = tl.load(a_ptrs, mask=(offs_k[None, :] < left) & row_ok, other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=offs_k[None, :] < left, other=0.0)
                 b = tl.load(b_ptrs, mask=offs_k[:, None] < left, other=0.0)
             if UPCAST:  # the CPU interpreter cannot multiply bf16 (numpy has none); bf16 x bf16 is exact in fp32
                 a = a.to(tl.float32)
@@ -135,7 +154,7 @@ if triton is not None:
         BATCH, M, N, K,
         sxb, sxm, sxk, swb, swn, swk, sob, som, son,
         NUM_PROGRAMS,
-        EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASK_M: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         total = BATCH * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -143,8 +162,8 @@ if triton is not None:
             bid, offs_m, offs_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             # out-of-range rows/cols read valid data and are never stored: an output element depends
             # only on its own row and column
-            acc = _span(x_ptr + bid * sxb, w_ptr + bid * swb, offs_m % M, offs_n % N, 0, K, sxm, sxk, swn, swk,
-                        EVEN_K, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = _span(x_ptr + bid * sxb, w_ptr + bid * swb, offs_m, M, offs_n % N, 0, K, sxm, sxk, swn, swk,
+                        EVEN_K, PRECISION, UPCAST, MASK_M, BLOCK_M, BLOCK_N, BLOCK_K)
             _store(out_ptr + bid * sob, offs_m, offs_n, M, N, som, son, acc)  # one rounding (RNE) to out's dtype
 
 
@@ -219,6 +238,7 @@ if triton is not None:
         sxb, sxm, sxk, swb, swn, swk, sob, som, son,
         NUM_PROGRAMS,
         NUM_LEAVES: tl.constexpr, EVEN_LEAF: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        MASK_M: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         """The tree matmul with the leaves unrolled (static_range): each leaf is its own branch-free,
@@ -233,8 +253,8 @@ if triton is not None:
             s2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             node = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for j in tl.static_range(NUM_LEAVES):
-                acc = _span(x_ptr + bid * sxb, w_ptr + bid * swb, offs_m % M, offs_n % N, j * LEAF, LEAF,
-                            sxm, sxk, swn, swk, EVEN_LEAF, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+                acc = _span(x_ptr + bid * sxb, w_ptr + bid * swb, offs_m, M, offs_n % N, j * LEAF, LEAF,
+                            sxm, sxk, swn, swk, EVEN_LEAF, PRECISION, UPCAST, MASK_M, BLOCK_M, BLOCK_N, BLOCK_K)
                 s0, s1, s2, node = _carry(j, acc, s0, s1, s2, node)
             _store(out_ptr + bid * sob, offs_m, offs_n, M, N, som, son, node)
 
@@ -253,8 +273,8 @@ def _num_programs(device: torch.device, tiles: int, per_sm: int = 2) -> int:
 
 
 def _launch_args(cfg: dict[str, int]) -> dict[str, int]:
-    """A config less its kernel-choice flags (TMA, FLATTEN, WS)."""
-    return {k: v for k, v in cfg.items() if k not in ("TMA", "FLATTEN", "WS")}
+    """A config less its kernel-choice flags (TMA, FLATTEN, WS, MASK_M)."""
+    return {k: v for k, v in cfg.items() if k not in ("TMA", "FLATTEN", "WS", "MASK_M")}
 
 
 def _tma_ready(t: Tensor) -> bool:
@@ -310,7 +330,7 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
         raise DetauditError(f"the tree kernel takes 1, 2, 4 or 8 leaves, got {leaves}")
     tree = tree or leaves > 1
     interpret = x.device.type == "cpu"  # TRITON_INTERPRET on CPU tensors
-    cfg = dict(config or (INTERPRET_CONFIG if interpret else tiling(x.dtype, m, tree)))
+    cfg = dict(config or (INTERPRET_CONFIG if interpret else tiling(x.dtype, m, tree, n)))
     # tree results stay fp32; the interpreter's fp32 -> bf16 store does not round like torch, so it
     # stores fp32 and torch rounds below
     out = torch.empty(batch, m, n, dtype=torch.float32 if (tree or interpret) else out_dtype, device=x.device)
@@ -318,11 +338,13 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
     if m and n and batch and _use_tma(x3, w3, cfg, leaf):
         _launch_tma(x3[0], w3[0], out[0], leaves, leaf, cfg)
     elif m and n and batch:
+        mask_m = bool(cfg.get("MASK_M"))
         cfg = _launch_args(cfg)
         tiles = batch * triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         progs = _num_programs(x.device, tiles)
         strides = (*x3.stride(), *w3.stride(), *out.stride())
-        common = dict(PRECISION="ieee" if (x.dtype == torch.float32 or interpret) else "tf32", UPCAST=interpret, **cfg)
+        common = dict(PRECISION="ieee" if (x.dtype == torch.float32 or interpret) else "tf32", UPCAST=interpret,
+                      MASK_M=mask_m, **cfg)
         if tree:
             _tree_kernel[(progs,)](x3, w3, out, batch, m, n, leaf, *strides, progs,
                                    NUM_LEAVES=leaves, EVEN_LEAF=leaf % cfg["BLOCK_K"] == 0, **common)
@@ -339,4 +361,4 @@ def describe(tree: bool = False) -> str:
 
     return "; ".join(f"{str(dt).removeprefix('torch.')}: " + " | ".join(
         f"M<={b}: {one(c)}" if b is not None else f"larger M: {one(c)}" for b, c in t)
-        for dt, t in (TREE_TILINGS if tree else TILINGS).items())
+        for dt, t in (TREE_TILINGS if tree else TILINGS).items()) + f"; smallest M with N<{NARROW_N}: {one(_NARROW)}"
