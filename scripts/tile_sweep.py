@@ -49,6 +49,17 @@ TREE_LARGE_CANDIDATES = {
 }
 
 
+def _operands(k: int, n: int, rows: int, seed: int):
+    """Seeded bf16 weight [n, k] (and its L2-rotated copies), rows x [rows, k], and the large-M tiling's
+    plain and 8-leaf tree products that every candidate must match bitwise."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w = torch.randn(n, k, device=dev, generator=g).bfloat16()
+    x = torch.randn(rows, k, device=dev, generator=g).bfloat16()
+    return (w, _weight_copies(w), x, triton_mm.mm(x, w, config=BASE, out_dtype=torch.bfloat16),
+            triton_mm.mm(x, w, leaves=8, config=TREE_BASE))
+
+
 SMALL_M_CANDIDATES = {
     "64x32 w4 s12 ptr": cfg(64, 32, 4, 12),
     "64x32 w4 s8 ptr (before)": cfg(64, 32, 4, 8),
@@ -75,12 +86,7 @@ def small_m() -> list[dict]:
     dev = torch.device("cuda")
     rows = []
     for k, n in ((4096, 4096), (6144, 2048), (4096, 12288), (12288, 4096)):
-        g = torch.Generator(device=dev).manual_seed(k * 3 + n)
-        w = torch.randn(n, k, device=dev, generator=g).bfloat16()
-        ws = _weight_copies(w)
-        x = torch.randn(300, k, device=dev, generator=g).bfloat16()
-        base = triton_mm.mm(x, w, config=BASE, out_dtype=torch.bfloat16)
-        tbase = triton_mm.mm(x, w, leaves=8, config=TREE_BASE)
+        w, ws, x, base, tbase = _operands(k, n, 300, k * 3 + n)
         for name, c in SMALL_M_CANDIDATES.items():
             row = {"K": k, "N": n, "candidate": name}
             try:
@@ -141,12 +147,7 @@ def main() -> None:
     dev = torch.device("cuda")
     rows = []
     for k, n in SHAPES:
-        g = torch.Generator(device=dev).manual_seed(k * 7 + n)
-        w = torch.randn(n, k, device=dev, generator=g).bfloat16()
-        ws = _weight_copies(w)
-        x = torch.randn(1100, k, device=dev, generator=g).bfloat16()
-        base = triton_mm.mm(x, w, config=BASE, out_dtype=torch.bfloat16)
-        tbase = triton_mm.mm(x, w, leaves=8, config=TREE_BASE)
+        w, ws, x, base, tbase = _operands(k, n, 1100, k * 7 + n)
         t_nat = {m: _time(lambda i=0, m=m: torch.nn.functional.linear(x[:m], ws[i % len(ws)]), dev) for m in MS}
         for name, c in CANDIDATES.items():
             same = all(torch.equal(triton_mm.mm(x[:m], w, config=c, out_dtype=torch.bfloat16), base[:m])
