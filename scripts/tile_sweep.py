@@ -38,14 +38,11 @@ SHAPES = ((4096, 4096), (6144, 2048), (576, 1536), (1536, 576), (4096, 12288), (
 MS = (8, 32, 256, 1024)
 
 
-TREE_LARGE_CANDIDATES = {
+TREE_LARGE_CANDIDATES = {  # the PARK variants of reports/gpu/tree-flat-sweep-h100.md were removed with their kernel code
     "128x128 w8 s4 ptr (current)": cfg(128, 128, 8, 4),
-    "128x128 w8 s4 ptr park1": dict(cfg(128, 128, 8, 4), PARK=1),
-    "128x128 w8 s4 ptr park2": dict(cfg(128, 128, 8, 4), PARK=2),
-    "128x128 w8 s5 ptr park2": dict(cfg(128, 128, 8, 5), PARK=2),
-    "128x128 w4 s4 ptr park2": dict(cfg(128, 128, 4, 4), PARK=2),
-    "128x256 w8 s3 ptr park2": dict(cfg(128, 256, 8, 3), PARK=2),
-    "256x128 w8 s3 ptr park2": dict(cfg(256, 128, 8, 3), PARK=2),
+    "128x64 w8 s4 ptr": cfg(128, 64, 8, 4),
+    "64x128 w4 s4 ptr": cfg(64, 128, 4, 4),
+    "128x128 w8 s3 ptr": cfg(128, 128, 8, 3),
 }
 
 

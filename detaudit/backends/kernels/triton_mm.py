@@ -232,57 +232,22 @@ if triton is not None:
 
 
     @triton.jit
-    def _carry_parked(j: tl.constexpr, acc, s0, s1, node, o_ptrs, o_mask, sc_ptrs, PARK: tl.constexpr):
-        """`_carry` with pending nodes parked in memory instead of registers (j is a compile-time
-        constant): the level-2 node (leaves 0-3) waits in the output tile, which this program alone
-        writes; with PARK >= 2 the level-1 nodes wait in this program's scratch tile too, so only the
-        leaf being summed and one finished leaf stay live. Same adds, same order, same bits."""
-        if j % 2 == 0:
-            s0 = acc
-            node = acc
-        else:
-            node = s0 + acc  # level 1
-            if j % 4 == 1:
-                if PARK >= 2:
-                    tl.store(sc_ptrs, node)
-                else:
-                    s1 = node
-            else:
-                if PARK >= 2:
-                    tl.debug_barrier()
-                    node = tl.load(sc_ptrs) + node  # level 2
-                    tl.debug_barrier()
-                else:
-                    node = s1 + node  # level 2
-                if j % 8 == 3:
-                    tl.store(o_ptrs, node, mask=o_mask)
-                else:
-                    tl.debug_barrier()
-                    node = tl.load(o_ptrs, mask=o_mask, other=0.0) + node  # level 3
-        return s0, s1, node
-
-    @triton.jit
     def _tree_kernel(
-        x_ptr, w_ptr, out_ptr, scratch_ptr,
+        x_ptr, w_ptr, out_ptr,
         BATCH, M, N, LEAF,
         sxb, sxm, sxk, swb, swn, swk, sob, som, son,
         NUM_PROGRAMS,
         NUM_LEAVES: tl.constexpr, EVEN_LEAF: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-        MASK_M: tl.constexpr, PARK: tl.constexpr,
+        MASK_M: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         """The tree matmul with the leaves unrolled (static_range): each leaf is its own branch-free,
         software-pipelined K loop, and the binary-counter carries are chosen at compile time, so the
-        finished nodes live in registers (at most log2(NUM_LEAVES) + 1 fp32 tiles), or with PARK (8
-        leaves) partly in memory (`_carry_parked`). A leaf is `_span` over its LEAF columns (BLOCK_K
-        steps from zero); leaves are then added pairwise up the tree."""
+        finished nodes live in registers (at most log2(NUM_LEAVES) + 1 fp32 tiles). A leaf is `_span`
+        over its LEAF columns (BLOCK_K steps from zero); leaves are then added pairwise up the tree."""
         total = BATCH * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        sc_ptrs = (scratch_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M * BLOCK_N
-                   + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
         for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
             bid, offs_m, offs_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            o_ptrs = out_ptr + bid * sob + offs_m[:, None] * som + offs_n[None, :] * son
-            o_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
             s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             s1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             s2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -290,10 +255,7 @@ if triton is not None:
             for j in tl.static_range(NUM_LEAVES):
                 acc = _span(x_ptr + bid * sxb, w_ptr + bid * swb, offs_m, M, offs_n % N, j * LEAF, LEAF,
                             sxm, sxk, swn, swk, EVEN_LEAF, PRECISION, UPCAST, MASK_M, BLOCK_M, BLOCK_N, BLOCK_K)
-                if PARK and NUM_LEAVES == 8:
-                    s0, s1, node = _carry_parked(j, acc, s0, s1, node, o_ptrs, o_mask, sc_ptrs, PARK)
-                else:
-                    s0, s1, s2, node = _carry(j, acc, s0, s1, s2, node)
+                s0, s1, s2, node = _carry(j, acc, s0, s1, s2, node)
             _store(out_ptr + bid * sob, offs_m, offs_n, M, N, som, son, node)
 
 
@@ -311,8 +273,8 @@ def _num_programs(device: torch.device, tiles: int, per_sm: int = 2) -> int:
 
 
 def _launch_args(cfg: dict[str, int]) -> dict[str, int]:
-    """A config less its kernel-choice flags (TMA, FLATTEN, WS, MASK_M, PARK)."""
-    return {k: v for k, v in cfg.items() if k not in ("TMA", "FLATTEN", "WS", "MASK_M", "PARK")}
+    """A config less its kernel-choice flags (TMA, FLATTEN, WS, MASK_M)."""
+    return {k: v for k, v in cfg.items() if k not in ("TMA", "FLATTEN", "WS", "MASK_M")}
 
 
 def _tma_ready(t: Tensor) -> bool:
@@ -377,7 +339,6 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
         _launch_tma(x3[0], w3[0], out[0], leaves, leaf, cfg)
     elif m and n and batch:
         mask_m = bool(cfg.get("MASK_M"))
-        park = int(cfg.get("PARK", 0)) if leaves == 8 else 0
         cfg = _launch_args(cfg)
         tiles = batch * triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         progs = _num_programs(x.device, tiles)
@@ -385,9 +346,8 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
         common = dict(PRECISION="ieee" if (x.dtype == torch.float32 or interpret) else "tf32", UPCAST=interpret,
                       MASK_M=mask_m, **cfg)
         if tree:
-            scratch = out if park < 2 else torch.empty(progs * cfg["BLOCK_M"] * cfg["BLOCK_N"], device=x.device)
-            _tree_kernel[(progs,)](x3, w3, out, scratch, batch, m, n, leaf, *strides, progs, NUM_LEAVES=leaves,
-                                   EVEN_LEAF=leaf % cfg["BLOCK_K"] == 0, PARK=park, **common)
+            _tree_kernel[(progs,)](x3, w3, out, batch, m, n, leaf, *strides, progs,
+                                   NUM_LEAVES=leaves, EVEN_LEAF=leaf % cfg["BLOCK_K"] == 0, **common)
         else:
             _mm_kernel[(progs,)](x3, w3, out, batch, m, n, k, *strides, progs, EVEN_K=k % cfg["BLOCK_K"] == 0, **common)
     if not tree:
