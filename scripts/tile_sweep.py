@@ -85,8 +85,7 @@ def small_m() -> list[dict]:
     for k, n in ((4096, 4096), (6144, 2048), (4096, 12288), (12288, 4096)):
         w, ws, x, base, tbase = _operands(k, n, 300, k * 3 + n)
         for name, c in SMALL_M_CANDIDATES.items():
-            row = {"K": k, "N": n, "candidate": name}
-            try:
+            def fill(row, c=c, w=w, ws=ws, x=x, base=base, tbase=tbase):
                 row["bits_equal_plain"] = all(torch.equal(triton_mm.mm(x[:m], w, config=c, out_dtype=torch.bfloat16),
                                                           base[:m]) for m in (1, 8, 33, 64, 300))
                 row["bits_equal_tree"] = all(torch.equal(triton_mm.mm(x[:m], w, leaves=8, config=c), tbase[:m])
@@ -100,11 +99,19 @@ def small_m() -> list[dict]:
                     row[f"M{m}"] = round(t[0] / t[1], 3)
                     if m in (8, 32):
                         row[f"tree_M{m}"] = round(t[0] / t[2], 3)
-            except Exception as e:  # noqa: BLE001 - a dev sweep: record and go on
-                row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
-            rows.append(row)
-            print(row, flush=True)
+            rows.append(_row(k, n, name, fill))
     return rows
+
+
+def _row(k: int, n: int, name: str, fill) -> dict:
+    """One candidate's row, filled by `fill(row)`; an error (a config that does not fit, say) is recorded."""
+    row = {"K": k, "N": n, "candidate": name}
+    try:
+        fill(row)
+    except Exception as e:  # noqa: BLE001 - a dev sweep: record and go on
+        row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
+    print(row, flush=True)
+    return row
 
 
 def tree_large() -> list[dict]:
@@ -118,17 +125,13 @@ def tree_large() -> list[dict]:
         x = torch.randn(8192, k, device=dev, generator=g).bfloat16()
         base = triton_mm.mm(x[:2048], w, leaves=8, config=TREE_BASE)
         for name, c in TREE_LARGE_CANDIDATES.items():
-            row = {"K": k, "N": n, "candidate": name}
-            try:
+            def fill(row, c=c, w=w, ws=ws, x=x, base=base):
                 row["bits_equal_tree"] = torch.equal(triton_mm.mm(x[:2048], w, leaves=8, config=c), base)
                 for m in (1024, 2048, 8192):
                     t = _times([lambda i=0, m=m: torch.nn.functional.linear(x[:m], ws[i % len(ws)]),
                                 lambda i=0, m=m: triton_mm.mm(x[:m], ws[i % len(ws)], leaves=8, config=c)], dev)
                     row[f"tree_M{m}"] = round(t[0] / t[1], 3)
-            except Exception as e:  # noqa: BLE001 - a dev sweep: record and go on
-                row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
-            rows.append(row)
-            print(row, flush=True)
+            rows.append(_row(k, n, name, fill))
     return rows
 
 
