@@ -34,45 +34,41 @@ except ImportError:  # pragma: no cover - depends on the install
 # reports/gpu/tile-sweep-small-m-h100.md); zero-padded slices past K add exact zeros. Each output
 # element's sum is therefore the same whatever the tiling, so the tiling is free to follow M: few rows
 # want narrow tiles and many programs streaming the weight, many rows want wide tiles. `TILINGS` maps an
-# upper bound on M to one fixed config (first match wins); tests/gpu checks every M in 1..256 and past
-# 2048 against one another bitwise, and scripts/tile_sweep.py checked each config against the others on
+# upper bound on M (at few rows also a lower bound on N) to one fixed config (first match wins);
+# tests/gpu checks every M in 1..256 and past 2048 against one another bitwise, and scripts/tile_sweep.py checked each config against the others on
 # an H100 (reports/gpu/tile-sweep*-h100.md: bitwise equal at every shape and M tried). Changing the
 # instruction, its slice order or the accumulation changes bits, so the configs are part of `describe()`.
 # TMA=1: on Hopper and later, 2-D bf16/fp16 products load through TMA descriptors (`_tma_kernel`,
 # WS = warp-specialised persistent loop); elsewhere the pointer kernels run the same tiles and give the
 # same bits (tests/gpu checks it).
 # MASK_M: rows past M are not loaded (a 64-row tile holding 8 rows otherwise re-reads them 8 times).
+# Each dtype's tilings are rules (max M, min N, config), first match wins: few rows and a narrow weight
+# (N < 4096) get 16-column tiles, so that enough programs stream it.
 _SMALL_M = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=8, TMA=0, MASK_M=1)
-_TREE_SMALL_M = dict(_SMALL_M, num_stages=6)
-# Few rows and a narrow weight (N < NARROW_N): 16-column tiles, so that enough programs stream it.
-NARROW_N = 4096
 _NARROW = dict(_SMALL_M, BLOCK_N=16)
 _MID_M = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=5, TMA=0)
 _LARGE_M = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1, WS=1)
-TILINGS: dict[torch.dtype, tuple[tuple[int | None, dict[str, int]], ...]] = {
-    torch.bfloat16: ((64, _SMALL_M), (1024, _MID_M), (None, _LARGE_M)),
-    torch.float16: ((64, _SMALL_M), (1024, _MID_M), (None, _LARGE_M)),
-    torch.float32: ((None, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)),),
-}
-CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][1] for dt, t in TILINGS.items()}  # the large-M tiling
+_FP32 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
+Tilings = tuple[tuple[int | None, int, dict[str, int]], ...]
+_HALF: Tilings = ((64, 4096, _SMALL_M), (64, 0, _NARROW), (1024, 0, _MID_M), (None, 0, _LARGE_M))
+TILINGS: dict[torch.dtype, Tilings] = {torch.bfloat16: _HALF, torch.float16: _HALF, torch.float32: ((None, 0, _FP32),)}
+CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][2] for dt, t in TILINGS.items()}  # the large-M tiling
 # The tree kernel (TBIK): the same rule over its leaves (each leaf is the same BLOCK_K steps from zero
 # whatever the tiling). Pointer loads at large M: with TMA the unrolled leaves measured 3-4x slower;
 # narrower tiles (fewer live registers) were slower too at M >= 1024 (reports/gpu/tile-sweep-h100.md).
 _TREE_LARGE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-TREE_TILINGS: dict[torch.dtype, tuple[tuple[int | None, dict[str, int]], ...]] = {
-    torch.bfloat16: ((64, _TREE_SMALL_M), (256, _MID_M), (None, _TREE_LARGE)),
-    torch.float16: ((64, _TREE_SMALL_M), (256, _MID_M), (None, _TREE_LARGE)),
-    torch.float32: TILINGS[torch.float32],
-}
-TREE_CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][1] for dt, t in TREE_TILINGS.items()}
+_TREE_HALF: Tilings = ((64, 4096, dict(_SMALL_M, num_stages=6)), (64, 0, _NARROW), (256, 0, _MID_M),
+                       (None, 0, _TREE_LARGE))
+TREE_TILINGS: dict[torch.dtype, Tilings] = {torch.bfloat16: _TREE_HALF, torch.float16: _TREE_HALF,
+                                            torch.float32: TILINGS[torch.float32]}
+TREE_CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][2] for dt, t in TREE_TILINGS.items()}
 
 
 def tiling(dtype: torch.dtype, m: int, tree: bool = False, n: int | None = None) -> dict[str, int]:
-    """The fixed config for a product with m rows and n output columns (see TILINGS)."""
-    for bound, cfg in (TREE_TILINGS if tree else TILINGS)[dtype]:
-        if bound is None or m <= bound:
-            if cfg in (_SMALL_M, _TREE_SMALL_M) and n is not None and n < NARROW_N:
-                return _NARROW
+    """The fixed config for a product with m rows and n output columns (see TILINGS; n unknown: the
+    first rule for m)."""
+    for max_m, min_n, cfg in (TREE_TILINGS if tree else TILINGS)[dtype]:
+        if (max_m is None or m <= max_m) and (n is None or n >= min_n):
             return cfg
     raise AssertionError("the last tiling has no bound")
 
@@ -356,9 +352,9 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
 
 
 def describe(tree: bool = False) -> str:
-    def one(c: dict) -> str:
-        return " ".join(f"{k}={v}" for k, v in c.items())
+    def rule(max_m: int | None, min_n: int, c: dict) -> str:
+        when = ("larger M" if max_m is None else f"M<={max_m}") + (f", N>={min_n}" if min_n else "")
+        return f"{when}: " + " ".join(f"{k}={v}" for k, v in c.items())
 
-    return "; ".join(f"{str(dt).removeprefix('torch.')}: " + " | ".join(
-        f"M<={b}: {one(c)}" if b is not None else f"larger M: {one(c)}" for b, c in t)
-        for dt, t in (TREE_TILINGS if tree else TILINGS).items()) + f"; smallest M with N<{NARROW_N}: {one(_NARROW)}"
+    return "; ".join(f"{str(dt).removeprefix('torch.')}: " + " | ".join(rule(*r) for r in t)
+                     for dt, t in (TREE_TILINGS if tree else TILINGS).items())
