@@ -78,8 +78,33 @@ def test_tma_and_pointer_paths_give_the_same_bits(k, n):
     assert torch.equal(tma, triton_mm.mm(a.unsqueeze(0).expand(2, -1, -1), w, config=cfg,
                                          out_dtype=torch.bfloat16)[1])  # batched: pointer path
     if (k // 8) % 64 == 0:  # leaves of whole BLOCK_K steps: the TMA tree path
-        tcfg = dict(triton_mm.TREE_CONFIGS[torch.bfloat16], TMA=1)
+        tcfg = dict(triton_mm.TREE_CONFIGS[torch.bfloat16], TMA=1, GLUON=0)
         assert torch.equal(triton_mm.mm(a, w, leaves=8, config=tcfg), triton_mm.mm(a, w, leaves=8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n", [(1536, 576), (4096, 4096), (6144, 2048)])
+def test_gluon_tree_kernel_gives_the_triton_bits(k, n, dtype):
+    """On Hopper the tree's large-M tiling runs the warp-specialised Gluon kernel: bitwise the Triton
+    tree kernel's result for every leaf count (TP 1/2/4/8 subtrees), ragged M and N (padded tiles), a
+    transposed weight view, and row prefixes."""
+    from detaudit.backends.kernels import gluon_tree, triton_mm
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(2049, k, device="cuda", generator=g).to(dtype)
+    w = torch.randn(n, k, device="cuda", generator=g).to(dtype)
+    if not gluon_tree.supports(a, w, 8):
+        pytest.skip("the Gluon kernel needs Triton's Gluon and a Hopper GPU")
+    triton_cfg = dict(triton_mm.TREE_CONFIGS[dtype], GLUON=0)
+    for leaves in (8, 4, 2, 1):
+        kl = k * leaves // 8  # a rank's columns at TP 8 / leaves
+        x, wl = a[:, :kl].contiguous(), w[:, :kl]
+        ref = triton_mm.mm(x, wl, leaves=leaves, tree=True, config=triton_cfg)
+        out = gluon_tree.tree_mm(x, wl, leaves)
+        assert torch.equal(out, ref), leaves
+        assert torch.equal(gluon_tree.tree_mm(x, wl.t().contiguous().t(), leaves), ref), leaves
+        for m in (257, 1000, 2048):
+            assert torch.equal(gluon_tree.tree_mm(x[:m], wl, leaves), ref[:m]), (leaves, m)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -18,6 +18,7 @@ import functools
 import torch
 from torch import Tensor
 
+from detaudit.backends.kernels import gluon_tree
 from detaudit.errors import DetauditError
 
 try:  # optional: GPU kernels and the interpreter tests only
@@ -56,7 +57,9 @@ CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][2] for dt, t in TILINGS.
 # The tree kernel (TBIK): the same rule over its leaves (each leaf is the same BLOCK_K steps from zero
 # whatever the tiling). Pointer loads at large M: with TMA the unrolled leaves measured 3-4x slower;
 # narrower tiles (fewer live registers) were slower too at M >= 1024 (reports/gpu/tile-sweep-h100.md).
-_TREE_LARGE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+# GLUON=1: on Hopper the warp-specialised Gluon kernel of `gluon_tree` computes the same bits faster
+# (0.60-0.75x of cuBLAS against 0.49-0.61x at M >= 1024, reports/gpu/gluon-tree-h100.md).
+_TREE_LARGE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, GLUON=1)
 _TREE_HALF: Tilings = ((64, 4096, dict(_SMALL_M, num_stages=6)), (64, 0, _NARROW), (256, 0, _MID_M),
                        (None, 0, _TREE_LARGE))
 TREE_TILINGS: dict[torch.dtype, Tilings] = {torch.bfloat16: _TREE_HALF, torch.float16: _TREE_HALF,
@@ -269,8 +272,8 @@ def _num_programs(device: torch.device, tiles: int, per_sm: int = 2) -> int:
 
 
 def _launch_args(cfg: dict[str, int]) -> dict[str, int]:
-    """A config less its kernel-choice flags (TMA, FLATTEN, WS, MASK_M)."""
-    return {k: v for k, v in cfg.items() if k not in ("TMA", "FLATTEN", "WS", "MASK_M")}
+    """A config less its kernel-choice flags (TMA, FLATTEN, WS, MASK_M, GLUON)."""
+    return {k: v for k, v in cfg.items() if k not in ("TMA", "FLATTEN", "WS", "MASK_M", "GLUON")}
 
 
 def _tma_ready(t: Tensor) -> bool:
@@ -331,7 +334,9 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
     # stores fp32 and torch rounds below
     out = torch.empty(batch, m, n, dtype=torch.float32 if (tree or interpret) else out_dtype, device=x.device)
     leaf = k // leaves
-    if m and n and batch and _use_tma(x3, w3, cfg, leaf):
+    if m and n and batch == 1 and tree and cfg.get("GLUON") and gluon_tree.supports(x3[0], w3[0], leaves):
+        out = gluon_tree.tree_mm(x3[0], w3[0], leaves).contiguous().unsqueeze(0)
+    elif m and n and batch and _use_tma(x3, w3, cfg, leaf):
         _launch_tma(x3[0], w3[0], out[0], leaves, leaf, cfg)
     elif m and n and batch:
         mask_m = bool(cfg.get("MASK_M"))

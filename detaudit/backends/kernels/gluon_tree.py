@@ -1,0 +1,228 @@
+"""The TBIK tree matmul on Hopper at many rows: an explicitly pipelined, warp-specialised Gluon kernel.
+
+Per output element the reduction is exactly the Triton tree kernel's (`triton_mm._tree_kernel`): each
+leaf accumulated from zero by wgmma in K = 16 slices in K order into one fp32 register, leaves added
+pairwise up the complete binary tree in fp32. tests/gpu checks the two bitwise at many shapes.
+
+What differs is the schedule. One load warp streams TMA loads of a flat sequence of (tile, K step)
+into NB shared buffers, running ahead of the MMAs across leaf and tile boundaries (the Triton kernel's
+software pipeline restarts at every unrolled leaf). The eight MMA warps only wait, issue and carry.
+Registers are the tree's real cost: a 128 x 128 fp32 tile is 64 registers per MMA thread and the warps
+get 240 after the load warp's share, so at most three tiles may be live. With 8 leaves the node of
+leaves 4..5 is parked in a per-program scratch tile and the node of leaves 0..3 in the output tile
+itself (both fp32, written and read back by the same thread), so leaves 6..7 need only two.
+The output is padded to whole tiles (the stores need no masks: 64 predicates would cost registers).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+try:  # Gluon ships with Triton >= 3.5; absent or older: the Triton kernels run instead
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load from 3.7 on
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+except ImportError:  # pragma: no cover - depends on the install
+    gluon = None
+
+# Measured on an H100 (reports/gpu/gluon-tree-h100.md): BLOCK_K = 64 with 6 buffers (192 KB of shared
+# memory) beat BLOCK_K = 128 with 3; 128 x 256 tiles do not fit the tree's registers.
+CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NB=6, GROUP_M=8, num_warps=8)
+
+
+def available(x: Tensor) -> bool:
+    """Gluon is importable and x lives on a Hopper GPU (wgmma is sm_90 only)."""
+    return gluon is not None and x.is_cuda and _capability(x.device.index or 0) == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _tile_of(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+        """(tile row, tile column) of tile t, grouped along M for L2 reuse (as `triton_mm._tile_ids`)."""
+        group = GROUP_M * num_pid_n
+        first_m = (t // group) * GROUP_M
+        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + ((t % group) % size_m), (t % group) // size_m
+
+    @gluon.jit
+    def _tile_ptrs(ptr, pid_m, pid_n, LD: gl.constexpr, like):
+        """Pointers of a [BLOCK_M, BLOCK_N] tile of a row-major buffer with LD columns, in the register
+        layout of `like`. LD is a compile-time constant, so the addresses fold into one base register
+        plus immediates instead of 64 live 64-bit pointers."""
+        BLOCK_M: gl.constexpr = like.shape[0]
+        BLOCK_N: gl.constexpr = like.shape[1]
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, like.type.layout))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, like.type.layout))
+        base = ptr + (pid_m * BLOCK_M) * LD + pid_n * BLOCK_N
+        return base + (rows[:, None] * LD + cols[None, :])
+
+    @gluon.jit
+    def _store_tile(ptr, pid_m, pid_n, LD: gl.constexpr, value):
+        gl.store(_tile_ptrs(ptr, pid_m, pid_n, LD, value), value)
+
+    @gluon.jit
+    def _load_tile(ptr, pid_m, pid_n, LD: gl.constexpr, like):
+        return gl.load(_tile_ptrs(ptr, pid_m, pid_n, LD, like))
+
+    @gluon.jit
+    def _producer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, pid, NP, num_pid_m, num_pid_n, total, KSTEPS,
+                  NB: gl.constexpr, W_KN: gl.constexpr, GROUP_M: gl.constexpr):
+        """The load warp: flat step g (tile pid + (g // KSTEPS) * NP, K step g % KSTEPS) into buffer
+        g % NB, once the MMA warps have released that buffer's previous step."""
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        for g in range(total):
+            idx = g % NB
+            mbarrier.wait(empty.index(idx), ((g // NB) & 1) ^ 1)  # a fresh barrier passes parity 1
+            pid_m, pid_n = _tile_of(pid + (g // KSTEPS) * NP, num_pid_m, num_pid_n, GROUP_M)
+            k = (g % KSTEPS) * BLOCK_K
+            bar = ready.index(idx)
+            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            _tma_load(x_desc, [pid_m * BLOCK_M, k], bar, x_bufs.index(idx))
+            if W_KN:  # the weight arrives transposed: [K, N] rows
+                BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+                _tma_load(w_desc, [k, pid_n * BLOCK_N], bar, w_bufs.index(idx))
+            else:
+                BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+                _tma_load(w_desc, [pid_n * BLOCK_N, k], bar, w_bufs.index(idx))
+
+    @gluon.jit
+    def _mma_step(acc, cons, use_acc, x_bufs, w_bufs, ready, NB: gl.constexpr, W_KN: gl.constexpr):
+        """Wait for step `cons`'s operands and issue its wgmma (async) into acc (use_acc off: from zero)."""
+        idx = cons % NB
+        mbarrier.wait(ready.index(idx), (cons // NB) & 1)
+        if W_KN:
+            b = w_bufs.index(idx)
+        else:
+            b = w_bufs.index(idx).permute((1, 0))
+        return warpgroup_mma(x_bufs.index(idx), b, acc, use_acc=use_acc, is_async=True), cons + 1
+
+    @gluon.jit
+    def _consumer(x_bufs, w_bufs, ready, empty, out_ptr, scratch_ptr, pid, NP, num_pid_m, num_pid_n, my_tiles,
+                  LEAF_STEPS, NUM_LEAVES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  LD: gl.constexpr, NB: gl.constexpr, W_KN: gl.constexpr, GROUP_M: gl.constexpr,
+                  num_warps: gl.constexpr):
+        """The MMA warps: each leaf LEAF_STEPS wgmma steps from zero (one in flight while the next is
+        issued), then carried up the tree in binary-counter order (leaf j is a compile-time constant)."""
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+        cons = 0
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
+        for ti in range(my_tiles):
+            pid_m, pid_n = _tile_of(pid + ti * NP, num_pid_m, num_pid_n, GROUP_M)
+            s0 = acc
+            s1 = acc
+            node = acc
+            for j in gl.static_range(NUM_LEAVES):
+                for kk in range(LEAF_STEPS):
+                    acc, cons = _mma_step(acc, cons, kk > 0, x_bufs, w_bufs, ready, NB, W_KN)
+                    acc = warpgroup_mma_wait(1, deps=(acc, ))  # the previous step is done: release its buffer
+                    mbarrier.arrive(empty.index((cons + NB - 2) % NB), pred=kk > 0)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(empty.index((cons + NB - 1) % NB))  # the leaf's last step
+                if j % 2 == 0:
+                    s0 = acc
+                    node = acc
+                elif NUM_LEAVES == 8 and j == 5:  # leaves 4..5: parked in this program's scratch tile
+                    _store_tile(scratch_ptr, pid, 0, BLOCK_N, s0 + acc)
+                elif NUM_LEAVES == 8 and j == 7:
+                    node = s0 + acc  # leaves 6..7
+                    node = _load_tile(scratch_ptr, pid, 0, BLOCK_N, node) + node  # leaves 4..7
+                    node = _load_tile(out_ptr, pid_m, pid_n, LD, node) + node  # leaves 0..7
+                else:
+                    node = s0 + acc  # level 1
+                    if j % 4 == 1:
+                        s1 = node
+                    else:
+                        node = s1 + node  # level 2: leaves 0..3
+                        if NUM_LEAVES == 8:
+                            _store_tile(out_ptr, pid_m, pid_n, LD, node)  # parked in the output tile
+            _store_tile(out_ptr, pid_m, pid_n, LD, node)
+
+    @gluon.jit
+    def _tree_kernel(x_desc, w_desc, out_ptr, scratch_ptr, M, N, LEAF_STEPS, NP, LD: gl.constexpr,
+                     NUM_LEAVES: gl.constexpr, BLOCK_N: gl.constexpr, W_KN: gl.constexpr, NB: gl.constexpr,
+                     GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+        """Persistent: program pid computes output tiles pid, pid + NP, ..."""
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        gl.static_assert(BLOCK_M == 16 * num_warps)
+        KSTEPS = LEAF_STEPS * NUM_LEAVES
+        dtype: gl.constexpr = x_desc.dtype
+        pid = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        my_tiles = gl.cdiv(num_pid_m * num_pid_n - pid, NP)
+        x_bufs = gl.allocate_shared_memory(dtype, [NB] + x_desc.block_type.shape, x_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [NB] + w_desc.block_type.shape, w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NB):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        gl.warp_specialize([
+            (_consumer, (x_bufs, w_bufs, ready, empty, out_ptr, scratch_ptr, pid, NP, num_pid_m, num_pid_n, my_tiles,
+                         LEAF_STEPS, NUM_LEAVES, BLOCK_M, BLOCK_N, LD, NB, W_KN, GROUP_M, num_warps)),
+            (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, pid, NP, num_pid_m, num_pid_n,
+                         my_tiles * KSTEPS, KSTEPS, NB, W_KN, GROUP_M)),
+        ], [1], [24])
+        for i in gl.static_range(NB):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+
+
+def supports(x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None) -> bool:
+    """This kernel can run x[M, K] @ w[N, K]^T: Hopper, bf16/fp16, whole BLOCK_K steps per leaf, TMA-ready
+    operands (16-byte aligned, unit stride in one dimension)."""
+    c = dict(CONFIG, **(cfg or {}))
+    if not (available(x) and x.dim() == 2 and w.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == x.dtype and x.shape[1] % (leaves * c["BLOCK_K"]) == 0 and x.stride(1) == 1):
+        return False
+    return all(t.data_ptr() % 16 == 0 and 1 in t.stride() and all((s * t.element_size()) % 16 == 0
+               for s in t.stride() if s != 1) for t in (x, w))
+
+
+def tree_mm(x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None, num_programs: int | None = None,
+            warmup: bool = False):
+    """fp32 x[M, K] @ w[N, K]^T (w may be a transposed [K, N] view) reduced along the fixed tree of
+    `leaves` leaves (see `supports`). `warmup`: compile only and return the compiled kernel (with a
+    mock driver this needs no GPU: tests/test_gluon_compile.py)."""
+    c = dict(CONFIG, **(cfg or {}))
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    m, k = x.shape
+    n = w.shape[0]
+    if k % (leaves * bk):
+        raise ValueError(f"K={k} is not {leaves} leaves of whole BLOCK_K={bk} steps")
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
+    out_full = torch.empty(triton.cdiv(m, bm) * bm, triton.cdiv(n, bn) * bn, dtype=torch.float32, device=x.device)
+    w_kn = w.stride(1) != 1
+
+    def desc(t: Tensor, block: list[int]) -> TensorDescriptor:
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+    x_desc = desc(x, [bm, bk])
+    w_desc = desc(w.t(), [bk, bn]) if w_kn else desc(w, [bn, bk])
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    if num_programs is None:
+        num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+    progs = max(1, min(tiles, num_programs))
+    scratch = torch.empty(progs * bm * bn if leaves == 8 else 1, dtype=torch.float32, device=x.device)
+    args = (x_desc, w_desc, out_full, scratch, m, n, k // leaves // bk, progs, out_full.stride(0))
+    kw = dict(NUM_LEAVES=leaves, BLOCK_N=bn, W_KN=w_kn, NB=c["NB"], GROUP_M=c["GROUP_M"], num_warps=c["num_warps"])
+    if warmup:
+        return _tree_kernel.warmup(*args, grid=(progs,), **kw)
+    _tree_kernel[(progs,)](*args, **kw)
+    return out_full[:m, :n]
