@@ -10,7 +10,8 @@ bitwise identical for C = 1, 2, 4, 8.
 - CPU: a leaf is the fixed-shape fp32 block product of `fixed` ([R, K/8] @ [K/8, N] per R rows).
 - GPU: the Triton tree kernel of `triton_mm` with NUM_LEAVES = 8/C (leaves unrolled at compile time,
   each a pipelined K loop accumulated in fp32 registers, compile-time binary-counter carries held in
-  registers, one fixed config per dtype).
+  registers, one fixed reduction per dtype); on Hopper at M > 256 the Gluon kernel of `gluon_tree`,
+  which computes the same bits with a warp-specialised TMA pipeline.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import cpu_gemm, fixed, triton_mm
+from detaudit.backends.kernels import cpu_gemm, fixed, gluon_tree, triton_mm
 from detaudit.errors import DetauditError
 
 TP_MAX = 8
@@ -90,6 +91,7 @@ def describe() -> dict[str, str]:
                            "[R, K/8] @ [K/8, N], one thread per block product",
         "tree_matmul_gpu": "Triton persistent kernel, NUM_LEAVES=8/C unrolled leaves, each a pipelined K loop "
                            "into an fp32 accumulator, compile-time binary-counter carries in registers, no split-K, "
-                           f"no autotune; {triton_mm.describe(tree=True)}",
+                           f"no autotune; {triton_mm.describe(tree=True)}; GLUON=1: on Hopper the warp-specialised "
+                           f"Gluon kernel (same leaves, same adds; {gluon_tree.CONFIG})",
         "tree_all_reduce": "fp32 subtrees combined pairwise along the top of the same tree, cast once",
     }
