@@ -21,14 +21,14 @@ import functools
 import torch
 from torch import Tensor
 
-try:  # Gluon ships with Triton >= 3.5; absent or older: the Triton kernels run instead
+try:  # Gluon is experimental in Triton; where it is missing the Triton kernels run instead
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load from 3.7 on
+    # the TMA load is async_copy_global_to_shared in Triton 3.6 (the GPU machines), async_load in 3.9
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 except ImportError:  # pragma: no cover - depends on the install
     gluon = None
