@@ -65,7 +65,38 @@ def main() -> None:
     sums = triton_rows.row_sum(x)
     check(torch.allclose(sums.double(), x.double().sum(1), atol=1e-3), "row sum accuracy")
     check(all(torch.equal(triton_rows.row_sum(x[:m]), sums[:m]) for m in (1, 4)), "row sum batch invariance")
+    gluon_fallback()
     print("ok")
+
+
+def gluon_fallback() -> None:
+    """Where the Gluon tree kernel fails to build (its API is experimental), mm warns once and runs the
+    Triton tree kernel: the same bits. (The Gluon kernel itself cannot run here: no Hopper GPU; its
+    eligibility and build failure are simulated.)"""
+    import warnings
+
+    from detaudit.backends.kernels import gluon_tree
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated build failure")
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(24, 64, generator=g).bfloat16()
+    w = torch.randn(20, 64, generator=g).bfloat16()
+    want = triton_mm.mm(x, w, leaves=8)
+    saved = gluon_tree.supports, gluon_tree.tree_mm
+    gluon_tree.supports, gluon_tree.tree_mm = (lambda *a, **k: True), broken
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = triton_mm.mm(x, w, leaves=8, config=dict(triton_mm.INTERPRET_CONFIG, GLUON=1))
+            again = triton_mm.mm(x, w, leaves=8, config=dict(triton_mm.INTERPRET_CONFIG, GLUON=1))
+    finally:
+        gluon_tree.supports, gluon_tree.tree_mm = saved
+    check(torch.equal(got, want) and torch.equal(again, want), "Gluon fallback gives the Triton bits")
+    check(len([c for c in caught if "Gluon tree kernel did not build" in str(c.message)]) == 1,
+          "one warning for a failed Gluon build")
+    check(bool(gluon_tree._disabled) and not gluon_tree.available(x), "a failed build turns the kernel off")
 
 
 if __name__ == "__main__":

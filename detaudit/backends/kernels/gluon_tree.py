@@ -38,9 +38,13 @@ except ImportError:  # pragma: no cover - depends on the install
 CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NB=6, GROUP_M=8, num_warps=8)
 
 
+_disabled: list[str] = []  # why the kernel was turned off in this process (a failed compile), if it was
+
+
 def available(x: Tensor) -> bool:
-    """Gluon is importable and x lives on a Hopper GPU (wgmma is sm_90 only)."""
-    return gluon is not None and x.is_cuda and _capability(x.device.index or 0) == 9
+    """Gluon is importable, the kernel has not failed to build here, and x lives on a Hopper GPU (wgmma
+    is sm_90 only)."""
+    return gluon is not None and not _disabled and x.is_cuda and _capability(x.device.index or 0) == 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,6 +197,23 @@ def supports(x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None) -> bool
         return False
     return all(t.data_ptr() % 16 == 0 and 1 in t.stride() and all((s * t.element_size()) % 16 == 0
                for s in t.stride() if s != 1) for t in (x, w))
+
+
+def try_tree_mm(x: Tensor, w: Tensor, leaves: int) -> Tensor | None:
+    """`tree_mm`, or None when the kernel does not build with this Triton (Gluon is experimental and its
+    API moves): it is then turned off for the process with one warning, and the caller runs the Triton
+    kernel, which gives the same bits."""
+    if _disabled:
+        return None
+    try:
+        return tree_mm(x, w, leaves)
+    except Exception as e:  # noqa: BLE001 - any compile failure means: use the Triton kernel
+        import warnings
+
+        _disabled.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        warnings.warn(f"the Gluon tree kernel did not build ({_disabled[0]}); using the Triton tree kernel "
+                      "(the same bits)", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def tree_mm(x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None, num_programs: int | None = None,
