@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -29,8 +30,18 @@ app.add_typer(suites_app, name="suites")
 app.add_typer(backends_app, name="backends")
 app.add_typer(bench_app, name="bench")
 
-out = Console()
-err = Console(stderr=True)
+def _console(stderr: bool = False) -> Console:
+    """A console that follows the terminal's width; piped into a file or a CI log (no terminal, no
+    COLUMNS) it is 160 columns wide instead of rich's 80, which folded the summary table's 12 columns
+    into unreadable slivers."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(stderr=stderr, width=160)
+    return console
+
+
+out = _console()
+err = _console(stderr=True)
 
 
 def handle_errors(fn):

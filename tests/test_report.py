@@ -123,3 +123,15 @@ def test_command_reconstructed_when_not_recorded(audit):
     assert not recorded
     assert cmd.startswith("detaudit sweep --model tiny --suites smoke --backends bf16,bio+tbik --tp 1,2")
     assert command({**m, "command": ["detaudit", "sweep", "--model", "a b"]}) == ("detaudit sweep --model 'a b'", True)
+
+
+def test_analyze_piped_output_keeps_table_columns_whole(audit, monkeypatch):
+    """Piped into a CI log (no terminal, no COLUMNS) the summary table is laid out 160 columns wide:
+    at rich's default 80 its headers folded into 4-character slivers."""
+    import detaudit.cli as cli
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = cli._console()
+    assert not console.is_terminal and console.width == 160
+    monkeypatch.setenv("COLUMNS", "100")
+    assert cli._console().width == 100
