@@ -331,16 +331,15 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
     interpret = x.device.type == "cpu"  # TRITON_INTERPRET on CPU tensors
     cfg = dict(config or (INTERPRET_CONFIG if interpret else tiling(x.dtype, m, tree, n)))
     leaf = k // leaves
-    fast = None  # the Gluon tree kernel's result (Hopper, many rows): the same bits as the Triton kernel's
     if m and n and batch == 1 and tree and cfg.get("GLUON") and gluon_tree.supports(x3[0], w3[0], leaves):
+        # the Gluon tree kernel (Hopper, many rows): the same bits as the Triton kernel's, fp32 like them
         fast = gluon_tree.try_tree_mm(x3[0], w3[0], leaves)
+        if fast is not None:
+            return fast.contiguous() if squeeze else fast.contiguous().unsqueeze(0)
     # tree results stay fp32; the interpreter's fp32 -> bf16 store does not round like torch, so it
     # stores fp32 and torch rounds below
-    out = fast.contiguous().unsqueeze(0) if fast is not None else torch.empty(
-        batch, m, n, dtype=torch.float32 if (tree or interpret) else out_dtype, device=x.device)
-    if fast is not None:
-        pass
-    elif m and n and batch and _use_tma(x3, w3, cfg, leaf):
+    out = torch.empty(batch, m, n, dtype=torch.float32 if (tree or interpret) else out_dtype, device=x.device)
+    if m and n and batch and _use_tma(x3, w3, cfg, leaf):
         _launch_tma(x3[0], w3[0], out[0], leaves, leaf, cfg)
     elif m and n and batch:
         mask_m = bool(cfg.get("MASK_M"))
