@@ -56,23 +56,68 @@ def vllm_tp_group() -> TorchGroup:
     return TorchGroup(g.rank_in_group, g.world_size, g.device_group)
 
 
+LOOPBACK = "127.0.0.1"
+
+
 def free_port() -> int:
-    """A free TCP port on the loopback interface, chosen per engine so sweeps can run side by side."""
+    """A free TCP port on the loopback interface. Racy (another process may take it before rank 0
+    binds it): only for callers that cannot hand rank 0 a socket (`mp.spawn` benchmarks and tests);
+    the TP workers get a listening socket from `listen_socket` instead."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 
 
-def init(rank: int, size: int, port: int, device: str, timeout_s: float = 300.0) -> TorchGroup:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def listen_socket(port: int = 0) -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 (`port` 0: a free one, chosen by the kernel), for rank 0's
+    store. The controller binds it before any worker starts and passes it down (no port race)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((LOOPBACK, port))
+        s.listen(128)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def loopback_ifname() -> str:
+    """The loopback interface's name (`lo` on Linux, `lo0` on BSD / macOS)."""
+    try:
+        names = [n for _, n in socket.if_nameindex()]
+    except OSError:
+        names = []
+    for n in ("lo", "lo0"):
+        if n in names:
+            return n
+    return next((n for n in names if n.startswith("lo")), "lo")
+
+
+def init(rank: int, size: int, port: int, device: str, timeout_s: float = 300.0,
+         listen_fd: int | None = None) -> TorchGroup:
+    """Join the default process group. Every socket it opens listens on loopback only:
+
+    - the store: a TCPStore that rank 0 serves from `listen_fd` (a socket the controller bound to
+      127.0.0.1:`port`) or, without one, from a socket it binds to 127.0.0.1:`port` itself (a plain
+      TCPStore / `init_process_group(init_method="env://")` would listen on every interface);
+    - gloo's pair sockets: on the loopback interface (GLOO_SOCKET_IFNAME; all ranks are on this host);
+    - NCCL's bootstrap / socket transport: NCCL_SOCKET_IFNAME=lo unless the user set it.
+    """
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    lo = loopback_ifname()
+    os.environ["GLOO_SOCKET_IFNAME"] = lo
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+    timeout = timedelta(seconds=timeout_s)
+    fd = None
+    if rank == 0:
+        fd = listen_fd if listen_fd is not None and listen_fd >= 0 else listen_socket(port).detach()
+    store = dist.TCPStore(LOOPBACK, port, size, is_master=rank == 0, timeout=timeout, master_listen_fd=fd)
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = torch.device(device)
-    dist.init_process_group(
-        backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), **kwargs
-    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
     return TorchGroup(rank, size)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from detaudit.config import DecodingParams
-from detaudit.engine.generate import Generation, ProgressFn
+from detaudit.records import Generation, ProgressFn
 from detaudit.engine.local import cpu_cores
 from detaudit.errors import CellFailed
 
@@ -52,12 +52,13 @@ def _inject_fault(rank: int) -> None:
 
 
 def _entry() -> None:
-    """`python -c 'from detaudit.engine.worker import _entry; _entry()' RANK SIZE PORT FD SPEC`."""
-    rank, size, port, fd = (int(a) for a in sys.argv[1:5])
-    _worker_main(rank, size, port, Connection(fd), json.loads(sys.argv[5]))
+    """`python -c 'from detaudit.engine.worker import _entry; _entry()' RANK SIZE PORT FD LISTEN_FD SPEC`.
+    LISTEN_FD: rank 0's inherited store socket, listening on 127.0.0.1:PORT (-1 on other ranks)."""
+    rank, size, port, fd, listen_fd = (int(a) for a in sys.argv[1:6])
+    _worker_main(rank, size, port, Connection(fd), json.loads(sys.argv[6]), listen_fd)
 
 
-def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict) -> None:
+def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict, listen_fd: int = -1) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller handles Ctrl-C and kills us
     os.environ["OMP_NUM_THREADS"] = str(spec["threads"])
@@ -79,7 +80,7 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict) 
             if device != "cpu":
                 torch.cuda.set_device(rank)
             torch.set_num_interop_threads(1)
-            group = dist.init(rank, size, port, device)
+            group = dist.init(rank, size, port, device, listen_fd=listen_fd)
             engine = LocalEngine(
                 Path(spec["model_path"]), spec["backend"], size, rank=rank, group=group,
                 dtype=spec["dtype"], device=device, eos_ids=spec["eos_ids"], threads=spec["threads"],
@@ -132,7 +133,7 @@ class DistEngine:
     ) -> None:
         """`host`: instead of one worker per rank, start one process that hosts another engine
         (`{"engine": "vllm", "env": {...}}`), which runs its own TP workers."""
-        from detaudit.engine.dist import free_port
+        from detaudit.engine.dist import listen_socket
 
         self.tp = tp
         self.hang_timeout = hang_timeout
@@ -142,25 +143,36 @@ class DistEngine:
         self.spec = dict(model_path=str(model_path), backend=backend, dtype=dtype, device=device,
                          eos_ids=list(eos_ids), threads=threads, tp=tp, **(host or {}))
         nprocs = 1 if self.hosted else tp
-        port = free_port()
+        # rank 0's store socket: bound to 127.0.0.1 here, before any worker starts, and inherited by
+        # rank 0 only (no free-port race, nothing listens on another interface)
+        store_sock = None if self.hosted else listen_socket()
+        port = store_sock.getsockname()[1] if store_sock else 0
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         try:
             for r in range(nprocs):
                 parent, child = socket.socketpair()
+                fds = (child.fileno(),) + ((store_sock.fileno(),) if store_sock and r == 0 else ())
+                listen_fd = fds[1] if len(fds) > 1 else -1
                 code = "from detaudit.engine.worker import _entry; _entry()"
-                argv = [sys.executable, "-c", code, str(r), str(nprocs), str(port), str(child.fileno()), json.dumps(self.spec)]
+                argv = [sys.executable, "-c", code, str(r), str(nprocs), str(port), str(child.fileno()),
+                        str(listen_fd), json.dumps(self.spec)]
                 log = open(host["log"], "ab") if host and host.get("log") else None  # vLLM's own chatter
-                p = subprocess.Popen(argv, pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                p = subprocess.Popen(argv, pass_fds=fds, env=env, stdin=subprocess.DEVNULL,
                                      stdout=log, stderr=log)
                 if log is not None:
                     log.close()
                 child.close()
                 self.procs.append(p)
                 self.conns.append(Connection(parent.detach()))
+            if store_sock is not None:
+                store_sock.close()  # rank 0 holds it now
+                store_sock = None
             self._describe = self._collect("ready", start_timeout)[0]
         except BaseException:
+            if store_sock is not None:
+                store_sock.close()
             self.keep_log = True
             self.close()
             raise
