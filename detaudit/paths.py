@@ -1,4 +1,4 @@
-"""Where detaudit keeps its cache (prepared models) and where the suite mirror lives."""
+"""Where detaudit keeps its cache (prepared models), its built-in suites and where the suite mirror lives."""
 
 from __future__ import annotations
 
@@ -16,6 +16,14 @@ def home() -> Path:
 
 def models_dir() -> Path:
     return home() / "models"
+
+
+def builtin_suites_dir() -> Path:
+    """The built-in suite YAML files: package data (`detaudit/data/suites/`), found through
+    `importlib.resources` so that editable and wheel installs find them the same way."""
+    from importlib.resources import files
+
+    return Path(str(files("detaudit") / "data" / "suites"))
 
 
 def data_dir(explicit: str | os.PathLike | None = None) -> Path | None:

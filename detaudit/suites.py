@@ -1,50 +1,42 @@
-"""Suites: lm-eval style task YAML -> prompts; the model's chat template -> prompt token ids.
+"""Suites: lm-eval task YAML -> prompts; the model's chat template -> prompt token ids.
 
-A suite is a YAML file in the repository's top-level `suites/` directory (or any YAML path) using
-lm-evaluation-harness keys unchanged:
+A suite is an lm-evaluation-harness task file, read as lm-eval reads it (`detaudit.suite_yaml` parses
+it and says which keys are used, ignored or refused). The built-in suites (`smoke`, `aime24`, `amc23`)
+are package data in `detaudit/data/suites/`; any other YAML is passed by path.
 
     task: aime24                       # the suite name (also used in cell ids and file names)
-    dataset_path: HuggingFaceH4/aime_2024
+    dataset_path: HuggingFaceH4/aime_2024   # or json / csv / parquet with dataset_kwargs.data_files
     dataset_name: null                 # optional hub config
+    dataset_kwargs: {}                 # passed to datasets.load_dataset (data_files relative to the YAML)
     test_split: train
-    local_file: aime24.jsonl           # the same rows in the local mirror (`--data-dir`)
-    doc_to_text: "{{problem}}\\n\\nPlease reason step by step, ..."
+    local_file: aime24.jsonl           # detaudit: the same rows in a local mirror (`--data-dir`)
+    doc_to_text: "{{problem}}\\n\\nPlease reason step by step, ..."   # or a bare column name
     doc_to_target: "{{answer}}"        # optional; without it prompts are ungraded
-    doc_to_id: "{{id}}"                # optional; defaults to the row index
+    doc_to_id: "{{id}}"                # detaudit: optional; defaults to the row index
     generation_kwargs: {...}           # optional, carried along for the sweep
     metadata: {version: 1.0, description: "..."}
 
-Rows come from an inline `docs:` list (for suites written for this project), from
-`<data_dir>/<local_file>` (JSON lines, validated line by line so errors name the line), or from the
-Hugging Face hub via `datasets.load_dataset(dataset_path, dataset_name, split=test_split)`.
-Templates are Jinja2 with strict undefined variables, as in lm-eval: a row that lacks a field a
-template uses (or holds null there) is an error that names the row.
-
-(`description` goes under `metadata`: in lm-eval a top-level `description` is text prepended to
-every prompt, which this tool does not do.)
+Rows come from an inline `docs:` list (detaudit), from `<data_dir>/<local_file>` when a data dir is
+given and the suite names a `local_file` (JSON lines, each line validated so errors name it), or from
+`datasets.load_dataset(dataset_path, dataset_name, split=test_split, **dataset_kwargs)`. `limit` is
+applied to the rows before anything is parsed or rendered. A row whose answer is missing, null or
+empty is kept ungraded (`Suite.ungraded` lists its id); a row whose prompt cannot be built is an error
+that names the row.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import itertools
 import json
-import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import yaml
-
+from detaudit import paths
 from detaudit.errors import DetauditError
-
-SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
-
-KNOWN_KEYS = (
-    "task", "dataset_path", "dataset_name", "test_split", "local_file", "docs",
-    "doc_to_text", "doc_to_target", "doc_to_id", "generation_kwargs", "metadata",
-)
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # task names end up in cell ids / file names
+from detaudit.suite_yaml import Field, NullField, Spec, decode, load_spec, one_line, read_bytes
 
 
 @dataclass(frozen=True)
@@ -53,161 +45,37 @@ class Prompt:
     index: int  # position in the suite (0-based, before `limit`)
     id: str  # from `doc_to_id`; unique within the suite, seeds per-request sampling
     text: str  # the user message, before the chat template
-    answer: str | None  # reference answer from `doc_to_target`, None for ungraded suites
+    answer: str | None  # reference answer from `doc_to_target`; None: ungraded
 
 
 @dataclass(frozen=True)
 class Suite:
-    name: str
+    name: str  # the task name (`task:`), whatever the file is called
     path: Path  # the suite YAML
     prompts: tuple[Prompt, ...]
-    checksum: str  # sha256 of the YAML bytes + the data file bytes (or the hub fingerprint)
-    source: str  # "inline", "mirror:<file>" or "hub:<dataset_path>"
+    checksum: str  # sha256 of the YAML bytes (+ includes) + the data file bytes (or the dataset fingerprint)
+    source: str  # "inline", "mirror:<file>", "hub:<dataset_path>" or "dataset:<builder>" (json, csv, ...)
     version: str = ""
     description: str = ""
     generation_kwargs: dict = field(default_factory=dict, compare=False, hash=False)
+    # keys of the task file that detaudit accepted but does not use (metric_list, output_type, ...)
+    ignored_keys: tuple[str, ...] = ()
+    # ids of the prompts whose answer was missing, null or empty although the suite has `doc_to_target`
+    ungraded: tuple[str, ...] = ()
+
+
+_PACKAGED_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "xml", "sql", "webdataset")
 
 
 # --------------------------------------------------------------------------------------------
-# spec (the YAML alone)
-
-
-@dataclass(frozen=True)
-class _Spec:
-    path: Path
-    raw: bytes
-    name: str
-    doc_to_text: Any  # compiled jinja2 templates
-    doc_to_target: Any | None
-    doc_to_id: Any | None
-    docs: list | None
-    dataset_path: str | None
-    dataset_name: str | None
-    test_split: str | None
-    local_file: str | None
-    generation_kwargs: dict
-    version: str
-    description: str
-
-
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
-def _read_bytes(path: Path, what: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise DetauditError(f"{what} {path} does not exist") from None
-    except IsADirectoryError:
-        raise DetauditError(f"{what} {path} is a directory, not a file") from None
-    except OSError as e:
-        raise DetauditError(f"cannot read {what} {path}: {e.strerror or e}") from None
-
-
-def _decode(path: Path, raw: bytes, what: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DetauditError(f"cannot read {what} {path}: not UTF-8 text (bad byte at offset {e.start})") from None
-
-
-def _jinja_env():
-    import jinja2
-
-    def finalize(value):
-        if value is None:
-            raise _NullField()
-        return value
-
-    return jinja2.Environment(
-        undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False, finalize=finalize
-    )
-
-
-class _NullField(Exception):
-    """A template printed a field whose value is null."""
-
-
-def _compile(env, path: Path, key: str, value: object):
-    import jinja2
-
-    if not isinstance(value, str) or not value.strip():
-        raise DetauditError(f"{path}: `{key}` must be a non-empty template string")
-    try:
-        return env.from_string(value)
-    except jinja2.TemplateSyntaxError as e:
-        raise DetauditError(f"{path}: `{key}` is not a valid Jinja2 template: {_one_line(e.message)}") from None
-
-
-def _load_spec(path: Path) -> _Spec:
-    raw = _read_bytes(path, "suite file")
-    text = _decode(path, raw, "suite file")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        reason = getattr(e, "problem", None) or e
-        raise DetauditError(f"{path}: malformed YAML{where}: {_one_line(reason)}") from None
-    if not isinstance(data, dict):
-        raise DetauditError(f"{path}: a suite must be a YAML mapping of keys (task, doc_to_text, ...)")
-
-    unknown = sorted(str(k) for k in data if k not in KNOWN_KEYS)
-    if unknown:
-        raise DetauditError(f"{path}: unsupported key(s) {', '.join(unknown)}; supported: {', '.join(KNOWN_KEYS)}")
-    inline = "docs" in data
-    required = ["task", "doc_to_text"] + ([] if inline else ["dataset_path", "test_split"])
-    missing = [k for k in required if data.get(k) in (None, "")]
-    if missing:
-        hint = "" if inline else " (or an inline `docs:` list)"
-        raise DetauditError(f"{path}: missing required key(s) {', '.join(missing)}{hint}")
-
-    name = data["task"]
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise DetauditError(f"{path}: `task` must be a name of letters, digits, '_', '-' or '.' (got {name!r})")
-    for key in ("dataset_path", "dataset_name", "test_split", "local_file"):
-        if data.get(key) is not None and not isinstance(data[key], str):
-            raise DetauditError(f"{path}: `{key}` must be a string (got {data[key]!r})")
-    local_file = data.get("local_file")
-    if local_file is not None and (Path(local_file).name != local_file or local_file in (".", "..")):
-        raise DetauditError(f"{path}: `local_file` must be a plain file name (got {local_file!r})")
-    docs = data.get("docs")
-    if inline and (not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs)):
-        raise DetauditError(f"{path}: `docs` must be a list of mappings (one per prompt)")
-    gen = data.get("generation_kwargs") or {}
-    if not isinstance(gen, dict):
-        raise DetauditError(f"{path}: `generation_kwargs` must be a mapping")
-    meta = data.get("metadata") or {}
-    if not isinstance(meta, dict):
-        raise DetauditError(f"{path}: `metadata` must be a mapping (e.g. {{version: 1.0}})")
-
-    env = _jinja_env()
-    optional = {
-        k: _compile(env, path, k, data[k]) if data.get(k) is not None else None for k in ("doc_to_target", "doc_to_id")
-    }
-    return _Spec(
-        path=path,
-        raw=raw,
-        name=name,
-        doc_to_text=_compile(env, path, "doc_to_text", data["doc_to_text"]),
-        doc_to_target=optional["doc_to_target"],
-        doc_to_id=optional["doc_to_id"],
-        docs=docs,
-        dataset_path=data.get("dataset_path"),
-        dataset_name=data.get("dataset_name"),
-        test_split=data.get("test_split"),
-        local_file=local_file,
-        generation_kwargs=dict(gen),
-        version=str(meta.get("version", "")),
-        description=str(meta.get("description", "")),
-    )
+# where suites are
 
 
 def _builtin() -> dict[str, Path]:
-    if not SUITES_DIR.is_dir():
+    folder = paths.builtin_suites_dir()
+    if not folder.is_dir():
         return {}
-    return {p.stem: p for p in sorted(SUITES_DIR.glob("*.yaml"))}
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
 
 
 def _resolve(name: str) -> Path:
@@ -219,19 +87,17 @@ def _resolve(name: str) -> Path:
         if not candidate.exists():
             raise DetauditError(f"suite file {candidate} does not exist")
         return candidate
-    known = ", ".join(builtin) or "(none found in " + str(SUITES_DIR) + ")"
+    known = ", ".join(builtin) or "(none found in " + str(paths.builtin_suites_dir()) + ")"
     raise DetauditError(f"unknown suite {name!r}; known suites: {known} (or pass the path of a suite YAML file)")
 
 
 # --------------------------------------------------------------------------------------------
-# rows
+# rows (lazy: nothing past `limit` is parsed)
+
+Rows = Iterator[tuple[str, dict]]
 
 
-def _read_jsonl(path: Path) -> tuple[bytes, list[tuple[str, dict]]]:
-    """(file bytes, [(row label, row)]); every bad line is reported with its line number."""
-    raw = _read_bytes(path, "data file")
-    text = _decode(path, raw, "data file")
-    rows = []
+def _jsonl_rows(path: Path, text: str) -> Rows:
     for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
@@ -241,71 +107,182 @@ def _read_jsonl(path: Path) -> tuple[bytes, list[tuple[str, dict]]]:
             raise DetauditError(f"{path}, line {lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(row, dict):
             raise DetauditError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append((f"{path}, line {lineno}", row))
-    return raw, rows
+        yield f"{path}, line {lineno}", row
 
 
-def _load_hub(spec: _Spec) -> tuple[bytes, list[tuple[str, dict]]]:
-    """Rows from the Hugging Face hub; the dataset's fingerprint stands in for the file bytes."""
-    mirror_hint = (
-        f"pass --data-dir (or set DETAUDIT_DATA_DIR) to a directory holding {spec.local_file}"
-        if spec.local_file
-        else "this suite has no `local_file` for a local mirror"
-    )
+def _local_data_files(kwargs: dict) -> list[Path] | None:
+    """The local files behind `data_files` (globs expanded), or None when any is remote."""
+    value = kwargs.get("data_files")
+    if value is None or "data_dir" in kwargs:
+        return None
+    items = [i for v in value.values() for i in (v if isinstance(v, list) else [v])] if isinstance(value, dict) else (
+        value if isinstance(value, list) else [value])
+    out = []
+    for item in items:
+        if "://" in item:
+            return None
+        matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
+        if not matches or not all(Path(m).is_file() for m in matches):
+            return None
+        out += [Path(m) for m in matches]
+    return out
+
+
+def _dataset_rows(spec: Spec, limit: int | None) -> tuple[bytes, str, Rows]:
+    """Rows through `datasets.load_dataset`, as lm-eval loads them. The checksum covers the bytes of
+    local `data_files`, else the dataset's fingerprint."""
+    builder = spec.dataset_path in _PACKAGED_BUILDERS
+    source = f"dataset:{spec.dataset_path}" if builder else f"hub:{spec.dataset_path}"
+    files = _local_data_files(spec.dataset_kwargs)
+    if builder and "data_files" in spec.dataset_kwargs and files is None and "data_dir" not in spec.dataset_kwargs:
+        raise DetauditError(
+            f"suite {spec.name}: {spec.path}: `dataset_kwargs.data_files` names no existing file "
+            f"({spec.dataset_kwargs['data_files']}; relative names are read from the YAML's directory)"
+        )
+    if spec.local_file:
+        hint = f"pass --data-dir (or set DETAUDIT_DATA_DIR) to a directory holding {spec.local_file}"
+    elif builder:
+        hint = "check `dataset_kwargs` (data_files are read relative to the YAML's directory)"
+    else:
+        hint = "this suite has no `local_file` for a local mirror"
     try:
         import datasets
 
-        ds = datasets.load_dataset(spec.dataset_path, spec.dataset_name, split=spec.test_split)
-    except Exception as e:  # offline, unknown id, unknown split, ...
+        ds = datasets.load_dataset(spec.dataset_path, spec.dataset_name, split=spec.split, **spec.dataset_kwargs)
+    except Exception as e:  # offline, unknown id, unknown split, unreadable file, ...
+        where = "" if builder else " from the Hugging Face hub"
         raise DetauditError(
-            f"suite {spec.name}: could not load {spec.dataset_path} (split {spec.test_split}) from the "
-            f"Hugging Face hub ({type(e).__name__}: {_one_line(e)[:200]}); {mirror_hint}"
+            f"suite {spec.name}: could not load {spec.dataset_path} (split {spec.split}){where} "
+            f"({type(e).__name__}: {one_line(e)[:200]}); {hint}"
         ) from None
-    fingerprint = str(getattr(ds, "_fingerprint", "")) or hashlib.sha256(
-        json.dumps(ds.to_list(), sort_keys=True, default=str).encode()
-    ).hexdigest()
-    where = f"{spec.dataset_path} [{spec.test_split}]"
-    return fingerprint.encode(), [(f"{where} row {i}", dict(row)) for i, row in enumerate(ds)]
+    if not hasattr(ds, "select") or not hasattr(ds, "column_names"):
+        raise DetauditError(f"suite {spec.name}: {spec.dataset_path} did not load as one split (got {type(ds).__name__})")
+    if files is not None:
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f.name.encode() + b"\0" + read_bytes(f, "data file") + b"\0")
+        data = digest.hexdigest().encode()
+    else:
+        data = (str(getattr(ds, "_fingerprint", "")) or hashlib.sha256(
+            json.dumps(ds.to_list(), sort_keys=True, default=str).encode()).hexdigest()).encode()
+    if limit is not None and limit < len(ds):
+        ds = ds.select(range(limit))
+    where = f"{spec.dataset_path} [{spec.split}]"
+    return data, source, ((f"{where} row {i}", dict(row)) for i, row in enumerate(ds))
 
 
-def _render(spec: _Spec, key: str, template, row: dict, label: str) -> str:
-    import jinja2
-
-    try:
-        return template.render(**row)
-    except jinja2.UndefinedError as e:
-        fields = ", ".join(map(str, row)) or "none"
+def _rows(spec: Spec, data_dir: Path | None, limit: int | None) -> tuple[bytes, str, Rows]:
+    if spec.docs is not None:
+        return b"", "inline", ((f"{spec.path} docs[{i}]", d) for i, d in enumerate(spec.docs))
+    if data_dir is not None and spec.local_file:
+        data_dir = Path(data_dir).expanduser()
+        if not data_dir.is_dir():
+            raise DetauditError(
+                f"data dir {data_dir} does not exist or is not a directory (from --data-dir / DETAUDIT_DATA_DIR)"
+            )
+        file = data_dir / spec.local_file
+        if not file.exists():
+            raise DetauditError(f"suite {spec.name}: data dir {data_dir} has no {spec.local_file}")
+        raw = read_bytes(file, "data file")
+        return raw, f"mirror:{spec.local_file}", _jsonl_rows(file, decode(file, raw, "data file"))
+    if not spec.dataset_path:
         raise DetauditError(
-            f"suite {spec.name}: {label}: `{key}` uses a field the row lacks ({_one_line(e.message)}; "
+            f"suite {spec.name}: {spec.path} has no `dataset_path`; pass --data-dir (or set DETAUDIT_DATA_DIR) "
+            f"to a directory holding {spec.local_file}"
+        )
+    return _dataset_rows(spec, limit)
+
+
+# --------------------------------------------------------------------------------------------
+# rendering
+
+
+class _Missing(Exception):
+    """The row lacks a field that the template or column names."""
+
+
+def _scalar(spec: Spec, f: Field, value: object, label: str) -> str:
+    if value is None:
+        raise NullField()
+    if isinstance(value, (list, dict, tuple)):
+        raise DetauditError(
+            f"suite {spec.name}: {label}: `{f.key}: {f.source}` is a {type(value).__name__}, not text "
+            "(detaudit builds one prompt and grades against one reference answer per row)"
+        )
+    return str(value)
+
+
+def _render(spec: Spec, f: Field, row: dict, label: str) -> str:
+    """One field of one row, as lm-eval resolves it: a constant, `row[column]`, or the template
+    rendered in the sandbox. Raises _Missing / NullField for an absent / null field."""
+    import jinja2
+    from jinja2.exceptions import SecurityError
+
+    if f.constant is not None:
+        return f.constant
+    if f.column is not None:
+        if f.column not in row:
+            raise _Missing(f"{f.column!r} is not a column of the row")
+        return _scalar(spec, f, row[f.column], label)
+    try:
+        return f.template.render(row)
+    except SecurityError as e:
+        raise DetauditError(
+            f"suite {spec.name}: {label}: `{f.key}` is refused by the template sandbox ({one_line(e)[:200]})"
+        ) from None
+    except jinja2.UndefinedError as e:
+        raise _Missing(one_line(e.message)) from None
+    except NullField:
+        raise
+    except Exception as e:
+        raise DetauditError(f"suite {spec.name}: {label}: `{f.key}` failed: {type(e).__name__}: {one_line(e)[:200]}") from None
+
+
+def _text(spec: Spec, f: Field, row: dict, label: str, what: str) -> str:
+    try:
+        text = _render(spec, f, row, label)
+    except _Missing as e:
+        fields = ", ".join(map(str, row)) or "none"
+        kind = "names a column" if f.column is not None else "uses a field"
+        raise DetauditError(
+            f"suite {spec.name}: {label}: `{f.key}: {one_line(f.source)[:60]}` {kind} the row lacks ({e}; "
             f"the row has: {fields})"
         ) from None
-    except _NullField:
-        raise DetauditError(f"suite {spec.name}: {label}: `{key}` uses a field that is null in this row") from None
-    except Exception as e:
-        raise DetauditError(f"suite {spec.name}: {label}: `{key}` failed: {type(e).__name__}: {_one_line(e)}") from None
+    except NullField:
+        raise DetauditError(f"suite {spec.name}: {label}: `{f.key}` uses a field that is null in this row") from None
+    if not text.strip():
+        raise DetauditError(f"suite {spec.name}: {label}: `{f.key}` renders {what}")
+    return text
 
 
-def _prompts(spec: _Spec, rows: list[tuple[str, dict]]) -> list[Prompt]:
-    prompts, seen = [], {}
-    for index, (label, row) in enumerate(rows):
-        text = _render(spec, "doc_to_text", spec.doc_to_text, row, label)
-        if not text.strip():
-            raise DetauditError(f"suite {spec.name}: {label}: `doc_to_text` renders an empty prompt")
-        answer = None
-        if spec.doc_to_target is not None:
-            answer = _render(spec, "doc_to_target", spec.doc_to_target, row, label).strip()
-            if not answer:
-                raise DetauditError(f"suite {spec.name}: {label}: the answer (`doc_to_target`) is empty")
+def _prompts(spec: Spec, rows: Rows, limit: int | None) -> tuple[list[Prompt], list[str]]:
+    prompts, seen, ungraded, absent = [], {}, [], []
+    for index, (label, row) in enumerate(itertools.islice(rows, limit)):
+        text = _text(spec, spec.doc_to_text, row, label, "an empty prompt")
         pid = str(index)
         if spec.doc_to_id is not None:
-            pid = _render(spec, "doc_to_id", spec.doc_to_id, row, label).strip()
-            if not pid:
-                raise DetauditError(f"suite {spec.name}: {label}: the id (`doc_to_id`) is empty")
+            pid = _text(spec, spec.doc_to_id, row, label, "an empty id").strip()
         if pid in seen:
             raise DetauditError(f"suite {spec.name}: {label}: id {pid!r} repeats the id of {seen[pid]}")
         seen[pid] = label
+        answer = None
+        if spec.doc_to_target is not None:
+            try:
+                answer = _render(spec, spec.doc_to_target, row, label).strip() or None
+            except _Missing as e:
+                absent.append((label, str(e), ", ".join(map(str, row)) or "none"))
+            except NullField:
+                pass
+            if answer is None:
+                ungraded.append(pid)
         prompts.append(Prompt(suite=spec.name, index=index, id=pid, text=text, answer=answer))
-    return prompts
+    if prompts and len(absent) == len(prompts):
+        label, why, fields = absent[0]
+        raise DetauditError(
+            f"suite {spec.name}: `doc_to_target: {one_line(spec.doc_to_target.source)[:60]}` names a field no row has "
+            f"({label}: {why}; the row has: {fields}); drop `doc_to_target` for an ungraded suite"
+        )
+    return prompts, ungraded
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,7 +294,7 @@ def list_suites() -> list[dict]:
     without hub access `--data-dir` must point at a directory holding `local_file`."""
     out = []
     for path in _builtin().values():
-        spec = _load_spec(path)
+        spec = load_spec(path)
         inline = spec.docs is not None
         out.append(
             {
@@ -334,53 +311,36 @@ def list_suites() -> list[dict]:
 
 
 def load_suite(name: str, data_dir: Path | None = None, limit: int | None = None) -> Suite:
-    """Load a built-in suite by name, or any suite YAML by path.
+    """Load a built-in suite by name, or any suite YAML by path (`.name` is the task name).
 
-    Rows: the YAML's inline `docs`; else `<data_dir>/<local_file>` when a data dir is given; else the
-    hub. `limit` keeps the first N prompts (the checksum still covers the whole source, so record the
-    limit beside it). Every bad input raises a one-line DetauditError.
+    Rows: the YAML's inline `docs`; else `<data_dir>/<local_file>` when a data dir is given and the
+    suite has a `local_file`; else `datasets.load_dataset`. `limit` keeps the first N rows, before any
+    of the rest is parsed or rendered (the checksum still covers the whole source, so record the limit
+    beside it). Every bad input raises a one-line DetauditError.
     """
     if limit is not None and limit < 1:
         raise DetauditError(f"--limit must be >= 1 (got {limit})")
     path = _resolve(name)
-    spec = _load_spec(path)
-    if path.parent.resolve() == SUITES_DIR and spec.name != path.stem:
+    spec = load_spec(path)
+    if path.parent.resolve() == paths.builtin_suites_dir().resolve() and spec.name != path.stem:
         raise DetauditError(
             f"{path}: built-in suite `task` must match its file name ({path.stem!r}, got {spec.name!r})"
         )
-
-    if spec.docs is not None:
-        data, rows, source = b"", [(f"{path} docs[{i}]", d) for i, d in enumerate(spec.docs)], "inline"
-    elif data_dir is not None:
-        data_dir = Path(data_dir).expanduser()
-        if not spec.local_file:
-            raise DetauditError(f"suite {spec.name}: {path} has no `local_file`, so it cannot be read from --data-dir")
-        if not data_dir.is_dir():
-            raise DetauditError(
-                f"data dir {data_dir} does not exist or is not a directory (from --data-dir / DETAUDIT_DATA_DIR)"
-            )
-        file = data_dir / spec.local_file
-        if not file.exists():
-            raise DetauditError(f"suite {spec.name}: data dir {data_dir} has no {spec.local_file}")
-        data, rows = _read_jsonl(file)
-        source = f"mirror:{spec.local_file}"
-    else:
-        data, rows = _load_hub(spec)
-        source = f"hub:{spec.dataset_path}"
-
-    if not rows:
+    data, source, rows = _rows(spec, data_dir, limit)
+    prompts, ungraded = _prompts(spec, rows, limit)
+    if not prompts:
         raise DetauditError(f"suite {spec.name}: no prompts ({source} holds no rows)")
-    prompts = _prompts(spec, rows)
-    checksum = hashlib.sha256(spec.raw + b"\0" + data).hexdigest()
     return Suite(
         name=spec.name,
         path=path,
-        prompts=tuple(prompts[:limit] if limit else prompts),
-        checksum=checksum,
+        prompts=tuple(prompts),
+        checksum=hashlib.sha256(spec.raw + b"\0" + data).hexdigest(),
         source=source,
         version=spec.version,
         description=spec.description,
         generation_kwargs=spec.generation_kwargs,
+        ignored_keys=spec.ignored,
+        ungraded=tuple(ungraded),
     )
 
 
@@ -412,8 +372,3 @@ def prompt_token_ids(tokenizer, prompt: Prompt) -> list[int]:
 def prompt_hash(token_ids: list[int]) -> str:
     """First 16 hex digits of sha256 over the token ids (comma-separated decimal)."""
     return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()[:16]
-
-
-def text_hash(text: str) -> str:
-    """First 16 hex digits of sha256 over the UTF-8 prompt text (before the chat template)."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
