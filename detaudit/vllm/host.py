@@ -81,7 +81,11 @@ def read_markers(path: str) -> list[dict]:
 
 
 def recorded_env() -> dict[str, str]:
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_", "NCCL_", "DETAUDIT_VLLM", "OMP_"))}
+    """The knobs recorded with the engine: the allow-list of `detaudit.fingerprint.knob_env` (secrets
+    redacted, everything else left out)."""
+    from detaudit.fingerprint import knob_env
+
+    return knob_env()
 
 
 class VllmHost:
