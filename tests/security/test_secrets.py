@@ -146,7 +146,7 @@ def test_sweep_run_directory_holds_no_secret(tmp_path, monkeypatch, smollm):
     out = tmp_path / "run"
     res = CliRunner().invoke(app, ["sweep", "--suites", "smoke", "--limit", "1", "--max-new-tokens", "2",
                                    "--backends", "bio", "--tp", "1", "--batch-sizes", "1", "--output-path", str(out)])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 0, (res.output, res.exception)
     manifest = json.loads((out / "manifest.json").read_text())
     env = manifest["environment"]["env"]
     assert env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"

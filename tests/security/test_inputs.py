@@ -1,0 +1,96 @@
+"""Issue 24, defect 8: inputs that used to run for minutes or hang every cell are refused up front.
+
+- a prompt longer than the model's context (prompt tokens + --max-new-tokens > max_position_embeddings)
+  is refused before any model work, naming the suite, the row and the lengths (no truncation);
+- `--hang-timeout` must be a finite number > 0 (with -1 every TP cell "hung")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from detaudit.errors import DetauditError
+from detaudit.prompt_limits import check_prompt_lengths, model_context_len
+
+
+# ------------------------------------------------------------------ prompt lengths
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_prompts_that_fit_pass():
+    check_prompt_lengths("smoke", ["a", "b"], [[1] * 10, [2] * 90], max_new_tokens=10, context_len=100)  # 90 + 10 == 100
+    check_prompt_lengths("smoke", [], [], max_new_tokens=1, context_len=2)
+
+
+def test_prompt_over_context_is_refused_naming_the_row():
+    ids = ["p0", "p1", "p2", "p3"]
+    toks = [[1] * 10, [1] * 91, [1] * 5, [1] * 200]
+    with pytest.raises(DetauditError) as e:
+        check_prompt_lengths("aime24", ids, toks, max_new_tokens=10, context_len=100)
+    msg = _one_line(e)
+    assert "suite aime24" in msg and "prompt p1" in msg, msg
+    assert "91 tokens" in msg and "--max-new-tokens 10" in msg and "101 > " in msg and "100 tokens" in msg, msg
+    assert "1 more" in msg, msg  # p3 too
+    assert e.value.exit_code == 2
+
+
+def test_single_offender_says_no_more():
+    with pytest.raises(DetauditError) as e:
+        check_prompt_lengths("s", ["only"], [[1] * 3], max_new_tokens=2, context_len=4)
+    msg = _one_line(e)
+    assert "prompt only is 3 tokens" in msg and "more" not in msg, msg
+
+
+def test_empty_prompt_and_max_new_tokens_filling_the_context_are_refused():
+    with pytest.raises(DetauditError) as e:
+        check_prompt_lengths("s", ["a", "b"], [[1], []], max_new_tokens=1, context_len=100)
+    assert "prompt b is empty" in _one_line(e)
+    with pytest.raises(DetauditError) as e:
+        check_prompt_lengths("s", ["a"], [[1]], max_new_tokens=100, context_len=100)
+    assert "--max-new-tokens 100" in _one_line(e)
+    with pytest.raises(ValueError):
+        check_prompt_lengths("s", ["a"], [], max_new_tokens=1, context_len=100)
+
+
+def test_model_context_len(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    assert model_context_len(tmp_path) == 8192
+    assert model_context_len(tmp_path, cap=4096) == 4096  # vLLM's max_model_len
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 512}}))
+    assert model_context_len(tmp_path) == 512
+    for bad in ({"max_position_embeddings": -1}, {"max_position_embeddings": "8192"}, {"max_position_embeddings": True},
+                {}, [1]):
+        (tmp_path / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(DetauditError) as e:
+            model_context_len(tmp_path)
+        _one_line(e)
+    (tmp_path / "config.json").write_text("{oops")
+    with pytest.raises(DetauditError):
+        model_context_len(tmp_path)
+
+
+def test_embedded_model_context(smollm):
+    assert model_context_len(smollm.path) == 8192
+
+
+# ------------------------------------------------------------------ --hang-timeout
+@pytest.mark.parametrize("value", ["-1", "0", "nan"])
+def test_sweep_refuses_non_positive_hang_timeout(tmp_path, value):
+    """Exit 2 with one line naming the flag, before any model work (nothing written)."""
+    from detaudit.cli import app
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["sweep", "--hang-timeout", value, "--suites", "smoke", "--limit", "1",
+                                   "--max-new-tokens", "2", "--backends", "bio", "--tp", "1,2", "--batch-sizes", "1",
+                                   "--output-path", str(out)])
+    assert res.exit_code == 2, (res.output, res.exception)
+    assert "Traceback" not in res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1, res.output
+    assert "--hang-timeout" in lines[0], lines[0]
+    assert not out.exists() or not any(out.iterdir())
