@@ -1,3 +1,4 @@
+import json
 import os
 from pathlib import Path
 
@@ -366,3 +367,264 @@ def test_hashes():
     h = prompt_hash([1, 2, 3])
     assert h == prompt_hash([1, 2, 3]) and len(h) == 16 and int(h, 16) >= 0
     assert h != prompt_hash([1, 2, 4]) and h != prompt_hash([12, 3])
+
+
+# --------------------------------------------------------------------------------------------
+# lm-eval task files, in lm-evaluation-harness's own layout (lm_eval/tasks/<task>/<task>.yaml)
+
+# lm_eval/tasks/gsm8k/gsm8k.yaml as lm-eval ships it (few-shot, from the hub)
+GSM8K_YAML = r'''tag:
+  - math_word_problems
+task: gsm8k
+dataset_path: gsm8k
+dataset_name: main
+output_type: generate_until
+training_split: train
+fewshot_split: train
+test_split: test
+doc_to_text: "Question: {{question}}\nAnswer:"
+doc_to_target: "{{answer}}" #" {{answer.split('### ')[-1].rstrip()}}"
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    ignore_punctuation: false
+    regexes_to_ignore:
+      - ","
+      - "\\$"
+      - "(?s).*#### "
+      - "\\.$"
+generation_kwargs:
+  until:
+    - "Question:"
+    - "</s>"
+    - "<|im_end|>"
+  do_sample: false
+  temperature: 0.0
+repeats: 1
+num_fewshot: 5
+filter_list:
+  - name: "strict-match"
+    filter:
+      - function: "regex"
+        regex_pattern: "#### (\\-?[0-9\\.\\,]+)"
+      - function: "take_first"
+  - name: "flexible-extract"
+    filter:
+      - function: "regex"
+        group_select: -1
+        regex_pattern: "(-?[$0-9.,]{2,})|(-?[0-9]+)"
+      - function: "take_first"
+metadata:
+  version: 3.0
+'''
+
+# a zero-shot variant next to it, the way lm-eval's variants inherit (`include:`), reading local rows
+GSM8K_LOCAL_YAML = r'''include: gsm8k.yaml
+task: gsm8k_local
+dataset_path: json
+dataset_name: null
+dataset_kwargs:
+  data_files:
+    test: data/test.jsonl
+num_fewshot: 0
+doc_to_target: "{{answer.split('####')[-1].strip()}}"
+should_decontaminate: true
+doc_to_decontamination_query: question
+'''
+
+GSM8K_ROWS = [
+    {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?", "answer": "3 + 4 = 7\n#### 7"},
+    {"question": "A box holds 6 eggs. How many eggs are in 5 boxes?", "answer": "6 * 5 = 30\n#### 30"},
+    {"question": "What is 10 minus 4?", "answer": "#### 6"},
+]
+
+
+def _lm_eval_tree(tmp_path: Path) -> Path:
+    folder = tmp_path / "lm_eval" / "tasks" / "gsm8k"
+    (folder / "data").mkdir(parents=True)
+    (folder / "gsm8k.yaml").write_text(GSM8K_YAML)
+    (folder / "gsm8k-local.yaml").write_text(GSM8K_LOCAL_YAML)
+    (folder / "data" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
+    return folder
+
+
+def test_lm_eval_gsm8k_as_shipped_is_refused_for_its_few_shot(tmp_path):
+    message = _error(load_suite, str(_lm_eval_tree(tmp_path) / "gsm8k.yaml"))
+    assert "refused" in message and "`num_fewshot: 5`" in message and "zero-shot" in message
+
+
+def test_lm_eval_include_and_json_data_files(tmp_path, monkeypatch):
+    assert os.environ.get("HF_DATASETS_OFFLINE") == "1"  # conftest: no dataset hub
+    folder = _lm_eval_tree(tmp_path)
+    monkeypatch.chdir(tmp_path)  # data_files are relative to the YAML, not to the working directory
+    suite = load_suite(str(folder / "gsm8k-local.yaml"))
+    assert suite.name == "gsm8k_local" and suite.source == "dataset:json"
+    assert [p.text for p in suite.prompts] == [f"Question: {r['question']}\nAnswer:" for r in GSM8K_ROWS]
+    assert [p.answer for p in suite.prompts] == ["7", "30", "6"]
+    assert [p.id for p in suite.prompts] == ["0", "1", "2"] and suite.ungraded == ()
+    assert suite.version == "3.0"
+    assert suite.generation_kwargs == {"until": ["Question:", "</s>", "<|im_end|>"], "do_sample": False, "temperature": 0.0}
+    # accepted but unused keys, listed once each (from both files)
+    assert sorted(suite.ignored_keys) == sorted([
+        "tag", "output_type", "training_split", "fewshot_split", "metric_list", "repeats", "num_fewshot",
+        "filter_list", "should_decontaminate", "doc_to_decontamination_query"])
+    assert len(set(suite.ignored_keys)) == len(suite.ignored_keys)
+    # the checksum follows the data file and both YAML files
+    data = folder / "data" / "test.jsonl"
+    before = suite.checksum
+    data.write_text(data.read_text().replace("#### 6", "#### 5"))
+    changed = load_suite(str(folder / "gsm8k-local.yaml"))
+    assert changed.checksum != before and changed.prompts[2].answer == "5"
+    (folder / "gsm8k.yaml").write_text(GSM8K_YAML.replace("Answer:", "A:"))
+    assert load_suite(str(folder / "gsm8k-local.yaml")).checksum != changed.checksum
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv", "parquet"])
+def test_lm_eval_local_formats(tmp_path, fmt):
+    import pandas as pd
+
+    frame = pd.DataFrame({"question": ["one?", "two?"], "answer": ["1", "2"]})
+    file = tmp_path / "rows" / f"test.{fmt}"
+    file.parent.mkdir()
+    {"json": lambda: frame.to_json(file, orient="records", lines=True), "csv": lambda: frame.to_csv(file, index=False),
+     "parquet": lambda: frame.to_parquet(file)}[fmt]()
+    path = _suite_yaml(tmp_path, f"task: t_{fmt}\ndataset_path: {fmt}\ndataset_kwargs:\n  data_files: rows/test.{fmt}\n"
+                                 "test_split: train\ndoc_to_text: question\ndoc_to_target: answer\n")
+    suite = load_suite(str(path))
+    assert [(p.text, p.answer) for p in suite.prompts] == [("one?", "1"), ("two?", "2")]
+    assert suite.source == f"dataset:{fmt}"
+
+
+def test_data_dir_is_not_used_for_a_suite_without_local_file(tmp_path):
+    folder = _lm_eval_tree(tmp_path)
+    suite = load_suite(str(folder / "gsm8k-local.yaml"), data_dir=tmp_path / "elsewhere")
+    assert suite.source == "dataset:json" and len(suite.prompts) == 3
+
+
+def test_missing_data_files_named(tmp_path):
+    path = _suite_yaml(tmp_path, "task: t\ndataset_path: json\ndataset_kwargs: {data_files: nope.jsonl}\n"
+                                 "test_split: train\ndoc_to_text: q\n")
+    message = _error(load_suite, str(path))
+    assert "data_files" in message and "nope.jsonl" in message
+
+
+def test_bare_column_names(tmp_path):
+    path = _suite_yaml(tmp_path, "task: t\ndoc_to_text: question\ndoc_to_target: answer\ndoc_to_id: key\n"
+                                 "docs: [{key: a, question: 'What is 2+2?', answer: 4}, {key: b, question: 'And 3+3?', answer: ''}]\n")
+    suite = load_suite(str(path))
+    assert [(p.id, p.text, p.answer) for p in suite.prompts] == [("a", "What is 2+2?", "4"), ("b", "And 3+3?", None)]
+    assert suite.ungraded == ("b",)
+
+
+def test_bare_column_that_the_row_lacks_is_an_error_not_a_literal_prompt(tmp_path):
+    path = _suite_yaml(tmp_path, "task: t\ndoc_to_text: questoin\ndocs: [{question: 'What is 2+2?'}]\n")
+    message = _error(load_suite, str(path))
+    assert "`doc_to_text: questoin` names a column the row lacks" in message and "question" in message
+
+
+def test_int_target_and_validation_split(tmp_path, monkeypatch):
+    import datasets
+
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or datasets.Dataset.from_list([{"q": "x"}]))
+    path = _suite_yaml(tmp_path, "task: t\ndataset_path: someone/t\nvalidation_split: dev\ndoc_to_text: q\ndoc_to_target: 3\n")
+    suite = load_suite(str(path))
+    assert calls == [(("someone/t", None), {"split": "dev"})] and suite.prompts[0].answer == "3"
+    path = _suite_yaml(tmp_path, "task: t\ndataset_path: someone/t\ntest_split: test\nvalidation_split: dev\ndoc_to_text: q\n")
+    assert load_suite(str(path)).ignored_keys == ("validation_split",) and calls[-1][1] == {"split": "test"}
+
+
+def test_dataset_path_not_required_with_local_file_or_docs(tmp_path):
+    _write_jsonl(tmp_path, ['{"q": "a?"}'])
+    path = _suite_yaml(tmp_path, "task: t\nlocal_file: mine.jsonl\ndoc_to_text: q\n")
+    assert load_suite(str(path), data_dir=tmp_path).prompts[0].text == "a?"
+    assert "--data-dir" in _error(load_suite, str(path))  # no dataset_path, no data dir: says what to pass
+    inline = _suite_yaml(tmp_path, "task: t\ndoc_to_text: q\ndocs: [{q: 'b?'}]\n", name="inline.yaml")
+    assert load_suite(str(inline)).prompts[0].text == "b?"
+
+
+@pytest.mark.parametrize("extra, named", [
+    ("num_fewshot: 3\n", "`num_fewshot: 3`"),
+    ("process_docs: !function utils.process_docs\n", "`process_docs`"),
+    ("doc_to_choice: ['A', 'B']\n", "`doc_to_choice`"),
+    ("output_type: multiple_choice\n", "`output_type: multiple_choice`"),
+    ("output_type: loglikelihood\n", "`output_type: loglikelihood`"),
+    ("description: 'Answer the following math question.\\n\\n'\n", "`description`"),
+    ("gen_prefix: 'The answer is'\n", "`gen_prefix`"),
+    ("repeats: 4\n", "`repeats: 4`"),
+    ("use_prompt: promptsource:*\n", "`use_prompt`"),
+    ("class: !function task.MyTask\n", "`class`"),
+    ("dataset_kwargs: {trust_remote_code: true}\n", "trust_remote_code"),
+])
+def test_lm_eval_keys_that_change_prompts_are_refused_by_name(tmp_path, extra, named):
+    path = _suite_yaml(tmp_path, 'task: t\ndoc_to_text: "{{q}}"\ndocs: [{q: x}]\n' + extra)
+    message = _error(load_suite, str(path))
+    assert "refused" in message and named in message
+
+
+def test_function_in_a_prompt_field_is_refused(tmp_path):
+    path = _suite_yaml(tmp_path, "task: t\ndoc_to_text: !function utils.doc_to_text\ndocs: [{q: x}]\n")
+    message = _error(load_suite, str(path))
+    assert "`doc_to_text: !function utils.doc_to_text` is refused" in message
+
+
+def test_function_in_scoring_keys_is_ignored(tmp_path):
+    path = _suite_yaml(tmp_path, 'task: t\ndoc_to_text: "{{q}}"\ndocs: [{q: x}]\nprocess_results: !function utils.process_results\n'
+                                 "metric_list: [{metric: !function utils.acc}]\ndescription: ''\nnum_fewshot: 0\n")
+    assert load_suite(str(path)).ignored_keys == ("process_results", "metric_list", "description", "num_fewshot")
+
+
+def test_group_file_is_refused(tmp_path):
+    path = _suite_yaml(tmp_path, "group: math\ntask: [gsm8k, minerva_math]\n")
+    assert "group file" in _error(load_suite, str(path))
+
+
+def test_include_errors(tmp_path):
+    a = _suite_yaml(tmp_path, "include: b.yaml\ntask: a\n", name="a.yaml")
+    _suite_yaml(tmp_path, "include: a.yaml\ndoc_to_text: q\n", name="b.yaml")
+    assert "`include` cycle" in _error(load_suite, str(a))
+    c = _suite_yaml(tmp_path, "include: ../missing.yaml\ntask: c\n", name="c.yaml")
+    assert "`include: ../missing.yaml` names no file" in _error(load_suite, str(c))
+
+
+def test_include_order_as_lm_eval(tmp_path):
+    # the including file wins; of a list of includes, the earlier one wins
+    _suite_yaml(tmp_path, "doc_to_text: first\ndocs: [{first: '1', second: '2', third: '3'}]\n", name="one.yaml")
+    _suite_yaml(tmp_path, "doc_to_text: second\ndoc_to_target: second\n", name="two.yaml")
+    path = _suite_yaml(tmp_path, "include: [one.yaml, two.yaml]\ntask: t\ndoc_to_target: third\n")
+    prompt = load_suite(str(path)).prompts[0]
+    assert (prompt.text, prompt.answer) == ("1", "3")
+
+
+# --------------------------------------------------------------------------------------------
+# --limit cuts rows before they are parsed or rendered
+
+
+def _count_renders(monkeypatch) -> list:
+    import detaudit.suites as suites_module
+
+    calls, real = [], suites_module._render
+    monkeypatch.setattr(suites_module, "_render", lambda spec, f, row, label: calls.append(label) or real(spec, f, row, label))
+    return calls
+
+
+def test_limit_renders_only_the_first_rows_of_a_large_jsonl(tmp_path, monkeypatch):
+    row = '{"id": %d, "q": "What is %d plus 1?", "a": "%d"}'
+    lines = [row % (i, i, i + 1) for i in range(200_000)] + ["{not json"]  # a bad last line is never parsed
+    data = _write_jsonl(tmp_path, lines)
+    calls = _count_renders(monkeypatch)
+    suite = load_suite(str(_suite_yaml(tmp_path)), data_dir=tmp_path, limit=2)
+    assert [p.id for p in suite.prompts] == ["0", "1"] and suite.prompts[1].answer == "2"
+    assert len(calls) == 6 and set(calls) == {f"{data}, line 1", f"{data}, line 2"}  # text, id, answer of 2 rows
+    assert len(suite.checksum) == 64  # the checksum still covers the whole file
+
+
+def test_limit_renders_only_the_first_rows_of_a_dataset(tmp_path, monkeypatch):
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"q": f"q{i}", "a": str(i)}) + "\n" for i in range(5000)))
+    path = _suite_yaml(tmp_path, "task: t\ndataset_path: json\ndataset_kwargs: {data_files: rows.jsonl}\n"
+                                 "test_split: train\ndoc_to_text: q\ndoc_to_target: a\n")
+    calls = _count_renders(monkeypatch)
+    suite = load_suite(str(path), limit=3)
+    assert [p.text for p in suite.prompts] == ["q0", "q1", "q2"] and len(calls) == 6
