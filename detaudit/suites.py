@@ -147,8 +147,15 @@ def _dataset_rows(spec: Spec, limit: int | None) -> tuple[bytes, str, Rows]:
         hint = "this suite has no `local_file` for a local mirror"
     try:
         import datasets
+        from datasets.utils import logging as ds_logging
 
-        ds = datasets.load_dataset(spec.dataset_path, spec.dataset_name, split=spec.split, **spec.dataset_kwargs)
+        bars = ds_logging.is_progress_bar_enabled()
+        ds_logging.disable_progress_bar()  # "Generating test split: ..." would break the one-line-per-event logs
+        try:
+            ds = datasets.load_dataset(spec.dataset_path, spec.dataset_name, split=spec.split, **spec.dataset_kwargs)
+        finally:
+            if bars:
+                ds_logging.enable_progress_bar()
     except Exception as e:  # offline, unknown id, unknown split, unreadable file, ...
         where = "" if builder else " from the Hugging Face hub"
         raise DetauditError(
