@@ -47,24 +47,17 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from detaudit.config import Cell
 from detaudit.errors import DetauditError
-from detaudit.records import COLUMNS
-from detaudit.store import RunDir
+from detaudit.metrics import MIN_CELLS, summary_columns
+from detaudit.manifest import Manifest
+from detaudit.runs import RunDir
 
 TOPK = 5
 BACKEND_ORDER = ("bf16", "bio", "bio+tbik")
 
-SUMMARY_COLUMNS = [
-    "model", "suite", "backend", "cells", "prompts",
-    "unique_mean", "unique_max", "identical_prompts",
-    "maxprob_div_mean", "maxprob_excluded", "prefix_div_mean", "prefix_excluded",
-    "teacher_forced_div_max", "teacher_forced_div_mean", "tf_reference",
-    "first_div_median", "acc_mean", "acc_std", "len_mean", "len_std",
-    "failed_cells", "pending_cells", "failed_cell_ids", "emulated",
-]
+SUMMARY_COLUMNS = summary_columns()  # one per MetricSpec (detaudit.metrics)
 PER_PROMPT_COLUMNS = [
     "model", "suite", "backend", "prompt_index", "prompt_id", "cells", "unique", "first_div",
     "maxprob_div", "maxprob_positions", "prefix_div", "prefix_positions",
@@ -182,13 +175,13 @@ class Analysis:
     per_cell: pd.DataFrame
     agreement: dict[tuple[str, str], pd.DataFrame]
     divergence_by_position: pd.DataFrame
-    manifest: dict[str, Any]
+    manifest: Manifest
     run_dir: Path | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
     def model(self) -> str:
-        return model_name(self.manifest)
+        return self.manifest.model_name
 
     @property
     def backends(self) -> list[str]:
@@ -199,19 +192,10 @@ class Analysis:
         return list(dict.fromkeys(self.per_cell["suite"]))
 
 
-def model_name(manifest: dict[str, Any]) -> str:
-    model = manifest.get("model")
-    if isinstance(model, dict) and model.get("name"):
-        return str(model["name"])
-    if isinstance(model, str) and model:
-        return model
-    return str((manifest.get("config") or {}).get("model") or "?")
-
-
-def order_backends(names: Iterable[str], manifest: dict[str, Any] | None = None) -> list[str]:
+def order_backends(names: Iterable[str], manifest: Manifest | None = None) -> list[str]:
     """Configured order, else the canonical bf16 / bio / bio+tbik, then the others by name."""
     names = list(dict.fromkeys(names))
-    configured = list((manifest or {}).get("config", {}).get("backends") or [])
+    configured = list(manifest.config.get("backends") or []) if manifest is not None else []
     order = configured + [b for b in BACKEND_ORDER if b not in configured]
     return sorted(names, key=lambda b: (order.index(b) if b in order else len(order), b))
 
@@ -237,15 +221,7 @@ def _top5_column(column: pa.ChunkedArray) -> list[np.ndarray]:
 
 def _read_cell(run: RunDir, cell_id: str) -> pd.DataFrame:
     """One cell's records; `topk_logprobs` is replaced by `top5` (see `_top5_column`)."""
-    path = run.cell_path(cell_id)
-    try:
-        table = pq.read_table(path)
-    except Exception as e:
-        raise DetauditError(f"cell file {path} is unreadable or truncated ({type(e).__name__}); "
-                            f"rerun the sweep to recompute it") from None
-    missing = [c for c in COLUMNS if c not in table.column_names]
-    if missing:
-        raise DetauditError(f"cell file {path} lacks columns {', '.join(missing)}")
+    table = run.read_table(cell_id)  # validated: columns, its own cell id, this run's identity
     top5 = _top5_column(table.column("topk_logprobs"))
     df = table.drop_columns(["topk_logprobs", "topk_ids"]).to_pandas()
     df["top5"] = pd.Series(top5, index=df.index, dtype=object)
@@ -253,59 +229,41 @@ def _read_cell(run: RunDir, cell_id: str) -> pd.DataFrame:
     return df
 
 
-def _expected_cells(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    try:
-        return {
-            Cell(b, int(tp), int(bs), s).id: dict(backend=b, tp=int(tp), batch_size=int(bs), suite=s)
-            for b in config["backends"] for tp in config["tp"]
-            for s in config["suites"] for bs in config["batch_sizes"]
-        }
-    except (KeyError, TypeError, ValueError):
-        return {}
+def _expected_cells(manifest: Manifest) -> dict[str, dict[str, Any]]:
+    c = manifest.config
+    return {
+        Cell(b, tp, bs, s).id: dict(backend=b, tp=tp, batch_size=bs, suite=s)
+        for b in c.get("backends", []) for tp in c.get("tp", [])
+        for s in c.get("suites", []) for bs in c.get("batch_sizes", [])
+    }
 
 
-def _load(run_dir: str | os.PathLike) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
+def _load(run_dir: str | os.PathLike) -> tuple[Manifest, pd.DataFrame, pd.DataFrame]:
     """Manifest, records of the done cells, and one row per cell (grid cells absent from the
     manifest, and done cells whose file is gone, get state "missing"). A cell file that exists but
-    cannot be read is bad input (DetauditError)."""
+    cannot be read, or holds another cell, is bad input (DetauditError)."""
     run = RunDir(run_dir)
-    if not run.path.is_dir():
-        raise DetauditError(f"run directory {run.path} does not exist")
     manifest = run.load()
-    cells = manifest["cells"]
-    config = manifest.get("config") or {}
-    if not isinstance(cells, dict) or not isinstance(config, dict):
-        raise DetauditError(f"{run.manifest_path} is not a detaudit manifest (cells/config are not mappings)")
-    model = model_name(manifest)
+    model = manifest.model_name
     rows, frames = [], []
-    for cid, meta in cells.items():
-        if not isinstance(meta, dict):
-            raise DetauditError(f"{run.manifest_path}: cell {cid} is not a mapping")
-        state, error = str(meta.get("state") or "pending"), meta.get("error")
+    for cid, meta in manifest.cells.items():
+        state, error = meta.state, meta.error
         if state == "done":
             if not run.cell_path(cid).exists():
                 state, error = "missing", "marked done but its cell file is missing"
             else:
                 frames.append(_read_cell(run, cid))
         rows.append(dict(
-            cell_id=cid, model=model, suite=meta.get("suite"), backend=meta.get("backend"),
-            tp=meta.get("tp"), batch_size=meta.get("batch_size"),
-            tp_mode=meta.get("tp_mode") or config.get("tp_mode") or "real",
-            state=state, error=error if state != "done" else None, wall_s=meta.get("wall_s"),
+            cell_id=cid, model=model, suite=meta.suite, backend=meta.backend, tp=meta.tp, batch_size=meta.batch_size,
+            tp_mode=meta.tp_mode, state=state, error=error if state != "done" else None, wall_s=meta.extra.get("wall_s"),
         ))
-    for cid, meta in _expected_cells(config).items():
-        if cid not in cells:
-            rows.append(dict(cell_id=cid, model=model, **meta, tp_mode=config.get("tp_mode") or "real",
-                             state="missing", error="in the configured grid but not in the manifest",
-                             wall_s=None))
+    for cid, cell in _expected_cells(manifest).items():
+        if cid not in manifest.cells:
+            rows.append(dict(cell_id=cid, model=model, **cell, tp_mode=manifest.tp_mode(cell["tp"]),
+                             state="missing", error="in the configured grid but not in the manifest", wall_s=None))
     records = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
         columns=["cell_id", "suite", "backend", "prompt_id", "prompt_index"])
     per_cell = pd.DataFrame(rows, columns=PER_CELL_COLUMNS[:10])
-    if len(records):  # fill cell coordinates the manifest lacks from the records themselves
-        first = records.groupby("cell_id").first()
-        for col in ("suite", "backend", "tp", "batch_size"):
-            fill = per_cell["cell_id"].map(first[col])
-            per_cell[col] = per_cell[col].where(per_cell[col].notna(), fill)
     order = order_backends(per_cell["backend"].dropna(), manifest)
     per_cell["_b"] = per_cell["backend"].map(lambda b: order.index(b) if b in order else len(order))
     per_cell = per_cell.sort_values(["suite", "_b", "tp", "batch_size", "cell_id"], kind="stable")
@@ -352,13 +310,13 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
         recs = [data[c][key] for c in have]
         seqs = [r["ids"] for r in recs]
         fd = first_divergence(seqs)
-        compared = len(have) >= 2  # a prompt seen by one cell compares nothing: NaN, not 0
+        compared = len(have) >= MIN_CELLS  # a prompt seen by one cell compares nothing: NaN, not 0
         by_pos = maxprob_divergence_by_position([r["probs"] for r in recs]) if compared else np.zeros(0)
         prefix = by_pos[: fd] if fd is not None else by_pos
         # teacher forcing
         tf_cells = [c for c, r in zip(have, recs) if r["tf"] is not None]
         tf_mean = tf_max = math.nan
-        if len(tf_cells) >= 2:
+        if len(tf_cells) >= MIN_CELLS:
             named = next((r["ref"] for r in recs if isinstance(r["ref"], str) and r["ref"]), None)
             ref_cell = named if named in tf_cells else tf_cells[0]
             tf = teacher_forced_by_position([data[c][key]["tf"] for c in tf_cells], data[ref_cell][key]["tf"])
@@ -441,7 +399,7 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
 def analyze(run_dir: str | os.PathLike) -> Analysis:
     """All metrics of one run directory (see the module docstring for the definitions)."""
     manifest, records, per_cell = _load(run_dir)
-    model = model_name(manifest)
+    model = manifest.model_name
     summaries, prompt_frames, position_frames = [], [], []
     agreement: dict[tuple[str, str], pd.DataFrame] = {}
     extras: dict[str, dict[str, Any]] = {}
@@ -459,11 +417,15 @@ def analyze(run_dir: str | os.PathLike) -> Analysis:
         per_cell[col] = per_cell["cell_id"].map(lambda c: extras.get(c, {}).get(col, math.nan))
     per_prompt = _concat(prompt_frames, PER_PROMPT_COLUMNS)
     per_prompt["first_div"] = per_prompt["first_div"].astype("Int64")
+    summary = pd.DataFrame(summaries, columns=SUMMARY_COLUMNS)
     notes = []
-    if manifest.get("mixed_hardware"):
+    if manifest.mixed_hardware:
         notes.append("mixed hardware: the cells of this run were computed on different machines")
+    uncompared = nothing_to_compare(summary, per_cell)
+    if uncompared:
+        notes.append(f"nothing to compare: {uncompared}")
     return Analysis(
-        summary=pd.DataFrame(summaries, columns=SUMMARY_COLUMNS),
+        summary=summary,
         per_prompt=per_prompt,
         per_cell=per_cell[PER_CELL_COLUMNS],
         agreement=agreement,
@@ -472,6 +434,24 @@ def analyze(run_dir: str | os.PathLike) -> Analysis:
         run_dir=Path(run_dir),
         notes=notes,
     )
+
+
+def nothing_to_compare(summary: pd.DataFrame, per_cell: pd.DataFrame) -> str | None:
+    """Why the (suite, backend) groups with fewer than MIN_CELLS done cells compare nothing (None
+    when every group has enough): their unique count is trivially 1 and their divergences are not
+    computed, so a report must not present them as agreement."""
+    low = summary[summary["cells"] < MIN_CELLS]
+    if not len(low):
+        return None
+    grid = per_cell.groupby(["suite", "backend"]).size()
+    sizes = [int(grid.get((s, b), 0)) for s, b in zip(low["suite"], low["backend"])]
+    if len(low) == len(summary) and max(sizes) < MIN_CELLS:
+        where = "the grid has one TP size and one batch size, so each backend has a single cell per suite"
+    else:
+        where = "; ".join(f"{s}/{b}: {d} of {n} cell{'s' if n != 1 else ''} done"
+                          for s, b, d, n in zip(low["suite"], low["backend"], low["cells"], sizes))
+    return (f"{where}. Unique outputs and divergences need {MIN_CELLS} or more done cells of a backend "
+            "(shown as –, never as agreement); sweep two or more TP sizes or batch sizes, or finish the cells")
 
 
 def _concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:

@@ -17,6 +17,10 @@ Policy format (see `detaudit/data/default-policy.yaml`, the default)::
 A backend may also carry its own `baseline_tolerance`. Whatever the policy says, cells that are
 missing, failed or pending fail the gate, and so does a gated (not report-only) backend that is
 absent from the run or has no completed cell: what was not computed cannot be verified.
+With a baseline, every way it differs from the run (model, suites and their prompts, decoding,
+dtype, engine, code version, device, hardware) is listed in `GateResult.mismatches`; a baseline of
+another model or other suites fails the gate unless `allow_mismatch` (its metrics are not comparable).
+Metric names, their worse direction and default tolerances come from `detaudit.metrics`.
 Given a directory written by `detaudit align`, the gate applies the `alignment:` rules instead (a
 gated backend missing from the alignment, or one with no token compared, fails).
 Bad input (policy, run directory) raises DetauditError.
@@ -24,6 +28,7 @@ Bad input (policy, run directory) raises DetauditError.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -32,47 +37,19 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rich.console import RenderableType
 from rich.table import Table
+from rich.text import Text
 
-from detaudit.align import ALIGN_SUMMARY, load_alignment
+from detaudit.runs import ALIGN_SUMMARY, is_alignment_dir, load_alignment
 from detaudit.analyze import Analysis, analyze
 from detaudit.errors import DetauditError
+from detaudit.manifest import Manifest
+from detaudit.metrics import MetricSpec, default_tolerances, gateable
 
-# metric -> the direction that is worse (used by --baseline)
-METRICS: dict[str, str] = {
-    "cells": "lower",
-    "prompts": "lower",
-    "unique_mean": "higher",
-    "unique_max": "higher",
-    "identical_prompts": "lower",
-    "maxprob_div_mean": "higher",
-    "maxprob_excluded": "higher",
-    "prefix_div_mean": "higher",
-    "prefix_excluded": "higher",
-    "teacher_forced_div_max": "higher",
-    "teacher_forced_div_mean": "higher",
-    "first_div_median": "lower",
-    "acc_mean": "lower",
-    "acc_std": "higher",
-    "len_std": "higher",
-}
-DEFAULT_BASELINE_TOLERANCE = {
-    "unique_mean": 0.25,
-    "maxprob_div_mean": 1e-3,
-    "prefix_div_mean": 1e-3,
-    "teacher_forced_div_mean": 1e-3,
-    "acc_std": 0.02,
-}
-# alignment metric (columns of `detaudit align --json`) -> the direction that is worse
-ALIGN_METRICS: dict[str, str] = {
-    "tokens": "lower",
-    "bitwise_equal_frac": "lower",
-    "dp_max": "higher",
-    "dp_mean": "higher",
-    "dp_std": "higher",
-    "pearson": "lower",
-    "kl": "higher",
-}
+# the metrics a policy may name, their worse direction and default tolerances: detaudit.metrics
+METRICS = gateable("summary")
+ALIGN_METRICS = gateable("align")
 TOP_KEYS = ("version", "description", "backends", "baseline_tolerance", "alignment")
 RULE_KEYS = ("max", "min", "optional")
 DEFAULT_POLICY = "default-policy.yaml"
@@ -159,12 +136,12 @@ def parse_policy(obj: Any, source: str = "policy") -> Policy:
     if not isinstance(alignment, dict):
         raise bad("`alignment:` must be a mapping backend -> rules")
     tol = obj.get("baseline_tolerance")
-    tolerance = DEFAULT_BASELINE_TOLERANCE if tol is None else _parse_tolerance(tol, "baseline_tolerance", bad)
+    tolerance = default_tolerances() if tol is None else _parse_tolerance(tol, "baseline_tolerance", bad)
     return Policy(backends=_parse_backends(backends, "backends", METRICS, bad), baseline_tolerance=dict(tolerance),
                   source=source, alignment=_parse_backends(alignment, "alignment", ALIGN_METRICS, bad))
 
 
-def _parse_backends(backends: dict, section: str, metrics: dict[str, str], bad) -> dict[str, BackendPolicy]:
+def _parse_backends(backends: dict, section: str, metrics: dict[str, MetricSpec], bad) -> dict[str, BackendPolicy]:
     parsed = {}
     for backend, spec in backends.items():
         where = f"{section}.{backend}"
@@ -187,7 +164,7 @@ def _parse_backends(backends: dict, section: str, metrics: dict[str, str], bad) 
     return parsed
 
 
-def _known_metric(metric: Any, where: str, bad, metrics: dict[str, str] = METRICS) -> str:
+def _known_metric(metric: Any, where: str, bad, metrics: dict[str, MetricSpec] = METRICS) -> str:
     if metric not in metrics:
         raise bad(f"{where}: unknown metric {metric!r} (known: {', '.join(metrics)})")
     return metric
@@ -197,7 +174,7 @@ def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 
-def _parse_rule(metric: Any, rule: Any, where: str, bad, metrics: dict[str, str] = METRICS) -> Rule:
+def _parse_rule(metric: Any, rule: Any, where: str, bad, metrics: dict[str, MetricSpec] = METRICS) -> Rule:
     _known_metric(metric, where, bad, metrics)
     if not isinstance(rule, dict) or not rule:
         raise bad(f"{where} must be a mapping such as {{max: 0}} or {{min: 2}}")
@@ -245,6 +222,7 @@ class GateResult:
     violations: list[Violation]
     warnings: list[Violation] = field(default_factory=list)  # breaches on report-only backends
     notes: list[str] = field(default_factory=list)
+    mismatches: list[Mismatch] = field(default_factory=list)  # how a --baseline differs from the run
     checks: int = 0
     policy: Policy | None = None
     analysis: Analysis | None = None
@@ -265,6 +243,7 @@ class GateResult:
             notes=list(self.notes), policy=self.policy.source if self.policy else None,
             run=str(self.analysis.run_dir) if self.analysis else self.run,
             baseline=str(self.baseline.run_dir) if self.baseline else None,
+            mismatches=[asdict(m) for m in self.mismatches],
         )
 
 
@@ -275,17 +254,20 @@ def gate(
     run_dir: str | os.PathLike,
     policy_path: str | os.PathLike | None = None,
     baseline_dir: str | os.PathLike | None = None,
+    allow_mismatch: bool = False,
 ) -> GateResult:
-    """Apply the policy (default: the shipped one) to the run, optionally against a baseline run."""
+    """Apply the policy (default: the shipped one) to the run, optionally against a baseline run.
+    A baseline of another model or other suites fails the gate unless `allow_mismatch`; every
+    difference from the baseline is listed in `GateResult.mismatches` either way."""
     policy = load_policy(policy_path)
     path = Path(run_dir)
-    if (path / ALIGN_SUMMARY).exists() and not (path / "manifest.json").exists():
+    if is_alignment_dir(path):
         if baseline_dir is not None:
             raise DetauditError(f"{run_dir} holds alignment results: --baseline compares sweep runs only")
         return evaluate_alignment(policy, load_alignment(path), str(path))
     analysis = analyze(run_dir)
     baseline = analyze(baseline_dir) if baseline_dir is not None else None
-    return evaluate(policy, analysis, baseline)
+    return evaluate(policy, analysis, baseline, allow_mismatch=allow_mismatch)
 
 
 def evaluate_alignment(policy: Policy, results: dict[str, Any], run: str) -> GateResult:
@@ -324,7 +306,8 @@ def evaluate_alignment(policy: Policy, results: dict[str, Any], run: str) -> Gat
                       checks=checks, policy=policy, run=run)
 
 
-def evaluate(policy: Policy, analysis: Analysis, baseline: Analysis | None = None) -> GateResult:
+def evaluate(policy: Policy, analysis: Analysis, baseline: Analysis | None = None, *,
+             allow_mismatch: bool = False) -> GateResult:
     violations: list[Violation] = []
     warnings: list[Violation] = []
     notes: list[str] = list(analysis.notes)
@@ -370,36 +353,99 @@ def evaluate(policy: Policy, analysis: Analysis, baseline: Analysis | None = Non
         checks += _apply_rules(bp.rules, row, suite, backend, sink, notes)
 
     # 3. baseline
+    mismatches: list[Mismatch] = []
     if baseline is not None:
-        if baseline.manifest.get("comparable_key") != analysis.manifest.get("comparable_key"):
-            notes.append("the baseline is not the same sweep (model, suites, decoding, dtype, engine or "
-                         "device differ): compare with care")
-        base = {(r["suite"], r["backend"]): r for r in baseline.summary.to_dict("records")}
-        for row in summary.to_dict("records"):
-            suite, backend = row["suite"], row["backend"]
-            bp = policy.backends.get(backend)
-            if bp is None or bp.report_only or row["cells"] == 0:
-                continue
-            old = base.get((suite, backend))
-            if old is None:
-                notes.append(f"{suite}/{backend} is not in the baseline; not compared")
-                continue
-            for metric, tol in policy.tolerance(backend).items():
-                value, ref = float(row[metric]), float(old[metric])
-                if math.isnan(value) or math.isnan(ref):
-                    continue
-                checks += 1
-                worse = value - ref if METRICS[metric] == "higher" else ref - value
-                if worse > tol:
-                    sign = "+" if METRICS[metric] == "higher" else "-"
-                    violations.append(Violation(
-                        suite, backend, metric, value, f"baseline {_num(ref)} {sign} {_num(tol)}",
-                        f"{metric} regressed from {_num(ref)} to {_num(value)} (tolerance {_num(tol)})"))
+        mismatches = baseline_mismatches(analysis.manifest, baseline.manifest)
+        blocking = [m for m in mismatches if m.blocking]
+        if blocking and not allow_mismatch:
+            checks += 1
+            fields = ", ".join(m.field for m in blocking)
+            violations.append(Violation(
+                ", ".join(analysis.suites) or "*", "*", "baseline", fields, "same model and suites",
+                f"the baseline is another sweep ({'; '.join(str(m) for m in blocking)}): its metrics are not "
+                "comparable; pass --allow-mismatch to compare anyway"))
+        else:
+            checks += _compare_baseline(policy, summary, baseline.summary, violations, notes)
 
     if (analysis.per_cell["tp_mode"] == "emulated").any():
         notes.append("some cells ran with emulated TP: native emulation cannot reproduce a ring all-reduce's order")
     return GateResult(passed=not violations, violations=violations, warnings=warnings, notes=notes,
-                      checks=checks, policy=policy, analysis=analysis, baseline=baseline)
+                      checks=checks, policy=policy, analysis=analysis, baseline=baseline, mismatches=mismatches)
+
+
+def _compare_baseline(policy: Policy, summary, base_summary, violations: list[Violation], notes: list[str]) -> int:
+    """Gated backends' metrics against the baseline's, within the policy's tolerances. Returns the checks made."""
+    checks = 0
+    base = {(r["suite"], r["backend"]): r for r in base_summary.to_dict("records")}
+    for row in summary.to_dict("records"):
+        suite, backend = row["suite"], row["backend"]
+        bp = policy.backends.get(backend)
+        if bp is None or bp.report_only or row["cells"] == 0:
+            continue
+        old = base.get((suite, backend))
+        if old is None:
+            notes.append(f"{suite}/{backend} is not in the baseline; not compared")
+            continue
+        for metric, tol in policy.tolerance(backend).items():
+            value, ref = float(row[metric]), float(old[metric])
+            if math.isnan(value) or math.isnan(ref):
+                continue
+            checks += 1
+            metric_spec = METRICS[metric]
+            if metric_spec.worsening(value, ref) > tol:
+                violations.append(Violation(
+                    suite, backend, metric, value, f"baseline {_num(ref)} {metric_spec.worse_sign} {_num(tol)}",
+                    f"{metric} regressed from {_num(ref)} to {_num(value)} (tolerance {_num(tol)})"))
+    return checks
+
+
+# ---------------------------------------------------------------- baseline identity
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One way the baseline is not the same sweep as the run. `blocking`: another model or other
+    suites / prompts, which fails the gate unless mismatches are allowed."""
+
+    field: str
+    run: str
+    baseline: str
+    blocking: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.field}: run {self.run}, baseline {self.baseline}"
+
+
+def _short(v: Any) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, sort_keys=True, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def baseline_mismatches(run: Manifest, base: Manifest) -> list[Mismatch]:
+    """Every difference between the run's and the baseline's identity (model, suites and their
+    prompts, decoding, dtype, limit, engine, ...), code version, device and hardware."""
+    out: list[Mismatch] = []
+    ident, old = run.identity, base.identity
+    checksums = "model_checksum" in ident and "model_checksum" in old
+    if (ident["model_checksum"] != old["model_checksum"]) if checksums else run.model_name != base.model_name:
+        out.append(Mismatch("model", f"{run.model_name} ({str(ident.get('model_checksum', '?'))[:12]})",
+                            f"{base.model_name} ({str(old.get('model_checksum', '?'))[:12]})", True))
+    suites, old_suites = list(run.config.get("suites") or []), list(base.config.get("suites") or [])
+    if sorted(suites) != sorted(old_suites):
+        out.append(Mismatch("suites", ", ".join(suites), ", ".join(old_suites), True))
+    for key in ("suites", "prompt_hashes"):  # the prompts of a suite both runs have
+        a, b = ident.get(key) or {}, old.get(key) or {}
+        for suite in sorted(set(a) & set(b)):
+            if a[suite] != b[suite] and not any(m.field == f"suite {suite}" for m in out):
+                out.append(Mismatch(f"suite {suite}", f"prompts {_short(a[suite])}", f"prompts {_short(b[suite])}", True))
+    for key in sorted(set(ident) | set(old)):
+        if key not in ("model_checksum", "suites", "prompt_hashes") and ident.get(key) != old.get(key):
+            out.append(Mismatch(key, _short(ident.get(key)), _short(old.get(key))))
+    facts = (("code version", run.code_version, base.code_version), ("git hash", run.git_hash, base.git_hash),
+             ("device", run.config.get("device"), base.config.get("device")),
+             ("hardware", run.hardware_key, base.hardware_key))
+    out += [Mismatch(name, _short(a), _short(b)) for name, a, b in facts if a != b]
+    return out
 
 
 def _apply_rules(rules, row: dict, where: str, backend: str, sink: list[Violation], notes: list[str]) -> int:
@@ -446,3 +492,15 @@ def violations_table(result: GateResult) -> Table:
         for v in rows:
             table.add_row(status, v.suite, v.backend, v.metric, _num(v.value), v.threshold, v.reason, style=style)
     return table
+
+
+def render_result(result: GateResult) -> list[RenderableType]:
+    """What `detaudit gate` prints in text mode: the table, how the baseline differs, the notes, the verdict."""
+    out: list[RenderableType] = [violations_table(result)]
+    for m in result.mismatches:
+        blocked = m.blocking and any(v.metric == "baseline" for v in result.violations)
+        out.append(Text(f"baseline differs: {m}", style="red" if blocked else "yellow"))
+    out += [Text(f"note: {n}", style="dim") for n in result.notes]
+    out.append(Text.from_markup("[green]gate passed[/]" if result.passed else
+                                f"[red]gate failed[/]: {len(result.violations)} violation(s)"))
+    return out

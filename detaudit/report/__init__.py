@@ -3,19 +3,18 @@ rich summary table the CLI prints. The helpers here lay out the tables all write
 
 from __future__ import annotations
 
-import math
-import numbers
-import shlex
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import pandas as pd
 from rich.table import Table
+from rich.text import Text
 
-from detaudit.analyze import Analysis
+from detaudit.analyze import Analysis, nothing_to_compare
 from detaudit.errors import DetauditError
-from detaudit.store import atomic_write_bytes
+from detaudit.metrics import MIN_CELLS, fmt_num, fmt_pct, is_missing, shown, spec, text_labels
+from detaudit.manifest import Manifest
+from detaudit.runs import atomic_write_bytes
 
 FORMATS = ("md", "csv", "html")
 EMULATED_NOTE = (
@@ -23,76 +22,12 @@ EMULATED_NOTE = (
     "the way the backend's all-reduce would; native emulation cannot reproduce a ring all-reduce's "
     "order, so emulated bf16 / bio cells may understate the divergence of a real multi-GPU run."
 )
-DEFINITIONS = [
-    ("unique", "distinct output token sequences across the cells, per prompt, averaged over prompts "
-               "(1 = every cell agreed on every prompt)"),
-    ("max-prob div", "per output position, the largest spread (max - min over cells) of the top-5 "
-                     "probabilities, rank by rank; mean over positions up to the shortest output, then "
-                     "over prompts (prompts without a comparable position are left out); x1e-3"),
-    ("prefix div", "the same, only before the first divergence"),
-    ("TF div", "teacher forced: every cell scores one reference continuation; largest |p_cell - p_ref| "
-               "(max) and its mean over positions, then prompts"),
-    ("first div", "median first output index at which two cells differ, over the prompts that diverge"),
-    ("acc std", "population standard deviation (ddof=0) of the cells' accuracies (Std@Acc)"),
-    ("len std", "standard deviation of the output length across cells, averaged over prompts"),
-]
-
-
-# ---------------------------------------------------------------- formatting
-
-
-def _nan(v: Any) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA
-
-
-def fmt_unique(v: Any) -> str:
-    """'1' only when exactly 1; a value that rounds to 1.00 but is not 1 shows as '>1.00'."""
-    if _nan(v):
-        return "–"
-    if v == 1:
-        return "1"
-    s = f"{v:.2f}"
-    return ">1.00" if s == "1.00" else s
-
-
-def fmt_div(v: Any, scale: float = 1e3) -> str:
-    """'0' only when exactly 0; a tiny non-zero value shows as '<0.01', never as 0."""
-    if _nan(v):
-        return "–"
-    if v == 0:
-        return "0"
-    s = f"{v * scale:.2f}"
-    return "<0.01" if s == "0.00" else s
-
-
-def fmt_prob(v: Any) -> str:
-    if _nan(v):
-        return "–"
-    return "0" if v == 0 else f"{v:.3g}"
-
-
-def fmt_num(v: Any, digits: int = 2) -> str:
-    if _nan(v):
-        return "–"
-    if isinstance(v, (bool, np.bool_)):
-        return "yes" if v else "no"
-    if isinstance(v, numbers.Integral) or (isinstance(v, numbers.Real) and float(v).is_integer()):
-        return str(int(v))
-    if isinstance(v, numbers.Real):
-        return f"{v:.{digits}f}"
-    return str(v)
-
-
-def fmt_pct(v: Any) -> str:
-    return "–" if _nan(v) else f"{100 * v:.1f}%"
-
-
-TEXT_COLUMNS = {"model", "suite", "backend", "cell", "TP mode", "state", "failed cells"}
+CELL_TEXT_COLUMNS = {"model", "cell", "TP mode", "state"}
 
 
 def is_text(column: str) -> bool:
     """Text columns are left-aligned, numbers right-aligned."""
-    return column in TEXT_COLUMNS
+    return column in CELL_TEXT_COLUMNS or column in text_labels()
 
 
 def cell_label(tp: Any, batch_size: Any) -> str:
@@ -106,14 +41,13 @@ Rows = tuple[list[str], list[list[str]]]
 
 def published_table(analysis: Analysis, suite: str, metric: str) -> Rows:
     """Rows: models; columns: backends (the published layout), one table per suite."""
-    fmt = fmt_unique if metric == "unique_mean" else fmt_div
+    render = spec(metric).render
     backends = analysis.backends
     s = analysis.summary[analysis.summary["suite"] == suite]
     rows = []
     for model in dict.fromkeys(s["model"]):
-        by_backend = s[s["model"] == model].set_index("backend")
-        rows.append([str(model)] + [fmt(by_backend.loc[b, metric]) if b in by_backend.index else "–"
-                                    for b in backends])
+        by_backend = {r["backend"]: r for r in s[s["model"] == model].to_dict("records")}
+        rows.append([str(model)] + [render(by_backend[b]) if b in by_backend else "–" for b in backends])
     return ["model", *backends], rows
 
 
@@ -126,31 +60,26 @@ def published_frame(analysis: Analysis, metric: str, scale: float = 1.0) -> pd.D
     return wide.reset_index()
 
 
-def summary_rows(analysis: Analysis) -> Rows:
-    header = ["suite", "backend", "cells", "prompts", "unique", "max-prob div ×1e-3", "prefix div ×1e-3",
-              "TF div max", "TF div mean", "first div (median)", "identical prompts", "acc", "acc std",
-              "len std", "failed cells"]
-    rows = []
-    for r in analysis.summary.to_dict("records"):
-        parts = [f"{r['failed_cells']} ({r['failed_cell_ids']})"] if r["failed_cells"] else []
-        parts += [f"{r['pending_cells']} pending"] if r["pending_cells"] else []
-        failed = ", ".join(parts) or "0"
-        rows.append([
-            r["suite"], r["backend"] + (" (emulated)" if r["emulated"] else ""), fmt_num(r["cells"]),
-            fmt_num(r["prompts"]), fmt_unique(r["unique_mean"]), fmt_div(r["maxprob_div_mean"]),
-            fmt_div(r["prefix_div_mean"]), fmt_prob(r["teacher_forced_div_max"]),
-            fmt_prob(r["teacher_forced_div_mean"]), fmt_num(r["first_div_median"], 1),
-            f"{r['identical_prompts']}/{r['prompts']}", fmt_pct(r["acc_mean"]), fmt_pct(r["acc_std"]),
-            fmt_num(r["len_std"]), failed,
-        ])
-    return header, rows
+def summary_rows(analysis: Analysis, table: str = "summary") -> Rows:
+    """The summary columns `table` shows (see `detaudit.metrics`), one row per (suite, backend)."""
+    columns = shown(table)
+    rows = [[c.render(r) for c in columns] for r in analysis.summary.to_dict("records")]
+    return [c.label for c in columns], rows
+
+
+def row_status(row: dict[str, Any]) -> str:
+    """'bad': cells failed or pending; 'good': two or more cells, bitwise invariant; else ''."""
+    if row["failed_cells"] or row["pending_cells"]:
+        return "bad"
+    invariant = row["cells"] >= MIN_CELLS and row["unique_mean"] == 1 and row["maxprob_div_mean"] == 0
+    return "good" if invariant else ""
 
 
 def cell_state(state: str, error: Any) -> str:
     if state == "done":
         return "done"
     label = {"failed": "FAILED", "missing": "MISSING"}.get(state, state.upper())
-    return f"{label}: {error}" if not _nan(error) and error else label
+    return f"{label}: {error}" if not is_missing(error) and error else label
 
 
 def cell_rows(analysis: Analysis) -> Rows:
@@ -166,43 +95,16 @@ def cell_rows(analysis: Analysis) -> Rows:
     return header, rows
 
 
-def command(manifest: dict[str, Any]) -> tuple[str, bool]:
-    """The command that produced the run (recorded, or reconstructed from the config: flag False)."""
-    cmd = manifest.get("command")
-    if isinstance(cmd, (list, tuple)) and cmd:
-        return shlex.join(str(x) for x in cmd), True
-    if isinstance(cmd, str) and cmd:
-        return cmd, True
-    c = manifest.get("config") or {}
-    d = c.get("decoding") or {}
-    join = lambda xs: ",".join(str(x) for x in xs)  # noqa: E731
-    parts = ["detaudit", "sweep", "--model", str(c.get("model", "?"))]
-    lists = (("--suites", "suites"), ("--backends", "backends"), ("--tp", "tp"), ("--batch-sizes", "batch_sizes"))
-    for flag, key in lists:
-        if c.get(key):
-            parts += [flag, join(c[key])]
-    scalars = (("--engine", "engine"), ("--device", "device"), ("--dtype", "dtype"), ("--tp-mode", "tp_mode"),
-               ("--limit", "limit"))
-    for flag, key in scalars:
-        if c.get(key) is not None:
-            parts += [flag, str(c[key])]
-    if d.get("greedy"):
-        parts.append("--greedy")
-    else:
-        for flag, key in (("--temperature", "temperature"), ("--top-p", "top_p"), ("--top-k", "top_k")):
-            if key in d:
-                parts += [flag, str(d[key])]
-    for flag, key in (("--max-new-tokens", "max_new_tokens"), ("--seed", "seed")):
-        if key in d:
-            parts += [flag, str(d[key])]
-    return shlex.join(parts), False
+def command(manifest: Manifest) -> tuple[str, bool]:
+    """The command that produced the run, as recorded (False when the manifest has none)."""
+    return (manifest.command, True) if manifest.command else ("(not recorded)", False)
 
 
 def warnings(analysis: Analysis) -> list[str]:
-    """Prominent notes: mixed hardware, incomplete cells, emulated TP."""
+    """Prominent notes: mixed hardware, incomplete cells, emulated TP, nothing to compare."""
     out = []
     m = analysis.manifest
-    if m.get("mixed_hardware"):
+    if m.mixed_hardware:
         out.append("MIXED HARDWARE: the cells of this run were computed on different machines, so differences "
                    "may come from the hardware rather than from TP size, batch size or backend.")
     pc = analysis.per_cell
@@ -213,6 +115,9 @@ def warnings(analysis: Analysis) -> list[str]:
                    "their backends are measured over fewer configurations.")
     if (pc["tp_mode"] == "emulated").any():
         out.append("EMULATED TP: " + EMULATED_NOTE)
+    uncompared = nothing_to_compare(analysis.summary, pc)
+    if uncompared:
+        out.append("NOTHING TO COMPARE: " + uncompared)
     return out
 
 
@@ -273,15 +178,20 @@ def write_reports(analysis: Analysis, out_dir: str | Path, formats: Sequence[str
 def summary_table(analysis: Analysis) -> Table:
     """The summary as a rich table (for `detaudit analyze`)."""
     table = Table(title=f"detaudit: {analysis.model}", caption="divergences ×1e-3; 0 and 1 are exact")
-    header, rows = summary_rows(analysis)
-    keep = [0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 14]
-    for i in keep:
-        table.add_column(header[i], justify="left" if is_text(header[i]) else "right", overflow="fold")
+    header, rows = summary_rows(analysis, "cli")
+    for h in header:
+        table.add_column(h, justify="left" if is_text(h) else "right", overflow="fold")
+    styles = {"bad": "red", "good": "green"}
     for r, row in zip(analysis.summary.to_dict("records"), rows):
-        invariant = r["cells"] >= 2 and r["unique_mean"] == 1 and r["maxprob_div_mean"] == 0
-        style = "red" if r["failed_cells"] or r["pending_cells"] else ("green" if invariant else None)
-        table.add_row(*[row[i] for i in keep], style=style)
+        table.add_row(*row, style=styles.get(row_status(r)))
     return table
 
 
-__all__ = ["write_reports", "summary_table", "FORMATS"]
+def render_summary(analysis: Analysis) -> list[Table | Text]:
+    """What `detaudit analyze` prints: the summary table, then a line when a group compares nothing."""
+    uncompared = nothing_to_compare(analysis.summary, analysis.per_cell)
+    return [summary_table(analysis)] + ([Text("nothing to compare: " + uncompared, style="bold yellow")]
+                                        if uncompared else [])
+
+
+__all__ = ["write_reports", "summary_table", "render_summary", "FORMATS"]

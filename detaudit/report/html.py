@@ -15,15 +15,15 @@ from matplotlib.ticker import MaxNLocator
 
 from detaudit import __version__
 from detaudit.analyze import Analysis
+from detaudit.metrics import MIN_CELLS, definitions, spec
 from detaudit.report import (
-    DEFINITIONS,
     EMULATED_NOTE,
     cell_label,
     cell_rows,
     command,
-    fmt_unique,
     is_text,
     published_table,
+    row_status,
     summary_rows,
     warnings,
     write_file,
@@ -49,8 +49,8 @@ def png(fig: Figure) -> str:
 
 
 def agreement_figure(analysis: Analysis, suite: str) -> Figure | None:
-    mats = [(b, analysis.agreement[(suite, b)]) for b in analysis.backends
-            if (suite, b) in analysis.agreement and len(analysis.agreement[(suite, b)])]
+    mats = [(b, analysis.agreement[(suite, b)]) for b in analysis.backends  # a 1x1 matrix compares nothing
+            if (suite, b) in analysis.agreement and len(analysis.agreement[(suite, b)]) >= MIN_CELLS]
     if not mats:
         return None
     n = max(len(m) for _, m in mats)
@@ -59,14 +59,14 @@ def agreement_figure(analysis: Analysis, suite: str) -> Figure | None:
     axes = fig.subplots(1, len(mats), squeeze=False)[0]
     labels = analysis.per_cell.set_index("cell_id")
     image = None
-    row = analysis.summary.set_index(["suite", "backend"])
+    rows = {(r["suite"], r["backend"]): r for r in analysis.summary.to_dict("records")}
     for ax, (backend, m) in zip(axes, mats):
         ticks = [cell_label(labels.loc[c, "tp"], labels.loc[c, "batch_size"]) for c in m.index]
         image = ax.imshow(m.to_numpy(dtype=float), vmin=0, vmax=1, cmap="viridis")
         ax.set_xticks(range(len(ticks)), ticks, rotation=90, fontsize=8)
         ax.set_yticks(range(len(ticks)), ticks, fontsize=8)
-        unique = row.loc[(suite, backend), "unique_mean"]
-        ax.set_title(f"{backend}  (unique {fmt_unique(unique)})", fontsize=10)
+        unique = spec("unique_mean").render(rows[(suite, backend)])
+        ax.set_title(f"{backend}  (unique {unique})", fontsize=10)
         if len(m) <= 16:
             for i in range(len(m)):
                 for j in range(len(m)):
@@ -81,17 +81,18 @@ def agreement_figure(analysis: Analysis, suite: str) -> Figure | None:
 
 def divergence_figure(analysis: Analysis, suite: str) -> Figure | None:
     pos = analysis.divergence_by_position
-    pos = pos[pos["suite"] == suite]
+    pos = pos[(pos["suite"] == suite) & (pos["prompts"] > 0)]  # positions some prompt compared
     if not len(pos):
         return None
+    full = analysis.divergence_by_position
     fig = Figure(figsize=(9, 5.2))
     top, bottom = fig.subplots(2, 1, sharex=True)
     for i, backend in enumerate(analysis.backends):
-        p = pos[pos["backend"] == backend]
-        if not len(p):
+        has = pos[pos["backend"] == backend]
+        if not len(has):
             continue
+        p = full[(full["suite"] == suite) & (full["backend"] == backend)]
         c = color(backend, i)
-        has = p[p["prompts"] > 0]
         top.plot(has["position"], has["maxprob_div_mean"] * 1e3, color=c, lw=1.2, label=backend)
         bottom.step(p["position"], p["diverged_frac"] * 100, where="post", color=c, lw=1.5, label=backend)
     top.set_ylabel("max-prob div ×1e-3\n(mean over prompts)")
@@ -109,7 +110,7 @@ def divergence_figure(analysis: Analysis, suite: str) -> Figure | None:
 
 def first_div_figure(analysis: Analysis, suite: str) -> Figure | None:
     pp = analysis.per_prompt
-    pp = pp[(pp["suite"] == suite) & (pp["cells"] >= 2)]
+    pp = pp[(pp["suite"] == suite) & (pp["cells"] >= MIN_CELLS)]
     if not len(pp):
         return None
     fd = pp["first_div"].dropna().astype(float)
@@ -231,6 +232,7 @@ agreed on every prompt).</p>
 <dl class="defs">{% for k, v in definitions %}<dt>{{ k }}</dt><dd>{{ v }}</dd>{% endfor %}</dl>
 {% for s in suite_figs %}
 <h2>{{ s.suite }}</h2>
+{% if not (s.agreement or s.divergence or s.first_div) %}<p class="muted">Nothing to compare in this suite (fewer than two done cells per backend): agreement and divergence not plotted.</p>{% endif %}
 {% if s.agreement %}<figure><img alt="agreement matrix {{ s.suite }}" src="data:image/png;base64,{{ s.agreement }}">
 <figcaption>Cell × cell agreement (TP size / batch size): fraction of prompts for which two cells produced identical tokens.</figcaption></figure>{% endif %}
 {% if s.divergence %}<figure><img alt="divergence by position {{ s.suite }}" src="data:image/png;base64,{{ s.divergence }}">
@@ -267,25 +269,21 @@ def render_html(analysis: Analysis) -> str:
             figs[key] = png(fig) if fig is not None else None
         suite_figs.append(dict(suite=suite, **figs))
     pc = analysis.per_cell
-    summary_classes = [
-        "bad" if r["failed_cells"] or r["pending_cells"] else
-        ("good" if r["cells"] >= 2 and r["unique_mean"] == 1 and r["maxprob_div_mean"] == 0 else "")
-        for r in analysis.summary.to_dict("records")
-    ]
+    summary_classes = [row_status(r) for r in analysis.summary.to_dict("records")]
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(TEMPLATE).render(
-        is_text=is_text, model=analysis.model, version=__version__, created=m.get("created"),
+        is_text=is_text, model=analysis.model, version=__version__, created=m.created,
         cells_done=int((pc["state"] == "done").sum()), cells_total=len(pc),
         suites=analysis.suites, backends=analysis.backends, warns=warnings(analysis),
         unique_tables=[(s, published_table(analysis, s, "unique_mean")) for s in analysis.suites],
         div_tables=[(s, published_table(analysis, s, "maxprob_div_mean")) for s in analysis.suites],
-        summary=summary_rows(analysis), summary_classes=summary_classes, definitions=DEFINITIONS,
+        summary=summary_rows(analysis), summary_classes=summary_classes, definitions=definitions(),
         suite_figs=suite_figs, cells=cell_rows(analysis),
         cell_classes=["bad" if s != "done" else "" for s in pc["state"]],
         emulated=bool((pc["tp_mode"] == "emulated").any()), emulated_note=EMULATED_NOTE,
-        command=cmd, recorded=recorded, config=yaml_dump(m.get("config") or {}),
-        model_info=yaml_dump(m["model"]) if m.get("model") else "",
-        environment=yaml_dump(m.get("environment") or {}),
+        command=cmd, recorded=recorded, config=yaml_dump(m.config),
+        model_info=yaml_dump(m.model) if m.model else "",
+        environment=yaml_dump(m.environment),
     )
 
 

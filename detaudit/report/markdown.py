@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Sequence
 
 from detaudit.analyze import Analysis
+from detaudit.metrics import definitions
 from detaudit.report import (
-    DEFINITIONS,
     EMULATED_NOTE,
     cell_rows,
     command,
@@ -40,7 +40,7 @@ def render_markdown(analysis: Analysis) -> str:
         head, _, rest = w.partition(": ")
         out += [f"> **{head}**: {rest}", ""]
     out += [
-        f"- Run: `{analysis.run_dir}`" + (f", created {m['created']}" if m.get("created") else ""),
+        f"- Run: `{analysis.run_dir}`" + (f", created {m.created}" if m.created else ""),
         f"- Command{'' if recorded else ' (reconstructed from the manifest)'}: `{cmd}`",
         f"- Cells: {done} done of {len(pc)}; suites: {', '.join(analysis.suites)}; "
         f"backends: {', '.join(analysis.backends)}",
@@ -63,14 +63,14 @@ def render_markdown(analysis: Analysis) -> str:
     for suite in analysis.suites:
         out += [f"### {suite}", "", md_table(*published_table(analysis, suite, "maxprob_div_mean")), ""]
     out += ["## Summary", "", md_table(*summary_rows(analysis)), ""]
-    out += ["Definitions:", ""] + [f"- **{k}**: {v}" for k, v in DEFINITIONS] + [""]
+    out += ["Definitions:", ""] + [f"- **{k}**: {v}" for k, v in definitions()] + [""]
     out += ["## Cells", "", md_table(*cell_rows(analysis)), ""]
     if (pc["tp_mode"] == "emulated").any():
         out += [f"Cells labelled `emulated`: {EMULATED_NOTE}", ""]
-    out += ["## Configuration", "", "```yaml", yaml_dump(m.get("config") or {}), "```", ""]
-    if m.get("model"):
-        out += ["## Model", "", "```yaml", yaml_dump(m["model"]), "```", ""]
-    out += ["## Environment", "", "```yaml", yaml_dump(m.get("environment") or {}), "```", ""]
+    out += ["## Configuration", "", "```yaml", yaml_dump(m.config), "```", ""]
+    if m.model:
+        out += ["## Model", "", "```yaml", yaml_dump(m.model), "```", ""]
+    out += ["## Environment", "", "```yaml", yaml_dump(m.environment), "```", ""]
     return "\n".join(out)
 
 
