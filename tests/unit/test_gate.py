@@ -8,8 +8,8 @@ import pytest
 from rich.console import Console
 
 from detaudit.errors import DetauditError
-from detaudit.gate import gate, load_policy, violations_table
-from test_analyze import BF16, TBIK, diverging_bf16, invariant_cells, make_run
+from detaudit.gate import gate, load_policy, render_result, violations_table
+from .test_analyze import BF16, TBIK, diverging_bf16, invariant_cells, make_run
 
 
 def as_tbik(cells: dict[str, list[dict]]) -> dict[str, list[dict]]:
@@ -173,6 +173,59 @@ def test_baseline_regression(tmp_path):
     assert gate(worse, policy, baseline_dir=worse).passed
     # the default policy's tolerances only apply to gated backends (bf16 is report-only)
     assert gate(worse, None, baseline_dir=baseline).violations[0].metric == "backend"
+
+
+BF16_POLICY = "backends:\n  bf16: {}\nbaseline_tolerance: {unique_mean: 0.1}\n"
+
+
+def text_of(result) -> str:
+    console = Console(record=True, width=300)
+    for r in render_result(result):
+        console.print(r)
+    return console.export_text()
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(manifest_extra={"model": {"name": "other"}}, identity={"model_checksum": "other-ck"}), "model"),
+    (dict(identity={"suites": {"smoke": "edited-ck"}}), "suite smoke"),  # same name, other prompts
+    (dict(suites=("smoke", "amc23")), "suites"),
+])
+def test_baseline_of_another_model_or_suite_fails_unless_allowed(tmp_path, kw, field):
+    policy = write(tmp_path, BF16_POLICY)
+    run = make_run(tmp_path / "new", diverging_bf16(), backends=("bf16",))
+    other = make_run(tmp_path / "base", diverging_bf16(), backends=("bf16",), **kw)
+
+    result = gate(run, policy, baseline_dir=other)
+    assert not result.passed
+    (v,) = result.violations
+    assert (v.metric, v.value) == ("baseline", field) and "--allow-mismatch" in v.reason
+    assert [(m.field, m.blocking) for m in result.mismatches] == [(field, True)]
+    text = text_of(result)
+    assert f"baseline differs: {field}: run " in text and "gate failed" in text
+    assert result.to_dict()["mismatches"][0]["field"] == field
+
+    allowed = gate(run, policy, baseline_dir=other, allow_mismatch=True)
+    assert allowed.passed
+    assert [m.field for m in allowed.mismatches] == [field]
+    assert f"baseline differs: {field}" in text_of(allowed) and "gate passed" in text_of(allowed)
+    worse_than = make_run(tmp_path / "b2", {BF16[1]: invariant_cells()[TBIK[1]], BF16[2]: invariant_cells()[TBIK[2]]},
+                          backends=("bf16",), **kw)
+    assert not gate(run, policy, baseline_dir=worse_than, allow_mismatch=True).passed  # still a regression
+
+
+def test_baseline_differences_that_do_not_block_are_printed(tmp_path):
+    policy = write(tmp_path, BF16_POLICY)
+    run = make_run(tmp_path / "new", diverging_bf16(), backends=("bf16",))
+    same = gate(run, policy, baseline_dir=run)
+    assert same.passed and same.mismatches == []
+    other = make_run(tmp_path / "base", diverging_bf16(), backends=("bf16",), manifest_extra={"code_version": "0.2.0"},
+                     identity={"decoding": {"greedy": True}})
+    result = gate(run, policy, baseline_dir=other)
+    assert result.passed
+    assert {(m.field, m.blocking) for m in result.mismatches} == {("decoding", False), ("code version", False)}
+    text = text_of(result)
+    assert "baseline differs: code version: run 0.1.0, baseline 0.2.0" in text
+    assert 'baseline differs: decoding: run {"greedy": false' in text and "gate passed" in text
 
 
 def test_violations_table_and_json(tmp_path):

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from detaudit.analyze import (
     analyze,
     first_divergence,
     maxprob_divergence_by_position,
+    nothing_to_compare,
     teacher_forced_by_position,
     top5_probs,
     unique_count,
@@ -25,7 +27,8 @@ from detaudit.analyze import (
 from detaudit.config import SweepConfig
 from detaudit.errors import DetauditError
 from detaudit.records import COLUMNS
-from detaudit.store import RunDir
+from detaudit.manifest import Manifest
+from detaudit.runs import RunDir
 
 SUITE = "smoke"
 BF16 = {1: "smoke__bf16__tp1__bs1", 2: "smoke__bf16__tp2__bs1"}
@@ -64,13 +67,18 @@ def make_run(
     states: dict[str, tuple[str, str]] | None = None,
     tp_mode: str = "real",
     manifest_extra: dict | None = None,
+    identity: dict | None = None,
 ) -> Path:
     """A run directory: the grid of `SweepConfig(...)`, cells listed in `cells` written as done,
-    cells in `states` marked (state, error), the others left pending."""
+    cells in `states` marked (state, error), the others left pending. `identity` overrides entries of
+    the manifest's `comparable` (model checksum, suite checksums, decoding, ...)."""
     cfg = SweepConfig(model="tiny", suites=tuple(suites), backends=tuple(backends), tp=tuple(tp),
                       batch_sizes=tuple(batch_sizes), tp_mode=tp_mode)
     manifest = {
-        "comparable_key": cfg.comparable_key(),
+        "comparable": {"model_checksum": "tiny-ck", "suites": {s: f"{s}-ck" for s in suites},
+                       "decoding": cfg.decoding.to_dict(), "dtype": cfg.dtype, "limit": cfg.limit,
+                       "engine": cfg.engine, **(identity or {})},
+        "code_version": "0.1.0",
         "config": cfg.to_dict(),
         "model": {"name": "tiny"},
         "environment": {"python": "3.11", "torch": "2.13", "hardware": {"cpu": "test"}},
@@ -84,7 +92,7 @@ def make_run(
     }
     run = RunDir(path)
     with run.locked():
-        run.init_or_check(manifest)
+        run.init_or_check(Manifest.from_dict(json.loads(json.dumps(manifest))))  # as read from disk
         for cid, rows in cells.items():
             meta = manifest["cells"][cid]
             full = []
@@ -302,6 +310,9 @@ def test_failed_missing_and_emulated_cells(tmp_path):
     assert math.isnan(s.loc["bf16", "teacher_forced_div_max"])
     assert s.loc["bio+tbik", "emulated"]
     assert a.per_cell.set_index("cell_id").loc[BF16[2], "error"] == "worker 1 ran out of memory"
+    # one done bf16 cell compares nothing: the analysis says so (reports and the gate print its notes)
+    note = nothing_to_compare(a.summary, a.per_cell)
+    assert note.startswith("smoke/bf16: 1 of 2 cells done.") and f"nothing to compare: {note}" in a.notes
 
     (run / "cells" / f"{TBIK[2]}.parquet").unlink()
     a = analyze(run)

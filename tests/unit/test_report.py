@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pandas as pd
@@ -10,9 +11,11 @@ from rich.console import Console
 
 from detaudit.analyze import analyze
 from detaudit.errors import DetauditError
-from detaudit.report import command, fmt_div, fmt_unique, summary_table, write_reports
+from detaudit.metrics import fmt_div, fmt_unique
+from detaudit.report import command, render_summary, summary_rows, summary_table, write_reports
+from detaudit.report.html import agreement_figure, divergence_figure
 from detaudit.report.markdown import render_markdown
-from test_analyze import BF16, TBIK, diverging_bf16, invariant_cells, make_run, p32
+from .test_analyze import BF16, TBIK, diverging_bf16, invariant_cells, make_run, p32
 
 
 @pytest.fixture(scope="module")
@@ -116,22 +119,68 @@ def test_formatting_never_rounds_to_exact():
     assert fmt_unique(float("nan")) == "–"
 
 
-def test_command_reconstructed_when_not_recorded(audit):
-    m = dict(audit.manifest)
-    m.pop("command")
-    cmd, recorded = command(m)
-    assert not recorded
-    assert cmd.startswith("detaudit sweep --model tiny --suites smoke --backends bf16,bio+tbik --tp 1,2")
-    assert command({**m, "command": ["detaudit", "sweep", "--model", "a b"]}) == ("detaudit sweep --model 'a b'", True)
+def test_command_as_recorded(audit):
+    assert command(audit.manifest) == ("detaudit sweep --model tiny --suites smoke", True)
+    assert command(dataclasses.replace(audit.manifest, command="")) == ("(not recorded)", False)
 
 
 def test_analyze_piped_output_keeps_table_columns_whole(audit, monkeypatch):
     """Piped into a CI log (no terminal, no COLUMNS) the summary table is laid out 160 columns wide:
     at rich's default 80 its headers folded into 4-character slivers."""
-    import detaudit.cli as cli
+    import detaudit.cli.common as cli
 
     monkeypatch.delenv("COLUMNS", raising=False)
     console = cli._console()
     assert not console.is_terminal and console.width == 160
     monkeypatch.setenv("COLUMNS", "100")
     assert cli._console().width == 100
+
+
+# ---------------------------------------------------------------- a grid that compares nothing
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One TP size and one batch size: one cell per backend."""
+    path = tmp_path_factory.mktemp("single") / "run"
+    return analyze(make_run(path, {BF16[1]: diverging_bf16()[BF16[1]], TBIK[1]: invariant_cells()[TBIK[1]]}, tp=(1,)))
+
+
+def test_single_cell_grid_says_nothing_to_compare(single, tmp_path):
+    # the CLI summary: no "unique 1", a line saying why
+    header, rows = summary_rows(single, "cli")
+    assert [r[header.index("unique")] for r in rows] == ["–", "–"]
+    console = Console(record=True, width=250)
+    for r in render_summary(single):
+        console.print(r)
+    text = console.export_text()
+    assert "nothing to compare: the grid has one TP size and one batch size" in text
+    # markdown: a warning, and the published tables show no agreement
+    md = render_markdown(single)
+    assert "> **NOTHING TO COMPARE**: the grid has one TP size and one batch size" in md
+    assert "| tiny | – | – |" in md and "| tiny | 1 | 1 |" not in md
+    # HTML: the warning, no empty agreement / divergence / first-divergence plots, accuracy still plotted
+    (path,) = write_reports(single, tmp_path, formats=("html",))
+    html = path.read_text()
+    assert "<b>NOTHING TO COMPARE</b>" in html and "Nothing to compare in this suite" in html
+    alts = {alt.rsplit(" ", 1)[0] for alt in re.findall(r'<img alt="([^"]+)"', html)}
+    assert alts == {"accuracy per cell"}
+    assert agreement_figure(single, "smoke") is None and divergence_figure(single, "smoke") is None
+
+
+def test_a_group_with_one_done_cell_is_named(tmp_path):
+    run = make_run(tmp_path / "r", {**invariant_cells(), BF16[1]: diverging_bf16()[BF16[1]]},
+                   states={BF16[2]: ("failed", "boom")})
+    a = analyze(run)
+    header, rows = summary_rows(a)
+    unique = {r[header.index("backend")]: r[header.index("unique")] for r in rows}
+    assert unique == {"bf16": "–", "bio+tbik": "1"}
+    md = render_markdown(a)
+    assert "> **NOTHING TO COMPARE**: smoke/bf16: 1 of 2 cells done." in md
+    fig = divergence_figure(a, "smoke")  # bio+tbik compared prompts: plotted, bf16 left out
+    assert fig is not None and [line.get_label() for line in fig.axes[0].get_lines()] == ["bio+tbik"]
+
+
+def test_full_grid_has_no_nothing_to_compare_note(audit):
+    assert not any("nothing to compare" in n for n in audit.notes)
+    assert "NOTHING TO COMPARE" not in render_markdown(audit) and len(render_summary(audit)) == 1
