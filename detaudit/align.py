@@ -4,7 +4,6 @@ training step computes it), and compare the probabilities of the sampled tokens.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,11 +11,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from detaudit.config import DecodingParams
 from detaudit.errors import DetauditError
-
-ALIGN_FILE = "alignment.parquet"
-ALIGN_SUMMARY = "alignment.json"
-
 
 @dataclass(frozen=True)
 class Side:
@@ -28,12 +24,12 @@ class Side:
         engine, _, tp = text.partition(":")
         if not tp.isdigit():
             raise DetauditError(f"{option} {text!r}: expected ENGINE:TP, e.g. builtin:4")
-        if engine not in ("builtin", "vllm"):
-            raise DetauditError(f"{option} {text!r}: unknown engine {engine!r} (available: builtin, vllm)")
-        if engine == "vllm":
-            from detaudit.vllm import require_vllm
+        from detaudit.engines import ENGINES, get_engine
 
-            require_vllm()
+        if engine not in ("builtin", "vllm"):
+            raise DetauditError(f"{option} {text!r}: unknown engine {engine!r} (align runs: builtin, vllm; "
+                                f"registered: {', '.join(ENGINES)})")
+        get_engine(engine)  # an engine whose extra is not installed fails here, naming it
         if int(tp) not in (1, 2, 4, 8):
             raise DetauditError(f"{option} {text!r}: TP size must be one of 1, 2, 4, 8")
         return cls(engine, int(tp))
@@ -65,32 +61,90 @@ def metrics(rollout_lp: np.ndarray, trainer_lp: np.ndarray) -> dict[str, float]:
     }
 
 
-def run_align(*, model_path: Path, model_name: str, prompts: list[list[int]], prompt_ids: list[str], rollout: Side,
-              trainer: Side, backends: tuple[str, ...], decoding, batch_size: int, dtype: str, device: str,
-              eos_ids: list[int], tp_mode: str = "real", progress=None) -> pd.DataFrame:
+@dataclass(frozen=True)
+class AlignConfig:
+    rollout: Side
+    trainer: Side
+    backends: tuple[str, ...]
+    model: str
+    suite: str
+    decoding: DecodingParams
+    batch_size: int = 8
+    limit: int | None = None
+    tp_mode: str = "real"
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        from detaudit.backends import available
+
+        for b in self.backends:
+            if b not in available():
+                raise DetauditError(f"unknown backend {b!r}; known backends: {', '.join(available())}")
+        if self.batch_size < 1:
+            raise DetauditError("--batch-size must be >= 1")
+        if self.tp_mode not in ("real", "emulated"):
+            raise DetauditError(f"--tp-mode {self.tp_mode}: must be real or emulated")
+
+
+def align(cfg: AlignConfig, output_path: Path, *, data_dir: Path | None, command: str, console) -> tuple[pd.DataFrame, list[Path]]:
+    """The whole workflow: prompts, rollouts, re-scoring, summary, files. Returns (summary, files)."""
+    from rich.progress import Progress
+
+    from detaudit.fingerprint import collect
+    from detaudit.inputs import check_model, eos_ids, load_suites, tokenize, tokenizer_for
+    from detaudit.models import resolve_model
+
+    (suite,) = load_suites([cfg.suite], data_dir, cfg.limit)
+    ref = resolve_model(cfg.model, auto_prepare=True, console=console)
+    for side in (cfg.rollout, cfg.trainer):
+        check_model(ref.path, [side.tp], side.engine == "builtin")
+    tok = tokenizer_for(ref.path)
+    ps = tokenize(suite, tok)
+    with Progress(console=console) as prog:  # rollout tokens sampled, over all backends
+        task = prog.add_task(f"rollouts {cfg.rollout} -> trainer {cfg.trainer}",
+                             total=len(cfg.backends) * len(ps.ids) * cfg.decoding.max_new_tokens)
+        df = run_align(cfg, ref.path, ref.name, ps.token_ids, ps.ids, tuple(eos_ids(ref.path, tok)),
+                       progress=lambda n: prog.advance(task, n))
+    summary = summarize(df)
+    env = collect()
+    meta = {"command": command, "model": ref.name, "model_checksum": ref.checksum, "suite": suite.name,
+            "rollout": str(cfg.rollout), "trainer": str(cfg.trainer), "batch_size": cfg.batch_size,
+            "decoding": cfg.decoding.to_dict(), "dtype": cfg.dtype, "tp_mode": cfg.tp_mode,
+            "machine": env.get("hardware_key"), "versions": env.get("versions")}
+    return summary, write_alignment(df, summary, output_path, meta)
+
+
+def run_align(cfg: AlignConfig, model_path: Path, model_name: str, prompts: list[list[int]], prompt_ids: list[str],
+              eos: tuple[int, ...], progress=None) -> pd.DataFrame:
     """One row per (backend, prompt, position)."""
-    from detaudit.engine import open_engine
+    from detaudit.engines import EngineOptions, open_engine
 
     rows = []
-    for backend in backends:
+    for backend in cfg.backends:
         def _open(side: Side):
-            return open_engine(model_path, backend, side.tp, tp_mode if side.engine == "builtin" else "real",
-                               dtype=dtype, device=device, eos_ids=eos_ids, engine=side.engine)
+            tp_mode = cfg.tp_mode if side.engine == "builtin" else "real"
+            return open_engine(side.engine, EngineOptions(model_path, backend, side.tp, tp_mode, dtype=cfg.dtype,
+                                                          device=cfg.device, eos_ids=eos,
+                                                          max_batch_size=cfg.batch_size))
 
-        eng = _open(rollout)
+        eng = _open(cfg.rollout)
         try:
-            gens = eng.generate(prompts, prompt_ids, decoding, batch_size, progress=progress)
+            gens = eng.generate(prompts, prompt_ids, cfg.decoding, cfg.batch_size, progress=progress)
         finally:
             eng.close()
-        eng = _open(trainer)
+        eng = _open(cfg.trainer)
         try:
             scores = eng.score(prompts, [g.token_ids for g in gens], 1)  # one forward per sequence
         finally:
             eng.close()
+        if scores is None:
+            raise DetauditError(f"--trainer {cfg.trainer}: this engine cannot score given tokens")
         for pid, g, s in zip(prompt_ids, gens, scores):
             for i, (tok, lr, lt) in enumerate(zip(g.token_ids, g.token_logprobs, s)):
-                rows.append({"model": model_name, "backend": backend, "rollout": str(rollout), "trainer": str(trainer),
-                             "prompt_id": pid, "position": i, "token_id": tok, "rollout_logprob": lr, "trainer_logprob": lt})
+                rows.append({"model": model_name, "backend": backend, "rollout": str(cfg.rollout),
+                             "trainer": str(cfg.trainer), "prompt_id": pid, "position": i, "token_id": tok,
+                             "rollout_logprob": lr, "trainer_logprob": lt})
     return pd.DataFrame(rows)
 
 
@@ -108,16 +162,9 @@ def write_alignment(df: pd.DataFrame, summary: pd.DataFrame, out_dir: Path, meta
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from detaudit.store import atomic_write_bytes, atomic_write_json
+    from detaudit.runs import atomic_write_bytes, write_alignment_data
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = []
-    p = out_dir / ALIGN_FILE
-    df.to_parquet(p, index=False)
-    files.append(p)
-    p = out_dir / ALIGN_SUMMARY
-    atomic_write_json(p, {"meta": meta, "summary": summary.to_dict(orient="records")})
-    files.append(p)
+    files = write_alignment_data(out_dir, df, summary.to_dict(orient="records"), meta)
     p = out_dir / "alignment.csv"
     atomic_write_bytes(p, summary.to_csv(index=False).encode())
     files.append(p)
@@ -146,13 +193,3 @@ def write_alignment(df: pd.DataFrame, summary: pd.DataFrame, out_dir: Path, meta
     atomic_write_bytes(p, ("\n".join(md) + "\n").encode())
     files.append(p)
     return files
-
-
-def load_alignment(path: Path) -> dict:
-    f = Path(path) / ALIGN_SUMMARY
-    try:
-        return json.loads(f.read_text())
-    except FileNotFoundError:
-        raise DetauditError(f"{path} holds no alignment results ({ALIGN_SUMMARY})") from None
-    except json.JSONDecodeError as e:
-        raise DetauditError(f"{f} is corrupt: {e}") from None

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
+import re
 from dataclasses import asdict, dataclass, field
 
 from detaudit.errors import DetauditError
@@ -35,9 +34,11 @@ class DecodingParams:
             raise DetauditError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
         if self.logprobs < 5:
             raise DetauditError(f"--logprobs must be >= 5 (got {self.logprobs})")
+        if self.temperature == 0 and not self.greedy:  # as OpenAI-style APIs define it
+            object.__setattr__(self, "greedy", True)
         if not self.greedy:
-            if self.temperature <= 0:
-                raise DetauditError("--temperature must be > 0 (use --greedy for greedy decoding)")
+            if self.temperature < 0:
+                raise DetauditError(f"--temperature must be >= 0 (got {self.temperature}; 0 decodes greedily)")
             if not 0 < self.top_p <= 1:
                 raise DetauditError(f"--top-p must be in (0, 1] (got {self.top_p})")
             if self.top_k < 0:
@@ -56,7 +57,8 @@ class Cell:
 
     @property
     def id(self) -> str:
-        safe_backend = self.backend.replace("+", "-")
+        """`suite__backend__tpN__bsN` (cell ids become file names: only [A-Za-z0-9_.-])."""
+        safe_backend = re.sub(r"[^A-Za-z0-9_.-]", "-", self.backend)
         return f"{self.suite}__{safe_backend}__tp{self.tp}__bs{self.batch_size}"
 
 
@@ -74,6 +76,8 @@ class SweepConfig:
     engine: str = "builtin"
     device: str = "cpu"
     cuda_graphs: bool = True  # built-in engine on a GPU: decode steps replayed from CUDA graphs
+    hang_timeout: float = 300.0  # seconds without progress before a TP worker is declared hung
+    executor: str = "local"
 
     def __post_init__(self) -> None:
         if not self.suites:
@@ -89,6 +93,8 @@ class SweepConfig:
             raise DetauditError(f"--limit must be >= 1 (got {self.limit})")
         if self.dtype not in DTYPES:
             raise DetauditError(f"--dtype {self.dtype}: must be one of {', '.join(DTYPES)}")
+        if not self.hang_timeout > 0:
+            raise DetauditError(f"--hang-timeout must be > 0 seconds (got {self.hang_timeout})")
         if self.tp_mode not in TP_MODES:
             raise DetauditError(f"--tp-mode {self.tp_mode}: must be one of {', '.join(TP_MODES)}")
         for name, values in (("--backends", self.backends), ("--tp", self.tp), ("--batch-sizes", self.batch_sizes), ("--suites", self.suites)):
@@ -111,10 +117,13 @@ class SweepConfig:
         d["decoding"] = self.decoding.to_dict()
         return d
 
-    def comparable_key(self) -> str:
-        """Hash of what must match for two run directories to be comparable (not the grid)."""
-        d = {k: v for k, v in self.to_dict().items() if k not in ("backends", "tp", "batch_sizes")}
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    def tp_mode_of(self, tp: int) -> str:
+        """How a cell of this TP size runs: TP 1 is always real."""
+        return "emulated" if (self.tp_mode == "emulated" and tp > 1) else "real"
+
+    def reference(self, cell: Cell) -> Cell:
+        """Teacher forcing: every cell of a (backend, suite) scores the first such cell's outputs."""
+        return next(c for c in self.cells() if c.backend == cell.backend and c.suite == cell.suite)
 
 
 def parse_int_list(text: str, option: str) -> tuple[int, ...]:

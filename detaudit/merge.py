@@ -1,70 +1,128 @@
 """`detaudit merge`: combine run directories (shards of one grid, or runs on several machines).
 
-Refuses runs that are not comparable: another model, suite, decoding setting, dtype, limit, engine or
-code version; and, unless allowed, other hardware (then the merged manifest says so and the reports
-show it)."""
+Refuses runs that are not comparable (`Manifest.comparable()`: another model, suite, decoding
+setting, dtype, limit or engine) or of another code version; and, unless allowed, other hardware
+(then the merged manifest says so and the reports show it). Every cell is validated as `analyze`
+validates it before it is copied; an invalid one is not recorded as done. The merge is built in a
+temporary directory beside the output and renamed into place at the end: a failed merge leaves the
+output path as it was.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from detaudit.errors import DetauditError
-from detaudit.store import RunDir, now
+from detaudit.manifest import CellMeta, Manifest
+from detaudit.runs import RunDir, now
 
 
-def merge_runs(inputs: list[Path], output: Path, allow_mixed_hardware: bool = False) -> dict:
-    if len(inputs) < 1:
+def _load(paths: list[Path]) -> list[RunDir]:
+    if not paths:
         raise DetauditError("merge needs at least one run directory")
     runs = []
-    for path in inputs:
+    for path in paths:
         run = RunDir(path)
-        if not run.path.is_dir():
-            raise DetauditError(f"run directory {path} does not exist")
         run.load()
         runs.append(run)
     first = runs[0].manifest
+    assert first is not None
     for run in runs[1:]:
         m = run.manifest
-        if m.get("comparable_key") != first.get("comparable_key"):
-            diff = [k for k in sorted(set(first.get("comparable", {})) | set(m.get("comparable", {})))
-                    if first.get("comparable", {}).get(k) != m.get("comparable", {}).get(k)]
-            raise DetauditError(f"cannot merge {run.path} into {runs[0].path}: different {', '.join(diff) or 'sweep'}")
-        if m.get("code_version") != first.get("code_version"):
-            raise DetauditError(f"cannot merge {run.path}: detaudit {m.get('code_version')} vs {first.get('code_version')}")
-    hardware = sorted({r.manifest.get("hardware_key", "?") for r in runs})
+        assert m is not None
+        if m.comparable() != first.comparable():
+            diff = ", ".join(first.differences(m)) or "sweep"
+            raise DetauditError(f"cannot merge {run.path} into {runs[0].path}: different {diff}")
+        if m.code_version != first.code_version:
+            raise DetauditError(f"cannot merge {run.path}: detaudit {m.code_version} vs {first.code_version}")
+    return runs
+
+
+def _merged_manifest(runs: list[RunDir], hardware: list[str]) -> Manifest:
+    first = runs[0].manifest
+    assert first is not None
+    cfg = dict(first.config)
+    for key in ("backends", "tp", "batch_sizes"):
+        values: list = []
+        for r in runs:
+            values += [v for v in r.manifest.config.get(key, []) if v not in values]  # type: ignore[union-attr]
+        cfg[key] = values
+    cfg.pop("shard", None)
+    return Manifest(
+        config=cfg, identity=dict(first.identity), cells={}, model=first.model, suites=first.suites,
+        environment=first.environment, hardware_key=first.hardware_key, command=first.command,
+        code_version=first.code_version, git_hash=first.git_hash, backends=dict(first.backends),
+        executor=first.executor, created=now(), merged_from=[str(r.path) for r in runs],
+        mixed_hardware=len(hardware) > 1, hardware_keys=hardware,
+        extra={"merged": now(), "environments": [r.manifest.environment for r in runs], "duplicates": {}},  # type: ignore[union-attr]
+    )
+
+
+def _same_outputs(a: RunDir, b: RunDir, cid: str) -> bool:
+    cols = ["cell_id", "output_token_ids"]
+    return a.read_table(cid, cols).column("output_token_ids").to_pylist() == \
+        b.read_table(cid, cols).column("output_token_ids").to_pylist()
+
+
+def merge_runs(inputs: list[Path], output: Path, allow_mixed_hardware: bool = False) -> Manifest:
+    runs = _load(inputs)
+    hardware = sorted({r.manifest.hardware_key or "?" for r in runs})  # type: ignore[union-attr]
     if len(hardware) > 1 and not allow_mixed_hardware:
         raise DetauditError(f"runs come from different hardware ({' / '.join(hardware)}); "
                             "pass --allow-mixed-hardware to merge them anyway")
-    out = RunDir(output)
-    if out.exists():
-        raise DetauditError(f"{output} already holds a run; merge into a new --output-path")
-    merged = {k: v for k, v in first.items() if k not in ("cells", "updated")}
-    merged.update(cells={}, merged_from=[str(r.path) for r in runs], merged=now(),
-                  mixed_hardware=len(hardware) > 1, hardware_keys=hardware,
-                  environments=[r.manifest.get("environment") for r in runs], duplicates={})
-    cfg = dict(merged["config"])
-    for key in ("backends", "tp", "batch_sizes"):
-        values = []
-        for r in runs:
-            values += [v for v in r.manifest["config"][key] if v not in values]
-        cfg[key] = values
-    cfg.pop("shard", None)
-    merged["config"] = cfg
-    with out.locked():
-        for run in runs:
-            for cid, meta in run.manifest["cells"].items():
-                done = meta.get("state") == "done" and run.cell_is_valid(cid, meta)
-                have = merged["cells"].get(cid)
-                if have is not None and have.get("state") == "done":
-                    if done:
-                        same = run.cell_path(cid).read_bytes() == out.cell_path(cid).read_bytes() or \
-                            run.read_cell(cid)["output_token_ids"].map(list).tolist() == out.read_cell(cid)["output_token_ids"].map(list).tolist()
-                        merged["duplicates"][cid] = "identical" if same else f"differs in {run.path}; kept the first"
-                    continue
-                merged["cells"][cid] = {**meta, "source_run": str(run.path)}
-                if done:
-                    shutil.copyfile(run.cell_path(cid), out.cell_path(cid))
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise DetauditError(f"{output} already exists; merge into a new --output-path")
+    merged = _merged_manifest(runs, hardware)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.merging-", dir=output.parent))
+    except OSError as e:
+        raise DetauditError(f"cannot write {output}: {e.strerror}") from None
+    try:
+        out = RunDir(staging)
         out.manifest = merged
-        out.save()
+        sources: dict[str, RunDir] = {}
+        with out.locked():
+            for run in runs:
+                _merge_cells(run, out, sources)
+            out.save()
+        os.unlink(staging / ".lock")
+        if output.exists():
+            output.rmdir()
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return merged
+
+
+def _readable(run: RunDir, cid: str) -> bool:
+    """Every column present and its rows its own: as analyze will read it."""
+    try:
+        run.read_table(cid)
+        return True
+    except DetauditError:
+        return False
+
+
+def _merge_cells(run: RunDir, out: RunDir, sources: dict[str, RunDir]) -> None:
+    assert run.manifest is not None and out.manifest is not None
+    dups = out.manifest.extra["duplicates"]
+    for cid, meta in run.manifest.cells.items():
+        valid = meta.state == "done" and run.cell_is_valid(cid, meta) and _readable(run, cid)
+        have = out.manifest.cells.get(cid)
+        if have is not None and have.state == "done":
+            if valid:
+                dups[cid] = "identical" if _same_outputs(run, sources[cid], cid) else f"differs in {run.path}; kept the first"
+            continue
+        copy = CellMeta(**{**meta.__dict__, "extra": {**meta.extra, "source_run": str(run.path)}})
+        if valid:
+            out.write_cell_bytes(cid, run.cell_path(cid).read_bytes())
+            sources[cid] = run
+        elif meta.state == "done":
+            copy.update(state="pending", error=f"cell file in {run.path} is missing or corrupt; not merged")
+        out.manifest.cells[cid] = copy

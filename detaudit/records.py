@@ -8,7 +8,23 @@ from. Log-probabilities are of the model's raw distribution (temperature 1), in 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import pyarrow as pa
+
+ProgressFn = Callable[[int], None]  # an engine calls it with the number of tokens just produced
+
+
+@dataclass
+class Generation:
+    """What an engine returns per prompt (the per-position lists of a record)."""
+
+    token_ids: list[int]
+    token_logprobs: list[float]
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+    finish_reason: str
 
 SCHEMA = pa.schema(
     [

@@ -15,7 +15,7 @@ def bench_vllm(model_path: Path, prompts: list[list[int]], *, backends: tuple[st
                batch_size: int = 8, max_new_tokens: int = 32, dtype: str = "bfloat16", device: str = "cpu",
                repeats: int = 2, progress=None) -> pd.DataFrame:
     from detaudit.bench.engine import time_generate
-    from detaudit.engine import open_engine
+    from detaudit.engines import EngineOptions, open_engine
 
     prompts = prompts[:batch_size]
     ids = [str(i) for i in range(len(prompts))]
@@ -24,7 +24,8 @@ def bench_vllm(model_path: Path, prompts: list[list[int]], *, backends: tuple[st
     for tp in tps:
         for backend in backends:
             t0 = time.perf_counter()
-            eng = open_engine(model_path, backend, tp, dtype=dtype, device=device, eos_ids=(), engine="vllm")
+            eng = open_engine("vllm", EngineOptions(model_path, backend, tp, dtype=dtype, device=device,
+                                                     max_batch_size=batch_size))
             open_s = time.perf_counter() - t0
             try:
                 warm_s, best, gens = time_generate(eng, prompts, ids, decoding, batch_size, repeats)

@@ -84,8 +84,6 @@ def _install_row_parallel(backend, marker, op: str) -> None:
     from vllm.model_executor.custom_op import PluggableLayer
     from vllm.model_executor.layers.linear import RowParallelLinear
 
-    from detaudit.engine.dist import vllm_tp_group
-
     class DetauditRowParallelLinear(RowParallelLinear):
         def forward(self, input_):
             if self.input_is_parallel:
@@ -108,3 +106,14 @@ def _install_row_parallel(backend, marker, op: str) -> None:
             return out, (self.bias if self.skip_bias_add else None)
 
     PluggableLayer.register_oot(DetauditRowParallelLinear, name="RowParallelLinear")
+
+
+def vllm_tp_group():
+    """Inside a vLLM worker: vLLM's TP group (gloo on CPU, NCCL on GPU) with the collectives the
+    backends need."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from detaudit.engine.dist import TorchGroup
+
+    g = get_tp_group()
+    return TorchGroup(g.rank_in_group, g.world_size, g.device_group)

@@ -1,0 +1,183 @@
+"""`detaudit bench ...`: speed targets live here, not in tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import Progress
+
+from detaudit.cli.common import (
+    DEFAULT_MODEL, BackendsOpt, DataDirOpt, DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelOpt, SaveOpt, TpMode, TpModeOpt,
+    command_line, err, handle_errors, print_json, print_rows,
+)
+from detaudit.errors import DetauditError
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (speed targets live here, not in tests).")
+SuiteOpt = Annotated[str, typer.Option("--suite", help="Suite name or lm-eval task YAML path.")]
+BatchOpt = Annotated[int, typer.Option("--batch-size")]
+NewTokOpt = Annotated[int, typer.Option("--max-new-tokens")]
+CudaOpt = Annotated[str, typer.Option("--device", help="cuda (the target) or cpu.")]
+
+
+def _print_bench(df, title: str, json_: bool, save: Optional[Path]) -> None:
+    if json_:
+        print_json({"meta": df.attrs, "rows": df.to_dict(orient="records")})
+    else:
+        rows = [{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in df.to_dict(orient="records")]
+        print_rows(rows, list(df.columns), title=f"{title} {df.attrs}")
+    if save:
+        save.parent.mkdir(parents=True, exist_ok=True)
+        if save.suffix == ".md":
+            from detaudit.fingerprint import collect
+
+            env = collect()
+            head = [f"# {title}", "", f"Command: `{command_line()}`", "",
+                    f"Machine: {env.get('hardware_key')}; torch {env['versions'].get('torch')}, triton {env['versions'].get('triton', '-')}, "
+                    f"CPU capability {env.get('torch_build', {}).get('cpu_capability')}", ""]
+            save.write_text("\n".join(head) + df.to_markdown(index=False, floatfmt=".4g") + "\n")
+        else:
+            df.to_csv(save, index=False)
+        err.print(f"wrote {save}")
+
+
+def _bench_prompts(model: str, suite: str, data_dir: Optional[Path]):
+    """The model (prepared if needed) and the suite's prompts as chat-templated token ids."""
+    from detaudit import paths
+    from detaudit.inputs import load_suites, tokenize, tokenizer_for
+    from detaudit.models import resolve_model
+
+    ref = resolve_model(model, auto_prepare=True, console=err)
+    (s,) = load_suites([suite], paths.data_dir(data_dir), None)
+    return ref, tokenize(s, tokenizer_for(ref.path)).token_ids
+
+
+@bench_app.command("engine")
+@handle_errors
+def bench_engine_cmd(model: ModelOpt = DEFAULT_MODEL, suite: SuiteOpt = "smoke", data_dir: DataDirOpt = None,
+                     batch_size: BatchOpt = 8, max_new_tokens: NewTokOpt = 32, dtype: DtypeOpt = Dtype.bfloat16,
+                     backends: BackendsOpt = "bf16,bio,bio+tbik", json_: JsonOpt = False, save: SaveOpt = None):
+    """Built-in engine tokens/s vs transformers' generate (same prompts, batch size, dtype, threads)."""
+    from detaudit.bench.engine import bench_engine
+    from detaudit.config import parse_str_list
+
+    ref, prompts = _bench_prompts(model, suite, data_dir)
+    df = bench_engine(ref.path, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens, dtype=dtype.value,
+                      backends=parse_str_list(backends, "--backends"))
+    _print_bench(df, "engine", json_, save)
+
+
+@bench_app.command("vllm")
+@handle_errors
+def bench_vllm_cmd(model: ModelOpt = DEFAULT_MODEL, suite: SuiteOpt = "smoke", data_dir: DataDirOpt = None,
+                   backends: BackendsOpt = "bf16,bio,bio+tbik", tp: Annotated[str, typer.Option("--tp")] = "1,2",
+                   batch_size: BatchOpt = 8, max_new_tokens: NewTokOpt = 32, dtype: DtypeOpt = Dtype.bfloat16,
+                   device: DeviceOpt = "cpu", json_: JsonOpt = False, save: SaveOpt = None):
+    """vLLM tokens/s with bf16 (vLLM's kernels) vs bio / bio+tbik (detaudit's plugin), per TP size."""
+    from detaudit.bench.vllm import bench_vllm
+    from detaudit.config import check_tp_size, parse_int_list, parse_str_list
+    from detaudit.vllm import require_vllm
+
+    require_vllm()
+    bl, tps = parse_str_list(backends, "--backends"), parse_int_list(tp, "--tp")
+    for t in tps:
+        check_tp_size(t)
+    ref, prompts = _bench_prompts(model, suite, data_dir)
+    with Progress(console=err) as prog:
+        task = prog.add_task("vLLM engines", total=len(bl) * len(tps))
+        df = bench_vllm(ref.path, prompts, backends=bl, tps=tps, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                        dtype=dtype.value, device=device, progress=lambda: prog.advance(task))
+    _print_bench(df, "vllm", json_, save)
+
+
+@bench_app.command("e2e")
+@handle_errors
+def bench_e2e_cmd(
+    models: Annotated[str, typer.Option("--models", help="Comma-separated named models or checkpoint directories.")] = "smollm2-135m,qwen3-8b-shaped",
+    backends: BackendsOpt = "bf16,bio,bio+tbik",
+    tp: Annotated[str, typer.Option("--tp", help="Comma-separated TP sizes (real TP: one GPU per rank).")] = "1",
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "8,32,64",
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Random prompt ids per request (seeded).")] = 512,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Decode steps timed per request.")] = 64,
+    device: CudaOpt = "cuda",
+    tp_mode: TpModeOpt = TpMode.real,
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs")] = True,
+    json_: JsonOpt = False,
+    save: SaveOpt = None,
+):
+    """End to end: prefill and decode throughput of bf16, bio and bio+tbik, ratios to bf16 in the same run."""
+    from detaudit.bench.e2e import bench_e2e
+    from detaudit.config import SweepConfig, parse_int_list, parse_str_list
+    from detaudit.models import resolve_model
+    from detaudit.sweep import validate_devices
+
+    if prompt_tokens < 1 or new_tokens < 2:
+        raise DetauditError("--prompt-tokens must be >= 1 and --new-tokens >= 2")
+    tps, bss = parse_int_list(tp, "--tp"), parse_int_list(batch_sizes, "--batch-sizes")
+    bl = parse_str_list(backends, "--backends")
+    cfg = SweepConfig(model="-", suites=("-",), backends=bl, tp=tps, batch_sizes=bss, tp_mode=tp_mode.value, device=device)
+    validate_devices(cfg)  # TP sizes, batch sizes, modes and GPU count checked as a sweep's are
+    refs = [resolve_model(m, auto_prepare=True, console=err) for m in parse_str_list(models, "--models")]
+    with Progress(console=err) as prog:
+        task = prog.add_task("e2e", total=len(refs) * len(tps) * len(bl) * len(bss))
+        df = bench_e2e([(r.name, r.path) for r in refs], bl, tps, bss, prompt_tokens=prompt_tokens,
+                       new_tokens=new_tokens, device=device, tp_mode=tp_mode.value, cuda_graphs=cuda_graphs,
+                       progress=lambda: prog.advance(task))
+    _print_bench(df, "e2e", json_, save)
+
+
+@bench_app.command("kernels")
+@handle_errors
+def bench_kernels_cmd(
+    device: CudaOpt = "cuda",
+    dtype: DtypeOpt = Dtype.bfloat16,
+    m: Annotated[str, typer.Option("--m", help="Comma-separated M values.")] = "8,32,256,2048,8192",
+    kn: Annotated[str, typer.Option("--kn", help="Comma-separated KxN shapes.")] = "4096x4096,6144x2048",
+    json_: JsonOpt = False,
+    save: SaveOpt = None,
+):
+    """bio matmul and TBIK tree matmul vs the native GEMM (cuBLAS / MKL) in the same run, plus accuracy vs fp64."""
+    import torch
+
+    from detaudit.bench.kernels import bench_kernels
+    from detaudit.config import parse_int_list
+    from detaudit.engine.local import DTYPES
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DetauditError("--device cuda: no CUDA device is visible (use --device cpu)")
+    try:
+        shapes = tuple(tuple(int(v) for v in s.lower().split("x")) for s in kn.split(",") if s.strip())
+        assert all(len(s) == 2 and min(s) > 0 for s in shapes)
+    except (ValueError, AssertionError):
+        raise DetauditError(f"--kn {kn!r}: expected KxN pairs such as 4096x4096,6144x2048") from None
+    ms = parse_int_list(m, "--m")
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("kernels", total=len(ms) * len(shapes))
+        df = bench_kernels(device, DTYPES[dtype.value], ms, shapes, progress=lambda: progress.advance(task))
+    _print_bench(df, f"kernels ({device}, {dtype.value})", json_, save)
+
+
+@bench_app.command("allreduce")
+@handle_errors
+def bench_allreduce_cmd(
+    ranks: Annotated[str, typer.Option("--ranks", help="Comma-separated rank counts (one process per rank).")] = "2",
+    device: Annotated[str, typer.Option("--device", help="cuda (NCCL) or cpu (gloo).")] = "cuda",
+    sizes: Annotated[str, typer.Option("--sizes", help="Comma-separated fp32 element counts.")] = "32768,2097152,33554432",
+    reps: Annotated[int, typer.Option("--reps")] = 20,
+    json_: JsonOpt = False,
+    save: SaveOpt = None,
+):
+    """Tree all-reduce (gather and all-to-all versions) latency vs the library all-reduce."""
+    import pandas as pd
+    import torch
+
+    from detaudit.bench.allreduce import bench_allreduce
+    from detaudit.config import parse_int_list
+
+    worlds = parse_int_list(ranks, "--ranks")
+    if device.startswith("cuda") and max(worlds) > torch.cuda.device_count():
+        raise DetauditError(f"--ranks {max(worlds)} needs {max(worlds)} GPUs; {torch.cuda.device_count()} visible")
+    df = pd.concat([bench_allreduce(w, "cuda" if device.startswith("cuda") else "cpu",
+                                    parse_int_list(sizes, "--sizes"), reps) for w in worlds])
+    _print_bench(df, f"allreduce ({device})", json_, save)

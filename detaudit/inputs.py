@@ -1,0 +1,88 @@
+"""What every workflow (sweep, align, bench) prepares before an engine runs: the model, its tokenizer
+and end-of-sequence ids, the suites and their prompts as chat-templated token ids."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from detaudit.errors import DetauditError
+
+
+@dataclass
+class PromptSet:
+    suite: str
+    ids: list[str]
+    token_ids: list[list[int]]
+    hashes: list[str]
+    answers: list[str | None]
+    checksum: str
+    source: str
+    ungraded: tuple[str, ...] = ()
+    ignored_keys: tuple[str, ...] = ()
+
+    def digest(self) -> str:
+        return hashlib.sha256("".join(self.hashes).encode()).hexdigest()[:16]
+
+
+def tokenizer_for(model_path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_path))
+    except Exception as e:
+        raise DetauditError(f"cannot load the tokenizer of {model_path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def eos_ids(model_path: Path, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    for fname in ("generation_config.json", "config.json"):
+        f = Path(model_path) / fname
+        if f.exists():
+            try:
+                v = json.loads(f.read_text()).get("eos_token_id")
+            except (ValueError, AttributeError):
+                raise DetauditError(f"{f} is not valid JSON") from None
+            ids.update(v if isinstance(v, list) else [v] if v is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(int(i) for i in ids)
+
+
+def load_suites(names: Sequence[str], data_dir: Path | None, limit: int | None) -> list:
+    """Suites by name or YAML path; cells are named by the task, which must be unique."""
+    from detaudit.suites import load_suite
+
+    suites = [load_suite(name, data_dir=data_dir, limit=limit) for name in names]
+    seen: dict[str, str] = {}
+    for s, name in zip(suites, names):
+        if s.name in seen:
+            raise DetauditError(f"--suites: {seen[s.name]!r} and {name!r} are both task {s.name!r}")
+        seen[s.name] = name
+    return suites
+
+
+def tokenize(suite, tokenizer) -> PromptSet:
+    from detaudit.suites import prompt_hash, prompt_token_ids
+
+    toks = [prompt_token_ids(tokenizer, p) for p in suite.prompts]
+    return PromptSet(
+        suite=suite.name, ids=[p.id for p in suite.prompts], token_ids=toks, hashes=[prompt_hash(t) for t in toks],
+        answers=[p.answer for p in suite.prompts], checksum=suite.checksum, source=suite.source,
+        ungraded=tuple(getattr(suite, "ungraded", ()) or ()), ignored_keys=tuple(getattr(suite, "ignored_keys", ()) or ()),
+    )
+
+
+def check_model(model_path: Path, tps: Sequence[int], own_architecture: bool) -> None:
+    """The built-in engine runs only the architectures it implements (refused by name otherwise) and
+    TP sizes that divide the heads; other engines (vLLM, servers) decide that themselves."""
+    if not own_architecture:
+        return
+    from detaudit.engine.model import ModelConfig
+
+    mcfg = ModelConfig.from_dir(model_path)
+    for tp in tps:
+        mcfg.check_tp(tp)

@@ -1,0 +1,214 @@
+"""The typed, versioned run manifest and its schema check.
+
+`Manifest.from_dict` validates every field it reads (a hand-edited or corrupted manifest is one line
+and exit 2, never a traceback); `to_dict` writes format version 2. Version 1 manifests (written
+before this module) have the same keys and read unchanged. Unknown top-level keys are kept.
+
+`comparable()` is the one identity check: resume, merge and `gate --baseline` all compare it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from detaudit.errors import DetauditError
+
+FORMAT_VERSION = 2
+STATES = ("pending", "done", "failed")
+# suite__backend__tpN__bsN, optionally followed by load suffixes (server cells): never a path
+CELL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*__[A-Za-z0-9][A-Za-z0-9_.-]*__tp[0-9]{1,2}__bs[0-9]{1,6}(__[a-z]+[0-9]{1,7})*$")
+
+
+def check_cell_id(cell_id: Any, where: str) -> str:
+    if not isinstance(cell_id, str) or not CELL_ID_RE.match(cell_id) or len(cell_id) > 200:
+        raise DetauditError(f"{where}: {str(cell_id)[:80]!r} is not a detaudit cell id (corrupt or hand-edited manifest)")
+    return cell_id
+
+
+def _bad(where: str, key: str, want: str, value: Any) -> DetauditError:
+    return DetauditError(f"{where}: field {key!r} must be {want}, got {type(value).__name__} {str(value)[:60]!r}")
+
+
+def _get(d: dict, key: str, kind: type | tuple, where: str, default: Any = None, required: bool = False) -> Any:
+    if key not in d or d[key] is None:
+        if required:
+            raise DetauditError(f"{where}: required field {key!r} is missing")
+        return default
+    v = d[key]
+    ok = isinstance(v, kind) and not (isinstance(v, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)))
+    if not ok:
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise _bad(where, key, f"a {names}", v)
+    return v
+
+
+def _list_of(d: dict, key: str, kind: type, where: str) -> list:
+    v = _get(d, key, list, where, default=[])
+    for x in v:
+        if not isinstance(x, kind) or isinstance(x, bool):
+            raise _bad(where, key, f"a list of {kind.__name__}", v)
+    return v
+
+
+def _dict_of_dicts(d: dict, key: str, where: str) -> dict[str, dict]:
+    v = _get(d, key, dict, where, default={})
+    for k, x in v.items():
+        if not isinstance(x, dict):
+            raise _bad(where, f"{key}.{k}", "a mapping", x)
+    return v
+
+
+@dataclass
+class CellMeta:
+    """One cell's coordinates and state; `extra` holds timings and other recorded facts."""
+
+    backend: str
+    tp: int
+    batch_size: int
+    suite: str
+    tp_mode: str = "real"
+    engine: str = "builtin"
+    state: str = "pending"
+    prompts: int = 0
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, cell_id: str, d: Any, where: str) -> "CellMeta":
+        w = f"{where}: cell {cell_id}"
+        if not isinstance(d, dict):
+            raise DetauditError(f"{w} is not a mapping")
+        meta = cls(
+            backend=_get(d, "backend", str, w, required=True), tp=_get(d, "tp", int, w, required=True),
+            batch_size=_get(d, "batch_size", int, w, required=True), suite=_get(d, "suite", str, w, required=True),
+            tp_mode=_get(d, "tp_mode", str, w, "real"), engine=_get(d, "engine", str, w, "builtin"),
+            state=_get(d, "state", str, w, "pending"), prompts=_get(d, "prompts", int, w, 0),
+            error=_get(d, "error", str, w),
+            extra={k: v for k, v in d.items() if k not in _CELL_FIELDS},
+        )
+        if meta.state not in STATES:
+            raise _bad(w, "state", f"one of {', '.join(STATES)}", meta.state)
+        for key in ("wall_s", "engine_start_s", "generate_s"):
+            if key in meta.extra and meta.extra[key] is not None:
+                _get(meta.extra, key, (int, float), w)
+        return meta
+
+    def to_dict(self) -> dict:
+        return {**self.extra, **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}}
+
+    def update(self, **values: Any) -> None:
+        for k, v in values.items():
+            if k in _CELL_FIELDS:
+                setattr(self, k, v)
+            else:
+                self.extra[k] = v
+
+    def finish(self, meta: dict, prompts: int) -> None:
+        self.update(**meta, state="done", prompts=prompts, error=None)
+
+
+_CELL_FIELDS = {f.name for f in fields(CellMeta)} - {"extra"}
+
+
+@dataclass
+class Manifest:
+    config: dict  # the sweep as configured (SweepConfig.to_dict() + shard)
+    identity: dict  # what must match for runs to be comparable (on disk: "comparable")
+    cells: dict[str, CellMeta]
+    model: dict = field(default_factory=dict)  # name, path, architecture, checksum (or the server's identity)
+    suites: dict[str, dict] = field(default_factory=dict)  # checksum, source, prompts, ungraded
+    environment: dict = field(default_factory=dict)
+    hardware_key: str = ""
+    command: str = ""
+    code_version: str = ""
+    git_hash: str | None = None
+    backends: dict[str, dict] = field(default_factory=dict)  # engine.describe() per (backend, TP[, batch])
+    executor: dict = field(default_factory=dict)
+    created: str = ""
+    updated: str = ""
+    environment_history: list = field(default_factory=list)
+    # merged runs
+    merged_from: list = field(default_factory=list)
+    mixed_hardware: bool = False
+    hardware_keys: list = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # keys this version does not know, kept as they were
+
+    # ---- identity
+    def comparable(self) -> str:
+        """Hash of the identity: two runs are comparable (resume, merge, baseline) iff equal."""
+        return hashlib.sha256(json.dumps(self.identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def differences(self, other: "Manifest") -> list[str]:
+        keys = sorted(set(self.identity) | set(other.identity))
+        return [k for k in keys if self.identity.get(k) != other.identity.get(k)]
+
+    @property
+    def model_name(self) -> str:
+        return str(self.model.get("name") or self.config.get("model") or "?")
+
+    def tp_mode(self, tp: int) -> str:
+        return "emulated" if (self.config.get("tp_mode") == "emulated" and tp > 1) else "real"
+
+    def done_cells(self) -> list[str]:
+        return [cid for cid, m in self.cells.items() if m.state == "done"]
+
+    # ---- disk
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "manifest") -> "Manifest":
+        if not isinstance(d, dict):
+            raise DetauditError(f"{where} is not a detaudit manifest (not a mapping)")
+        if "cells" not in d or "config" not in d:
+            raise DetauditError(f"{where} is not a detaudit manifest (missing config/cells)")
+        version = _get(d, "format_version", int, where, 1)
+        if version > FORMAT_VERSION:
+            raise DetauditError(f"{where} has format version {version}; this detaudit reads up to {FORMAT_VERSION} (upgrade it)")
+        config = _config(_get(d, "config", dict, where, required=True), where)
+        raw_cells = _get(d, "cells", dict, where, required=True)
+        cells = {check_cell_id(cid, where): CellMeta.from_dict(cid, meta, where) for cid, meta in raw_cells.items()}
+        known = {f.name for f in fields(cls)} | {"comparable", "comparable_key", "format_version"}
+        m = cls(
+            config=config, identity=_get(d, "comparable", dict, where, {}), cells=cells,
+            model=_get(d, "model", dict, where, {}), suites=_dict_of_dicts(d, "suites", where),
+            environment=_get(d, "environment", dict, where, {}), hardware_key=_get(d, "hardware_key", str, where, ""),
+            command=_get(d, "command", str, where, ""), code_version=_get(d, "code_version", str, where, ""),
+            git_hash=_get(d, "git_hash", str, where), backends=_dict_of_dicts(d, "backends", where),
+            executor=_get(d, "executor", dict, where, {}), created=_get(d, "created", str, where, ""),
+            updated=_get(d, "updated", str, where, ""),
+            environment_history=_get(d, "environment_history", list, where, []),
+            merged_from=_list_of(d, "merged_from", str, where), mixed_hardware=_get(d, "mixed_hardware", bool, where, False),
+            hardware_keys=_list_of(d, "hardware_keys", str, where),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+        for key in ("name", "path", "architecture", "checksum"):
+            _get(m.model, key, str, f"{where}: model")
+        return m
+
+    def to_dict(self) -> dict:
+        out = dict(self.extra)
+        for f in fields(self):
+            if f.name in ("extra", "identity", "cells"):
+                continue
+            out[f.name] = getattr(self, f.name)
+        out.update(format_version=FORMAT_VERSION, comparable=self.identity, comparable_key=self.comparable(),
+                   cells={cid: m.to_dict() for cid, m in self.cells.items()})
+        return out
+
+
+def _config(c: dict, where: str) -> dict:
+    w = f"{where}: config"
+    for key in ("backends", "suites"):
+        _list_of(c, key, str, w)
+    for key in ("tp", "batch_sizes"):
+        _list_of(c, key, int, w)
+    for key in ("model", "tp_mode", "engine", "device", "dtype"):
+        _get(c, key, str, w)
+    _get(c, "limit", int, w)
+    _get(c, "decoding", dict, w)
+    shard = _get(c, "shard", list, w)
+    if shard is not None and (len(shard) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)):
+        raise _bad(w, "shard", "[I, N]", shard)
+    return c
