@@ -52,8 +52,8 @@ class BioBackend:
         y = xf * torch.rsqrt(var + eps)
         return (y.to(x.dtype) * weight) if x.dtype != torch.float32 else y * weight
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
-        return fixed.attention(q, k, v, q_pos, scale, SPLIT)
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None) -> Tensor:
+        return fixed.attention(q, k, v, q_pos, scale, SPLIT, window)
 
     def log_softmax(self, logits: Tensor) -> Tensor:
         z = logits.float()

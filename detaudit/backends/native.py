@@ -42,9 +42,12 @@ class NativeBackend:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (xf.to(x.dtype) * weight) if x.dtype != torch.float32 else xf * weight
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
-        keys = torch.arange(k.shape[2], device=q.device)
-        mask = keys.view(1, 1, 1, -1) <= q_pos.view(q_pos.shape[0], 1, -1, 1)
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None) -> Tensor:
+        keys = torch.arange(k.shape[2], device=q.device).view(1, 1, 1, -1)
+        qp = q_pos.view(q_pos.shape[0], 1, -1, 1)
+        mask = keys <= qp
+        if window is not None:  # sliding window: p - window < j <= p
+            mask = mask & (keys > qp - window)
         # grouped-query attention inside SDPA (no repeated copies of K/V, as serving engines do)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 

@@ -114,13 +114,16 @@ def batched(a: Tensor, b_t: Tensor) -> Tensor:
     return bmm_fixed(a.float(), b_t.float().transpose(1, 2))
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, split: int) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, split: int,
+              window: int | None = None) -> Tensor:
     """Causal attention over the cache in fixed-size KV chunks of `split` keys (never a fixed number of
     chunks), with an fp32 online softmax. A chunk a row cannot see is an exact no-op for that row, so the
     result does not depend on how long the batch's longest sequence is, and a query's output is the same
     whether it is computed in prefill (many queries) or decode (one). Being a no-op, such a row is not
     computed at all: rows are laid out (position, query head) so that the rows a chunk can reach form a
-    suffix, and only that suffix runs (half the work of a prefill; the same bits)."""
+    suffix, and only that suffix runs (half the work of a prefill; the same bits). With a sliding
+    `window`, key j is visible iff pos - window < j <= pos; a chunk wholly before a row's window is, like
+    one past it, an exact no-op for that row (before any visible chunk the state is still empty)."""
     bsz, hq, t, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -129,7 +132,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, spli
     qg = q.reshape(bsz, hkv, groups, t, d).transpose(2, 3).reshape(g, t * groups, d)
     pos = q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, t * groups, 1)
     if triton_attn.supported(q):  # GPU: the same algorithm as one kernel (its own bits; see triton_attn)
-        out = triton_attn.attention(qg, k.reshape(g, length, d), v.reshape(g, length, d), pos[..., 0], scale, split)
+        out = triton_attn.attention(qg, k.reshape(g, length, d), v.reshape(g, length, d), pos[..., 0], scale, split,
+                                    window)
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d)
     qs = qg.float() * scale
     kf = k.reshape(g, length, d)
@@ -140,7 +144,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, spli
     acc = torch.zeros((g, rows, d), device=q.device)
     if t == 1:  # decode: every chunk's products in one call each, then the same recurrence (no host sync:
         # a CUDA graph can capture it)
-        out = _decode_chunks(qs, pos, kf, vf, split, m, l, acc)
+        out = _decode_chunks(qs, pos, kf, vf, split, m, l, acc, window)
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
     latest = q_pos.amax(0).tolist()  # per query index, the furthest position any request has there
     for start in range(0, length, split):
@@ -156,7 +160,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, spli
             vc = torch.nn.functional.pad(vc, (0, 0, 0, split - width))
         s = batched(qs[:, r], kc)  # [G, rows', split]
         keys = torch.arange(start, start + split, device=q.device).view(1, 1, -1)
-        s = s.masked_fill(keys > pos[:, r], float("-inf"))
+        s = s.masked_fill(_hidden(keys, pos[:, r], window), float("-inf"))
         m_old = m[:, r]
         m_new = torch.maximum(m_old, s.amax(-1, keepdim=True))
         safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -169,8 +173,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, spli
     return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
 
 
+def _hidden(keys: Tensor, pos: Tensor, window: int | None) -> Tensor:
+    """Keys a query at `pos` cannot see: later ones, and with a sliding window those at or before
+    pos - window."""
+    return keys > pos if window is None else (keys > pos) | (keys <= pos - window)
+
+
 def _decode_chunks(qs: Tensor, pos: Tensor, kf: Tensor, vf: Tensor, split: int, m: Tensor, l: Tensor,
-                   acc: Tensor) -> Tensor:
+                   acc: Tensor, window: int | None = None) -> Tensor:
     """`attention`'s chunk loop for a few query rows (decode), with every chunk's scores, row sums and
     P @ V products computed by one call each: the running max is a cumulative max over the chunks'
     maxima (max is exact in any order), and the recurrence over chunks then applies the same
@@ -184,7 +194,7 @@ def _decode_chunks(qs: Tensor, pos: Tensor, kf: Tensor, vf: Tensor, split: int, 
     q_all = qs[:, None].expand(g, chunks, rows, d).reshape(g * chunks, rows, d)
     s = batched(q_all, kf.reshape(g * chunks, split, d)).view(g, chunks, rows, split)
     keys = torch.arange(chunks * split, device=qs.device).view(1, chunks, 1, split)
-    s = s.masked_fill(keys > pos[:, None], float("-inf"))
+    s = s.masked_fill(_hidden(keys, pos[:, None], window), float("-inf"))
     m_all = torch.cummax(s.amax(-1, keepdim=True), dim=1).values  # [g, chunks, rows, 1]
     safe = torch.where(torch.isinf(m_all), torch.zeros_like(m_all), m_all)
     p = torch.exp(s - safe)
