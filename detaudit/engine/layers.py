@@ -10,6 +10,7 @@ inputs by identical ops at every TP size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,22 +35,37 @@ class TPContext:
 
 
 class ColumnParallelLinear:
-    def __init__(self, shards: list[Tensor], ctx: TPContext) -> None:
+    """A bias, when the layer has one, is sharded with the weight's output dim and added to each shard's
+    output (elementwise: batch and TP invariant)."""
+
+    def __init__(self, shards: list[Tensor], ctx: TPContext, bias: list[Tensor] | None = None) -> None:
         self.shards = shards
         self.ctx = ctx
+        self.bias = bias
 
     def __call__(self, x: Tensor) -> Tensor:
         outs = [self.ctx.backend.linear(x, w) for w in self.shards]
+        if self.bias is not None:
+            outs = [o + b for o, b in zip(outs, self.bias)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 class RowParallelLinear:
-    def __init__(self, shards: list[Tensor], ctx: TPContext, name: str) -> None:
+    """A bias (replicated, whole) is added exactly once, to the reduced output: after the combine /
+    all-reduce, the same elementwise add on every rank and at every TP size, so a TP-invariant reduction
+    (bio+tbik) stays TP invariant."""
+
+    def __init__(self, shards: list[Tensor], ctx: TPContext, name: str, bias: Tensor | None = None) -> None:
         self.shards = shards
         self.ctx = ctx
         self.name = name
+        self.bias = bias
 
     def __call__(self, x: Tensor) -> Tensor:
+        out = self._reduced(x)
+        return out if self.bias is None else out + self.bias
+
+    def _reduced(self, x: Tensor) -> Tensor:
         ctx = self.ctx
         b = ctx.backend
         if ctx.emulated:
@@ -60,9 +76,9 @@ class RowParallelLinear:
             ]
             return b.combine(partials, ctx.dtype)
         partial = b.row_partial(x, self.shards[0], ctx.size, name=self.name)
-        if ctx.size == 1:
+        if ctx.group is None:  # TP 1 in process; a TP-1 process group (DETAUDIT_TP1_GROUP) all-reduces
+            assert ctx.size == 1
             return b.combine([partial], ctx.dtype)
-        assert ctx.group is not None
         return b.all_reduce(partial, ctx.group, ctx.dtype)
 
 
@@ -77,15 +93,39 @@ class RMSNorm:
 
 
 class Rotary:
-    """HF 'default' rotary embedding (rotate_half convention); cos/sin computed in fp32."""
+    """HF rotary embedding (rotate_half convention); cos/sin computed in fp32. `rope` (an
+    `arch.RopeSpec`) selects transformers' frequency scaling: default, linear, llama3, or dynamic (which
+    equals default up to max_position_embeddings, the only range the engine runs it in)."""
 
-    def __init__(self, head_dim: int, theta: float, device: torch.device) -> None:
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    def __init__(self, head_dim: int, theta: float, device: torch.device, rope=None) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+        self.inv_freq = inv_freq if rope is None else scaled_inv_freq(inv_freq, rope)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
+
+
+def scaled_inv_freq(inv_freq: Tensor, rope) -> Tensor:
+    """transformers' `modeling_rope_utils` frequency scaling, operation for operation (attention_factor
+    is 1.0 for these types there)."""
+    if rope.rope_type in ("default", "dynamic"):  # dynamic: unscaled up to max_position_embeddings
+        return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type != "llama3":
+        raise ValueError(f"rope_type {rope.rope_type!r}")
+    factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
+    old_context_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low) / (high - low)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

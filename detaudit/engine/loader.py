@@ -24,6 +24,7 @@ class ShardLoader:
         self._files = files
         self._handles: dict[Path, object] = {}
         self._where: dict[str, Path] = {}
+        self._read: set[str] = set()
 
     def __enter__(self) -> "ShardLoader":
         for f in self._files:
@@ -43,7 +44,16 @@ class ShardLoader:
         f = self._where.get(name)
         if f is None:
             raise DetauditError(f"model {self.path} lacks parameter {name}")
+        self._read.add(name)
         return self._handles[f].get_slice(name)
+
+    def skip(self, name: str) -> None:
+        """Mark a parameter as deliberately unused (e.g. a stored lm_head of tied embeddings)."""
+        self._read.add(name)
+
+    def unused(self) -> list[str]:
+        """Parameters in the checkpoint that nothing has read: a computation the engine would ignore."""
+        return sorted(n for n in self._where if n not in self._read and not n.endswith("rotary_emb.inv_freq"))
 
     def _to(self, t: Tensor) -> Tensor:
         return t.to(device=self.device, dtype=self.ctx.dtype).contiguous()

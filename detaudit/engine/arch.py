@@ -1,0 +1,230 @@
+"""What the built-in engine computes for a checkpoint: config.json read as transformers reads it for the
+supported architectures, and every field that would change the computation but is not implemented
+refused by name (never ignored).
+
+Supported (transformers' own classes are the reference, defaults included):
+- `llama` (LlamaForCausalLM): `attention_bias` (q/k/v/o biases), `mlp_bias` (gate/up/down biases);
+- `qwen2` (Qwen2ForCausalLM): q/k/v biases, no o bias; `use_sliding_window` / `sliding_window` /
+  `max_window_layers` / `layer_types` as Qwen2Config resolves them;
+- `qwen3` (Qwen3ForCausalLM): QK-norm, `attention_bias`, sliding-window semantics as Qwen2;
+- `mistral` (MistralForCausalLM): `sliding_window` on every layer (4096 when the key is absent, as
+  MistralConfig's default).
+RoPE (`rope_parameters`, or the older `rope_scaling` + `rope_theta`): `default`, `linear`, `llama3`, and
+`dynamic` up to `max_position_embeddings` positions (beyond that transformers rescales by the longest
+sequence of the current forward call, which the engine refuses rather than imitates).
+
+Nothing here imports torch: the sweep can run the check before any model work.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from detaudit.errors import DetauditError
+
+ARCHITECTURES = {  # model_type -> the transformers class whose computation the engine reproduces
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+SUPPORTED = tuple(ARCHITECTURES)
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+# transformers' config defaults where they differ between the architectures
+_DEFAULTS = {
+    "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
+    "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+    "mistral": {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 4096 * 32},
+}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 0  # llama3
+    max_positions: int | None = None  # dynamic: the longest sequence it runs (max_position_embeddings)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    windows: tuple[int | None, ...] = ()  # per layer: sliding-window size, or None for full attention
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "ModelConfig":
+        """The built-in engine's reading of `path/config.json`; DetauditError (one line, naming the field)
+        for anything it does not compute exactly as transformers does."""
+        try:
+            raw = json.loads((Path(path) / "config.json").read_text())
+        except FileNotFoundError:
+            raise DetauditError(f"model directory {path} has no config.json") from None
+        except (OSError, json.JSONDecodeError) as e:
+            raise DetauditError(f"{path}/config.json is malformed: {e}") from None
+        if not isinstance(raw, dict):
+            raise DetauditError(f"{path}/config.json is malformed: not a JSON object")
+        try:
+            return cls.from_dict(raw, str(path))
+        except (KeyError, TypeError, ValueError) as e:
+            raise DetauditError(f"{path}/config.json: missing or malformed field {e}") from None
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "config.json") -> "ModelConfig":
+        mtype = raw.get("model_type")
+        if mtype not in ARCHITECTURES:
+            raise DetauditError(f"{where}: model_type {mtype!r} is not supported by the built-in engine "
+                                f"(supported: {', '.join(SUPPORTED)}; `--engine vllm` runs what vLLM supports)")
+
+        def refuse(what: str) -> DetauditError:
+            return DetauditError(f"{where}: {what} is not supported by the built-in engine ({mtype})")
+
+        archs = raw.get("architectures") or [ARCHITECTURES[mtype]]
+        if list(archs) != [ARCHITECTURES[mtype]]:
+            raise refuse(f"architectures {archs} (expected [{ARCHITECTURES[mtype]!r}])")
+        if raw.get("quantization_config"):
+            raise refuse("quantization_config (quantized checkpoints)")
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise refuse(f"hidden_act {act!r} (only 'silu')")
+        d = _DEFAULTS[mtype]
+        heads = int(raw["num_attention_heads"])
+        kv = raw.get("num_key_value_heads", d["num_key_value_heads"]) or heads
+        if heads % kv:
+            raise refuse(f"num_key_value_heads {kv} not dividing num_attention_heads {heads}")
+        head_dim = raw.get("head_dim", d["head_dim"]) or raw["hidden_size"] // heads
+        layers = int(raw["num_hidden_layers"])
+        max_pos = int(raw.get("max_position_embeddings", d["max_position_embeddings"]))
+
+        attention_bias = bool(raw.get("attention_bias", False))
+        mlp_bias = bool(raw.get("mlp_bias", False))
+        if mlp_bias and mtype != "llama":
+            raise refuse("mlp_bias")
+        if attention_bias and mtype in ("qwen2", "mistral"):
+            raise refuse("attention_bias (transformers' class has no such option and would ignore the biases)")
+        qkv_bias = attention_bias or mtype == "qwen2"
+        o_bias = attention_bias
+        rope = _rope(raw, max_pos, refuse)
+
+        return cls(
+            model_type=mtype,
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(kv),
+            head_dim=int(head_dim),
+            vocab_size=int(raw["vocab_size"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope.theta,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            qk_norm=mtype == "qwen3",
+            rope=rope,
+            windows=_windows(raw, mtype, layers, refuse),
+        )
+
+    def check_tp(self, tp: int) -> None:
+        for what, n in (
+            ("query heads", self.num_heads),
+            ("KV heads", self.num_kv_heads),
+            ("intermediate size", self.intermediate_size),
+        ):
+            if n % tp:
+                raise DetauditError(f"TP {tp} does not divide the model's {what} ({n})")
+
+    def check_length(self, length: int) -> None:
+        """Refuse sequences the engine would not compute as transformers does."""
+        limit = self.rope.max_positions
+        if limit is not None and length > limit:
+            raise DetauditError(
+                f"rope_type 'dynamic' beyond max_position_embeddings ({limit} positions; this run needs {length}) "
+                "is not supported by the built-in engine: transformers rescales the frequencies by the longest "
+                "sequence of each forward call (not batch invariant)")
+
+
+def _rope(raw: dict, max_pos: int, refuse) -> RopeSpec:
+    rope = raw.get("rope_parameters")
+    if rope is None:
+        rope = raw.get("rope_scaling")
+    rope = dict(rope or {})
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise refuse("per-layer-type rope_parameters")
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rtype = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if rtype not in ROPE_TYPES:
+        raise refuse(f"rope_type {rtype!r} (supported: {', '.join(ROPE_TYPES)})")
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise refuse(f"partial_rotary_factor {partial}")
+    if rtype == "default":
+        return RopeSpec("default", theta)
+    if "factor" not in rope:
+        raise refuse(f"rope_type {rtype!r} without a factor")
+    factor = float(rope["factor"])
+    if rtype == "linear":
+        return RopeSpec("linear", theta, factor)
+    if rtype == "dynamic":
+        return RopeSpec("dynamic", theta, factor, max_positions=max_pos)
+    for key in ("low_freq_factor", "high_freq_factor"):
+        if key not in rope:
+            raise refuse(f"rope_type 'llama3' without {key}")
+    # transformers: a top-level original_max_position_embeddings wins, then the rope dict's, then
+    # max_position_embeddings
+    original = raw.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", max_pos))
+    return RopeSpec("llama3", theta, factor, float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                    int(original))
+
+
+def _windows(raw: dict, mtype: str, layers: int, refuse) -> tuple[int | None, ...]:
+    """Per layer, the sliding-window size (a key j is visible to a query at position p iff
+    p - window < j <= p) or None, as transformers' config resolves it."""
+    if mtype == "llama":  # LlamaConfig has no sliding window (a stray key is ignored by transformers too)
+        return (None,) * layers
+    if mtype == "mistral":
+        if "layer_types" in raw:
+            raise refuse("layer_types (alternating attention, as in Ministral)")
+        window = raw.get("sliding_window", 4096)
+        return (_window_size(window, refuse),) * layers
+    # qwen2 / qwen3: the window only when use_sliding_window, on the layers layer_types marks sliding
+    # (by default the layers from max_window_layers on)
+    window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
+    window = _window_size(window, refuse)
+    types = raw.get("layer_types")
+    if types is None:
+        first = int(raw.get("max_window_layers", 28))
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
+    if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise refuse(f"layer_types {types} (expected {layers} of 'full_attention' / 'sliding_attention')")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _window_size(window, refuse) -> int | None:
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise refuse(f"sliding_window {window!r}")
+    return window
