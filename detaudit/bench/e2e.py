@@ -5,7 +5,9 @@ For each (model, TP, backend) one engine is built and, per batch size, a batch o
 tokens with EOS disabled, after a short warm-up call (compilation, caches). The engine times the prefill
 (prompts -> first logits) and the decode loop (steps -> logits, sampling, bookkeeping), synchronizing
 the device at each boundary; CUDA-graph capture is timed apart and left out of decode. Ratios are to
-bf16 of the same model, TP and batch in the same run.
+bf16 of the same model, TP, batch and graph mode in the same run. `cuda_graphs="both"` times every
+configuration eagerly and graphed on the same device (`graphed_speedup`: eager over graphed ms per step).
+With `DETAUDIT_TP1_GROUP=1`, real TP 1 runs in a one-rank process group (NCCL on GPU), as TP > 1 does.
 """
 
 from __future__ import annotations
@@ -35,18 +37,21 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
 
 def bench_e2e(models: Sequence[tuple[str, Path]], backends: Sequence[str], tps: Sequence[int],
               batch_sizes: Sequence[int], prompt_tokens: int = 512, new_tokens: int = 64, device: str = "cuda",
-              tp_mode: str = "real", cuda_graphs: bool = True, progress: Callable[[], None] | None = None) -> pd.DataFrame:
+              tp_mode: str = "real", cuda_graphs: bool | str = True, progress: Callable[[], None] | None = None) -> pd.DataFrame:
+    """`cuda_graphs`: True, False, or "both": each (model, TP, backend) runs eagerly and from CUDA graphs
+    on the same device, one row each, plus `graphed_speedup` (eager ms per step over graphed)."""
     from detaudit.engine import open_engine
     from detaudit.engine.model import ModelConfig
 
     rows = []
     timed = DecodingParams(greedy=True, max_new_tokens=new_tokens)
     warm = DecodingParams(greedy=True, max_new_tokens=min(4, new_tokens))
+    modes = (False, True) if cuda_graphs == "both" else (bool(cuda_graphs),)
     for name, path in models:
         vocab = ModelConfig.from_dir(path).vocab_size
         for tp in tps:
-            for backend in backends:
-                eng = open_engine(path, backend, tp, tp_mode, device=device, eos_ids=(), cuda_graphs=cuda_graphs)
+            for backend, graphs in ((b, g) for b in backends for g in modes):
+                eng = open_engine(path, backend, tp, tp_mode, device=device, eos_ids=(), cuda_graphs=graphs)
                 try:
                     for bs in batch_sizes:
                         prompts = random_prompts(bs, prompt_tokens, vocab)
@@ -60,6 +65,7 @@ def bench_e2e(models: Sequence[tuple[str, Path]], backends: Sequence[str], tps: 
                             "new_tokens": new_tokens, "prefill_tok_s": t["prompt_tokens"] / t["prefill_s"],
                             "decode_tok_s": bs * steps / t["decode_s"], "ms_per_step": 1e3 * t["decode_s"] / steps,
                             "capture_s": t["capture_s"], "cuda_graphs": bool(t.get("cuda_graphs")),
+                            "workers": eng.describe().get("workers", 0),
                         })
                         if progress:
                             progress()
@@ -68,8 +74,14 @@ def bench_e2e(models: Sequence[tuple[str, Path]], backends: Sequence[str], tps: 
                     del eng
                     _release(device)
     df = pd.DataFrame(rows)
+    if len(modes) == 2 and not df.empty:
+        key = ["model", "tp", "backend", "batch"]
+        g = df[df.cuda_graphs][key + ["ms_per_step"]].rename(columns={"ms_per_step": "_g"})
+        df = df.merge(g, on=key, how="left")
+        df["graphed_speedup"] = df.ms_per_step / df._g
+        df = df.drop(columns=["_g"])
     if "bf16" in backends and not df.empty:
-        key = ["model", "tp", "batch"]
+        key = ["model", "tp", "batch", "cuda_graphs"]
         base = df[df.backend == "bf16"][key + ["prefill_tok_s", "decode_tok_s"]]
         df = df.merge(base.rename(columns={"prefill_tok_s": "_p", "decode_tok_s": "_d"}), on=key, how="left")
         df["prefill_vs_bf16"] = df.prefill_tok_s / df._p

@@ -1,5 +1,6 @@
 """`detaudit bench kernels`: bio matmul and TBIK tree matmul throughput as a ratio of the native GEMM
-(cuBLAS on GPU, oneDNN/MKL on CPU) in the same run, and accuracy against an fp64 reference."""
+(cuBLAS on GPU, oneDNN/MKL on CPU) in the same run, accuracy against an fp64 reference, and each
+wrapper's eager wall time per call against the native call's (the host cost an uncaptured caller pays)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,27 @@ def _time(fn, device: torch.device, min_s: float = 0.2, reps: int | None = None)
     return _times([fn], device, min_s, reps)[0]
 
 
+def _eager_per_call(fns, device: torch.device, calls: int = 100, rounds: int = 5) -> list[float]:
+    """Median wall seconds per call of each `fn(i)` called eagerly from Python, `calls` times back to back
+    with one device synchronisation at the end: what a caller pays per call when nothing is graphed
+    (host work of the wrapper and the launch, or the kernel's own time once that is longer). The fns
+    take turns round after round, like `_times`."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for fn in fns:
+        for i in range(3):
+            fn(i)  # warm-up: compilation, the wrapper's kept launch plan
+    sync()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, out in zip(fns, times):
+            t = time.perf_counter()
+            for i in range(calls):
+                fn(i)
+            sync()
+            out.append((time.perf_counter() - t) / calls)
+    return [float(sorted(t)[len(t) // 2]) for t in times]
+
+
 def _weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
     """On GPU, enough distinct copies of the weight to exceed twice the L2 cache, used in turn, so that
     every call streams its weight from HBM as an engine's layers do (one copy on CPU)."""
@@ -84,7 +106,11 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench_kernels(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, m_values=M_VALUES,
-                  kn_values=KN_VALUES, progress=None) -> pd.DataFrame:
+                  kn_values=KN_VALUES, progress=None, eager: bool = True) -> pd.DataFrame:
+    """Per (K, N, M): graph-replayed seconds per call of cuBLAS / bio / tree (`_times`: kernel time, no
+    host work) as TFLOP/s and ratios, and with `eager` the wall time per call of each called eagerly from
+    Python (`_eager_per_call`: the wrapper's host cost at small M) as microseconds and as a multiple of
+    cuBLAS's eager `F.linear` (lower is better; the goal is <= 1.5x at M <= 64)."""
     dev = torch.device(device)
     rows = []
     for k, n in kn_values:
@@ -102,6 +128,11 @@ def bench_kernels(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, m_v
             row = {"M": m, "K": k, "N": n, "native_tflops": flops / t_nat / 1e12,
                    "bio_tflops": flops / t_bio / 1e12, "bio_ratio": t_nat / t_bio,
                    "tree_tflops": flops / t_tree / 1e12, "tree_ratio": t_nat / t_tree}
+            if eager:  # the wrappers as an eager caller runs them: bio's linear, the tree's row partial
+                tree_partial = lambda i=0: tree.tree_matmul(x, ws[i % len(ws)], 1)  # noqa: E731 (fp32, no cast)
+                e_nat, e_bio, e_tree = _eager_per_call((native, bio, tree_partial), dev)
+                row.update(native_eager_us=e_nat * 1e6, bio_eager_us=e_bio * 1e6, tree_eager_us=e_tree * 1e6,
+                           bio_eager_vs_native=e_bio / e_nat, tree_eager_vs_native=e_tree / e_nat)
             if ref is not None:
                 row.update(native_relerr=_rel_err(native(), ref), bio_relerr=_rel_err(bio(), ref),
                            tree_relerr=_rel_err(tbik(), ref))

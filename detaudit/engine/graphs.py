@@ -49,7 +49,13 @@ def graphed_step(model: Decoder, cache: list[tuple[Tensor, Tensor]], batch: int,
             forward()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Under real TP the step's all-reduce (NCCL) is captured too, in the same order on every rank (each
+    # rank captures the same forward). The process group's watchdog thread may query events of work
+    # from before the capture: only this thread's CUDA calls are checked against the capture.
+    mode = "global" if model.ctx.group is None else "thread_local"
+    if mode != "global":
+        torch.cuda.synchronize(device)
+    with torch.cuda.graph(graph, capture_error_mode=mode):
         out = forward()
 
     def step(new_tokens: Tensor, new_positions: Tensor) -> tuple[Tensor, Tensor]:

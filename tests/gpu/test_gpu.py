@@ -244,3 +244,93 @@ def test_qwen3_8b_shaped_model_on_gpu():
 
     assert run("bio", 1, 1) == run("bio", 1, 4)
     assert run("bio+tbik", 1, 4) == run("bio+tbik", 2, 4)
+
+
+def test_kept_launch_plans_give_the_jit_bits():
+    """The wrappers launch a kept compiled kernel after the first call of a plan key (`kernels/launch`):
+    every path (small-M pointer, mid-M, TMA large-M, tree pointer, Gluon tree, row sums, attention) gives
+    bitwise the result of a JIT launch with an explicit config (which never uses plans), for aligned and
+    misaligned operands, and a second call is served by the plan."""
+    from detaudit.backends.kernels import gluon_tree, triton_attn, triton_mm, triton_rows
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    a = torch.randn(2100, 4096, device="cuda", generator=g).bfloat16()
+    w = torch.randn(2048, 4096, device="cuda", generator=g).bfloat16()
+    triton_mm._PLANS.clear()
+    for m in (1, 8, 64, 200, 1500):
+        for x in (a[:m], a[1 : m + 1]):  # 16-byte aligned and not (a 2-byte offset: the pointer path)
+            for leaves, tree in ((1, False), (8, True), (4, True)):
+                xx = x[:, : 4096 * leaves // 8] if tree else x
+                ww = w[:, : 4096 * leaves // 8] if tree else w
+                if tree:
+                    xx = xx.contiguous() if x.data_ptr() % 16 == 0 else xx
+                cfg = triton_mm.tiling(torch.bfloat16, m, tree, 2048)
+                if tree and cfg.get("GLUON") and gluon_tree.supports(xx, ww, leaves):
+                    ref = gluon_tree.tree_mm(xx, ww, leaves, cfg={}).contiguous()  # cfg given: no plan kept
+                else:
+                    ref = triton_mm.mm(xx, ww, leaves, config=cfg, tree=tree, out_dtype=torch.bfloat16)
+                out_dtype = torch.float32 if tree else torch.bfloat16
+                first = triton_mm.mm(xx, ww, leaves, tree=tree, out_dtype=out_dtype)
+                plans = len(triton_mm._PLANS)
+                second = triton_mm.mm(xx, ww, leaves, tree=tree, out_dtype=out_dtype)
+                assert len(triton_mm._PLANS) == plans  # served by the kept plan
+                assert torch.equal(first, ref) and torch.equal(second, ref), (m, leaves, x.data_ptr() % 16)
+    assert triton_mm._PLANS, "no plan was kept"
+    rows = torch.randn(40, 151936, device="cuda", generator=g)
+    want = [triton_rows.row_sum(rows) for _ in range(3)]
+    assert all(torch.equal(want[0], r) for r in want[1:]) and triton_rows._PLANS
+    q = torch.randn(64, 4, 128, device="cuda", generator=g).bfloat16()
+    k = torch.randn(64, 300, 128, device="cuda", generator=g).bfloat16()
+    pos = torch.randint(0, 300, (64, 4), device="cuda", generator=g)
+    outs = [triton_attn.attention(q, k, k, pos, 0.08, 64) for _ in range(3)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:]) and triton_attn._PLANS
+
+
+@pytest.fixture(scope="module")
+def qwen3_shaped():
+    from detaudit.errors import DetauditError
+    from detaudit.models import resolve_model
+
+    try:
+        return resolve_model("qwen3-8b-shaped", auto_prepare=True)
+    except DetauditError as e:
+        pytest.skip(f"synthetic model unavailable here (needs the embedded model's tokenizer): {e}")
+
+
+def test_real_tp1_process_group_graphed_equals_in_process(qwen3_shaped, monkeypatch):
+    """Real TP through a process group (DETAUDIT_TP1_GROUP=1: one NCCL rank, its all-gather captured in
+    the CUDA graph) gives bitwise the in-process TP-1 result, graphed and eager, and for bio+tbik the
+    emulated TP 2 result; real TP 2 (graphed, NCCL) too where two GPUs exist."""
+    import gc
+
+    from detaudit.bench.e2e import random_prompts
+    from detaudit.config import DecodingParams
+    from detaudit.engine import TP1_GROUP_ENV, open_engine
+
+    prompts = random_prompts(4, 80, 151936, seed=2)
+    pids = [str(i) for i in range(4)]
+    dec = DecodingParams(max_new_tokens=12)  # seeded sampling
+
+    def run(backend, tp, mode, graphs, group=False):
+        monkeypatch.setenv(TP1_GROUP_ENV, "1" if group else "0")
+        eng = open_engine(qwen3_shaped.path, backend, tp, mode, device="cuda", cuda_graphs=graphs)
+        try:
+            d = eng.describe()
+            assert d["cuda_graphs"] == graphs and (d.get("workers") == tp) == (group or (tp > 1 and mode == "real"))
+            return _out(eng.generate(prompts, pids, dec, 4))
+        finally:
+            eng.close()
+            del eng
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    refs = {}
+    for backend in ("bio+tbik", "bio"):
+        ref = refs[backend] = run(backend, 1, "real", True)
+        assert run(backend, 1, "real", False) == ref, backend  # in process: graphed == eager
+        assert run(backend, 1, "real", True, group=True) == ref, backend
+        assert run(backend, 1, "real", False, group=True) == ref, backend
+    tref = refs["bio+tbik"]
+    assert run("bio+tbik", 2, "emulated", True) == tref
+    if torch.cuda.device_count() >= 2:
+        assert run("bio+tbik", 2, "real", True) == tref, "real NCCL TP 2, graphed"

@@ -21,6 +21,8 @@ import functools
 import torch
 from torch import Tensor
 
+from detaudit.backends.kernels import launch
+
 try:  # Gluon is experimental in Triton; where it is missing the Triton kernels run instead
     import triton
     from triton.experimental import gluon
@@ -216,6 +218,35 @@ def try_tree_mm(x: Tensor, w: Tensor, leaves: int) -> Tensor | None:
         return None
 
 
+class _Plan:
+    """`tree_mm` for one plan key (shapes, strides, dtype, pointer alignment) with the compiled kernel
+    kept (see `launch`): per call two allocations, two descriptors from kept shapes, one launch."""
+
+    __slots__ = ("launch", "xd", "wd", "out_shape", "m", "n", "scratch")
+
+    def __init__(self, plan, xd, wd, out_shape, m, n, scratch) -> None:
+        self.launch, self.xd, self.wd, self.out_shape, self.m, self.n, self.scratch = plan, xd, wd, out_shape, m, n, scratch
+
+    def __call__(self, x: Tensor, w: Tensor) -> Tensor:
+        out_full = torch.empty(self.out_shape, dtype=torch.float32, device=x.device)
+        scratch = torch.empty(self.scratch, dtype=torch.float32, device=x.device)
+        self.launch(x.device.index, launch.Desc(x, *self.xd), launch.Desc(w, *self.wd), out_full, scratch)
+        return out_full[:self.m, :self.n]
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _key(x: Tensor, w: Tensor, leaves: int) -> tuple:
+    return (x.shape, x.stride(), w.shape, w.stride(), x.dtype, leaves, x.device.index,
+            x.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0)
+
+
+def plan(x: Tensor, w: Tensor, leaves: int) -> _Plan | None:
+    """The kept launch of an earlier `tree_mm(x, w, leaves)` call with the same plan key, if any."""
+    return _PLANS.get(_key(x, w, leaves))
+
+
 def tree_mm(x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None, num_programs: int | None = None,
             warmup: bool = False):
     """fp32 x[M, K] @ w[N, K]^T (w may be a transposed [K, N] view) reduced along the fixed tree of
@@ -237,13 +268,25 @@ def tree_mm(x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None, num_prog
     x_desc = desc(x, [bm, bk])
     w_desc = desc(w.t(), [bk, bn]) if w_kn else desc(w, [bn, bk])
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    default_progs = num_programs is None
     if num_programs is None:
-        num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+        num_programs = _sm_count(x.device.index or 0) if x.is_cuda else torch.cuda.get_device_properties(x.device).multi_processor_count
     progs = max(1, min(tiles, num_programs))
-    scratch = torch.empty(progs * bm * bn if leaves == 8 else 1, dtype=torch.float32, device=x.device)
+    scratch_n = progs * bm * bn if leaves == 8 else 1
+    scratch = torch.empty(scratch_n, dtype=torch.float32, device=x.device)
     args = (x_desc, w_desc, out_full, scratch, m, n, k // leaves // bk, progs, out_full.stride(0))
     kw = dict(NUM_LEAVES=leaves, BLOCK_N=bn, W_KN=w_kn, NB=c["NB"], GROUP_M=c["GROUP_M"], num_warps=c["num_warps"])
     if warmup:
         return _tree_kernel.warmup(*args, grid=(progs,), **kw)
-    _tree_kernel[(progs,)](*args, **kw)
+    first = launch.Launch.first(_tree_kernel, (progs,), args, kw, slots=(0, 1, 2, 3))
+    if first is not None and cfg is None and default_progs:
+        launch.cache_put(_PLANS, _key(x, w, leaves), _Plan(
+            first, (list(x_desc.shape), list(x_desc.strides), list(x_desc.block_shape), x_desc.layout),
+            (list(w_desc.shape), list(w_desc.strides), list(w_desc.block_shape), w_desc.layout),
+            tuple(out_full.shape), m, n, scratch_n))
     return out_full[:m, :n]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

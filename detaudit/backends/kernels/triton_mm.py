@@ -18,7 +18,7 @@ import functools
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import gluon_tree
+from detaudit.backends.kernels import gluon_tree, launch
 from detaudit.errors import DetauditError
 
 try:  # optional: GPU kernels and the interpreter tests only
@@ -28,23 +28,13 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-# The reduction is fixed per input dtype and never keyed on shape: for bf16/fp16, each output element is
-# accumulated in one fp32 register from zero by Hopper's warpgroup MMA (BLOCK_M >= 64 and 4 warps per
-# group keep every config on wgmma), one K = 16 slice per instruction, slices in K order, no split-K.
-# BLOCK_K only groups those instructions per loop step (64 and 128 measured bitwise equal on an H100,
-# reports/gpu/tile-sweep-small-m-h100.md); zero-padded slices past K add exact zeros. Each output
-# element's sum is therefore the same whatever the tiling, so the tiling is free to follow M: few rows
-# want narrow tiles and many programs streaming the weight, many rows want wide tiles. `TILINGS` maps an
-# upper bound on M (at few rows also a lower bound on N) to one fixed config (first match wins);
-# tests/gpu checks every M in 1..256 and past 2048 against one another bitwise, and scripts/tile_sweep.py checked each config against the others on
-# an H100 (reports/gpu/tile-sweep*-h100.md: bitwise equal at every shape and M tried). Changing the
-# instruction, its slice order or the accumulation changes bits, so the configs are part of `describe()`.
-# TMA=1: on Hopper and later, 2-D bf16/fp16 products load through TMA descriptors (`_tma_kernel`,
-# WS = warp-specialised persistent loop); elsewhere the pointer kernels run the same tiles and give the
-# same bits (tests/gpu checks it).
-# MASK_M: rows past M are not loaded (a 64-row tile holding 8 rows otherwise re-reads them 8 times).
-# Each dtype's tilings are rules (max M, min N, config), first match wins: few rows and a narrow weight
-# (N < 4096) get 16-column tiles, so that enough programs stream it.
+# The reduction is fixed per dtype, never keyed on shape: each output element is one fp32 accumulator
+# from zero, fed one K = 16 wgmma slice per instruction in K order, no split-K; BLOCK_K only groups
+# slices per loop step. So the output tiling may follow M without changing an element's sum: `TILINGS`
+# holds rules (max M, min N, config), first match wins. TMA=1 (Hopper, 2-D bf16/fp16) loads through
+# descriptors (`_tma_kernel`, WS = warp specialised); MASK_M: rows past M are not loaded. tests/gpu checks
+# every tiling and both load paths bitwise; the measurements behind each choice are in
+# reports/gpu/triton-mm-tilings.md. The configs are part of `describe()`.
 _SMALL_M = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=8, TMA=0, MASK_M=1)
 _NARROW = dict(_SMALL_M, BLOCK_N=16)
 _MID_M = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=5, TMA=0)
@@ -54,11 +44,8 @@ Tilings = tuple[tuple[int | None, int, dict[str, int]], ...]
 _HALF: Tilings = ((64, 4096, _SMALL_M), (64, 0, _NARROW), (1024, 0, _MID_M), (None, 0, _LARGE_M))
 TILINGS: dict[torch.dtype, Tilings] = {torch.bfloat16: _HALF, torch.float16: _HALF, torch.float32: ((None, 0, _FP32),)}
 CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][2] for dt, t in TILINGS.items()}  # the large-M tiling
-# The tree kernel (TBIK): the same rule over its leaves (each leaf is the same BLOCK_K steps from zero
-# whatever the tiling). Pointer loads at large M: with TMA the unrolled leaves measured 3-4x slower;
-# narrower tiles (fewer live registers) were slower too at M >= 1024 (reports/gpu/tile-sweep-h100.md).
-# GLUON=1: on Hopper the warp-specialised Gluon kernel of `gluon_tree` computes the same bits faster
-# (0.60-0.75x of cuBLAS against 0.49-0.61x at M >= 1024, reports/gpu/gluon-tree-h100.md).
+# The tree kernel (TBIK): the same rules over its leaves; pointer loads at large M, or on Hopper
+# (GLUON=1) the warp-specialised Gluon kernel of `gluon_tree`, same bits (reports/gpu/triton-mm-tilings.md).
 _TREE_LARGE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, GLUON=1)
 _TREE_HALF: Tilings = ((64, 4096, dict(_SMALL_M, num_stages=6)), (64, 0, _NARROW), (256, 0, _MID_M),
                        (None, 0, _TREE_LARGE))
@@ -290,7 +277,7 @@ def _use_tma(x3: Tensor, w3: Tensor, cfg: dict[str, int], leaf: int) -> bool:
             and x3[0].stride(1) == 1 and _tma_ready(x3[0]) and _tma_ready(w3[0]))
 
 
-def _launch_tma(x: Tensor, w: Tensor, out: Tensor, leaves: int, leaf: int, cfg: dict[str, int]) -> None:
+def _launch_tma(x: Tensor, w: Tensor, out: Tensor, leaves: int, leaf: int, cfg: dict[str, int]) -> launch.Launch | None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -300,16 +287,88 @@ def _launch_tma(x: Tensor, w: Tensor, out: Tensor, leaves: int, leaf: int, cfg: 
     m, n = out.shape
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     progs = _num_programs(x.device, tiles, per_sm=1)
-    _tma_kernel[(progs,)](x_desc, w_desc, out, m, n, x.shape[1], leaf, *out.stride(), progs,
-                          NUM_LEAVES=leaves, W_KN=w_kn, FLATTEN=bool(cfg.get("FLATTEN")) and leaves == 1,
-                          WS=bool(cfg.get("WS")), **_launch_args(cfg))
+    plan = launch.Launch.first(
+        _tma_kernel, (progs,), (x_desc, w_desc, out, m, n, x.shape[1], leaf, *out.stride(), progs),
+        dict(NUM_LEAVES=leaves, W_KN=w_kn, FLATTEN=bool(cfg.get("FLATTEN")) and leaves == 1,
+             WS=bool(cfg.get("WS")), **_launch_args(cfg)), slots=(0, 1, 2))
+    if plan is None:
+        return None
+    xd = (list(x_desc.shape), list(x_desc.strides), list(x_desc.block_shape))
+    wd = (list(w_desc.shape), list(w_desc.strides), list(w_desc.block_shape))
+    return _TmaPlan(plan, xd, wd)
+
+
+class _Plan:
+    """A pointer-kernel product of one plan key: allocate the output, launch the kept kernel."""
+
+    __slots__ = ("launch", "out_shape", "out_dtype")
+
+    def __init__(self, plan: launch.Launch, out_shape: tuple[int, ...], out_dtype: torch.dtype) -> None:
+        self.launch, self.out_shape, self.out_dtype = plan, out_shape, out_dtype
+
+    def __call__(self, x: Tensor, w: Tensor) -> Tensor:
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device)
+        self.launch(x.device.index, x, w, out)
+        return out
+
+
+class _TmaPlan:
+    """The TMA kernel of one plan key: descriptors rebuilt per call from the kept shapes and strides
+    (only the base pointers change; the launcher encodes the CUtensorMap)."""
+
+    __slots__ = ("launch", "xd", "wd", "out_shape", "out_dtype")
+
+    def __init__(self, plan: launch.Launch, xd: tuple, wd: tuple) -> None:
+        self.launch, self.xd, self.wd = plan, xd, wd
+        self.out_shape: tuple[int, ...] = ()
+        self.out_dtype = torch.float32
+
+    def __call__(self, x: Tensor, w: Tensor) -> Tensor:
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device)
+        self.launch(x.device.index, launch.Desc(x, *self.xd), launch.Desc(w, *self.wd), out)
+        return out
+
+
+class _GluonPlan:
+    __slots__ = ("fn",)
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, x: Tensor, w: Tensor) -> Tensor:
+        return self.fn(x, w).contiguous()
+
+
+# plan key -> plan: a product whose shapes, strides, dtypes and pointer alignment were seen before is
+# launched without the JIT's per-call binding (see `launch`)
+_PLANS: dict[tuple, _Plan | _TmaPlan | _GluonPlan] = {}
+
+
+def _plan_key(x: Tensor, w: Tensor, leaves: int, tree: bool, out_dtype: torch.dtype) -> tuple:
+    return (x.shape, x.stride(), w.shape, w.stride(), x.dtype, w.dtype, leaves, tree, out_dtype, x.device.index,
+            x.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0)
 
 
 def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = None, tree: bool = False,
        out_dtype: torch.dtype = torch.float32) -> Tensor:
     """x @ w^T for x[B?, M, K], w[B?, N, K] (w may be a strided view, e.g. a transpose), accumulated in
     fp32 and stored as `out_dtype` (the store rounds once, like a cast); with `leaves` > 1 the K reduction
-    is the fixed tree of `leaves` equal leaves (tree results are always fp32)."""
+    is the fixed tree of `leaves` equal leaves (tree results are always fp32).
+
+    On GPU, the first call of a plan key (shapes, strides, dtypes, pointer alignment) launches through
+    the JIT and keeps the compiled kernel; later calls launch it directly (`launch`): the same kernel
+    with the same arguments, without ~50 us of per-call Python. An explicit `config` never uses plans."""
+    if config is None and x.is_cuda:
+        key = _plan_key(x, w, leaves, tree, out_dtype)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(x, w)
+        return _mm(x, w, leaves, None, tree, out_dtype, key)
+    return _mm(x, w, leaves, config, tree, out_dtype, None)
+
+
+def _mm(x: Tensor, w: Tensor, leaves: int, config: dict[str, int] | None, tree: bool, out_dtype: torch.dtype,
+        key: tuple | None) -> Tensor:
     if triton is None:
         raise DetauditError("the GPU kernels need triton (pip install 'detaudit[triton]')")
     if x.dtype != w.dtype:
@@ -335,12 +394,21 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
         # the Gluon tree kernel (Hopper, many rows): the same bits as the Triton kernel's, fp32 like them
         fast = gluon_tree.try_tree_mm(x3[0], w3[0], leaves)
         if fast is not None:
+            if key is not None and squeeze and w.dim() == 2:  # (a batch of one 3-D x: the JIT each time)
+                g = gluon_tree.plan(x, w, leaves)
+                if g is not None:
+                    launch.cache_put(_PLANS, key, _GluonPlan(g))
             return fast.contiguous() if squeeze else fast.contiguous().unsqueeze(0)
     # tree results stay fp32; the interpreter's fp32 -> bf16 store does not round like torch, so it
     # stores fp32 and torch rounds below
-    out = torch.empty(batch, m, n, dtype=torch.float32 if (tree or interpret) else out_dtype, device=x.device)
+    store_dtype = torch.float32 if (tree or interpret) else out_dtype
+    out = torch.empty(batch, m, n, dtype=store_dtype, device=x.device)
+    plan: _Plan | _TmaPlan | None = None
     if m and n and batch and _use_tma(x3, w3, cfg, leaf):
-        _launch_tma(x3[0], w3[0], out[0], leaves, leaf, cfg)
+        tma = _launch_tma(x3[0], w3[0], out[0], leaves, leaf, cfg)
+        if tma is not None and squeeze:
+            tma.out_shape, tma.out_dtype = (m, n), store_dtype
+            plan = tma
     elif m and n and batch:
         mask_m = bool(cfg.get("MASK_M"))
         cfg = _launch_args(cfg)
@@ -350,10 +418,18 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
         common = dict(PRECISION="ieee" if (x.dtype == torch.float32 or interpret) else "tf32", UPCAST=interpret,
                       MASK_M=mask_m, **cfg)
         if tree:
-            _tree_kernel[(progs,)](x3, w3, out, batch, m, n, leaf, *strides, progs,
-                                   NUM_LEAVES=leaves, EVEN_LEAF=leaf % cfg["BLOCK_K"] == 0, **common)
+            first = launch.Launch.first(_tree_kernel, (progs,), (x3, w3, out, batch, m, n, leaf, *strides, progs),
+                                        dict(NUM_LEAVES=leaves, EVEN_LEAF=leaf % cfg["BLOCK_K"] == 0, **common),
+                                        slots=(0, 1, 2))
         else:
-            _mm_kernel[(progs,)](x3, w3, out, batch, m, n, k, *strides, progs, EVEN_K=k % cfg["BLOCK_K"] == 0, **common)
+            first = launch.Launch.first(_mm_kernel, (progs,), (x3, w3, out, batch, m, n, k, *strides, progs),
+                                        dict(EVEN_K=k % cfg["BLOCK_K"] == 0, **common), slots=(0, 1, 2))
+        if first is not None:
+            # the kernel reads x, w and out through their pointers only (strides are arguments): the
+            # plan passes the caller's tensors and allocates out in the shape it returns
+            plan = _Plan(first, (m, n) if squeeze else (batch, m, n), store_dtype)
+    if plan is not None and key is not None:
+        launch.cache_put(_PLANS, key, plan)
     if not tree:
         out = out.to(out_dtype)  # a no-op unless the interpreter stored fp32
     return out[0] if squeeze else out
