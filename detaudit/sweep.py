@@ -8,7 +8,7 @@ The driver alone writes the run directory (`runs.RunDir`), whichever executor ra
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import groupby
 from pathlib import Path
 
@@ -104,8 +104,8 @@ def build_manifest(cfg: SweepConfig, model, prompts: dict[str, PromptSet], env: 
         code_version=env["versions"]["detaudit"],
         git_hash=env.get("git_hash"),
         model={"name": model.name, "path": str(model.path), "architecture": model.architecture, "checksum": model.checksum},
-        suites={s: {"checksum": p.checksum, "source": p.source, "prompts": len(p.ids), "ungraded": len(p.ungraded)}
-                for s, p in prompts.items()},
+        suites={s: {"checksum": p.checksum, "source": p.source, "prompts": len(p.ids), "ungraded": len(p.ungraded),
+                    "ignored_keys": list(p.ignored_keys)} for s, p in prompts.items()},
         environment=env,
         hardware_key=env["hardware_key"],
         cells={c.id: CellMeta(c.backend, c.tp, c.batch_size, c.suite, tp_mode=cfg.tp_mode_of(c.tp), engine=cfg.engine,
@@ -138,6 +138,7 @@ def run_sweep(cfg: SweepConfig, output_path: Path, *, data_dir: Path | None = No
     console = console or Console(stderr=True)
     validate(cfg)
     model, tokenizer, prompts = prepare(cfg, data_dir, console)
+    cfg = replace(cfg, suites=tuple(prompts))  # YAML paths -> task names: cells are named by the task
     executor = get_executor(cfg.executor)
     env = fingerprint.collect()
     run = RunDir(output_path)

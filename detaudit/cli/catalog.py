@@ -39,7 +39,7 @@ def models_prepare(
 @suites_app.command("ls")
 @handle_errors
 def suites_ls(json_: JsonOpt = False):
-    """List the suites shipped with detaudit."""
+    """List the built-in suites (package data: detaudit/data/suites)."""
     from detaudit.suites import list_suites
 
     print_listing(list_suites(), ["name", "source", "dataset_path", "needs_data_dir", "description"], json_)

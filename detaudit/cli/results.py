@@ -13,13 +13,14 @@ from detaudit.errors import DetauditError
 
 def analyze_and_report(run_dir: Path, formats, json_: bool):
     from detaudit.analyze import analyze as do_analyze
-    from detaudit.report import summary_table, write_reports
+    from detaudit.report import render_summary, write_reports
 
     analysis = do_analyze(run_dir)
     if json_:
         print_json(analysis.summary.to_dict(orient="records"))
     else:
-        out.print(summary_table(analysis))
+        for r in render_summary(analysis):  # table + "nothing to compare: ..." lines
+            out.print(r)
     files = write_reports(analysis, run_dir, formats=formats)
     err.print("wrote " + ", ".join(str(f) for f in files))
     return analysis
@@ -55,17 +56,18 @@ def gate(
     run_dir: RunDirArg,
     policy: Annotated[Optional[Path], typer.Option("--policy", help="Policy YAML (default: bio+tbik must be bitwise invariant).")] = None,
     baseline: Annotated[Optional[Path], typer.Option("--baseline", help="Fail when a metric is worse than this run's by more than its tolerance.")] = None,
+    allow_mismatch: Annotated[bool, typer.Option("--allow-mismatch", help="Compare with a --baseline of another model or suite anyway (the differences are still listed).")] = False,
     json_: JsonOpt = False,
 ):
     """Exit 0 when the run meets the policy, 1 when it does not (violations listed), 2 on bad input."""
-    from detaudit.gate import gate as do_gate, violations_table
+    from detaudit.gate import gate as do_gate, render_result
 
-    res = do_gate(run_dir, policy_path=policy, baseline_dir=baseline)
+    res = do_gate(run_dir, policy_path=policy, baseline_dir=baseline, allow_mismatch=allow_mismatch)
     if json_:
         print_json(res.to_dict())
     else:
-        out.print(violations_table(res))
-        out.print("[green]gate passed[/]" if res.passed else f"[red]gate failed[/]: {len(res.violations)} violation(s)")
+        for r in render_result(res):  # table, "baseline differs: ...", notes, verdict
+            out.print(r)
     raise typer.Exit(0 if res.passed else 1)
 
 
