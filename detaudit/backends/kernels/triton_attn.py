@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 BLOCK_R = 16  # query rows per program (the smallest tl.dot M)
+NO_WINDOW = 2**30  # a window no position reaches past (int32-safe: pos - NO_WINDOW stays negative)
 
 
 def supported(q: Tensor) -> bool:
@@ -36,7 +37,7 @@ if triton is not None:
     @triton.jit
     def _attn_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
-        ROWS, L, scale,
+        ROWS, L, scale, WINDOW,
         sqg, sqr, skg, skl, svg, svl, spg, sog, sor,
         D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
@@ -62,7 +63,8 @@ if triton is not None:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+            visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - WINDOW)
+            s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.where(m_new == m, 1.0, tl.exp(m - safe))  # exactly 1 when nothing new is seen
@@ -75,15 +77,17 @@ if triton is not None:
                  mask=live[:, None])
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, split: int) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, split: int,
+              window: int | None = None) -> Tensor:
     """q[G, R, D] (the group's query rows), k / v[G, L, D], pos[G, R] (each row's position: key j is
-    visible iff j <= pos) -> [G, R, D] in q.dtype."""
+    visible iff j <= pos, and with a sliding window iff pos - window < j <= pos) -> [G, R, D] in q.dtype.
+    A chunk wholly before a row's window leaves it as it was (m stays -inf, alpha is 1), as past it."""
     g, rows, d = q.shape
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # cache slices stay views
     pos = pos.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     grid = (g, triton.cdiv(rows, BLOCK_R))
-    _attn_kernel[grid](q, k, v, pos, out, rows, k.shape[1], float(scale),
+    _attn_kernel[grid](q, k, v, pos, out, rows, k.shape[1], float(scale), NO_WINDOW if window is None else int(window),
                        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                        pos.stride(0), out.stride(0), out.stride(1),
                        D=d, SPLIT=split, BLOCK_R=BLOCK_R,
