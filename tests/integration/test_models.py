@@ -82,8 +82,11 @@ def test_local_checkpoint_and_errors(tiny_qwen3, tmp_path):
         models.resolve_model(str(tmp_path / "empty"))
     (tmp_path / "gpt").mkdir()
     (tmp_path / "gpt" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    # the built-in engine's architecture check (vLLM decides for itself): not resolve_model's
+    from detaudit.engine.model import ModelConfig
+
     with pytest.raises(DetauditError, match="not supported"):
-        models.resolve_model(str(tmp_path / "gpt"))
+        ModelConfig.from_dir(tmp_path / "gpt")
 
 
 def test_corrupt_prepared_model_is_refused(smollm, tmp_path, monkeypatch):
