@@ -3,11 +3,45 @@ config object, makes one call into the library, and renders the result."""
 
 from __future__ import annotations
 
+import sys
+
 import typer
+from rich.markup import escape
+from typer.core import TyperGroup
+
+try:  # typer >= 0.20 vendors click
+    from typer._click import exceptions as cx
+    from typer._click import echo
+except ImportError:  # pragma: no cover - older typer on the real click
+    from click import echo, exceptions as cx
 
 from detaudit.cli import align, bench, catalog, results, sweep
+from detaudit.cli.common import err
 
-app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+
+class _OneLineErrors(TyperGroup):
+    """Usage errors (unknown option, bad choice, missing argument) print one line and exit 2, like every
+    other bad input, instead of click's boxed usage text."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except cx.NoArgsIsHelpError as e:
+            echo(e.ctx.get_help() if e.ctx else e.format_message())
+            rv = 2
+        except cx.UsageError as e:
+            hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx else ""
+            err.print(f"[bold red]error:[/] {escape(e.format_message())}{hint}", highlight=False, soft_wrap=True)
+            rv = 2
+        except cx.Abort:
+            err.print("[yellow]interrupted[/]")
+            rv = 130
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = typer.Typer(cls=_OneLineErrors, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   help="Audit whether LLM inference is reproducible across TP sizes, batch sizes and numeric backends.")
 app.command()(sweep.sweep)
 app.command()(results.analyze)

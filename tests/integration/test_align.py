@@ -9,6 +9,7 @@ import json
 from typer.testing import CliRunner
 
 from detaudit.cli import app
+from helpers import cli_json
 
 runner = CliRunner()
 
@@ -19,7 +20,7 @@ def test_align_tbik_is_bitwise_and_bf16_is_not(smollm, tmp_path):
                               "--suite", "smoke", "--limit", "3", "--batch-size", "3", "--max-new-tokens", "8",
                               "--output-path", str(out), "--json"])
     assert res.exit_code == 0, res.output
-    rows = {r["backend"]: r for r in json.loads(res.stdout[res.stdout.index("[") :])}
+    rows = {r["backend"]: r for r in cli_json(res)}
     assert rows["bio+tbik"]["bitwise_equal_frac"] == 1.0 and rows["bio+tbik"]["dp_max"] == 0.0
     assert rows["bio+tbik"]["tokens"] > 0 and rows["bf16"]["tokens"] > 0
     assert rows["bf16"]["bitwise_equal_frac"] < 1.0 and rows["bf16"]["dp_max"] > 0.0

@@ -16,7 +16,7 @@ import pytest
 from detaudit.config import DecodingParams
 from detaudit.engine.local import LocalEngine
 from detaudit.suites import load_suite, prompt_token_ids
-from detaudit.sweep import tokenizer_for
+from detaudit.inputs import tokenizer_for
 
 NEW = 6
 GREEDY = DecodingParams(greedy=True, max_new_tokens=NEW)

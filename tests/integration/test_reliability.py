@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from detaudit.cli import app
+from helpers import cli_json
 
 runner = CliRunner()
 GRID = ["--suites", "smoke", "--limit", "2", "--max-new-tokens", "4", "--backends", "bf16,bio",
@@ -24,10 +25,11 @@ GRID = ["--suites", "smoke", "--limit", "2", "--max-new-tokens", "4", "--backend
 
 
 def _workers() -> list[psutil.Process]:
+    """TP worker processes started by this test process (never other sweeps on the machine)."""
     out = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.Process().children(recursive=True):
         try:
-            if any("detaudit.engine.worker" in part for part in (p.info["cmdline"] or [])):
+            if any("detaudit.engine.worker" in part for part in p.cmdline()):
                 out.append(p)
         except psutil.Error:
             pass
@@ -50,7 +52,7 @@ def clean_run(smollm, tmp_path_factory) -> Path:
 def _summary(out: Path) -> list[dict]:
     res = runner.invoke(app, ["analyze", str(out), "--json"])
     assert res.exit_code == 0, res.output
-    return json.loads(res.stdout[res.stdout.index("[") :])
+    return cli_json(res)
 
 
 def _cell_files(out: Path) -> dict[str, float]:
@@ -61,15 +63,18 @@ def test_kill_and_resume(clean_run, tmp_path):
     out = tmp_path / "killed"
     rng = random.Random(7)
     recomputed = 0
+    killed_mid_sweep = 0
     for attempt in range(3):
         before = _cell_files(out)
         proc = subprocess.Popen(_sweep_cmd(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(4, 12))
+        killed_mid_sweep += proc.poll() is None  # a kill after the sweep finished tests nothing
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         after = _cell_files(out)
         recomputed += sum(1 for name, mtime in before.items() if after.get(name) != mtime)
     before = _cell_files(out)
+    assert killed_mid_sweep >= 1 and len(before) < 6, (killed_mid_sweep, len(before))  # the kills interrupted work
     done = subprocess.run(_sweep_cmd(out), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     after = _cell_files(out)

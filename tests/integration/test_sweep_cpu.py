@@ -12,8 +12,10 @@ from typer.testing import CliRunner
 from detaudit.cli import app
 from detaudit.config import DecodingParams
 from detaudit.engine import open_engine
+from detaudit.engine.local import cpu_cores
 from detaudit.suites import load_suite, prompt_token_ids
-from detaudit.sweep import tokenizer_for
+from detaudit.inputs import tokenizer_for
+from helpers import cli_json
 
 runner = CliRunner()
 
@@ -31,7 +33,7 @@ def test_real_tp_matches_tp1_on_the_real_model_fp32(smollm):
         eng = open_engine(smollm.path, "bf16", tp, "real", dtype="float32")
         try:
             got = eng.generate(ids, pids, dec, 3)
-            assert eng.describe()["threads_per_rank"] == max(1, eng.describe()["threads_per_rank"])
+            assert eng.describe()["threads_per_rank"] == max(1, cpu_cores() // tp)  # cores split over ranks
         finally:
             eng.close()
         assert [g.token_ids for g in got] == [g.token_ids for g in ref], tp
@@ -53,7 +55,7 @@ def test_sweep_bio_backends_real_tp(smollm, tmp_path):
     threads = {k: v["threads_per_rank"] for k, v in manifest["backends"].items()}
     assert threads["bio+tbik@tp4"] == 1 and threads["bio+tbik@tp1"] >= 1
     res = runner.invoke(app, ["analyze", str(out), "--json"])
-    rows = {r["backend"]: r for r in json.loads(res.stdout[res.stdout.index("[") :])}
+    rows = {r["backend"]: r for r in cli_json(res)}
     assert rows["bio+tbik"]["unique_mean"] == 1 and rows["bio+tbik"]["maxprob_div_mean"] == 0
     assert rows["bio"]["cells"] == 4
     assert (out / "report.md").exists()

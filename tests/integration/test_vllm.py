@@ -12,8 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from detaudit.cli import app
-from detaudit.store import RunDir
+from detaudit.runs import RunDir
 from detaudit.vllm.host import thread_binds
+from helpers import cli_json
 
 runner = CliRunner()
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -61,7 +62,7 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys):
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["analyze", str(out), "--json"])
     assert res.exit_code == 0, res.output
-    rows = {r["backend"]: r for r in json.loads(res.stdout[res.stdout.index("["):])}
+    rows = {r["backend"]: r for r in cli_json(res)}
     assert rows["bio+tbik"]["cells"] == 4
     assert rows["bio+tbik"]["unique_mean"] == 1 and rows["bio+tbik"]["maxprob_div_mean"] == 0
 
@@ -106,6 +107,6 @@ def test_vllm_rollout_tp2_is_bitwise_aligned_with_builtin_trainer_tp1(tmp_path):
                               "--limit", "3", "--batch-size", "3", "--max-new-tokens", "6",
                               "--output-path", str(tmp_path / "align"), "--json"])
     assert res.exit_code == 0, res.output
-    rows = {r["backend"]: r for r in json.loads(res.stdout[res.stdout.index("["):])}
+    rows = {r["backend"]: r for r in cli_json(res)}
     assert rows["bio+tbik"]["tokens"] > 0 and rows["bio+tbik"]["bitwise_equal_frac"] == 1.0
     assert rows["bio+tbik"]["dp_max"] == 0.0

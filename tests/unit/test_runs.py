@@ -1,0 +1,139 @@
+"""Run directory (runs.py) and typed manifest (manifest.py): atomic cell files, resume, lock,
+comparability, validation on read."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+from detaudit.errors import DetauditError
+from detaudit.manifest import CellMeta, Manifest
+from detaudit.runs import RunDir
+
+A, B = "s__bf16__tp1__bs1", "s__bf16__tp1__bs2"
+
+
+def row(cell_id, i, tokens=(1, 2)):
+    return {"cell_id": cell_id, "model": "m", "suite": "s", "backend": "bf16", "tp": 1, "batch_size": 1,
+            "tp_mode": "real", "engine": "builtin", "prompt_index": i, "prompt_id": str(i), "prompt_hash": "h",
+            "prompt_tokens": 3, "output_token_ids": list(tokens), "output_text": "x", "finish_reason": "length",
+            "token_logprobs": [-0.1] * len(tokens), "topk_ids": [[1] * 5] * len(tokens),
+            "topk_logprobs": [[-0.1] * 5] * len(tokens), "reference_answer": "1", "predicted_answer": "1",
+            "correct": True, "tf_reference_cell": None, "tf_token_logprobs": None}
+
+
+def manifest(key="k", cells=(A, B)) -> Manifest:
+    return Manifest(config={"backends": ["bf16"], "tp": [1], "batch_sizes": [1, 2], "suites": ["s"]},
+                    identity={"model_checksum": key},
+                    cells={c: CellMeta("bf16", 1, int(c[-1]), "s", prompts=2) for c in cells})
+
+
+def test_write_and_resume(tmp_path):
+    run = RunDir(tmp_path / "r")
+    with run.locked():
+        assert run.init_or_check(manifest()) == []
+        run.write_cell(A, [row(A, 0), row(A, 1)], {"wall_s": 1.0})
+    run2 = RunDir(tmp_path / "r")
+    with run2.locked():
+        assert run2.init_or_check(manifest()) == [A]
+    assert run2.manifest.cells[A].state == "done" and len(run2.read_cell(A)) == 2
+    assert RunDir(tmp_path / "r").load().cells[A].extra["wall_s"] == 1.0
+
+
+def test_cell_file_without_manifest_update_is_recovered(tmp_path):
+    """Killed between writing the cell file and the manifest: the valid file counts as done."""
+    run = RunDir(tmp_path / "r")
+    with run.locked():
+        run.init_or_check(manifest())
+        run.write_cell(A, [row(A, 0), row(A, 1)], {})
+        run.manifest.cells[A].state = "pending"
+        run.save()
+    with RunDir(tmp_path / "r").locked() as r:
+        assert r.init_or_check(manifest()) == [A]
+
+
+def test_truncated_cell_is_recomputed_not_read(tmp_path):
+    run = RunDir(tmp_path / "r")
+    with run.locked():
+        run.init_or_check(manifest())
+        run.write_cell(A, [row(A, 0), row(A, 1)], {})
+    p = run.cell_path(A)
+    p.write_bytes(p.read_bytes()[:100])
+    with pytest.raises(DetauditError, match="unreadable or truncated"):
+        run.read_cell(A)
+    with RunDir(tmp_path / "r").locked() as r:
+        assert r.init_or_check(manifest()) == []
+        assert r.manifest.cells[A].state == "pending"
+
+
+def test_cell_file_of_another_cell_or_sweep_is_refused(tmp_path):
+    run = RunDir(tmp_path / "r")
+    with run.locked():
+        run.init_or_check(manifest())
+        run.write_cell(A, [row(A, 0), row(A, 1)], {})
+    run.cell_path(B).write_bytes(run.cell_path(A).read_bytes())  # A's file copied over B's name
+    with pytest.raises(DetauditError, match=f"holds cell '{A}'"):
+        run.read_cell(B)
+    assert not run.cell_is_valid(B)
+    other = RunDir(tmp_path / "o")  # same cell id, another sweep's identity
+    with other.locked():
+        other.init_or_check(manifest("other"))
+    other.cell_path(A).write_bytes(run.cell_path(A).read_bytes())
+    with pytest.raises(DetauditError, match="another sweep"):
+        other.read_cell(A)
+
+
+def test_different_sweep_refused(tmp_path):
+    with RunDir(tmp_path / "r").locked() as r:
+        r.init_or_check(manifest("k1"))
+    with pytest.raises(DetauditError, match="different sweep .*model_checksum"):
+        with RunDir(tmp_path / "r").locked() as r:
+            r.init_or_check(manifest("k2"))
+
+
+def test_manifest_round_trip_keeps_unknown_keys(tmp_path):
+    m = manifest()
+    d = m.to_dict()
+    d["future_field"] = {"x": 1}
+    back = Manifest.from_dict(d)
+    assert back.to_dict() == d and back.comparable() == m.comparable()
+
+
+@pytest.mark.parametrize("cell_id", ["../../x", "s__bf16__tp1__bs1/../../y", "a/b", "", ".hidden__b__tp1__bs1"])
+def test_cell_ids_that_could_be_paths_are_refused(tmp_path, cell_id):
+    d = manifest().to_dict()
+    d["cells"][cell_id] = d["cells"].pop(A)
+    with pytest.raises(DetauditError, match="not a detaudit cell id"):
+        Manifest.from_dict(d)
+    with pytest.raises(DetauditError, match="not a detaudit cell id"):
+        RunDir(tmp_path).cell_path(cell_id)
+
+
+def _hold(path, ready):
+    with RunDir(path).locked():
+        ready.set()
+        time.sleep(30)
+
+
+def test_lock_refuses_second_writer_and_dies_with_holder(tmp_path):
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=_hold, args=(tmp_path / "r", ready))
+    p.start()
+    assert ready.wait(10)
+    with pytest.raises(DetauditError, match="another sweep is writing"):
+        with RunDir(tmp_path / "r").locked():
+            pass
+    p.kill()  # SIGKILL: the kernel releases the flock, nothing stays stuck
+    p.join()
+    with RunDir(tmp_path / "r").locked():
+        pass
+
+
+def test_corrupt_manifest(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "manifest.json").write_text("{not json")
+    with pytest.raises(DetauditError, match="corrupt"):
+        RunDir(tmp_path / "r").load()
