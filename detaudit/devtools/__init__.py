@@ -1,0 +1,1 @@
+"""Developer tools that ship with the package (they use only public APIs)."""
