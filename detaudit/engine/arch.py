@@ -86,7 +86,7 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise DetauditError(f"{path}/config.json is malformed: not a JSON object")
         try:
-            return cls.from_dict(raw, str(path))
+            return cls.from_dict(raw, f"{path}/config.json")
         except (KeyError, TypeError, ValueError) as e:
             raise DetauditError(f"{path}/config.json: missing or malformed field {e}") from None
 
@@ -97,17 +97,17 @@ class ModelConfig:
             raise DetauditError(f"{where}: model_type {mtype!r} is not supported by the built-in engine "
                                 f"(supported: {', '.join(SUPPORTED)}; `--engine vllm` runs what vLLM supports)")
 
-        def refuse(what: str) -> DetauditError:
-            return DetauditError(f"{where}: {what} is not supported by the built-in engine ({mtype})")
+        def refuse(what: str, note: str = "") -> DetauditError:
+            return DetauditError(f"{where}: {what} is not supported by the built-in engine ({mtype}{'; ' + note if note else ''})")
 
         archs = raw.get("architectures") or [ARCHITECTURES[mtype]]
         if list(archs) != [ARCHITECTURES[mtype]]:
-            raise refuse(f"architectures {archs} (expected [{ARCHITECTURES[mtype]!r}])")
+            raise refuse(f"architectures {archs}", f"expected [{ARCHITECTURES[mtype]!r}]")
         if raw.get("quantization_config"):
-            raise refuse("quantization_config (quantized checkpoints)")
+            raise refuse("quantization_config", "quantized checkpoints")
         act = raw.get("hidden_act", "silu")
         if act != "silu":
-            raise refuse(f"hidden_act {act!r} (only 'silu')")
+            raise refuse(f"hidden_act {act!r}", "only 'silu'")
         d = _DEFAULTS[mtype]
         heads = int(raw["num_attention_heads"])
         kv = raw.get("num_key_value_heads", d["num_key_value_heads"]) or heads
@@ -122,7 +122,7 @@ class ModelConfig:
         if mlp_bias and mtype != "llama":
             raise refuse("mlp_bias")
         if attention_bias and mtype in ("qwen2", "mistral"):
-            raise refuse("attention_bias (transformers' class has no such option and would ignore the biases)")
+            raise refuse("attention_bias", "transformers' class has no such option and would ignore the biases")
         qkv_bias = attention_bias or mtype == "qwen2"
         o_bias = attention_bias
         rope = _rope(raw, max_pos, refuse)
@@ -176,7 +176,7 @@ def _rope(raw: dict, max_pos: int, refuse) -> RopeSpec:
     theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rtype = rope.get("rope_type", rope.get("type", "default")) or "default"
     if rtype not in ROPE_TYPES:
-        raise refuse(f"rope_type {rtype!r} (supported: {', '.join(ROPE_TYPES)})")
+        raise refuse(f"rope_type {rtype!r}", f"supported: {', '.join(ROPE_TYPES)}")
     partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
         raise refuse(f"partial_rotary_factor {partial}")
@@ -206,7 +206,7 @@ def _windows(raw: dict, mtype: str, layers: int, refuse) -> tuple[int | None, ..
         return (None,) * layers
     if mtype == "mistral":
         if "layer_types" in raw:
-            raise refuse("layer_types (alternating attention, as in Ministral)")
+            raise refuse("layer_types", "alternating attention, as in Ministral")
         window = raw.get("sliding_window", 4096)
         return (_window_size(window, refuse),) * layers
     # qwen2 / qwen3: the window only when use_sliding_window, on the layers layer_types marks sliding
@@ -218,7 +218,7 @@ def _windows(raw: dict, mtype: str, layers: int, refuse) -> tuple[int | None, ..
         first = int(raw.get("max_window_layers", 28))
         types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
     if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
-        raise refuse(f"layer_types {types} (expected {layers} of 'full_attention' / 'sliding_attention')")
+        raise refuse(f"layer_types {types}", f"expected {layers} of 'full_attention' / 'sliding_attention'")
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
