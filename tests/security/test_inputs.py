@@ -33,7 +33,7 @@ def test_prompt_over_context_is_refused_naming_the_row():
     with pytest.raises(DetauditError) as e:
         check_prompt_lengths("aime24", ids, toks, max_new_tokens=10, context_len=100)
     msg = _one_line(e)
-    assert "suite aime24" in msg and "prompt p1" in msg, msg
+    assert "suite aime24" in msg and "prompt 'p1'" in msg, msg
     assert "91 tokens" in msg and "--max-new-tokens 10" in msg and "101 > " in msg and "100 tokens" in msg, msg
     assert "1 more" in msg, msg  # p3 too
     assert e.value.exit_code == 2
@@ -43,13 +43,13 @@ def test_single_offender_says_no_more():
     with pytest.raises(DetauditError) as e:
         check_prompt_lengths("s", ["only"], [[1] * 3], max_new_tokens=2, context_len=4)
     msg = _one_line(e)
-    assert "prompt only is 3 tokens" in msg and "more" not in msg, msg
+    assert "prompt 'only' is 3 tokens" in msg and "more" not in msg, msg
 
 
 def test_empty_prompt_and_max_new_tokens_filling_the_context_are_refused():
     with pytest.raises(DetauditError) as e:
         check_prompt_lengths("s", ["a", "b"], [[1], []], max_new_tokens=1, context_len=100)
-    assert "prompt b is empty" in _one_line(e)
+    assert "prompt 'b' is empty" in _one_line(e)
     with pytest.raises(DetauditError) as e:
         check_prompt_lengths("s", ["a"], [[1]], max_new_tokens=100, context_len=100)
     assert "--max-new-tokens 100" in _one_line(e)
@@ -94,3 +94,19 @@ def test_sweep_refuses_non_positive_hang_timeout(tmp_path, value):
     assert len(lines) == 1, res.output
     assert "--hang-timeout" in lines[0], lines[0]
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_sweep_refuses_prompt_over_context_before_model_work(tmp_path, smollm):
+    """smollm2-135m's context is 8192 positions: smoke's first prompt + 8180 new tokens does not fit.
+    The sweep stops after tokenizing (no engine, no cell), with one line naming the suite and the row."""
+    from detaudit.cli import app
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["sweep", "--suites", "smoke", "--limit", "1", "--max-new-tokens", "8180",
+                                   "--backends", "bio", "--tp", "1", "--batch-sizes", "1", "--output-path", str(out)])
+    assert res.exit_code == 2, (res.output, res.exception)
+    assert "Traceback" not in res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1, res.output
+    assert "suite smoke: prompt " in lines[0] and "8180" in lines[0] and "8192" in lines[0], lines[0]
+    assert not list(out.rglob("*.parquet"))
