@@ -17,6 +17,7 @@ from detaudit.config import DecodingParams
 from detaudit.engine import open_engine
 from detaudit.engine.local import LocalEngine
 from detaudit.errors import DetauditError
+from helpers import cli_json
 
 ATOL = 1e-4
 BACKENDS = ("bf16", "bio", "bio+tbik")
@@ -40,6 +41,8 @@ ARCHS = {
     # Mistral-style: a sliding window smaller than the test sequence
     "mistral": ("mistral", dict(sliding_window=8)),
     "qwen3": ("qwen3", dict()),
+    # Qwen3 with attention_bias: q/k biases come before QK-norm, o_proj's after the all-reduce
+    "qwen3_bias": ("qwen3", dict(attention_bias=True)),
 }
 
 
@@ -136,6 +139,7 @@ ABLATIONS = [  # (arch, what is removed from transformers' model, how)
     ("llama31", "llama3 rope scaling", dict(config_edit=_no_rope_scaling)),
     ("llama31", "attention / mlp biases", dict(zero_biases=True)),
     ("qwen25", "q/k/v biases", dict(zero_biases=True)),
+    ("qwen3_bias", "q/k/v/o biases", dict(zero_biases=True)),
     ("qwen2_swa", "sliding window", dict(config_edit=_no_window)),
     ("mistral", "sliding window", dict(config_edit=_no_window)),
 ]
@@ -281,6 +285,6 @@ def test_cli_sweep(arch, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert len(manifest["cells"]) == 6
     res = runner.invoke(app, ["analyze", str(out), "--json"])
-    rows = {r["backend"]: r for r in json.loads(res.stdout[res.stdout.index("["):])}
+    rows = {r["backend"]: r for r in cli_json(res)}
     assert rows["bio+tbik"]["cells"] == 2
     assert rows["bio+tbik"]["unique_mean"] == 1 and rows["bio+tbik"]["maxprob_div_mean"] == 0
