@@ -2,9 +2,7 @@
 
 
 class DetauditError(Exception):
-    """Bad input or an unusable environment. The message is shown to the user as is."""
-
-    exit_code = 2
+    """Bad input or an unusable environment. The message is shown to the user as is (the CLI exits 2)."""
 
 
 class CellFailed(Exception):

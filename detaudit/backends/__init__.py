@@ -4,7 +4,7 @@ row-parallel layers). Built-in backends register on import; third-party ones com
 
 from __future__ import annotations
 
-import sys
+import os
 from importlib import metadata
 from typing import Callable
 
@@ -37,7 +37,7 @@ def _load_builtin() -> None:
 
 def _load_entry_points() -> None:
     global _entry_points_loaded
-    if _entry_points_loaded or "pytest" in sys.modules:
+    if _entry_points_loaded or os.environ.get("DETAUDIT_NO_PLUGINS"):  # tests: built-in backends only
         return
     _entry_points_loaded = True
     for ep in metadata.entry_points(group="detaudit.backends"):

@@ -44,12 +44,12 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _workers(n: int) -> ThreadPoolExecutor:
-    """A pool of at least n single-threaded workers."""
+    """A pool of at least n single-threaded workers. A smaller pool is replaced, never shut down: a
+    caller that already holds it may still be submitting to it (that was a race); its idle threads
+    exit when the last holder drops it."""
     global _pool, _pool_size
     with _lock:
         if _pool is None or _pool_size < n:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
             _pool, _pool_size = ThreadPoolExecutor(n, thread_name_prefix="detaudit-gemm",
                                                    initializer=_set_num_threads, initargs=(1,)), n
         return _pool
@@ -126,11 +126,13 @@ def block_products(a: Tensor, b: Tensor) -> Tensor:
                 else:
                     dest.copy_(torch.bmm(rows, rhs.expand(rows.shape[0], k, rhs.shape[-1])))
 
-    with one_thread() as width:
-        big = 2.0 * g * nb * r * k * n >= MIN_SPLIT_FLOPS
-        jobs = _jobs(g, nb, n, width if big else 1)
-        futures = [_workers(width - 1).submit(run, j) for j in jobs[1:]] if len(jobs) > 1 else []
-        run(jobs[0])
-        for f in futures:
+    width = torch.get_num_threads()
+    if width > 1 and 2.0 * g * nb * r * k * n >= MIN_SPLIT_FLOPS:
+        # big: every job on the pool's single-threaded workers; this thread's settings stay untouched
+        pool = _workers(width)
+        for f in [pool.submit(run, j) for j in _jobs(g, nb, n, width)]:
             f.result()
+    else:
+        with one_thread():  # small: here, one thread (a hand-off would cost more than the product)
+            run((slice(0, g), slice(0, nb), slice(0, n)))
     return out if grouped else out[0]
