@@ -226,15 +226,22 @@ def _read_cell(run: RunDir, cell_id: str) -> pd.DataFrame:
     df = table.drop_columns(["topk_logprobs", "topk_ids"]).to_pandas()
     df["top5"] = pd.Series(top5, index=df.index, dtype=object)
     df["cell_id"] = cell_id
+    # server engines' --repeats: each (cell, repeat) is one configuration for unique / divergence
+    # metrics ("cell#rN"); files without the column (or without repeats) are one configuration
+    if "repeat" in df and df["repeat"].notna().any() and (df["repeat"].fillna(0) > 0).any():
+        df["config_id"] = [f"{cell_id}#r{int(r) if pd.notna(r) else 0}" for r in df["repeat"]]
+    else:
+        df["config_id"] = cell_id
     return df
 
 
 def _expected_cells(manifest: Manifest) -> dict[str, dict[str, Any]]:
     c = manifest.config
     return {
-        Cell(b, tp, bs, s).id: dict(backend=b, tp=tp, batch_size=bs, suite=s)
+        Cell(b, tp, bs, s, bg).id: dict(backend=b, tp=tp, batch_size=bs, suite=s)
         for b in c.get("backends", []) for tp in c.get("tp", [])
         for s in c.get("suites", []) for bs in c.get("batch_sizes", [])
+        for bg in (c.get("background_load") or [0])
     }
 
 
@@ -289,7 +296,8 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
     # per cell: prompt -> data
     data: dict[str, dict[str, dict[str, Any]]] = {}
     prompt_index: dict[str, int] = {}
-    for cid, sub in records.groupby("cell_id", sort=False) if len(records) else ():
+    key_col = "config_id" if "config_id" in records else "cell_id"  # (cell, repeat) configurations
+    for cid, sub in records.groupby(key_col, sort=False) if len(records) else ():
         d = {}
         for r in sub.to_dict("records"):
             key = _prompt_key(r)
@@ -303,10 +311,13 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
             prompt_index.setdefault(key, int(r["prompt_index"]) if pd.notna(r["prompt_index"]) else len(prompt_index))
         data[cid] = d
     prompts = sorted(prompt_index, key=lambda k: (prompt_index[k], k))
+    configs_of = {c: sorted((k for k in data if k == c or k.startswith(c + "#r")),
+                            key=lambda k: int(k.rsplit("#r", 1)[1]) if "#r" in k else 0) for c in done}
+    configs = [k for c in done for k in configs_of[c]]  # every (cell, repeat), cells in grid order
 
     pp_rows, div_arrays, first_divs = [], [], []
     for key in prompts:
-        have = [c for c in done if key in data[c]]
+        have = [c for c in configs if key in data[c]]
         recs = [data[c][key] for c in have]
         seqs = [r["ids"] for r in recs]
         fd = first_divergence(seqs)
@@ -318,6 +329,7 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
         tf_mean = tf_max = math.nan
         if len(tf_cells) >= MIN_CELLS:
             named = next((r["ref"] for r in recs if isinstance(r["ref"], str) and r["ref"]), None)
+            named = named if named in tf_cells or f"{named}#r0" not in tf_cells else f"{named}#r0"  # --repeats
             ref_cell = named if named in tf_cells else tf_cells[0]
             tf = teacher_forced_by_position([data[c][key]["tf"] for c in tf_cells], data[ref_cell][key]["tf"])
             if tf.size:
@@ -341,21 +353,23 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
 
     # per cell
     cell_extra = {}
-    ref_cell = done[0] if done else None
-    for cid in done:
-        d = data[cid]
-        known = [r["correct"] for r in d.values() if r["correct"] is not None]
-        same = [d[k]["ids"].tobytes() == data[ref_cell][k]["ids"].tobytes() for k in d if k in data[ref_cell]]
+    ref_cell = configs[0] if configs else None
+    for cid in done:  # per cell (its repeats pooled)
+        ds = [data[k] for k in configs_of[cid]]
+        rs = [r for d in ds for r in d.values()]
+        known = [r["correct"] for r in rs if r["correct"] is not None]
+        same = [d[k]["ids"].tobytes() == data[ref_cell][k]["ids"].tobytes() for d in ds for k in d if k in data[ref_cell]]
         cell_extra[cid] = dict(
-            prompts=len(d), acc=float(np.mean(known)) if known else math.nan,
-            len_mean=float(np.mean([len(r["ids"]) for r in d.values()])) if d else math.nan,
+            prompts=len({k for d in ds for k in d}), acc=float(np.mean(known)) if known else math.nan,
+            len_mean=float(np.mean([len(r["ids"]) for r in rs])) if rs else math.nan,
             agree_ref=float(np.mean(same)) if same else math.nan,
         )
-    agreement = agreement_matrix({cid: {k: r["ids"] for k, r in data[cid].items()} for cid in done})
+    # per cell (its first repeat), so the matrix and its plot stay one row per cell however many repeats
+    agreement = agreement_matrix({cid: {k: r["ids"] for k, r in data[configs_of[cid][0]].items()} for cid in done})
 
     # by position
     width = max((a.size for a in div_arrays), default=0)
-    max_len = max(width, max(([len(data[c][k]["ids"]) for c in done for k in data[c]]), default=0))
+    max_len = max(width, max(([len(data[c][k]["ids"]) for c in configs for k in data[c]]), default=0))
     sums, counts = np.zeros(max_len), np.zeros(max_len)
     for a in div_arrays:
         sums[: a.size] += a
@@ -377,7 +391,7 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
     failed = cells[cells["state"].isin(["failed", "missing"])]["cell_id"].tolist()
     pending = cells[~cells["state"].isin(["failed", "missing", "done"])]["cell_id"].tolist()
     diverging = [f for f in first_divs if f is not None]
-    tf_refs = sorted({r["ref"] for c in done for r in data[c].values() if isinstance(r["ref"], str) and r["ref"]})
+    tf_refs = sorted({r["ref"] for c in configs for r in data[c].values() if isinstance(r["ref"], str) and r["ref"]})
     summary = dict(
         model=model, suite=suite, backend=backend, cells=len(done), prompts=len(prompts),
         unique_mean=mean_or_nan(pp["unique"]), unique_max=float(pp["unique"].max()) if len(pp) else math.nan,

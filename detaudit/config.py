@@ -54,12 +54,14 @@ class Cell:
     tp: int
     batch_size: int
     suite: str
+    background: int = 0  # server engines: concurrent background requests while this cell runs
 
     @property
     def id(self) -> str:
-        """`suite__backend__tpN__bsN` (cell ids become file names: only [A-Za-z0-9_.-])."""
+        """`suite__backend__tpN__bsN[__bgN]` (cell ids become file names: only [A-Za-z0-9_.-])."""
         safe_backend = re.sub(r"[^A-Za-z0-9_.-]", "-", self.backend)
-        return f"{self.suite}__{safe_backend}__tp{self.tp}__bs{self.batch_size}"
+        bg = f"__bg{self.background}" if self.background else ""
+        return f"{self.suite}__{safe_backend}__tp{self.tp}__bs{self.batch_size}{bg}"
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class SweepConfig:
     cuda_graphs: bool = True  # built-in engine on a GPU: decode steps replayed from CUDA graphs
     hang_timeout: float = 300.0  # seconds without progress before a TP worker is declared hung
     executor: str = "local"
+    background_load: tuple[int, ...] = (0,)  # server engines: background requests per cell (a grid axis)
+    repeats: int = 1  # server engines: every prompt is sent this many times per cell
+    server: dict = field(default_factory=dict)  # server engines' options (no secrets: the API key's env var name only)
 
     def __post_init__(self) -> None:
         if not self.suites:
@@ -95,6 +100,11 @@ class SweepConfig:
             raise DetauditError(f"--dtype {self.dtype}: must be one of {', '.join(DTYPES)}")
         if not self.hang_timeout > 0:
             raise DetauditError(f"--hang-timeout must be > 0 seconds (got {self.hang_timeout})")
+        if self.repeats < 1:
+            raise DetauditError(f"--repeats must be >= 1 (got {self.repeats})")
+        for bg in self.background_load:
+            if bg < 0:
+                raise DetauditError(f"--background-load {bg}: must be >= 0")
         if self.tp_mode not in TP_MODES:
             raise DetauditError(f"--tp-mode {self.tp_mode}: must be one of {', '.join(TP_MODES)}")
         for name, values in (("--backends", self.backends), ("--tp", self.tp), ("--batch-sizes", self.batch_sizes), ("--suites", self.suites)):
@@ -105,11 +115,12 @@ class SweepConfig:
         """Grid order: backend, TP, then suite and batch size, so one engine per (backend, TP) serves
         consecutive cells."""
         return [
-            Cell(b, tp, bs, s)
+            Cell(b, tp, bs, s, bg)
             for b in self.backends
             for tp in self.tp
             for s in self.suites
             for bs in self.batch_sizes
+            for bg in self.background_load
         ]
 
     def to_dict(self) -> dict:

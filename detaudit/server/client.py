@@ -1,0 +1,304 @@
+"""`OpenAIEngine`: the Engine of `--engine openai` (and the client side of `--engine vllm-server`).
+
+Each audited prompt is one request; a cell's batch size is how many are in flight at once (an
+asyncio semaphore), with optional background load (`load.py`) running for the whole time. Requests
+carry the suite's sampling settings, `max_tokens`, a per-request seed and `logprobs` / `top_logprobs`
+(k = --logprobs). Teacher forcing uses vLLM's `prompt_logprobs`, else `echo` + `logprobs`, else none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from detaudit.config import DecodingParams
+from detaudit.errors import DetauditError
+from detaudit.records import Generation, ProgressFn
+from detaudit.server import wire
+from detaudit.server.http import Http, RetryPolicy, get_json_sync
+from detaudit.server.load import LoadStats, random_prompts, run_background
+from detaudit.server.urls import check_base_url, public_url, server_root
+
+APIS = ("completions", "chat")
+PROMPT_FORMATS = ("ids", "text")
+BACKGROUND_PROMPTS = ("suite", "random")
+KINDS = ("auto", "vllm", "sglang", "generic")
+
+
+@dataclass
+class ServerOptions:
+    """`EngineOptions.extra` of the server engines (built by `hooks.engine_extra`)."""
+
+    base_url: str = ""
+    api: str = "completions"
+    api_key_env: str | None = None
+    prompt_format: str = "ids"
+    server_model: str | None = None  # the id to request; default: the one matching --model
+    model_candidates: tuple[str, ...] = ()  # --model as given, its name, path and directory name
+    model_path: str = ""  # tokenizer (token-string mapping, text prompts, chat prompt texts)
+    request_timeout: float = 300.0
+    retries: int = 6
+    retry_total_s: float = 120.0
+    background_prompts: str = "suite"
+    vocab_size: int = 32000
+    prompt_texts: dict = field(default_factory=dict)  # prompt hash -> user message (for --api chat)
+    server_kind: str = "auto"
+
+    @classmethod
+    def from_extra(cls, extra: dict) -> "ServerOptions":
+        known = {k: v for k, v in extra.items() if k in cls.__dataclass_fields__}
+        o = cls(**known)
+        if o.api not in APIS:
+            raise DetauditError(f"--api {o.api}: must be one of {', '.join(APIS)}")
+        if o.prompt_format not in PROMPT_FORMATS:
+            raise DetauditError(f"--prompt-format {o.prompt_format}: must be one of {', '.join(PROMPT_FORMATS)}")
+        if o.background_prompts not in BACKGROUND_PROMPTS:
+            raise DetauditError(f"--background-prompts {o.background_prompts}: must be one of "
+                                f"{', '.join(BACKGROUND_PROMPTS)}")
+        if o.server_kind not in KINDS:
+            raise DetauditError(f"--server-kind {o.server_kind}: must be one of {', '.join(KINDS)}")
+        if not o.request_timeout > 0:
+            raise DetauditError(f"--request-timeout must be > 0 seconds (got {o.request_timeout})")
+        return o
+
+    def api_key(self) -> str | None:
+        if not self.api_key_env:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise DetauditError(f"--api-key-env {self.api_key_env}: that environment variable is not set")
+        return key
+
+    def retry(self) -> RetryPolicy:
+        return RetryPolicy(retries=self.retries, total_s=self.retry_total_s)
+
+
+@dataclass
+class ServerInfo:
+    base_url: str
+    model: str
+    models: list[str]
+    version: str | None
+    kind: str
+
+
+def probe(o: ServerOptions) -> ServerInfo:
+    """The server's model ids (`/v1/models`, which must serve --model) and version (`/version`)."""
+    base = check_base_url(o.base_url)
+    key = o.api_key()
+    quick = RetryPolicy(retries=min(o.retries, 3), total_s=min(o.retry_total_s, 10.0))  # a server that is not up fails fast
+    d = get_json_sync(base, "/models", key, min(o.request_timeout, 30.0), quick)
+    try:
+        entries = [m for m in d["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    except (KeyError, TypeError):
+        raise DetauditError(f"server {public_url(base)}/models: not an OpenAI model list") from None
+    ids = [m["id"] for m in entries]
+    if not ids:
+        raise DetauditError(f"server {public_url(base)} serves no model")
+    model = _match(ids, o)
+    version = None
+    v = get_json_sync(server_root(base), "/version", key, min(o.request_timeout, 30.0), RetryPolicy(retries=1),
+                      ok_404=True)
+    if isinstance(v, dict) and isinstance(v.get("version"), str):
+        version = v["version"][:80]
+    kind = o.server_kind
+    if kind == "auto":
+        owners = {str(m.get("owned_by", "")).lower() for m in entries}
+        kind = "vllm" if "vllm" in owners else "sglang" if "sglang" in owners else "generic"
+    return ServerInfo(base, model, ids, version, kind)
+
+
+def _match(ids: list[str], o: ServerOptions) -> str:
+    shown = ", ".join(i[:60] for i in ids[:5]) + (", ..." if len(ids) > 5 else "")
+    if o.server_model:
+        if o.server_model not in ids:
+            raise DetauditError(f"--server-model {o.server_model[:60]!r} is not served by {public_url(o.base_url)} "
+                                f"(it serves {shown})")
+        return o.server_model
+    cands = [c for c in o.model_candidates if c]
+    names = {Path(c.rstrip("/")).name.lower() for c in cands} | {c.lower() for c in cands}
+    for i in ids:
+        if i in cands or i.lower() in names or Path(i.rstrip("/")).name.lower() in names:
+            return i
+    want = cands[0] if cands else "?"
+    raise DetauditError(f"model mismatch: {public_url(o.base_url)} serves {shown}, not --model {want[:60]!r} "
+                        "(pass --server-model ID to audit that id with --model's tokenizer)")
+
+
+class OpenAIEngine:
+    """The Engine over an OpenAI-compatible server."""
+
+    engine_name = "openai"
+
+    def __init__(self, o: ServerOptions, info: ServerInfo | None = None, extra_describe: dict | None = None) -> None:
+        self.o = o
+        self.key = o.api_key()
+        self.info = info or probe(o)
+        self.vllm_like = self.info.kind == "vllm"
+        self.sends_top_k = self.info.kind in ("vllm", "sglang")
+        self.tokens = wire.TokenMap(self._tokenizer if o.model_path else None)
+        self._tok = None
+        self.tf_mode: str | None = "prompt_logprobs" if self.vllm_like else "echo"
+        self.tf_note = ("vLLM prompt_logprobs (one request per prompt + continuation)" if self.vllm_like
+                        else "echo + logprobs (tried on the first scored prompt)")
+        self.load: dict[str, Any] = {}
+        self.retried = 0
+        self.extra_describe = extra_describe or {}
+
+    def _tokenizer(self):
+        if self._tok is None:
+            from detaudit.inputs import tokenizer_for
+
+            self._tok = tokenizer_for(Path(self.o.model_path))
+        return self._tok
+
+    # ------------------------------------------------------------------ requests
+
+    def _prompt(self, ids: Sequence[int]):
+        if self.o.api == "chat":
+            from detaudit.suites import prompt_hash
+
+            text = self.o.prompt_texts.get(prompt_hash(list(ids)))
+            if text is None:
+                raise DetauditError("--api chat: no user message known for a prompt (chat needs suite prompts)")
+            return text
+        if self.o.prompt_format == "text":
+            return self._tokenizer().decode(list(ids), skip_special_tokens=False)
+        return list(map(int, ids))
+
+    def _body(self, prompt, decoding: DecodingParams, prompt_id: str, logprobs: bool = True) -> tuple[str, dict]:
+        if self.o.api == "chat":
+            body = wire.chat_body(self.info.model, prompt, decoding, prompt_id, self.vllm_like, logprobs)
+            path = "/chat/completions"
+        else:
+            body = wire.completion_body(self.info.model, prompt, decoding, prompt_id, self.vllm_like, logprobs)
+            path = "/completions"
+        if self.sends_top_k is False:
+            body.pop("top_k", None)
+        if self.info.kind == "sglang":
+            body.pop("return_tokens_as_token_ids", None)
+        return path, body
+
+    def generate(self, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[str], decoding: DecodingParams,
+                 batch_size: int, progress: ProgressFn | None = None, load: dict | None = None) -> list[Generation]:
+        return asyncio.run(self._generate(prompts, prompt_ids, decoding, batch_size, progress, load or {}))
+
+    async def _generate(self, prompts, prompt_ids, decoding, batch_size, progress, load) -> list[Generation]:
+        n_bg = int(load.get("background", 0))
+        stats = LoadStats()
+        self.load = {"concurrency": batch_size, "background": n_bg,
+                     "background_prompts": self.o.background_prompts if n_bg else None}
+        async with Http(self.info.base_url, self.key, self.o.request_timeout, self.o.retry(),
+                        batch_size + n_bg + 2) as http:
+            sem = asyncio.Semaphore(batch_size)
+            out: list[Generation | None] = [None] * len(prompts)
+            chat = self.o.api == "chat"
+            where = f"{public_url(self.info.base_url)}/{'chat/completions' if chat else 'completions'}"
+
+            async def one(i: int) -> None:
+                async with sem:
+                    path, body = self._body(self._prompt(prompts[i]), decoding, prompt_ids[i])
+                    d = await http.request("POST", path, body)
+                g = (wire.parse_chat if chat else wire.parse_completion)(d, decoding.logprobs, self.tokens, where)
+                out[i] = g
+                if progress:
+                    progress(len(g.token_ids))
+
+            async def background(item, j: int) -> None:
+                prompt, pid = item
+                path, body = self._body(prompt, decoding, f"background-{pid}-{j}", logprobs=False)
+                await http.request("POST", path, body)
+
+            stop = asyncio.Event()
+            bg = None
+            if n_bg:
+                if self.o.background_prompts == "random":
+                    rnd = random_prompts(max(8, n_bg), [len(p) for p in prompts], self.o.vocab_size)
+                    pool = [(p if not chat else "x " * len(p), f"random{k}") for k, p in enumerate(rnd)]
+                else:
+                    pool = [(self._prompt(p), pid) for p, pid in zip(prompts, prompt_ids)]
+                    pool = pool[1:] + pool[:1]  # slot i starts on another prompt than audited request i
+                bg = asyncio.create_task(run_background(n_bg, pool, background, stop, stats))
+                await asyncio.sleep(0)  # the background's first requests go out first
+            tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                stop.set()
+                if bg is not None:
+                    await asyncio.gather(bg, return_exceptions=True)
+                self.retried += http.retried
+        if n_bg:
+            self.load.update(background_requests=stats.requests, background_failed=stats.failed,
+                             background_errors=stats.errors)
+        return [g for g in out if g is not None]
+
+    def score(self, prompts, continuations, batch_size: int) -> list[list[float]] | None:
+        if self.tf_mode is None:
+            return None
+        return asyncio.run(self._score(prompts, continuations, batch_size))
+
+    async def _score(self, prompts, continuations, batch_size) -> list[list[float]] | None:
+        async with Http(self.info.base_url, self.key, self.o.request_timeout, self.o.retry(), batch_size + 2) as http:
+            async def one(i: int) -> list[float] | None:
+                seq = list(map(int, prompts[i])) + list(map(int, continuations[i]))
+                body = {"model": self.info.model, "prompt": seq, "max_tokens": 1, "temperature": 0.0}
+                if self.tf_mode == "prompt_logprobs":
+                    body["prompt_logprobs"] = 0
+                    d = await http.request("POST", "/completions", body)
+                    return wire.parse_prompt_logprobs(d, len(prompts[i]), continuations[i])
+                body.update(echo=True, logprobs=1)
+                d = await http.request("POST", "/completions", body)
+                return wire.parse_echo_logprobs(d, len(prompts[i]), continuations[i])
+
+            if not prompts:
+                return []
+            if self.tf_mode == "echo":  # probe once: a server without echo logprobs scores nothing
+                try:
+                    first = await one(0)
+                except DetauditError as e:
+                    first, why = None, str(e)
+                else:
+                    why = "the answer has no echoed prompt log-probabilities"
+                if first is None:
+                    self.tf_mode, self.tf_note = None, f"unavailable: echo + logprobs failed ({why[:160]})"
+                    return None
+            sem = asyncio.Semaphore(batch_size)
+
+            async def bounded(i: int):
+                async with sem:
+                    return await one(i)
+
+            res = await asyncio.gather(*(bounded(i) for i in range(len(prompts))))
+        if any(r is None for r in res):
+            self.tf_mode, self.tf_note = None, "unavailable: the server's prompt log-probabilities did not cover the continuation"
+            return None
+        return list(res)  # type: ignore[arg-type]
+
+    def describe(self) -> dict[str, Any]:
+        if self.tokens.mapped:
+            ids = (f"mapped from the server's token strings with --model's tokenizer (approximate: "
+                   f"{self.tokens.mapped} mapped, {self.tokens.unmapped} without a single id, recorded as -1)")
+        else:
+            ids = "returned by the server (vLLM return_tokens_as_token_ids)" if self.vllm_like else "returned as ids"
+        return {
+            "engine": self.engine_name,
+            "server": {"base_url": public_url(self.info.base_url), "model": self.info.model,
+                       "models": self.info.models[:10], "version": self.info.version, "kind": self.info.kind},
+            "api": self.o.api, "prompt_format": "chat messages (server-side template)" if self.o.api == "chat"
+            else ("token ids (detaudit's chat template)" if self.o.prompt_format == "ids"
+                  else "text (detaudit's chat template, decoded; the server re-tokenizes it)"),
+            "token_ids": ids,
+            "teacher_forcing": self.tf_note if self.tf_mode else (self.tf_note or "unavailable"),
+            "load": dict(self.load), "request_timeout_s": self.o.request_timeout, "retries_used": self.retried,
+            "api_key": f"from ${self.o.api_key_env}" if self.o.api_key_env else "none",
+            **self.extra_describe,
+        }
+
+    def close(self) -> None:
+        pass
