@@ -91,16 +91,18 @@ def align(cfg: AlignConfig, output_path: Path, *, data_dir: Path | None, command
     """The whole workflow: prompts, rollouts, re-scoring, summary, files. Returns (summary, files)."""
     from rich.progress import Progress
 
+    from detaudit.engines import get_engine
     from detaudit.fingerprint import collect
     from detaudit.inputs import check_model, eos_ids, load_suites, tokenize, tokenizer_for
     from detaudit.models import resolve_model
 
     (suite,) = load_suites([cfg.suite], data_dir, cfg.limit)
     ref = resolve_model(cfg.model, auto_prepare=True, console=console)
-    for side in (cfg.rollout, cfg.trainer):
-        check_model(ref.path, [side.tp], side.engine == "builtin")
     tok = tokenizer_for(ref.path)
     ps = tokenize(suite, tok)
+    for side in (cfg.rollout, cfg.trainer):
+        info = get_engine(side.engine)
+        check_model(ref.path, [side.tp], info.checks_architecture, [ps], cfg.decoding.max_new_tokens, info.max_context)
     with Progress(console=console) as prog:  # rollout tokens sampled, over all backends
         task = prog.add_task(f"rollouts {cfg.rollout} -> trainer {cfg.trainer}",
                              total=len(cfg.backends) * len(ps.ids) * cfg.decoding.max_new_tokens)

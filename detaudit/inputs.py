@@ -76,9 +76,18 @@ def tokenize(suite, tokenizer) -> PromptSet:
     )
 
 
-def check_model(model_path: Path, tps: Sequence[int], own_architecture: bool) -> None:
-    """The built-in engine runs only the architectures it implements (refused by name otherwise) and
-    TP sizes that divide the heads; other engines (vLLM, servers) decide that themselves."""
+def check_model(model_path: Path, tps: Sequence[int], own_architecture: bool, prompts: Sequence[PromptSet] = (),
+                max_new_tokens: int = 0, context_cap: int | None = None) -> None:
+    """Before any engine starts: every prompt plus `max_new_tokens` fits the model's context (refused
+    per row, never truncated); the built-in engine runs only the architectures it implements (refused by
+    name otherwise), TP sizes that divide the heads, and sequence lengths it computes as transformers
+    does. Other engines (vLLM, servers) decide architecture support themselves."""
+    from detaudit.prompt_limits import check_prompt_lengths, model_context_len
+
+    if prompts:
+        context = model_context_len(model_path, cap=context_cap)
+        for ps in prompts:
+            check_prompt_lengths(ps.suite, ps.ids, ps.token_ids, max_new_tokens, context)
     if not own_architecture:
         return
     from detaudit.engine.model import ModelConfig
@@ -86,3 +95,5 @@ def check_model(model_path: Path, tps: Sequence[int], own_architecture: bool) ->
     mcfg = ModelConfig.from_dir(model_path)
     for tp in tps:
         mcfg.check_tp(tp)
+    if prompts:
+        mcfg.check_length(max(len(t) for ps in prompts for t in ps.token_ids) + max_new_tokens)

@@ -61,3 +61,11 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     return _tiny("qwen3", tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that loads the real embedded model is `slow`, marked or not: `-m "not slow"` stays a
+    fast inner loop."""
+    for item in items:
+        if "smollm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

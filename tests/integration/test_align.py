@@ -4,12 +4,16 @@ log-probabilities for every sampled token; bf16 does not."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from typer.testing import CliRunner
 
 from detaudit.cli import app
 from helpers import cli_json
+
+pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
 
 runner = CliRunner()
 

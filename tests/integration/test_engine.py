@@ -80,6 +80,7 @@ def test_emulated_tp_matches_tp1_fp32(tiny_llama):
             assert torch.allclose(torch.tensor(x.token_logprobs), torch.tensor(y.token_logprobs), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_real_tp_matches_tp1_fp32(tiny_llama):
     prompts = _prompts()
     ids = [str(i) for i in range(len(prompts))]

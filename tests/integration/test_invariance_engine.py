@@ -18,6 +18,8 @@ from detaudit.engine.local import LocalEngine
 from detaudit.suites import load_suite, prompt_token_ids
 from detaudit.inputs import tokenizer_for
 
+pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
+
 NEW = 6
 GREEDY = DecodingParams(greedy=True, max_new_tokens=NEW)
 SAMPLED = DecodingParams(temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=NEW, seed=42)

@@ -13,6 +13,8 @@ from safetensors import safe_open
 from detaudit import models
 from detaudit.errors import DetauditError
 
+pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
+
 
 def test_prepared_layout(smollm):
     cfg = json.loads((smollm.path / "config.json").read_text())

@@ -19,6 +19,8 @@ from typer.testing import CliRunner
 from detaudit.cli import app
 from helpers import cli_json
 
+pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
+
 runner = CliRunner()
 GRID = ["--suites", "smoke", "--limit", "2", "--max-new-tokens", "4", "--backends", "bf16,bio",
         "--tp", "1", "--batch-sizes", "1,2,4"]

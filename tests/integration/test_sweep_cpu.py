@@ -17,6 +17,8 @@ from detaudit.suites import load_suite, prompt_token_ids
 from detaudit.inputs import tokenizer_for
 from helpers import cli_json
 
+pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
+
 runner = CliRunner()
 
 

@@ -9,6 +9,8 @@ import torch.multiprocessing as mp
 
 from detaudit.engine import dist
 
+pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
+
 
 def _rank(rank, size, port, mode, x, w, out_dir):
     import os
