@@ -59,8 +59,9 @@ class LocalEngine:
         self.ctx = TPContext(self.backend, tp, rank, emulated, group, DTYPES[dtype])
         with self.backend.activate():
             self.model = Decoder(Path(model_path), self.ctx, self.device)
-        # decode from CUDA graphs on a GPU, except across real TP ranks (their collectives run eagerly)
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and (emulated or tp == 1)
+        # decode from CUDA graphs on a GPU: TP 1, emulated TP, and every rank of real TP (the all-reduce,
+        # NCCL's all-gather for bio / bio+tbik, is captured into each rank's graph)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.generator = Generator(self.model, eos_ids, cuda_graphs=self.cuda_graphs)
         self.last_timings: dict = {}  # summed over the chunks of the last generate call
 

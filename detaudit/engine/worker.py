@@ -84,6 +84,7 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict, 
             engine = LocalEngine(
                 Path(spec["model_path"]), spec["backend"], size, rank=rank, group=group,
                 dtype=spec["dtype"], device=device, eos_ids=spec["eos_ids"], threads=spec["threads"],
+                cuda_graphs=spec.get("cuda_graphs", True),
             )
         conn.send(("ready", engine.describe()))
         while True:
@@ -130,6 +131,7 @@ class DistEngine:
         hang_timeout: float = 300.0,
         start_timeout: float = 600.0,
         host: dict | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         """`host`: instead of one worker per rank, start one process that hosts another engine
         (`{"engine": "vllm", "env": {...}}`), which runs its own TP workers."""
@@ -141,7 +143,7 @@ class DistEngine:
         self.keep_log = False  # set when a failure's message names the host's log file
         threads = max(1, cpu_cores() // tp) if not device.startswith("cuda") else 1
         self.spec = dict(model_path=str(model_path), backend=backend, dtype=dtype, device=device,
-                         eos_ids=list(eos_ids), threads=threads, tp=tp, **(host or {}))
+                         eos_ids=list(eos_ids), threads=threads, tp=tp, cuda_graphs=cuda_graphs, **(host or {}))
         nprocs = 1 if self.hosted else tp
         # rank 0's store socket: bound to 127.0.0.1 here, before any worker starts, and inherited by
         # rank 0 only (no free-port race, nothing listens on another interface)
