@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from detaudit.backends.kernels import launch
+
 try:
     import triton
     import triton.language as tl
@@ -84,13 +86,31 @@ def attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, split:
     A chunk wholly before a row's window leaves it as it was (m stays -inf, alpha is 1), as past it."""
     g, rows, d = q.shape
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # cache slices stay views
-    pos = pos.to(torch.int32).contiguous()
+    if pos.dtype != torch.int32:
+        pos = pos.to(torch.int32)
+    if not pos.is_contiguous():
+        pos = pos.contiguous()
     out = torch.empty_like(q)
+    win = NO_WINDOW if window is None else int(window)
+    key = None
+    if q.is_cuda:  # a kept launch per plan key (see `launch`): every integer argument and alignment
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), pos.stride(), out.stride(), q.dtype,
+               float(scale), split, win, q.device.index, *(t.data_ptr() % 16 == 0 for t in (q, k, v, pos, out)))
+        plan = _PLANS.get(key)
+        if plan is not None:
+            plan(q.device.index, q, k, v, pos, out)
+            return out
     grid = (g, triton.cdiv(rows, BLOCK_R))
-    _attn_kernel[grid](q, k, v, pos, out, rows, k.shape[1], float(scale), NO_WINDOW if window is None else int(window),
-                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                       pos.stride(0), out.stride(0), out.stride(1),
-                       D=d, SPLIT=split, BLOCK_R=BLOCK_R,
-                       PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
-                       UPCAST=not q.is_cuda, num_warps=4, num_stages=2)
+    first = launch.Launch.first(
+        _attn_kernel, grid,
+        (q, k, v, pos, out, rows, k.shape[1], float(scale), win,
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         pos.stride(0), out.stride(0), out.stride(1)),
+        dict(D=d, SPLIT=split, BLOCK_R=BLOCK_R, PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
+             UPCAST=not q.is_cuda, num_warps=4, num_stages=2), slots=(0, 1, 2, 3, 4))
+    if first is not None and key is not None:
+        launch.cache_put(_PLANS, key, first)
     return out
+
+
+_PLANS: dict[tuple, launch.Launch] = {}
