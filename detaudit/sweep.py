@@ -36,7 +36,7 @@ class SweepResult:
 
 
 def validate_devices(cfg: SweepConfig) -> None:
-    if cfg.device.startswith("cuda"):
+    if cfg.device.startswith("cuda") and cfg.executor == "local":  # on Ray the cluster's nodes hold the GPUs
         import torch
 
         n = torch.cuda.device_count()
@@ -134,12 +134,13 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
 
 
 def run_sweep(cfg: SweepConfig, output_path: Path, *, data_dir: Path | None = None, console: Console | None = None,
-              command: str = "", shard: tuple[int, int] | None = None) -> SweepResult:
+              command: str = "", shard: tuple[int, int] | None = None,
+              executor_options: dict | None = None) -> SweepResult:
     console = console or Console(stderr=True)
     validate(cfg)
+    executor = get_executor(cfg.executor, **(executor_options or {}))  # a missing extra fails before any work
     model, tokenizer, prompts = prepare(cfg, data_dir, console)
     cfg = replace(cfg, suites=tuple(prompts))  # YAML paths -> task names: cells are named by the task
-    executor = get_executor(cfg.executor)
     env = fingerprint.collect()
     run = RunDir(output_path)
     result = SweepResult(run_dir=run.path)

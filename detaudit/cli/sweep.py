@@ -38,11 +38,15 @@ def sweep(
     hang_timeout: Annotated[float, typer.Option("--hang-timeout", help="Seconds without progress before a TP worker is declared hung (> 0).", rich_help_panel="engine")] = 300.0,
     output_path: Annotated[Path, typer.Option("--output-path", "-o", help="Run directory (resumed if it holds the same sweep).", rich_help_panel="data and output")] = Path("runs/default"),
     shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: run only every N-th cell of the grid (merge the shards with `detaudit merge`).", rich_help_panel="data and output")] = None,
+    executor: Annotated[str, typer.Option("--executor", help="local (this machine) or ray (a Ray actor per (backend, TP) group on a Ray cluster; needs the ray extra).", rich_help_panel="executor")] = "local",
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="--executor ray: the cluster to join (HEAD:6379, ray://HEAD:10001); default: start a private Ray runtime on 127.0.0.1.", rich_help_panel="executor")] = None,
+    max_retries: Annotated[int, typer.Option("--max-retries", help="--executor ray: times a group's unfinished cells are retried on a new actor after its actor or node is lost (>= 0).", rich_help_panel="executor")] = 2,
     analyze_after: Annotated[bool, typer.Option("--analyze/--no-analyze", help="Print the summary table and write report files at the end.", rich_help_panel="data and output")] = True,
 ):
     """Run every cell of the grid (backend x TP x batch size x suite) and store the records."""
     from detaudit import paths
     from detaudit.config import SweepConfig, parse_int_list, parse_str_list
+    from detaudit.errors import DetauditError
     from detaudit.sweep import parse_shard, run_sweep
 
     cfg = SweepConfig(
@@ -50,10 +54,13 @@ def sweep(
         tp=parse_int_list(tp, "--tp"), batch_sizes=parse_int_list(batch_sizes, "--batch-sizes"),
         decoding=decoding(temperature, top_p, top_k, seed, max_new_tokens, greedy, logprobs),
         limit=limit, dtype=dtype.value, tp_mode=tp_mode.value, engine=engine, device=device, cuda_graphs=cuda_graphs,
-        hang_timeout=hang_timeout,
+        hang_timeout=hang_timeout, executor=executor,
     )
+    if executor != "ray" and (ray_address is not None or max_retries != 2):
+        raise DetauditError("--ray-address and --max-retries apply to --executor ray only")
     result = run_sweep(cfg, output_path, data_dir=paths.data_dir(data_dir), console=err, command=command_line(),
-                       shard=parse_shard(shard))
+                       shard=parse_shard(shard),
+                       executor_options={"address": ray_address, "max_retries": max_retries} if executor == "ray" else {})
     err.print(f"{len(result.done)} cell(s) computed, {len(result.skipped)} skipped (already complete), "
               f"{len(result.failed)} failed -> {result.run_dir}")
     if analyze_after:

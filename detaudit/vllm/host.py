@@ -88,6 +88,26 @@ def recorded_env() -> dict[str, str]:
     return knob_env()
 
 
+EXECUTOR_ENV = "DETAUDIT_VLLM_EXECUTOR"  # "mp" or "ray" (set by detaudit.executors.ray for multi-node TP)
+
+
+def executor_backend(tp: int, device: str) -> str | None:
+    """vLLM's distributed executor: none for TP 1; `mp` (ranks on this machine) unless DETAUDIT_VLLM_EXECUTOR
+    says otherwise or TP exceeds this machine's GPUs, then `ray` (vLLM places the ranks on the Ray
+    cluster this process is connected to, across nodes)."""
+    if tp == 1:
+        return None
+    chosen = os.environ.get(EXECUTOR_ENV, "")
+    if chosen in ("mp", "ray"):
+        return chosen
+    if device.startswith("cuda"):
+        import torch
+
+        if tp > torch.cuda.device_count():
+            return "ray"
+    return "mp"
+
+
 class VllmHost:
     def __init__(self, model_path: Path, backend: str, tp: int, *, dtype: str, device: str, eos_ids: Sequence[int],
                  max_batch_size: int = 0) -> None:
@@ -118,7 +138,7 @@ class VllmHost:
             dtype=self.dtype, max_num_seqs=seqs, max_model_len=MAX_MODEL_LEN,
             max_num_batched_tokens=seqs * MAX_MODEL_LEN, enforce_eager=True,
             enable_prefix_caching=False, enable_chunked_prefill=False, disable_custom_all_reduce=True,
-            distributed_executor_backend="mp" if self.tp > 1 else None, seed=0,
+            distributed_executor_backend=executor_backend(self.tp, self.device), seed=0,
         )
         self.max_num_seqs = seqs
         sched = self.llm.llm_engine.vllm_config.scheduler_config
@@ -128,6 +148,7 @@ class VllmHost:
             "enable_chunked_prefill": sched.enable_chunked_prefill, "async_scheduling": sched.async_scheduling,
             "enable_prefix_caching": cache.enable_prefix_caching, "enforce_eager": True,
             "disable_custom_all_reduce": True, "env": recorded_env(),
+            "distributed_executor_backend": executor_backend(self.tp, self.device),
         }
 
     def generate(self, prompts, prompt_ids, decoding: DecodingParams, batch_size: int,

@@ -1,0 +1,131 @@
+"""`detaudit sweep --executor ray` on a private Ray runtime (started by the executor on 127.0.0.1).
+
+One local sweep and one Ray sweep of the same tiny grid (TP 1/2 x batch 1/2 x bf16 / bio+tbik, 2 smoke
+prompts, 3 new tokens); in the Ray sweep the actor of a TP 2 group exits (os._exit) after computing one
+cell and before returning it (DETAUDIT_RAY_FAULT), so that cell is retried on a new actor and
+placement group. The Ray run's records equal the local run's bit for bit, the analysis is the same,
+and no Ray process the test started outlives the sweep."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+from helpers import cli_json, one_line_error
+from typer.testing import CliRunner
+
+from detaudit.cli import app
+from detaudit.executors.ray import FAULT_ENV, safe_address
+
+runner = CliRunner()
+GRID = ["--suites", "smoke", "--limit", "2", "--max-new-tokens", "3", "--backends", "bf16,bio+tbik",
+        "--tp", "1,2", "--batch-sizes", "1,2", "--no-analyze"]
+KILLED = "smoke__bio-tbik__tp2__bs1"  # a TP 2 cell (real rank processes), not a reference cell
+RECORD_COLUMNS = ["cell_id", "prompt_id", "output_token_ids", "finish_reason", "token_logprobs", "topk_ids",
+                  "topk_logprobs", "tf_reference_cell", "tf_token_logprobs", "output_text", "predicted_answer"]
+
+
+def _ray_children(before: set[int]) -> list[str]:
+    """Ray processes among this test process's descendants that were not there before the sweep."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        if p.pid in before:
+            continue
+        try:
+            name, cmd = p.name(), " ".join(p.cmdline())
+        except psutil.Error:  # already gone
+            continue
+        if p.status() == psutil.STATUS_ZOMBIE:
+            continue
+        if name.startswith(("ray::", "raylet", "gcs_server")) or "/ray/" in cmd or "detaudit" in cmd:
+            out.append(f"{p.pid} {name} {cmd[:120]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, smollm):
+    pytest.importorskip("ray")
+    base = tmp_path_factory.mktemp("ray")
+    local, remote = base / "local", base / "ray"
+    t0 = time.monotonic()
+    res = runner.invoke(app, ["sweep", *GRID, "--output-path", str(local)])
+    assert res.exit_code == 0, res.output
+    t1 = time.monotonic()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    mp = pytest.MonkeyPatch()
+    mp.setenv(FAULT_ENV, f"kill:{KILLED}")
+    try:
+        res = runner.invoke(app, ["sweep", *GRID, "--output-path", str(remote), "--executor", "ray",
+                                  "--max-retries", "1"])
+    finally:
+        mp.undo()
+    assert res.exit_code == 0, res.output
+    t2 = time.monotonic()
+    leftover = _ray_children(before)
+    for _ in range(30):  # Ray's shutdown reaps its processes within a few seconds
+        if not leftover:
+            break
+        time.sleep(0.5)
+        leftover = _ray_children(before)
+    print(f"local sweep {t1 - t0:.0f} s, ray sweep {t2 - t1:.0f} s")
+    return local, remote, res.output, leftover
+
+
+def _records(run) -> dict[str, list[dict]]:
+    cells = json.loads((run / "manifest.json").read_text())["cells"]
+    return {cid: pq.read_table(run / "cells" / f"{cid}.parquet", columns=RECORD_COLUMNS).to_pylist() for cid in cells}
+
+
+@pytest.mark.slow
+def test_ray_records_equal_local_bit_for_bit(runs):
+    local, remote, _, _ = runs
+    a, b = _records(local), _records(remote)
+    assert sorted(a) == sorted(b) and len(a) == 8
+    for cid in a:
+        assert a[cid] == b[cid], cid  # token ids, logprobs and top-k (floats compared exactly)
+
+
+@pytest.mark.slow
+def test_killed_actor_retries_its_cell_and_the_analysis_is_the_same(runs):
+    local, remote, output, _ = runs
+    m = json.loads((remote / "manifest.json").read_text())
+    assert m["executor"]["name"] == "ray" and m["executor"]["max_retries"] == 1 and m["executor"]["ray_version"]
+    assert all(c["state"] == "done" for c in m["cells"].values()), m["cells"]
+    placements = {cid: c["placement"] for cid, c in m["cells"].items()}
+    assert placements[KILLED]["attempt"] == 2, placements[KILLED]
+    assert placements["smoke__bio-tbik__tp2__bs2"]["group_actor_restarts"] == 1  # the group's next cell: new actor
+    assert all(p["attempt"] == 1 for cid, p in placements.items() if cid != KILLED)
+    for p in placements.values():  # where each cell ran
+        assert p["node_ip"] == "127.0.0.1" and p["node_id"] and p["cpu_cores"] >= 1 and p["gpu_ids"] == []
+    assert "8 cell(s) computed, 0 skipped" in output and "0 failed" in output
+    rows = [cli_json(runner.invoke(app, ["analyze", str(run), "--json"])) for run in (local, remote)]
+    assert rows[0] == rows[1]
+    # resuming the Ray run computes nothing (and starts no Ray runtime)
+    res = runner.invoke(app, ["sweep", *GRID, "--output-path", str(remote), "--executor", "ray"])
+    assert res.exit_code == 0 and "0 cell(s) computed, 8 skipped" in res.output, res.output
+
+
+@pytest.mark.slow
+def test_no_ray_process_outlives_the_sweep(runs):
+    assert runs[3] == []
+
+
+def test_executor_ray_without_the_extra_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    res = runner.invoke(app, ["sweep", "--executor", "ray", "--output-path", str(tmp_path / "r")])
+    one_line_error(res, "pip install 'detaudit[ray]'")
+
+
+def test_ray_options_need_the_ray_executor(tmp_path):
+    res = runner.invoke(app, ["sweep", "--ray-address", "10.0.0.1:6379", "--output-path", str(tmp_path / "r")])
+    one_line_error(res, "apply to --executor ray only")
+
+
+def test_recorded_address_has_no_credentials():
+    assert safe_address("ray://user:secret@head:10001?token=abc") == "ray://head:10001"
+    assert safe_address("10.0.0.1:6379") == "10.0.0.1:6379"
+    assert safe_address(None) is None
