@@ -129,3 +129,44 @@ def test_recorded_address_has_no_credentials():
     assert safe_address("ray://user:secret@head:10001?token=abc") == "ray://head:10001"
     assert safe_address("10.0.0.1:6379") == "10.0.0.1:6379"
     assert safe_address(None) is None
+
+
+@pytest.mark.slow
+def test_ctrl_c_kills_actors_removes_placement_groups_and_stops_ray(smollm):
+    """KeyboardInterrupt in the driver once a group's actor and placement group exist: both are gone before
+    the executor shuts down the Ray runtime it started, and no Ray process is left."""
+    ray = pytest.importorskip("ray")
+    from detaudit.config import DecodingParams
+    from detaudit.engines import EngineOptions
+    from detaudit.executors import CellJob, Group
+    from detaudit.executors.ray import RayExecutor
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    opts = EngineOptions(model_path=smollm.path, backend="bio+tbik", tp=2)
+    groups = [Group("builtin", opts, DecodingParams(greedy=True, max_new_tokens=2), [CellJob("c1", 1, ["p"], [[1, 2]], "c1")])]
+    ex = RayExecutor(num_cpus=2)
+    seen: dict = {}
+    real_shutdown = ex._shutdown
+
+    def shutdown():
+        if ray.is_initialized():
+            seen["pgs"] = {pg["state"] for pg in ray.util.placement_group_table().values()}
+            seen["alive"] = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
+        real_shutdown()
+
+    def progress(cell_id, event, n):
+        if event == "engine":
+            raise KeyboardInterrupt
+
+    ex._shutdown = shutdown
+    with pytest.raises(KeyboardInterrupt):
+        ex.run(groups, lambda _: None, lambda out: None, progress)
+    assert seen["pgs"] == {"REMOVED"} and seen["alive"] == []
+    assert not ray.is_initialized()
+    leftover = _ray_children(before)
+    for _ in range(30):
+        if not leftover:
+            break
+        time.sleep(0.5)
+        leftover = _ray_children(before)
+    assert leftover == []
