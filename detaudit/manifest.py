@@ -199,15 +199,28 @@ class Manifest:
 
 
 def _config(c: dict, where: str) -> dict:
+    """Every SweepConfig field present is checked against its declared type (lists for tuples; a
+    null list reads as empty); keys of other versions are kept as they are."""
+    import typing
+
+    from detaudit.config import SweepConfig
+
     w = f"{where}: config"
-    for key in ("backends", "suites"):
-        _list_of(c, key, str, w)
-    for key in ("tp", "batch_sizes"):
-        _list_of(c, key, int, w)
-    for key in ("model", "tp_mode", "engine", "device", "dtype"):
-        _get(c, key, str, w)
-    _get(c, "limit", int, w)
-    _get(c, "decoding", dict, w)
+    c = dict(c)
+    hints = typing.get_type_hints(SweepConfig)
+    for f in fields(SweepConfig):
+        t = hints[f.name]
+        if typing.get_origin(t) is tuple:
+            if f.name in c:
+                c[f.name] = _list_of(c, f.name, typing.get_args(t)[0], w)
+        elif t is float:
+            _get(c, f.name, (int, float), w)
+        elif t in (str, bool, int, dict):
+            _get(c, f.name, t, w)
+        elif typing.get_args(t) and type(None) in typing.get_args(t):  # X | None
+            _get(c, f.name, tuple(a for a in typing.get_args(t) if a is not type(None)), w)
+        else:  # nested dataclasses (decoding) are stored as mappings
+            _get(c, f.name, dict, w)
     shard = _get(c, "shard", list, w)
     if shard is not None and (len(shard) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)):
         raise _bad(w, "shard", "[I, N]", shard)

@@ -33,7 +33,7 @@ class _OneLineErrors(TyperGroup):
             hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx else ""
             err.print(f"[bold red]error:[/] {escape(e.format_message())}{hint}", highlight=False, soft_wrap=True)
             rv = 2
-        except cx.Abort:
+        except typer.Abort:
             err.print("[yellow]interrupted[/]")
             rv = 130
         if not standalone_mode:

@@ -104,6 +104,7 @@ def fuzz_base(tmp_path_factory):
     return make_run(tmp_path_factory.mktemp("fuzz") / "run", invariant_cells(), backends=("bio+tbik",))
 
 
+@pytest.mark.slow  # 60 examples x 3 commands
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_type_fuzzed_manifest_never_gives_a_traceback(fuzz_base, tmp_path_factory, data):
