@@ -33,24 +33,24 @@ def is_missing(v: Any) -> bool:
         return True
 
 
-def fmt_unique(v: Any) -> str:
-    """'1' only when exactly 1; a value that rounds to 1.00 but is not 1 shows as '>1.00'."""
+def _fmt_exact(v: Any, exact: int, scale: float, near: str) -> str:
+    """`exact` printed only when the value is exactly it; a value that merely rounds to it shows `near`."""
     if is_missing(v):
         return DASH
-    if v == 1:
-        return "1"
-    s = f"{v:.2f}"
-    return ">1.00" if s == "1.00" else s
+    if v == exact:
+        return str(exact)
+    s = f"{v * scale:.2f}"
+    return near if s == f"{exact:.2f}" else s
+
+
+def fmt_unique(v: Any) -> str:
+    """'1' only when exactly 1; a value that rounds to 1.00 but is not 1 shows as '>1.00'."""
+    return _fmt_exact(v, 1, 1.0, ">1.00")
 
 
 def fmt_div(v: Any, scale: float = 1e3) -> str:
     """x1e-3 by default. '0' only when exactly 0; a tiny non-zero value shows as '<0.01', never as 0."""
-    if is_missing(v):
-        return DASH
-    if v == 0:
-        return "0"
-    s = f"{v * scale:.2f}"
-    return "<0.01" if s == "0.00" else s
+    return _fmt_exact(v, 0, scale, "<0.01")
 
 
 def fmt_prob(v: Any) -> str:

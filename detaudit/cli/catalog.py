@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Callable
 
 import typer
 from rich.table import Table
@@ -15,13 +15,38 @@ suites_app = typer.Typer(no_args_is_help=True, help="Prompt suites.")
 backends_app = typer.Typer(no_args_is_help=True, help="Numeric backends.")
 
 
-@models_app.command("ls")
-@handle_errors
-def models_ls(json_: JsonOpt = False):
-    """List named models and whether they are prepared."""
+def _ls(app: typer.Typer, rows: Callable[[], list[dict]], columns: list[str], doc: str) -> None:
+    """Register `ls` on a command group: a table, or `--json`."""
+
+    @app.command("ls", help=doc)
+    @handle_errors
+    def ls(json_: JsonOpt = False):
+        print_listing(rows(), columns, json_)
+
+
+def _models() -> list[dict]:
     from detaudit.models import list_models
 
-    print_listing(list_models(), ["name", "state", "size_mb", "path", "description"], json_)
+    return list_models()
+
+
+def _suites() -> list[dict]:
+    from detaudit.suites import list_suites
+
+    return list_suites()
+
+
+def _backends() -> list[dict]:
+    from detaudit.backends import available, get_backend
+
+    return [{"name": name, **{k: v for k, v in get_backend(name).describe().items() if k != "backend"}}
+            for name in available()]
+
+
+_ls(models_app, _models, ["name", "state", "size_mb", "path", "description"], "List named models and whether they are prepared.")
+_ls(suites_app, _suites, ["name", "source", "dataset_path", "needs_data_dir", "description"],
+    "List the built-in suites (package data: detaudit/data/suites).")
+_ls(backends_app, _backends, ["name", "matmul", "attention", "all_reduce"], "List the registered numeric backends and how they compute.")
 
 
 @models_app.command("prepare")
@@ -34,15 +59,6 @@ def models_prepare(
     from detaudit.models import prepare
 
     out.print(str(prepare(name, force=force, console=err)))
-
-
-@suites_app.command("ls")
-@handle_errors
-def suites_ls(json_: JsonOpt = False):
-    """List the built-in suites (package data: detaudit/data/suites)."""
-    from detaudit.suites import list_suites
-
-    print_listing(list_suites(), ["name", "source", "dataset_path", "needs_data_dir", "description"], json_)
 
 
 @suites_app.command("show")
@@ -71,17 +87,6 @@ def suites_show(
     if ungraded:
         out.print(f"[yellow]{len(ungraded)} row(s) without an answer, kept ungraded: {', '.join(ungraded[:10])}[/]")
     print_rows([{**r, "text": r["text"][:100].replace("\n", " ")} for r in rows], ["id", "answer", "text"])
-
-
-@backends_app.command("ls")
-@handle_errors
-def backends_ls(json_: JsonOpt = False):
-    """List the registered numeric backends and how they compute."""
-    from detaudit.backends import available, get_backend
-
-    rows = [{"name": name, **{k: v for k, v in get_backend(name).describe().items() if k != "backend"}}
-            for name in available()]
-    print_listing(rows, ["name", "matmul", "attention", "all_reduce"], json_)
 
 
 @handle_errors

@@ -21,6 +21,14 @@ from detaudit.report import (
 from detaudit.report import write_file
 
 
+PUBLISHED = (  # the published tables: (title, what it shows, summary column)
+    ("Unique outputs per prompt", "Mean over prompts of the number of distinct outputs across the cells "
+     "(1 = every configuration agreed on every prompt; at most the number of cells).", "unique_mean"),
+    ("Average max probability divergence (×1e-3)", "Top-5 probabilities, largest spread across the cells, mean "
+     "over positions then prompts. `0` means exactly zero.", "maxprob_div_mean"),
+)
+
+
 def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A GitHub table; text columns left-aligned, numbers right-aligned."""
     esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
@@ -45,23 +53,11 @@ def render_markdown(analysis: Analysis) -> str:
         f"- Cells: {done} done of {len(pc)}; suites: {', '.join(analysis.suites)}; "
         f"backends: {', '.join(analysis.backends)}",
         "",
-        "## Unique outputs per prompt",
-        "",
-        "Mean over prompts of the number of distinct outputs across the cells "
-        "(1 = every configuration agreed on every prompt; at most the number of cells).",
-        "",
     ]
-    for suite in analysis.suites:
-        out += [f"### {suite}", "", md_table(*published_table(analysis, suite, "unique_mean")), ""]
-    out += [
-        "## Average max probability divergence (×1e-3)",
-        "",
-        "Top-5 probabilities, largest spread across the cells, mean over positions then prompts. "
-        "`0` means exactly zero.",
-        "",
-    ]
-    for suite in analysis.suites:
-        out += [f"### {suite}", "", md_table(*published_table(analysis, suite, "maxprob_div_mean")), ""]
+    for title, blurb, metric in PUBLISHED:
+        out += [f"## {title}", "", blurb, ""]
+        for suite in analysis.suites:
+            out += [f"### {suite}", "", md_table(*published_table(analysis, suite, metric)), ""]
     out += ["## Summary", "", md_table(*summary_rows(analysis)), ""]
     out += ["Definitions:", ""] + [f"- **{k}**: {v}" for k, v in definitions()] + [""]
     out += ["## Cells", "", md_table(*cell_rows(analysis)), ""]

@@ -144,20 +144,24 @@ def test_row_ops_and_attention_on_cuda():
     assert torch.allclose(pre.float(), ref, atol=2e-2)
 
 
-@pytest.fixture(scope="module")
-def smollm_gpu():
+def _model_or_skip(name: str, why: str):
     from detaudit.errors import DetauditError
     from detaudit.models import resolve_model
 
     try:
-        return resolve_model("smollm2-135m", auto_prepare=True)
+        return resolve_model(name, auto_prepare=True)
     except DetauditError as e:
-        pytest.skip(f"embedded model unavailable here: {e}")
+        pytest.skip(f"{why}: {e}")
+
+
+@pytest.fixture(scope="module")
+def smollm_gpu():
+    return _model_or_skip("smollm2-135m", "embedded model unavailable here")
 
 
 def _smoke(model):
     from detaudit.suites import load_suite, prompt_token_ids
-    from detaudit.sweep import tokenizer_for
+    from detaudit.inputs import tokenizer_for
 
     suite = load_suite("smoke")
     tok = tokenizer_for(model.path)
@@ -288,13 +292,7 @@ def test_kept_launch_plans_give_the_jit_bits():
 
 @pytest.fixture(scope="module")
 def qwen3_shaped():
-    from detaudit.errors import DetauditError
-    from detaudit.models import resolve_model
-
-    try:
-        return resolve_model("qwen3-8b-shaped", auto_prepare=True)
-    except DetauditError as e:
-        pytest.skip(f"synthetic model unavailable here (needs the embedded model's tokenizer): {e}")
+    return _model_or_skip("qwen3-8b-shaped", "synthetic model unavailable here (needs the embedded model's tokenizer)")
 
 
 def test_real_tp1_process_group_graphed_equals_in_process(qwen3_shaped, monkeypatch):
