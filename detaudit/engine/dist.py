@@ -48,14 +48,6 @@ class TorchGroup:
         dist.barrier(group=self.pg)
 
 
-def vllm_tp_group() -> TorchGroup:
-    """Inside a vLLM worker: vLLM's TP group (gloo on CPU, NCCL on GPU) with the same collectives."""
-    from vllm.distributed.parallel_state import get_tp_group
-
-    g = get_tp_group()
-    return TorchGroup(g.rank_in_group, g.world_size, g.device_group)
-
-
 LOOPBACK = "127.0.0.1"
 
 

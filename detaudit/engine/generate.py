@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -18,17 +18,7 @@ from torch import Tensor
 from detaudit.config import DecodingParams
 from detaudit.engine.graphs import Step, eager_step, graphed_step
 from detaudit.engine.model import Decoder
-
-ProgressFn = Callable[[int], None]  # called with the number of tokens just produced
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]
-    token_logprobs: list[float]
-    topk_ids: list[list[int]]
-    topk_logprobs: list[list[float]]
-    finish_reason: str
+from detaudit.records import Generation, ProgressFn
 
 
 class _Clock:

@@ -11,7 +11,8 @@ import torch
 from detaudit.backends import get_backend
 from detaudit.backends.base import Group
 from detaudit.config import DecodingParams
-from detaudit.engine.generate import Generation, Generator, ProgressFn
+from detaudit.engine.generate import Generator
+from detaudit.records import Generation, ProgressFn
 from detaudit.engine.layers import TPContext
 from detaudit.engine.model import Decoder
 

@@ -9,6 +9,7 @@ die with their parent through PR_SET_PDEATHSIG) and the next command restarts th
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import os
 import shutil
@@ -69,13 +70,10 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict, 
         from detaudit.engine.local import LocalEngine
 
         device = f"cuda:{rank}" if spec["device"].startswith("cuda") else "cpu"
-        if spec.get("engine") == "vllm":  # one host process; vLLM launches its own TP workers
-            os.environ.update(spec["env"])
-            from detaudit.vllm.host import VllmHost
-
-            engine: Any = VllmHost(Path(spec["model_path"]), spec["backend"], spec["tp"], dtype=spec["dtype"],
-                                   device=spec["device"], eos_ids=spec["eos_ids"],
-                                   max_batch_size=spec.get("max_batch_size", 0))
+        if spec.get("host"):  # one process hosting another engine (e.g. vLLM), which runs its own TP workers
+            os.environ.update(spec.get("env", {}))
+            module, _, factory = spec["host"].partition(":")
+            engine: Any = getattr(importlib.import_module(module), factory)(spec)
         else:
             if device != "cpu":
                 torch.cuda.set_device(rank)
@@ -133,8 +131,9 @@ class DistEngine:
         host: dict | None = None,
         cuda_graphs: bool = True,
     ) -> None:
-        """`host`: instead of one worker per rank, start one process that hosts another engine
-        (`{"engine": "vllm", "env": {...}}`), which runs its own TP workers."""
+        """`host`: instead of one worker per rank, start one process that hosts another engine, which
+        runs its own TP workers: `{"host": "module:factory", "env": {...}, "log": FILE, ...}`; the worker
+        calls `factory(spec)` with this engine's spec merged with `host`."""
         from detaudit.engine.dist import listen_socket
 
         self.tp = tp
@@ -247,10 +246,6 @@ class DistEngine:
         if self.hosted:  # knobs are known once vLLM is built for a batch size
             return self._call("describe", ())
         return {**self._describe, "workers": self.tp}
-
-    @property
-    def alive(self) -> bool:
-        return bool(self.procs) and all(p.poll() is None for p in self.procs)
 
     def close(self) -> None:
         for c in self.conns:
