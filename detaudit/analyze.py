@@ -455,6 +455,8 @@ def nothing_to_compare(summary: pd.DataFrame, per_cell: pd.DataFrame) -> str | N
     when every group has enough): their unique count is trivially 1 and their divergences are not
     computed, so a report must not present them as agreement."""
     low = summary[summary["cells"] < MIN_CELLS]
+    if len(low) and "maxprob_div_mean" in low:  # --repeats: one cell's repeats are compared with each other
+        low = low[low["maxprob_div_mean"].isna()]
     if not len(low):
         return None
     grid = per_cell.groupby(["suite", "backend"]).size()

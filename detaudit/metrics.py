@@ -124,7 +124,9 @@ class MetricSpec:
 
     def render(self, row: Mapping[str, Any]) -> str:
         """This column's cell of a summary row."""
-        if self.compares and not row.get("cells", 0) >= MIN_CELLS:
+        compared = row.get("maxprob_div_mean")  # --repeats: one cell's repeats compared with each other
+        repeats = isinstance(compared, (int, float)) and compared == compared
+        if self.compares and not row.get("cells", 0) >= MIN_CELLS and not repeats:
             return DASH
         return self.cell(row) if self.cell else self.fmt(row.get(self.name))
 

@@ -119,9 +119,9 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
 
     suites = load_suites(cfg.suites, data_dir, cfg.limit)
     model = resolve_model(cfg.model, auto_prepare=True, console=console)
-    check_model(model.path, cfg.tp, get_engine(cfg.engine).checks_architecture)
     tokenizer = tokenizer_for(model.path)
     prompts = {s.name: tokenize(s, tokenizer) for s in suites}
+    check_model(model.path, cfg.tp, get_engine(cfg.engine).checks_architecture)
     for ps in prompts.values():
         if ps.ignored_keys:
             console.print(f"[dim]suite {escape(ps.suite)}: ignored lm-eval keys (detaudit does not use them): "
@@ -140,6 +140,7 @@ def run_sweep(cfg: SweepConfig, output_path: Path, *, data_dir: Path | None = No
     validate(cfg)
     executor = get_executor(cfg.executor, **(executor_options or {}))  # a missing extra fails before any work
     model, tokenizer, prompts = prepare(cfg, data_dir, console)
+    extra = _server_extra(cfg, model, tokenizer, data_dir, output_path)  # {} unless a server engine
     cfg = replace(cfg, suites=tuple(prompts))  # YAML paths -> task names: cells are named by the task
     env = fingerprint.collect()
     run = RunDir(output_path)
@@ -148,17 +149,19 @@ def run_sweep(cfg: SweepConfig, output_path: Path, *, data_dir: Path | None = No
         cells = shard_cells(cfg, shard)
         manifest = build_manifest(cfg, model, prompts, env, command, cells, shard)
         manifest.executor = executor.describe()
+        _server_identity(cfg, manifest, model, extra)
         done = set(run.init_or_check(manifest))
         result.skipped = [c.id for c in cells if c.id in done]
         todo = [c for c in cells if c.id not in done]
         if result.skipped:
             console.print(f"[dim]{len(result.skipped)} completed cell(s) found in {run.path}; skipping them[/]")
         eos = tuple(eos_ids(model.path, tokenizer))
-        groups = [_group(cfg, model.path, eos, prompts, backend, tp, list(g))
+        groups = [_group(cfg, model.path, eos, prompts, backend, tp, list(g), extra)
                   for (backend, tp), g in groupby(todo, key=lambda c: (c.backend, c.tp))]
         by_id = {c.id: c for c in cells}
         with CellProgress(console, total=len(cells), done=len(result.skipped),
-                          tokens={c.id: len(prompts[c.suite].ids) * cfg.decoding.max_new_tokens for c in todo}) as progress:
+                          tokens={c.id: len(prompts[c.suite].ids) * cfg.repeats * cfg.decoding.max_new_tokens
+                                  for c in todo}) as progress:
             def on_output(out: CellOutput) -> None:
                 _record(cfg, run, model, tokenizer, prompts[by_id[out.cell_id].suite], by_id[out.cell_id], out, result,
                         progress)
@@ -168,11 +171,14 @@ def run_sweep(cfg: SweepConfig, output_path: Path, *, data_dir: Path | None = No
 
 
 def _group(cfg: SweepConfig, model_path: Path, eos: tuple[int, ...], prompts: dict[str, PromptSet], backend: str,
-           tp: int, cells: list[Cell]) -> Group:
+           tp: int, cells: list[Cell], extra: dict | None = None) -> Group:
     options = EngineOptions(model_path=model_path, backend=backend, tp=tp, tp_mode=cfg.tp_mode, dtype=cfg.dtype,
                             device=cfg.device, eos_ids=eos, hang_timeout=cfg.hang_timeout,
-                            max_batch_size=max(c.batch_size for c in cells), cuda_graphs=cfg.cuda_graphs)
-    jobs = [CellJob(c.id, c.batch_size, prompts[c.suite].ids, prompts[c.suite].token_ids, cfg.reference(c).id)
+                            max_batch_size=max(c.batch_size for c in cells), cuda_graphs=cfg.cuda_graphs,
+                            extra=dict(extra or {}))
+    r = cfg.repeats  # server engines: every prompt sent r times (rows: repeat-major)
+    jobs = [CellJob(c.id, c.batch_size, prompts[c.suite].ids * r, prompts[c.suite].token_ids * r, cfg.reference(c).id,
+                    load={"background": c.background} if c.background else {})
             for c in cells]
     return Group(cfg.engine, options, cfg.decoding, jobs)
 
@@ -186,8 +192,9 @@ def _record(cfg: SweepConfig, run: RunDir, model, tokenizer, ps: PromptSet, cell
         progress.failed(cell.id, out.error)
         return
     run.manifest.backends[f"{cell.backend}@tp{cell.tp}"] = out.describe
-    if cfg.engine != "builtin":  # vLLM: knobs of the engine that ran this batch size
-        run.manifest.backends[f"{cell.backend}@tp{cell.tp}@bs{cell.batch_size}"] = out.describe
+    if cfg.engine != "builtin":  # vLLM: knobs of the engine that ran this batch size (servers: and load)
+        bg = f"@bg{cell.background}" if cell.background else ""
+        run.manifest.backends[f"{cell.backend}@tp{cell.tp}@bs{cell.batch_size}{bg}"] = out.describe
     rows = _rows(cfg, cell, model, tokenizer, ps, out)
     meta = {**out.timing, "finished": now(), "tp_mode": "emulated" if out.emulated else "real"}
     if out.placement:
@@ -195,6 +202,33 @@ def _record(cfg: SweepConfig, run: RunDir, model, tokenizer, ps: PromptSet, cell
     run.write_cell(cell.id, rows, meta)
     result.done.append(cell.id)
     result.timings[cell.id] = out.timing
+
+
+def _server_extra(cfg: SweepConfig, model, tokenizer, data_dir: Path | None, output_path: Path) -> dict:
+    """Server engines' `EngineOptions.extra` (`detaudit.server.hooks`); other engines refuse load options."""
+    info = get_engine(cfg.engine)
+    if not info.server:
+        if cfg.repeats != 1 or any(cfg.background_load) or cfg.server.get("base_url"):
+            raise DetauditError(f"--repeats, --background-load and --base-url apply to server engines (openai, "
+                                f"vllm-server), not --engine {cfg.engine}")
+        return {}
+    from detaudit.server.hooks import check_config, engine_extra
+
+    check_config(cfg)
+    suites = load_suites(cfg.suites, data_dir, cfg.limit) if cfg.server.get("api") == "chat" else []
+    return engine_extra(cfg.server, cfg.model, model, tokenizer, suites, Path(output_path) / "logs",
+                        max(cfg.background_load))
+
+
+def _server_identity(cfg: SweepConfig, manifest: Manifest, model, extra: dict) -> None:
+    """A running server is identified by its model id and URL, not a local checksum; load options that
+    change what a cell holds (repeats) join the identity."""
+    info = get_engine(cfg.engine)
+    if info.identity is not None:
+        manifest.identity.pop("model_checksum", None)
+        manifest.identity.update(info.identity(EngineOptions(model_path=model.path, backend="", tp=1, extra=extra)))
+    if info.server and cfg.repeats > 1:
+        manifest.identity["repeats"] = cfg.repeats
 
 
 def _reference_outputs(run: RunDir, ref_id: str) -> list[list[int]] | None:
@@ -212,7 +246,9 @@ def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: Ce
     assert out.generations is not None
     tf = out.scores
     rows = []
-    for i, g in enumerate(out.generations):
+    n = len(ps.ids)
+    for k, g in enumerate(out.generations):
+        i, repeat = k % n, (k // n if cfg.repeats > 1 else None)  # --repeats: rows are repeat-major
         text = tokenizer.decode(g.token_ids, skip_special_tokens=True)
         answer = ps.answers[i]
         rows.append({
@@ -224,6 +260,7 @@ def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: Ce
             "topk_logprobs": g.topk_logprobs, "reference_answer": answer,
             "predicted_answer": extract_answer(text),
             "correct": is_correct(text, answer) if answer is not None else None,
-            "tf_reference_cell": out.reference_id, "tf_token_logprobs": tf[i] if tf is not None else None,
+            "tf_reference_cell": out.reference_id, "tf_token_logprobs": tf[k] if tf is not None else None,
+            "repeat": repeat,
         })
     return rows

@@ -41,6 +41,17 @@ def sweep(
     executor: Annotated[str, typer.Option("--executor", help="local (this machine) or ray (a Ray actor per (backend, TP) group on a Ray cluster; needs the ray extra).", rich_help_panel="executor")] = "local",
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="--executor ray: the cluster to join (HEAD:6379, ray://HEAD:10001); default: start a private Ray runtime on 127.0.0.1.", rich_help_panel="executor")] = None,
     max_retries: Annotated[int, typer.Option("--max-retries", help="--executor ray: times a group's unfinished cells are retried on a new actor after its actor or node is lost (>= 0).", rich_help_panel="executor")] = 2,
+    base_url: Annotated[Optional[str], typer.Option("--base-url", help="--engine openai: the server's OpenAI API root, e.g. http://127.0.0.1:8000/v1 (credentials and query are never recorded).", rich_help_panel="server")] = None,
+    api: Annotated[str, typer.Option("--api", help="Server engines: completions (/v1/completions, detaudit's chat-templated token ids) or chat (/v1/chat/completions, the server's template).", rich_help_panel="server")] = "completions",
+    prompt_format: Annotated[str, typer.Option("--prompt-format", help="--api completions: send the prompt as token ids (vLLM, SGLang) or as text (decoded; the server re-tokenizes it).", rich_help_panel="server")] = "ids",
+    api_key_env: Annotated[Optional[str], typer.Option("--api-key-env", help="Name of the environment variable holding the server's API key (the key itself is never recorded).", rich_help_panel="server")] = None,
+    server_model: Annotated[Optional[str], typer.Option("--server-model", help="--engine openai: the server's model id to audit (default: the one matching --model, whose tokenizer is used).", rich_help_panel="server")] = None,
+    server_kind: Annotated[str, typer.Option("--server-kind", help="auto (from /v1/models' owned_by), vllm, sglang or generic: which request extras are sent.", rich_help_panel="server")] = "auto",
+    concurrency: Annotated[Optional[str], typer.Option("--concurrency", help="Server engines: comma-separated numbers of audited requests in flight (the batch axis; alias of --batch-sizes).", rich_help_panel="server")] = None,
+    background_load: Annotated[str, typer.Option("--background-load", help="Server engines: comma-separated numbers of concurrent background requests while each cell runs (a grid axis; cell ids get __bgN).", rich_help_panel="server")] = "0",
+    background_prompts: Annotated[str, typer.Option("--background-prompts", help="Background requests: suite (the cell's other prompts) or random (random token prompts of the suite's lengths).", rich_help_panel="server")] = "suite",
+    repeats: Annotated[int, typer.Option("--repeats", help="Server engines: send every prompt this many times per cell (unique completions are counted across repeats and cells).", rich_help_panel="server")] = 1,
+    request_timeout: Annotated[float, typer.Option("--request-timeout", help="Server engines: seconds to wait for one answer before the server is declared hung (> 0).", rich_help_panel="server")] = 300.0,
     analyze_after: Annotated[bool, typer.Option("--analyze/--no-analyze", help="Print the summary table and write report files at the end.", rich_help_panel="data and output")] = True,
 ):
     """Run every cell of the grid (backend x TP x batch size x suite) and store the records."""
@@ -49,12 +60,23 @@ def sweep(
     from detaudit.errors import DetauditError
     from detaudit.sweep import parse_shard, run_sweep
 
+    if concurrency is not None:
+        if batch_sizes != "4,8":
+            raise DetauditError("--concurrency is an alias of --batch-sizes: give one of them")
+        batch_sizes = concurrency
+    if engine == "openai":  # one deployment: its backend and TP are labels
+        backends = "bf16" if backends == "bf16,bio,bio+tbik" else backends
+        tp = "1" if tp == "1,2" else tp
+    server = {"base_url": base_url, "api": api, "prompt_format": prompt_format, "api_key_env": api_key_env,
+              "server_model": server_model, "server_kind": server_kind, "background_prompts": background_prompts,
+              "request_timeout": request_timeout} if engine in ("openai", "vllm-server") else {}
     cfg = SweepConfig(
         model=model, suites=parse_str_list(suites, "--suites"), backends=parse_str_list(backends, "--backends"),
         tp=parse_int_list(tp, "--tp"), batch_sizes=parse_int_list(batch_sizes, "--batch-sizes"),
         decoding=decoding(temperature, top_p, top_k, seed, max_new_tokens, greedy, logprobs),
         limit=limit, dtype=dtype.value, tp_mode=tp_mode.value, engine=engine, device=device, cuda_graphs=cuda_graphs,
-        hang_timeout=hang_timeout, executor=executor,
+        hang_timeout=hang_timeout, executor=executor, background_load=parse_int_list(background_load, "--background-load"),
+        repeats=repeats, server=server,
     )
     if executor != "ray" and (ray_address is not None or max_retries != 2):
         raise DetauditError("--ray-address and --max-retries apply to --executor ray only")

