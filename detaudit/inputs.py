@@ -4,12 +4,12 @@ and end-of-sequence ids, the suites and their prompts as chat-templated token id
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from detaudit.errors import DetauditError
+from detaudit.models import eos_ids, tokenizer_for  # noqa: F401  (re-exported: what every workflow prepares)
 
 
 @dataclass
@@ -26,30 +26,6 @@ class PromptSet:
 
     def digest(self) -> str:
         return hashlib.sha256("".join(self.hashes).encode()).hexdigest()[:16]
-
-
-def tokenizer_for(model_path: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_path))
-    except Exception as e:
-        raise DetauditError(f"cannot load the tokenizer of {model_path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-
-
-def eos_ids(model_path: Path, tokenizer) -> list[int]:
-    ids: set[int] = set()
-    for fname in ("generation_config.json", "config.json"):
-        f = Path(model_path) / fname
-        if f.exists():
-            try:
-                v = json.loads(f.read_text()).get("eos_token_id")
-            except (ValueError, AttributeError):
-                raise DetauditError(f"{f} is not valid JSON") from None
-            ids.update(v if isinstance(v, list) else [v] if v is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(int(i) for i in ids)
 
 
 def load_suites(names: Sequence[str], data_dir: Path | None, limit: int | None) -> list:

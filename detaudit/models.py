@@ -383,3 +383,30 @@ def pad_heads(model, n_q: int, n_kv: int) -> None:
             at.num_heads = n_q
             at.num_key_value_heads = n_kv
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = n_q, n_kv, hd
+
+
+# ---------------------------------------------------------------- a checkpoint's tokenizer
+
+
+def tokenizer_for(model_path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_path))
+    except Exception as e:
+        raise DetauditError(f"cannot load the tokenizer of {model_path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def eos_ids(model_path: Path, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    for fname in ("generation_config.json", "config.json"):
+        f = Path(model_path) / fname
+        if f.exists():
+            try:
+                v = json.loads(f.read_text()).get("eos_token_id")
+            except (ValueError, AttributeError):
+                raise DetauditError(f"{f} is not valid JSON") from None
+            ids.update(v if isinstance(v, list) else [v] if v is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(int(i) for i in ids)

@@ -121,7 +121,9 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
     model = resolve_model(cfg.model, auto_prepare=True, console=console)
     tokenizer = tokenizer_for(model.path)
     prompts = {s.name: tokenize(s, tokenizer) for s in suites}
-    check_model(model.path, cfg.tp, get_engine(cfg.engine).checks_architecture)
+    info = get_engine(cfg.engine)
+    check_model(model.path, cfg.tp, info.checks_architecture, list(prompts.values()), cfg.decoding.max_new_tokens,
+                info.max_context)
     for ps in prompts.values():
         if ps.ignored_keys:
             console.print(f"[dim]suite {escape(ps.suite)}: ignored lm-eval keys (detaudit does not use them): "

@@ -150,7 +150,7 @@ class OpenAIEngine:
 
     def _tokenizer(self):
         if self._tok is None:
-            from detaudit.inputs import tokenizer_for
+            from detaudit.models import tokenizer_for
 
             self._tok = tokenizer_for(Path(self.o.model_path))
         return self._tok

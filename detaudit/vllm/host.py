@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from detaudit.config import DecodingParams
-from detaudit.engine.generate import Generation, ProgressFn, request_seed
+from detaudit.engine.generate import request_seed
+from detaudit.records import Generation, ProgressFn
 from detaudit.engine.local import chunks, cpu_core_ids
+from detaudit.vllm import MAX_MODEL_LEN
 
 BACKEND_ENV = "DETAUDIT_VLLM_BACKEND"  # read by detaudit.vllm.plugin in every vLLM process
 MARKER_ENV = "DETAUDIT_VLLM_MARKER_DIR"  # each process the plugin patches writes a marker here
-MAX_MODEL_LEN = 4096
 
 
 def thread_binds(tp: int, cores: Sequence[int]) -> str:
@@ -86,6 +87,12 @@ def recorded_env() -> dict[str, str]:
     from detaudit.fingerprint import knob_env
 
     return knob_env()
+
+
+def from_spec(spec: dict) -> "VllmHost":
+    """The hosted-engine factory `detaudit.engine.worker` calls in the child process."""
+    return VllmHost(Path(spec["model_path"]), spec["backend"], spec["tp"], dtype=spec["dtype"], device=spec["device"],
+                    eos_ids=spec["eos_ids"], max_batch_size=spec.get("max_batch_size", 0))
 
 
 EXECUTOR_ENV = "DETAUDIT_VLLM_EXECUTOR"  # "mp" or "ray" (set by detaudit.executors.ray for multi-node TP)
