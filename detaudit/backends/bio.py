@@ -19,7 +19,7 @@ from torch import Tensor
 
 from detaudit.backends import register_backend
 from detaudit.backends.base import Group, TorchFlags, library_versions, sequential_sum
-from detaudit.backends.kernels import fixed, triton_mm
+from detaudit.backends.kernels import fixed, triton_mm, triton_rows
 
 SPLIT = 64  # keys per attention chunk
 
@@ -41,19 +41,29 @@ class BioBackend:
         return fixed.matmul(x, weight)  # fp32 partial
 
     def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+        if len(partials) == 1:  # TP 1: the fp32 partial, cast once (sequential_sum's copy changes no bit)
+            return partials[0].float().to(dtype)
         return sequential_sum([p.float() for p in partials], dtype)
 
     def all_reduce(self, partial: Tensor, group: Group, dtype: torch.dtype) -> Tensor:
         return self.combine(group.all_gather(partial.float().contiguous()), dtype)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        xf = x.float()
-        var = fixed.row_sum(xf * xf) / x.shape[-1]
-        y = xf * torch.rsqrt(var + eps)
-        return (y.to(x.dtype) * weight) if x.dtype != torch.float32 else y * weight
+        if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.dim() == 1
+                and weight.stride(0) == 1):
+            fused = _fused_rms_norm(x, weight, eps)
+            if fused is not None:
+                return fused
+        return _rms_norm(x, weight, eps)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None) -> Tensor:
-        return fixed.attention(q, k, v, q_pos, scale, SPLIT, window)
+    def attention_plan(self, q_pos: Tensor, kv_len: int, window: int | None = None) -> dict:
+        """A per-step memo for `attention` (one per forward step, passed to every layer): the query rows'
+        positions in the kernel's layout, computed once per step instead of once per layer."""
+        return {}
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None,
+                  plan: dict | None = None) -> Tensor:
+        return fixed.attention(q, k, v, q_pos, scale, SPLIT, window, plan)
 
     def log_softmax(self, logits: Tensor) -> Tensor:
         z = logits.float()
@@ -74,3 +84,38 @@ class BioBackend:
             "tf32": "off",
             **library_versions(),
         }
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """bio's RMSNorm op by op: fp32, the row sum of squares by `fixed.row_sum`, rsqrt, cast, * weight."""
+    xf = x.float()
+    var = fixed.row_sum(xf * xf) / x.shape[-1]
+    y = xf * torch.rsqrt(var + eps)
+    return (y.to(x.dtype) * weight) if x.dtype != torch.float32 else y * weight
+
+
+# (hidden size, dtype, device) -> whether the one-launch kernel gave `_rms_norm`'s bits when first used
+_FUSED_OK: dict[tuple, bool] = {}
+
+
+def _fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """`_rms_norm` in one launch (`triton_rows.rms_norm`: the same operations in the same order), or None
+    where it is not used. The first call for a (hidden size, dtype, device) also runs `_rms_norm` and
+    keeps the kernel only if the two agree bitwise (a host sync, never inside a CUDA-graph capture: a
+    capture before the check uses `_rms_norm`)."""
+    n = x.shape[-1]
+    key = (n, x.dtype, x.device.index)
+    ok = _FUSED_OK.get(key)
+    if ok is False or triton_rows.triton is None:
+        return None
+    if ok is None and torch.cuda.is_current_stream_capturing():
+        return None
+    xf = x.reshape(-1, n).float()
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    out = triton_rows.rms_norm(xf, weight, eps, x.dtype).view(x.shape)
+    if ok is None:
+        ok = _FUSED_OK[key] = torch.equal(out, _rms_norm(x, weight, eps))
+        if not ok:
+            return None
+    return out

@@ -32,22 +32,41 @@ class NativeBackend:
     def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
         # Emulated TP: rank-order sequential sum. A real ring all-reduce adds in an order that
         # depends on the tensor size and rank count; emulation cannot reproduce it.
+        if len(partials) == 1:  # TP 1: the partial itself, cast (sequential_sum's copy changes no bit)
+            return partials[0].to(dtype)
         return sequential_sum(partials, dtype)
 
     def all_reduce(self, partial: Tensor, group: Group, dtype: torch.dtype) -> Tensor:
         return group.all_reduce_sum(partial).to(dtype)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        # the same kernels as xf * rsqrt(mean(xf^2) + eps), cast, * weight; in place where the operand
+        # is this call's own temporary (no allocation, the same elementwise results)
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return (xf.to(x.dtype) * weight) if x.dtype != torch.float32 else xf * weight
+        r = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+        if x.dtype == torch.float32:
+            return xf * r * weight
+        return xf.mul_(r).to(x.dtype).mul_(weight)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None) -> Tensor:
-        keys = torch.arange(k.shape[2], device=q.device).view(1, 1, 1, -1)
-        qp = q_pos.view(q_pos.shape[0], 1, -1, 1)
-        mask = keys <= qp
-        if window is not None:  # sliding window: p - window < j <= p
-            mask = mask & (keys > qp - window)
+    def attention_plan(self, q_pos: Tensor, kv_len: int, window: int | None = None) -> dict:
+        """A per-step memo for `attention` (the engine makes one per forward step and passes it to every
+        layer): the additive mask, built once per step instead of once per layer."""
+        return {}
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None,
+                  plan: dict | None = None) -> Tensor:
+        mask = None if plan is None else plan.get("mask")
+        if mask is None or mask.shape[-1] != k.shape[2] or mask.dtype != q.dtype:
+            keys = torch.arange(k.shape[2], device=q.device).view(1, 1, 1, -1)
+            qp = q_pos.view(q_pos.shape[0], 1, -1, 1)
+            mask = keys <= qp
+            if window is not None:  # sliding window: p - window < j <= p
+                mask = mask & (keys > qp - window)
+            # the additive mask SDPA builds from a boolean one (0 where visible, -inf where not, in the
+            # query dtype); given it directly, SDPA uses it as is (tests/gpu: the same bits)
+            mask = torch.where(mask, torch.zeros((), dtype=q.dtype, device=q.device), float("-inf"))
+            if plan is not None:
+                plan["mask"] = mask
         # grouped-query attention inside SDPA (no repeated copies of K/V, as serving engines do)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 

@@ -137,7 +137,7 @@ class Generator:
             if not any(active) or step == decoding.max_new_tokens - 1:
                 break
             feed = torch.where(torch.tensor(active, device=self.device), nxt, torch.full_like(nxt, self.pad_id))
-            logits, logprobs = step_fn(feed, cur)
+            logits, logprobs = step_fn(feed, cur, T + step + 1)  # the furthest position is T + step
             steps += 1
             cur = cur + 1
         self.timings = {"prefill_s": prefill_s, "capture_s": capture_s, "decode_s": clock.lap(), "decode_steps": steps, "batch": B,

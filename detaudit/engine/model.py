@@ -56,30 +56,65 @@ class Block:
         self.n_heads = cfg.num_heads // ctx.size * local
         self.n_kv = cfg.num_kv_heads // ctx.size * local
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, cache: tuple[Tensor, Tensor], kv_len: int) -> Tensor:
-        B, T, _ = x.shape
+    def __call__(self, x: Tensor, step: "StepPlan", cache: tuple[Tensor, Tensor]) -> Tensor:
+        """x: the step's tokens flattened, [B*T, H] (every per-token op is row-local, and a 2-D operand
+        is the product the library folds a 3-D one into: the same kernels, fewer view ops per call)."""
+        B, T = step.B, step.T
         d = self.cfg.head_dim
         h = self.input_layernorm(x)
         q = self.q_proj(h).view(B, T, self.n_heads, d)
         k = self.k_proj(h).view(B, T, self.n_kv, d)
-        v = self.v_proj(h).view(B, T, self.n_kv, d)
+        v = self.v_proj(h)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        q = apply_rotary(q.transpose(1, 2), step.cos, step.sin)
+        k = apply_rotary(k.transpose(1, 2), step.cos, step.sin)
         k_cache, v_cache = cache
         # the cache is updated before attention, so a token's key sits in the same slot whether it
-        # was written in prefill or decode
-        rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
-        k_cache.transpose(1, 2)[rows, pos] = k.transpose(1, 2)
-        v_cache.transpose(1, 2)[rows, pos] = v
-        # a sliding window is passed only where the layer has one (backends without the keyword still
-        # run every full-attention model)
-        extra = {} if self.window is None else {"window": self.window}
-        attn = self.ctx.backend.attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], pos, d**-0.5, **extra)
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(B, T, self.n_heads * d))
+        # was written in prefill or decode: one row copy per (token, KV head) into the flat cache, at
+        # indices computed once per step (a copy: the values are the ones the per-layer indexed
+        # assignment wrote)
+        k_cache.view(-1, d).index_copy_(0, step.slots, k.transpose(1, 2).reshape(-1, d))
+        v_cache.view(-1, d).index_copy_(0, step.slots, v.view(-1, d))
+        kv_len = step.kv_len
+        attn = self.ctx.backend.attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], step.pos, d**-0.5,
+                                          **step.attention_kwargs(self.window))
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(B * T, self.n_heads * d))
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class StepPlan:
+    """What every layer of one forward step shares, computed once per step instead of once per layer:
+    rotary cos / sin, the cache slots the step's keys and values go to, and the backend's per-step
+    attention inputs (`backend.attention_plan`, where it has one: bf16's mask, bio's row positions)."""
+
+    __slots__ = ("B", "T", "pos", "cos", "sin", "kv_len", "slots", "_backend", "_plans")
+
+    def __init__(self, model: "Decoder", pos: Tensor, cache: list[tuple[Tensor, Tensor]], kv_len: int) -> None:
+        B, T = pos.shape
+        self.B, self.T, self.pos, self.kv_len = B, T, pos, kv_len
+        self.cos, self.sin = model.rotary.cos_sin(pos, model.ctx.dtype)
+        n_kv, length = cache[0][0].shape[1], cache[0][0].shape[2]
+        # flat row of (b, t, h) in a [B, Hkv, L, D] cache viewed as [B*Hkv*L, D]: (b*Hkv + h)*L + pos[b, t]
+        heads = torch.arange(n_kv, device=pos.device) * length
+        rows = torch.arange(B, device=pos.device)[:, None, None] * (n_kv * length)
+        self.slots = (rows + pos[:, :, None] + heads).reshape(-1)
+        self._backend = model.ctx.backend
+        self._plans: dict = {}
+
+    def attention_kwargs(self, window: int | None) -> dict:
+        """Keyword arguments of `backend.attention` for a layer with this `window` (None: full attention;
+        a sliding window is passed only where the layer has one, so backends without the keyword still
+        run every full-attention model)."""
+        hit = self._plans.get(window)
+        if hit is None:
+            hit = {} if window is None else {"window": window}
+            make = getattr(self._backend, "attention_plan", None)
+            if make is not None:
+                hit["plan"] = make(self.pos, self.kv_len, window)
+            self._plans[window] = hit
+        return hit
 
 
 class Decoder:
@@ -120,13 +155,14 @@ class Decoder:
         Attention reads the first `kv_len` cache slots (default: up to the furthest position, which needs
         a host sync; a CUDA-graphed decode step passes the whole cache: slots past a query's position
         are masked)."""
-        x = F.embedding(ids, self.embed_tokens)
-        cos, sin = self.rotary.cos_sin(pos, self.ctx.dtype)
+        B, T = ids.shape
+        x = F.embedding(ids.reshape(-1), self.embed_tokens)  # [B*T, H]
         if kv_len is None:
             kv_len = int(pos.max()) + 1
+        step = StepPlan(self, pos, cache, kv_len)
         for layer, c in zip(self.layers, cache):
-            x = layer(x, cos, sin, pos, c, kv_len)
-        return self.norm(x)
+            x = layer(x, step, c)
+        return self.norm(x).view(B, T, -1)
 
     def logits(self, h: Tensor) -> Tensor:
         """fp32 logits of final hidden states (lm_head replicated: identical at every TP size)."""

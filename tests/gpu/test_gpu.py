@@ -332,3 +332,31 @@ def test_real_tp1_process_group_graphed_equals_in_process(qwen3_shaped, monkeypa
     assert run("bio+tbik", 2, "emulated", True) == tref
     if torch.cuda.device_count() >= 2:
         assert run("bio+tbik", 2, "real", True) == tref, "real NCCL TP 2, graphed"
+
+
+def test_hoisted_step_ops_give_the_same_bits():
+    """The decode step's hoisted / fused ops against what they replace, bitwise: bf16 attention with the
+    step's additive mask (built once per step) against SDPA given the boolean mask; bio's one-launch
+    RMSNorm against its op-by-op RMSNorm (row sum kernel, rsqrt, casts)."""
+    import torch.nn.functional as F
+
+    from detaudit.backends import bio
+    from detaudit.backends.kernels import triton_rows
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    nat = get_backend("bf16")
+    for b, t, length in ((8, 1, 530), (3, 40, 40)):
+        q = torch.randn(b, 32, t, 128, device="cuda", generator=g).bfloat16()
+        k = torch.randn(b, 8, length, 128, device="cuda", generator=g).bfloat16()
+        v = torch.randn(b, 8, length, 128, device="cuda", generator=g).bfloat16()
+        pos = (torch.arange(t, device="cuda") + (length - t)).expand(b, t) - torch.arange(b, device="cuda")[:, None] % 3
+        mask = torch.arange(length, device="cuda").view(1, 1, 1, -1) <= pos.view(b, 1, -1, 1)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=128**-0.5, enable_gqa=True)
+        plan = nat.attention_plan(pos, length)
+        for _ in range(2):  # building the mask, then reusing it
+            assert torch.equal(nat.attention(q, k, v, pos, 128**-0.5, plan=plan), want), (b, t, length)
+    for n in (4096, 128, 576):
+        for m in (1, 8, 300):
+            x = (torch.randn(m, n, device="cuda", generator=g) * 3).bfloat16()
+            w = torch.randn(n, device="cuda", generator=g).bfloat16()
+            assert torch.equal(triton_rows.rms_norm(x.float(), w, 1e-6, torch.bfloat16), bio._rms_norm(x, w, 1e-6)), (n, m)

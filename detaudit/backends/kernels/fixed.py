@@ -79,6 +79,8 @@ def bmm_fixed(a: Tensor, b: Tensor) -> Tensor:
 def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
     """x[..., K] @ w[N, K]^T accumulated in fp32, batch invariant, rounded once to `out_dtype` (on GPU
     inside the kernel's epilogue: no separate cast pass)."""
+    if x.is_cuda and x.dim() == 2:  # the engine's layers: no reshapes
+        return triton_mm.mm(x, w, out_dtype=out_dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x.is_cuda:
@@ -96,6 +98,8 @@ def row_sum(x: Tensor) -> Tensor:
 
     The ones have 8 columns, not 1: with N = 1 MKL takes a GEMV path whose order depends on M
     (measured on the CI CPU; tests/test_bio.py guards it)."""
+    if x.is_cuda and x.dim() == 2 and x.dtype == torch.float32:  # no reshapes
+        return triton_rows.row_sum(x).view(-1, 1)
     k = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).float()
@@ -115,7 +119,7 @@ def batched(a: Tensor, b_t: Tensor) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, split: int,
-              window: int | None = None) -> Tensor:
+              window: int | None = None, plan: dict | None = None) -> Tensor:
     """Causal attention over the cache in fixed-size KV chunks of `split` keys (never a fixed number of
     chunks), with an fp32 online softmax. A chunk a row cannot see is an exact no-op for that row, so the
     result does not depend on how long the batch's longest sequence is, and a query's output is the same
@@ -123,18 +127,26 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, spli
     computed at all: rows are laid out (position, query head) so that the rows a chunk can reach form a
     suffix, and only that suffix runs (half the work of a prefill; the same bits). With a sliding
     `window`, key j is visible iff pos - window < j <= pos; a chunk wholly before a row's window is, like
-    one past it, an exact no-op for that row (before any visible chunk the state is still empty)."""
+    one past it, an exact no-op for that row (before any visible chunk the state is still empty).
+    `plan`: a dict shared by the layers of one forward step (same `q_pos`), where the rows' positions in
+    the kernel's layout are kept after the first layer computes them."""
     bsz, hq, t, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     groups = hq // hkv
     g = bsz * hkv
     # the queries of one KV head together, position-major: [B*Hkv, T*groups, D]
     qg = q.reshape(bsz, hkv, groups, t, d).transpose(2, 3).reshape(g, t * groups, d)
-    pos = q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, t * groups, 1)
     if triton_attn.supported(q):  # GPU: the same algorithm as one kernel (its own bits; see triton_attn)
-        out = triton_attn.attention(qg, k.reshape(g, length, d), v.reshape(g, length, d), pos[..., 0], scale, split,
+        rows_pos = None if plan is None else plan.get((hkv, groups))
+        if rows_pos is None:  # int32, contiguous: what the kernel reads (as triton_attn would convert it)
+            rows_pos = q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, t * groups)
+            rows_pos = rows_pos.to(torch.int32).contiguous()
+            if plan is not None:
+                plan[(hkv, groups)] = rows_pos
+        out = triton_attn.attention(qg, k.reshape(g, length, d), v.reshape(g, length, d), rows_pos, scale, split,
                                     window)
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d)
+    pos = q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, t * groups, 1)
     qs = qg.float() * scale
     kf = k.reshape(g, length, d)
     vf = v.reshape(g, length, d)

@@ -59,12 +59,21 @@ def tree_matmul(x: Tensor, w: Tensor, tp_size: int, name: str = "") -> Tensor:
     k_local = x.shape[-1]
     if k_local != w.shape[1]:
         raise DetauditError(f"{name or 'row-parallel layer'}: x has K={k_local}, weight has K={w.shape[1]}")
+    if x.is_cuda and x.dim() == 2:  # the engine's layers: checked leaf plans, no reshapes
+        leaves = _LEAVES.get((k_local, tp_size))
+        if leaves is None:
+            leaves = _LEAVES[(k_local, tp_size)] = leaf_plan(k_local, tp_size, name)[1]
+        return triton_mm.mm(x if x.is_contiguous() else x.contiguous(), w,
+                            leaves=leaves, tree=True)
     leaf, leaves = leaf_plan(k_local, tp_size, name)
     lead, n = x.shape[:-1], w.shape[0]
     x2 = x.reshape(-1, k_local)
     if x.is_cuda:
         return triton_mm.mm(x2.contiguous(), w, leaves=leaves, tree=True).reshape(*lead, n)
     return tree_matmul_cpu(x2, w, leaf, leaves).reshape(*lead, n)
+
+
+_LEAVES: dict[tuple[int, int], int] = {}  # (K/C, C) -> leaves on a rank, for shapes leaf_plan accepted
 
 
 def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
