@@ -98,49 +98,50 @@ def _no_logprobs(where: str) -> DetauditError:
                          "log-probabilities; is logprobs supported / --max-logprobs high enough?)")
 
 
-def parse_completion(d: Any, k: int, tokens: TokenMap, where: str) -> Generation:
+def _generation(entries, k: int, where: str, finish: Any) -> Generation:
+    """entries: per position (token id, its logprob, [(token id, logprob), ...] of the top-k)."""
+    ids, token_lps, top_ids, top_lps = [], [], [], []
+    for tok, lp, top in entries:
+        if len(top) < min(k, 5):
+            raise _no_logprobs(where)
+        ids.append(tok)
+        token_lps.append(float(lp) if lp is not None else math.nan)
+        a, b = _ranked(top, k)
+        top_ids.append(a)
+        top_lps.append(b)
+    return Generation(ids, token_lps, top_ids, top_lps, _finish(finish))
+
+
+def _choice(d: Any, where: str) -> dict:
     try:
-        choice = d["choices"][0]
+        return d["choices"][0]
     except (KeyError, IndexError, TypeError):
         raise DetauditError(f"server {where}: answer has no choices") from None
+
+
+def parse_completion(d: Any, k: int, tokens: TokenMap, where: str) -> Generation:
+    choice = _choice(d, where)
     lp = choice.get("logprobs")
     if not isinstance(lp, dict) or lp.get("token_logprobs") is None or lp.get("top_logprobs") is None:
         raise _no_logprobs(where)
     toks, lps, tops = lp.get("tokens") or [], lp["token_logprobs"], lp["top_logprobs"]
     if not (len(toks) == len(lps) == len(tops)):
         raise DetauditError(f"server {where}: logprobs lists of different lengths")
-    ids, token_lps, top_ids, top_lps = [], [], [], []
-    for t, l, top in zip(toks, lps, tops):
-        ids.append(tokens(t))
-        token_lps.append(float(l) if l is not None else math.nan)
-        if not isinstance(top, dict) or len(top) < min(k, 5):
-            raise _no_logprobs(where)
-        a, b = _ranked([(tokens(s), v) for s, v in top.items()], k)
-        top_ids.append(a)
-        top_lps.append(b)
-    return Generation(ids, token_lps, top_ids, top_lps, _finish(choice.get("finish_reason")))
+    if any(not isinstance(top, dict) for top in tops):
+        raise _no_logprobs(where)
+    entries = ((tokens(t), l, [(tokens(s), v) for s, v in top.items()]) for t, l, top in zip(toks, lps, tops))
+    return _generation(entries, k, where, choice.get("finish_reason"))
 
 
 def parse_chat(d: Any, k: int, tokens: TokenMap, where: str) -> Generation:
-    try:
-        choice = d["choices"][0]
-    except (KeyError, IndexError, TypeError):
-        raise DetauditError(f"server {where}: answer has no choices") from None
+    choice = _choice(d, where)
     lp = choice.get("logprobs")
     content = lp.get("content") if isinstance(lp, dict) else None
     if content is None:
         raise _no_logprobs(where)
-    ids, token_lps, top_ids, top_lps = [], [], [], []
-    for e in content:
-        ids.append(tokens(e["token"]))
-        token_lps.append(float(e["logprob"]))
-        top = e.get("top_logprobs") or []
-        if len(top) < min(k, 5):
-            raise _no_logprobs(where)
-        a, b = _ranked([(tokens(x["token"]), x["logprob"]) for x in top], k)
-        top_ids.append(a)
-        top_lps.append(b)
-    return Generation(ids, token_lps, top_ids, top_lps, _finish(choice.get("finish_reason")))
+    entries = ((tokens(e["token"]), e["logprob"], [(tokens(x["token"]), x["logprob"]) for x in e.get("top_logprobs") or []])
+               for e in content)
+    return _generation(entries, k, where, choice.get("finish_reason"))
 
 
 def parse_prompt_logprobs(d: Any, prompt_len: int, continuation: Sequence[int]) -> list[float] | None:
