@@ -50,21 +50,20 @@ class NativeBackend:
 
     def attention_plan(self, q_pos: Tensor, kv_len: int, window: int | None = None) -> dict:
         """A per-step memo for `attention` (the engine makes one per forward step and passes it to every
-        layer): the additive mask, built once per step instead of once per layer."""
+        layer): the boolean mask, built once per step instead of once per layer."""
         return {}
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None,
                   plan: dict | None = None) -> Tensor:
         mask = None if plan is None else plan.get("mask")
-        if mask is None or mask.shape[-1] != k.shape[2] or mask.dtype != q.dtype:
+        if mask is None or mask.shape[-1] != k.shape[2]:
             keys = torch.arange(k.shape[2], device=q.device).view(1, 1, 1, -1)
             qp = q_pos.view(q_pos.shape[0], 1, -1, 1)
             mask = keys <= qp
             if window is not None:  # sliding window: p - window < j <= p
                 mask = mask & (keys > qp - window)
-            # the additive mask SDPA builds from a boolean one (0 where visible, -inf where not, in the
-            # query dtype); given it directly, SDPA uses it as is (tests/gpu: the same bits)
-            mask = torch.where(mask, torch.zeros((), dtype=q.dtype, device=q.device), float("-inf"))
+            # kept boolean: SDPA given the additive mask it derives from it picks other kernels on the
+            # H100 (different bits at some decode shapes, reports/gpu/eager-host-cost-h100.md)
             if plan is not None:
                 plan["mask"] = mask
         # grouped-query attention inside SDPA (no repeated copies of K/V, as serving engines do)

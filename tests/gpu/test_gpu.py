@@ -336,7 +336,7 @@ def test_real_tp1_process_group_graphed_equals_in_process(qwen3_shaped, monkeypa
 
 def test_hoisted_step_ops_give_the_same_bits():
     """The decode step's hoisted / fused ops against what they replace, bitwise: bf16 attention with the
-    step's additive mask (built once per step) against SDPA given the boolean mask; bio's one-launch
+    step's boolean mask (built once per step) against SDPA given a fresh mask; bio's one-launch
     RMSNorm against its op-by-op RMSNorm (row sum kernel, rsqrt, casts)."""
     import torch.nn.functional as F
 
