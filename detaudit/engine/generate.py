@@ -66,7 +66,7 @@ class Generator:
         return hit
 
     # ---- sampling (per row, invariant)
-    def _choose(self, logits: Tensor, logprobs: Tensor, decoding: DecodingParams, gens: list[torch.Generator]) -> Tensor:
+    def _choose(self, logits: Tensor, decoding: DecodingParams, gens: list[torch.Generator]) -> Tensor:
         if decoding.greedy:
             return logits.argmax(dim=-1)
         backend = self.model.ctx.backend
@@ -116,7 +116,7 @@ class Generator:
         steps = 0
         for step in range(decoding.max_new_tokens):
             top_lp, top_id = torch.topk(logprobs, decoding.logprobs, dim=-1)
-            nxt = self._choose(logits, logprobs, decoding, gens)
+            nxt = self._choose(logits, decoding, gens)
             chosen_lp = logprobs.gather(1, nxt[:, None])[:, 0]
             nxt_l, top_id_l, top_lp_l, chosen_l = nxt.tolist(), top_id.tolist(), top_lp.tolist(), chosen_lp.tolist()
             produced = 0

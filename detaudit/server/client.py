@@ -234,7 +234,7 @@ class OpenAIEngine:
                     await asyncio.gather(bg, return_exceptions=True)
                 self.retried += http.retried
         if n_bg:
-            self.load.update(background_requests=stats.requests, background_failed=stats.failed,
+            self.load.update(background_sent=stats.sent, background_requests=stats.requests, background_failed=stats.failed,
                              background_errors=stats.errors)
         return [g for g in out if g is not None]
 

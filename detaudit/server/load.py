@@ -14,7 +14,8 @@ from detaudit.errors import DetauditError
 
 @dataclass
 class LoadStats:
-    requests: int = 0
+    sent: int = 0  # background requests sent (in flight while the audited ones ran, finished or not)
+    requests: int = 0  # background requests answered before the audited ones were done
     failed: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -34,6 +35,7 @@ async def run_background(n: int, pool: Sequence, send: Callable[[object, int], A
         j = i
         while not stop.is_set():
             try:
+                stats.sent += 1
                 await send(pool[j % len(pool)], j)
                 stats.requests += 1
             except asyncio.CancelledError:

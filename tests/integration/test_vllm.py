@@ -68,7 +68,7 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys):
 
     run = RunDir(out)
     run.load()
-    df = pd.concat([run.read_cell(c) for c in run.manifest["cells"]])
+    df = pd.concat([run.read_cell(c) for c in run.manifest.cells])
     for tp in (1, 2):  # bio: batch invariant within each TP size
         assert _same(df[(df.backend == "bio") & (df.tp == tp)]), f"bio differs across batch sizes at TP {tp}"
     assert _same(df[df.backend == "bio+tbik"])
@@ -79,7 +79,7 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys):
     assert rows["bf16"]["maxprob_div_mean"] > 0, "bf16 agreed everywhere: the negative control found nothing"
 
     # the plugin ran in every vLLM worker: one marker per TP rank, with the patched ops used there
-    for key, desc in run.manifest["backends"].items():
+    for key, desc in run.manifest.backends.items():
         backend, tp, bs = key.split("@")[0], int(key.split("@")[1][2:]), key.count("@") == 2
         if not bs:
             continue
