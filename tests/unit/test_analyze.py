@@ -338,10 +338,9 @@ def test_bad_input_is_detaudit_error(tmp_path):
         analyze(run)
 
 
-def test_analyze_is_fast_enough(tmp_path):
-    """12 cells x 40 prompts x 400 positions in well under the budget."""
-    import time
-
+def test_analyze_a_full_grid_of_long_outputs(tmp_path):
+    """12 cells x 40 prompts x 400 positions (the vectorised top-5 path); its speed is a benchmark
+    matter, not asserted here."""
     rng = np.random.default_rng(1)
     cells = {}
     cfg_tp, cfg_bs = (1, 2, 4, 8), (1, 2, 3)
@@ -357,9 +356,7 @@ def test_analyze_is_fast_enough(tmp_path):
                 for p in range(40)
             ]
     run = make_run(tmp_path / "big", cells, backends=("bf16",), tp=cfg_tp, batch_sizes=cfg_bs)
-    t = time.perf_counter()
     a = analyze(run)
-    assert time.perf_counter() - t < 10
     row = a.summary.iloc[0]
     assert row["cells"] == 12 and row["prompts"] == 40 and row["unique_mean"] == 12.0
     assert row["first_div_median"] == 211.0 and row["maxprob_div_mean"] == 0.0
