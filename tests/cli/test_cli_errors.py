@@ -68,3 +68,21 @@ def test_doctor_prints_the_fingerprint():
     assert env["torch_threads"] >= 1 and env["cpu_cores"] >= 1 and "torch" in env["versions"]
     assert "cpu_capability" in env["torch_build"] and env["hardware_key"]
     assert "bio+tbik" in checks["backends"] and "smollm2-135m" in checks["models"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["merge"], "merge needs at least one run directory"),
+        (["merge", "somewhere"], "merge needs --output-path"),
+        (["sweep", "--no-such-flag"], "No such option: --no-such-flag"),
+        (["gate"], "Missing argument"),
+        (["sweep", "--tp-mode", "sideways"], "Invalid value for '--tp-mode'"),
+    ],
+)
+def test_usage_errors_are_one_line(args, message):
+    """Usage errors (click's boxed usage text before) are one line and exit 2, like all bad input."""
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len([line for line in result.output.splitlines() if line.strip()]) == 1, result.output
