@@ -26,32 +26,46 @@ def run_job(engine: Engine, group: Group, job: CellJob, reference: ReferenceFn, 
                       describe=engine.describe(), emulated=bool(getattr(engine, "emulated", False)) and group.options.tp > 1)
 
 
+class GroupEngine:
+    """One group's engine: opened on its first cell, closed after a failed cell (the next cell reopens
+    it). Both executors run cells through it: the local one here, the Ray one inside its actor."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.engine: Engine | None = None
+
+    def run(self, job: CellJob, reference: ReferenceFn, progress: ProgressFn) -> CellOutput:
+        load_s = 0.0
+        try:
+            if self.engine is None:
+                progress(job.cell_id, "engine", 0)
+                t0 = time.monotonic()
+                self.engine = open_engine(self.group.engine, self.group.options)
+                load_s = time.monotonic() - t0
+            return run_job(self.engine, self.group, job, reference, progress, load_s)
+        except CellFailed as e:
+            self.close()
+            return CellOutput(job.cell_id, error=str(e))
+
+    def close(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+
+
 def run_group(group: Group, reference: ReferenceFn, on_output: OutputFn, progress: ProgressFn) -> None:
     """One engine serves the group's cells; a failed cell closes it and the next cell reopens it."""
-    engine: Engine | None = None
+    runner = GroupEngine(group)
     try:
         for job in group.jobs:
             progress(job.cell_id, "start", 0)
-            load_s = 0.0
-            try:
-                if engine is None:
-                    progress(job.cell_id, "engine", 0)
-                    t0 = time.monotonic()
-                    engine = open_engine(group.engine, group.options)
-                    load_s = time.monotonic() - t0
-                out = run_job(engine, group, job, reference, progress, load_s)
-            except CellFailed as e:
-                out = CellOutput(job.cell_id, error=str(e))
-                if engine is not None:
-                    engine.close()
-                    engine = None
+            out = runner.run(job, reference, progress)
             try:
                 on_output(out)
             finally:
                 progress(job.cell_id, "end", 0)
     finally:
-        if engine is not None:
-            engine.close()
+        runner.close()
 
 
 class LocalExecutor:

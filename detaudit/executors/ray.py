@@ -32,12 +32,11 @@ from __future__ import annotations
 import os
 import re
 import socket
-import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from detaudit.errors import CellFailed, DetauditError
+from detaudit.errors import DetauditError
 from detaudit.executors import CellJob, CellOutput, Group, OutputFn, ProgressFn, ReferenceFn
 
 FAULT_ENV = "DETAUDIT_RAY_FAULT"  # tests: "kill:<cell id>"
@@ -75,7 +74,7 @@ class GroupActor:
 
             os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         self.group = group
-        self.engine: Any = None
+        self.runner: Any = None  # executors.local.GroupEngine, created on the first cell
 
     def placement(self) -> dict:
         import ray
@@ -95,33 +94,24 @@ class GroupActor:
         }
 
     def run_cell(self, job: CellJob, continuations: list[list[int]] | None, fault: bool) -> CellOutput:
-        from detaudit.engines import open_engine
-        from detaudit.executors.local import run_job
+        from detaudit.executors.local import GroupEngine
 
-        load_s = 0.0
-        try:
-            if self.engine is None:
-                path = self.group.options.model_path
-                if not path.exists():
-                    raise DetauditError(f"model path {path} does not exist on Ray node {socket.gethostname()} "
-                                        f"({_node_ip()}); on a cluster the model must be at the same "
-                                        "path on every node")
-                t0 = time.monotonic()
-                self.engine = open_engine(self.group.engine, self.group.options)
-                load_s = time.monotonic() - t0
-            out = run_job(self.engine, self.group, job, lambda _ref: continuations, lambda *a: None, load_s)
-        except CellFailed as e:
-            out = CellOutput(job.cell_id, error=str(e))
-            self.close()
+        if self.runner is None:
+            path = self.group.options.model_path
+            if not path.exists():
+                raise DetauditError(f"model path {path} does not exist on Ray node {socket.gethostname()} "
+                                    f"({_node_ip()}); on a cluster the model must be at the same "
+                                    "path on every node")
+            self.runner = GroupEngine(self.group)
+        out = self.runner.run(job, lambda _ref: continuations, lambda *a: None)
         if fault:
             os._exit(17)
         out.placement = self.placement()
         return out
 
     def close(self) -> None:
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
-            engine.close()
+        if self.runner is not None:
+            self.runner.close()
 
 
 def _node_ip() -> str:
