@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -46,6 +47,12 @@ class DecodingParams:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def request_seed(seed: int, prompt_id: str) -> int:
+    """The per-request sampling seed every engine uses (built-in generator, vLLM, servers): it depends
+    on the run's seed and the prompt id only, never on the batch the request lands in."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ computes depends on the other requests in its batch except through the backend's
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -15,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from detaudit.config import DecodingParams
+from detaudit.config import DecodingParams, request_seed
 from detaudit.engine.graphs import Step, eager_step, graphed_step
 from detaudit.engine.model import Decoder
 from detaudit.records import Generation, ProgressFn
@@ -36,10 +35,6 @@ class _Clock:
     def lap(self) -> float:
         t, self.t = self.t, self._now()
         return self.t - t
-
-
-def request_seed(seed: int, prompt_id: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 class Generator:

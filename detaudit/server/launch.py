@@ -23,8 +23,7 @@ from pathlib import Path
 import httpx
 
 from detaudit.errors import DetauditError
-
-MAX_MODEL_LEN = 4096
+from detaudit.vllm import MAX_MODEL_LEN
 STOP_WAIT_S = 20.0
 KILL_WAIT_S = 10.0
 

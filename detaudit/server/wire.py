@@ -6,21 +6,14 @@ Generated tokens come back as ids when the server honours vLLM's `return_tokens_
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any, Callable, Sequence
 
-from detaudit.config import DecodingParams
+from detaudit.config import DecodingParams, request_seed
 from detaudit.errors import DetauditError
 from detaudit.records import Generation
 
 TOKEN_ID_PREFIX = "token_id:"
-
-
-def request_seed(seed: int, prompt_id: str) -> int:
-    """The built-in engine's per-request seed (`detaudit.engine.generate.request_seed`), copied so this
-    package stays free of the engine's imports."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
 def sampling(decoding: DecodingParams, prompt_id: str, vllm_like: bool) -> dict[str, Any]:

@@ -17,8 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from detaudit.config import DecodingParams
-from detaudit.engine.generate import request_seed
+from detaudit.config import DecodingParams, request_seed
 from detaudit.records import Generation, ProgressFn
 from detaudit.engine.local import chunks, cpu_core_ids
 from detaudit.vllm import MAX_MODEL_LEN
