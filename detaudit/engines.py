@@ -81,10 +81,15 @@ def get_engine(name: str) -> EngineInfo:
     return info
 
 
+def check_tp_mode(info: EngineInfo, tp_mode: str) -> None:
+    if tp_mode not in info.tp_modes:
+        raise DetauditError(f"--engine {info.name} runs TP mode {' or '.join(info.tp_modes)} only "
+                            f"(drop --tp-mode {tp_mode})")
+
+
 def open_engine(name: str, options: EngineOptions) -> Engine:
     info = get_engine(name)
-    if options.tp_mode not in info.tp_modes:
-        raise DetauditError(f"--engine {name} runs TP mode {' or '.join(info.tp_modes)} only (not {options.tp_mode})")
+    check_tp_mode(info, options.tp_mode)
     return info.open(options)
 
 

@@ -72,8 +72,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        if isinstance(e, OSError) and _disk_error(path, e):
-            raise _disk_error(path, e) from None
+        err = _disk_error(path, e) if isinstance(e, OSError) else None
+        if err is not None:
+            raise err from None
         raise
 
 

@@ -17,7 +17,7 @@ from rich.markup import escape
 
 from detaudit import fingerprint
 from detaudit.config import Cell, SweepConfig
-from detaudit.engines import EngineOptions, get_engine
+from detaudit.engines import EngineOptions, check_tp_mode, get_engine
 from detaudit.errors import DetauditError
 from detaudit.executors import CellJob, CellOutput, Group, get_executor
 from detaudit.inputs import PromptSet, check_model, eos_ids, load_suites, tokenize, tokenizer_for
@@ -42,7 +42,7 @@ def validate_devices(cfg: SweepConfig) -> None:
         n = torch.cuda.device_count()
         if n == 0:
             raise DetauditError("--device cuda: no CUDA device is visible")
-        if cfg.tp_mode == "real" and max(cfg.tp) > n and cfg.executor == "local":
+        if cfg.tp_mode == "real" and max(cfg.tp) > n:
             raise DetauditError(f"--tp {max(cfg.tp)} needs {max(cfg.tp)} GPUs in real TP mode but {n} are visible "
                                 "(use --tp-mode emulated to audit it on fewer)")
 
@@ -54,9 +54,7 @@ def validate(cfg: SweepConfig) -> None:
     for b in cfg.backends:
         if b not in known:
             raise DetauditError(f"unknown backend {b!r}; known backends: {', '.join(known)}")
-    info = get_engine(cfg.engine)
-    if cfg.tp_mode not in info.tp_modes:
-        raise DetauditError(f"--engine {cfg.engine} runs TP mode {' or '.join(info.tp_modes)} only (drop --tp-mode {cfg.tp_mode})")
+    check_tp_mode(get_engine(cfg.engine), cfg.tp_mode)
     validate_devices(cfg)
 
 
@@ -132,7 +130,7 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
             shown = ", ".join(ps.ungraded[:5]) + (", ..." if len(ps.ungraded) > 5 else "")
             console.print(f"[yellow]warning:[/] suite {escape(ps.suite)}: {len(ps.ungraded)} row(s) have no answer "
                           f"and are kept ungraded: {escape(shown)}")
-    return model, tokenizer, prompts
+    return suites, model, tokenizer, prompts
 
 
 def run_sweep(cfg: SweepConfig, output_path: Path, *, data_dir: Path | None = None, console: Console | None = None,
@@ -141,8 +139,8 @@ def run_sweep(cfg: SweepConfig, output_path: Path, *, data_dir: Path | None = No
     console = console or Console(stderr=True)
     validate(cfg)
     executor = get_executor(cfg.executor, **(executor_options or {}))  # a missing extra fails before any work
-    model, tokenizer, prompts = prepare(cfg, data_dir, console)
-    extra = _server_extra(cfg, model, tokenizer, data_dir, output_path)  # {} unless a server engine
+    suites, model, tokenizer, prompts = prepare(cfg, data_dir, console)
+    extra = _server_extra(cfg, model, tokenizer, suites, prompts, output_path)  # {} unless a server engine
     cfg = replace(cfg, suites=tuple(prompts))  # YAML paths -> task names: cells are named by the task
     env = fingerprint.collect()
     run = RunDir(output_path)
@@ -206,7 +204,8 @@ def _record(cfg: SweepConfig, run: RunDir, model, tokenizer, ps: PromptSet, cell
     result.timings[cell.id] = out.timing
 
 
-def _server_extra(cfg: SweepConfig, model, tokenizer, data_dir: Path | None, output_path: Path) -> dict:
+def _server_extra(cfg: SweepConfig, model, tokenizer, suites: list, prompts: dict[str, PromptSet],
+                  output_path: Path) -> dict:
     """Server engines' `EngineOptions.extra` (`detaudit.server.hooks`); other engines refuse load options."""
     info = get_engine(cfg.engine)
     if not info.server:
@@ -217,8 +216,10 @@ def _server_extra(cfg: SweepConfig, model, tokenizer, data_dir: Path | None, out
     from detaudit.server.hooks import check_config, engine_extra
 
     check_config(cfg)
-    suites = load_suites(cfg.suites, data_dir, cfg.limit) if cfg.server.get("api") == "chat" else []
-    return engine_extra(cfg.server, cfg.model, model, tokenizer, suites, Path(output_path) / "logs",
+    texts = {}  # --api chat sends the user message, found by the prompt's token-id hash
+    if cfg.server.get("api") == "chat":
+        texts = {h: p.text for s in suites for h, p in zip(prompts[s.name].hashes, s.prompts)}
+    return engine_extra(cfg.server, cfg.model, model, tokenizer, texts, Path(output_path) / "logs",
                         max(cfg.background_load))
 
 

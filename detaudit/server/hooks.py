@@ -9,17 +9,10 @@ from detaudit.server.client import ServerOptions, probe
 from detaudit.server.urls import public_url
 
 
-def engine_extra(server: dict, model_arg: str, model, tokenizer, suites: list, log_dir: Path,
+def engine_extra(server: dict, model_arg: str, model, tokenizer, texts: dict[str, str], log_dir: Path,
                  max_background: int) -> dict[str, Any]:
     """The server options of the sweep plus what the client needs from --model (tokenizer path, names
-    to match the server's model id against, vocabulary size, chat prompt texts)."""
-    from detaudit.suites import prompt_hash, prompt_token_ids
-
-    texts = {}
-    if server.get("api") == "chat":
-        for s in suites:
-            for p in s.prompts:
-                texts[prompt_hash(prompt_token_ids(tokenizer, p))] = p.text
+    to match the server's model id against, vocabulary size, chat prompt texts by prompt hash)."""
     extra = {k: v for k, v in server.items() if v is not None}
     extra.update(model_candidates=(model_arg, model.name, str(model.path)), model_path=str(model.path),
                  vocab_size=len(tokenizer), prompt_texts=texts, log_dir=str(log_dir), max_background=max_background)
@@ -49,5 +42,3 @@ def check_config(cfg) -> None:
             raise DetauditError("--engine openai audits one deployment: give one --backends label (e.g. bf16) and one --tp")
     elif base:
         raise DetauditError(f"--base-url applies to --engine openai (--engine {cfg.engine} starts its own server)")
-    if cfg.tp_mode != "real":
-        raise DetauditError(f"--engine {cfg.engine} runs TP mode real only")
