@@ -297,7 +297,10 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
     data: dict[str, dict[str, dict[str, Any]]] = {}
     prompt_index: dict[str, int] = {}
     key_col = "config_id" if "config_id" in records else "cell_id"  # (cell, repeat) configurations
+    repeats: dict[str, list[tuple[int, str]]] = {}  # cell -> its (repeat, configuration id)
     for cid, sub in records.groupby(key_col, sort=False) if len(records) else ():
+        rep = sub["repeat"].iat[0] if "repeat" in sub else None
+        repeats.setdefault(sub["cell_id"].iat[0], []).append((int(rep) if pd.notna(rep) else 0, cid))
         d = {}
         for r in sub.to_dict("records"):
             key = _prompt_key(r)
@@ -311,8 +314,7 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
             prompt_index.setdefault(key, int(r["prompt_index"]) if pd.notna(r["prompt_index"]) else len(prompt_index))
         data[cid] = d
     prompts = sorted(prompt_index, key=lambda k: (prompt_index[k], k))
-    configs_of = {c: sorted((k for k in data if k == c or k.startswith(c + "#r")),
-                            key=lambda k: int(k.rsplit("#r", 1)[1]) if "#r" in k else 0) for c in done}
+    configs_of = {c: [k for _, k in sorted(repeats[c])] for c in done}
     configs = [k for c in done for k in configs_of[c]]  # every (cell, repeat), cells in grid order
 
     pp_rows, div_arrays, first_divs = [], [], []
