@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from detaudit.cli.common import (
-    DEFAULT_MODEL, SAMPLING, BackendsOpt, DataDirOpt, DeviceOpt, Dtype, DtypeOpt, JsonOpt, LimitOpt, MaxNewTokensOpt,
+    ALL_BACKENDS, DEFAULT_MODEL, SAMPLING, BackendsOpt, DataDirOpt, DeviceOpt, Dtype, DtypeOpt, JsonOpt, LimitOpt, MaxNewTokensOpt,
     ModelOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, TpMode, TpModeOpt, command_line, decoding, err, handle_errors,
     print_json, print_rows,
 )
@@ -18,7 +18,7 @@ from detaudit.cli.common import (
 def align(
     rollout: Annotated[str, typer.Option("--rollout", help="ENGINE:TP that samples the rollouts (KV-cache decode).")] = "builtin:4",
     trainer: Annotated[str, typer.Option("--trainer", help="ENGINE:TP that re-scores them (one full forward per sequence).")] = "builtin:1",
-    backends: BackendsOpt = "bf16,bio,bio+tbik",
+    backends: BackendsOpt = ALL_BACKENDS,
     model: ModelOpt = DEFAULT_MODEL,
     suite: Annotated[str, typer.Option("--suite", help="Suite name or lm-eval task YAML path.")] = "smoke",
     data_dir: DataDirOpt = None,

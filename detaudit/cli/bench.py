@@ -9,7 +9,7 @@ import typer
 from rich.progress import Progress
 
 from detaudit.cli.common import (
-    DEFAULT_MODEL, BackendsOpt, DataDirOpt, DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelOpt, SaveOpt, TpMode, TpModeOpt,
+    ALL_BACKENDS, DEFAULT_MODEL, BackendsOpt, DataDirOpt, DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelOpt, SaveOpt, TpMode, TpModeOpt,
     command_line, err, handle_errors, print_json, print_rows,
 )
 from detaudit.errors import DetauditError
@@ -57,7 +57,7 @@ def _bench_prompts(model: str, suite: str, data_dir: Optional[Path]):
 @handle_errors
 def bench_engine_cmd(model: ModelOpt = DEFAULT_MODEL, suite: SuiteOpt = "smoke", data_dir: DataDirOpt = None,
                      batch_size: BatchOpt = 8, max_new_tokens: NewTokOpt = 32, dtype: DtypeOpt = Dtype.bfloat16,
-                     backends: BackendsOpt = "bf16,bio,bio+tbik", json_: JsonOpt = False, save: SaveOpt = None):
+                     backends: BackendsOpt = ALL_BACKENDS, json_: JsonOpt = False, save: SaveOpt = None):
     """Built-in engine tokens/s vs transformers' generate (same prompts, batch size, dtype, threads)."""
     from detaudit.bench.engine import bench_engine
     from detaudit.config import parse_str_list
@@ -71,7 +71,7 @@ def bench_engine_cmd(model: ModelOpt = DEFAULT_MODEL, suite: SuiteOpt = "smoke",
 @bench_app.command("vllm")
 @handle_errors
 def bench_vllm_cmd(model: ModelOpt = DEFAULT_MODEL, suite: SuiteOpt = "smoke", data_dir: DataDirOpt = None,
-                   backends: BackendsOpt = "bf16,bio,bio+tbik", tp: Annotated[str, typer.Option("--tp")] = "1,2",
+                   backends: BackendsOpt = ALL_BACKENDS, tp: Annotated[str, typer.Option("--tp")] = "1,2",
                    batch_size: BatchOpt = 8, max_new_tokens: NewTokOpt = 32, dtype: DtypeOpt = Dtype.bfloat16,
                    device: DeviceOpt = "cpu", json_: JsonOpt = False, save: SaveOpt = None):
     """vLLM tokens/s with bf16 (vLLM's kernels) vs bio / bio+tbik (detaudit's plugin), per TP size."""
@@ -95,7 +95,7 @@ def bench_vllm_cmd(model: ModelOpt = DEFAULT_MODEL, suite: SuiteOpt = "smoke", d
 @handle_errors
 def bench_e2e_cmd(
     models: Annotated[str, typer.Option("--models", help="Comma-separated named models or checkpoint directories.")] = "smollm2-135m,qwen3-8b-shaped",
-    backends: BackendsOpt = "bf16,bio,bio+tbik",
+    backends: BackendsOpt = ALL_BACKENDS,
     tp: Annotated[str, typer.Option("--tp", help="Comma-separated TP sizes (real TP: one GPU per rank).")] = "1",
     batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "8,32,64",
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Random prompt ids per request (seeded).")] = 512,

@@ -23,6 +23,7 @@ from detaudit.errors import DetauditError
 
 DEFAULT_MODEL = "smollm2-135m"
 SAMPLING = DecodingParams()  # the published sampling defaults, in one place
+ALL_BACKENDS = "bf16,bio,bio+tbik"  # --backends default
 
 
 def _console(stderr: bool = False) -> Console:

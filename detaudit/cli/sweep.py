@@ -8,10 +8,13 @@ from typing import Annotated, Optional
 import typer
 
 from detaudit.cli.common import (
-    DEFAULT_MODEL, SAMPLING, BackendsOpt, DataDirOpt, DeviceOpt, Dtype, DtypeOpt, GreedyOpt, LimitOpt, MaxNewTokensOpt,
+    ALL_BACKENDS, DEFAULT_MODEL, SAMPLING, BackendsOpt, DataDirOpt, DeviceOpt, Dtype, DtypeOpt, GreedyOpt, LimitOpt, MaxNewTokensOpt,
     ModelOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, TpMode, TpModeOpt, command_line, decoding, err, handle_errors,
 )
 from detaudit.cli.results import analyze_and_report
+
+QUICK_TP, QUICK_BATCH_SIZES = "1,2", "4,8"  # the quick default grid (a few minutes on 2 cores)
+RAY_MAX_RETRIES = 2
 
 
 @handle_errors
@@ -20,9 +23,9 @@ def sweep(
     suites: Annotated[str, typer.Option("--suites", "-s", help="Comma-separated suite names or lm-eval task YAML paths (cells are named by the task).", rich_help_panel="model and suites")] = "smoke",
     data_dir: DataDirOpt = None,
     limit: LimitOpt = None,
-    backends: BackendsOpt = "bf16,bio,bio+tbik",
-    tp: Annotated[str, typer.Option("--tp", help="Comma-separated TP sizes from 1, 2, 4, 8 (the published grid: 1,2,4,8; the default keeps the quick sweep to a few minutes on 2 cores).", rich_help_panel="grid")] = "1,2",
-    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Comma-separated batch sizes (the published grid: 8,16,32, which needs a suite of more than 16 prompts to form different batches; smoke has 8).", rich_help_panel="grid")] = "4,8",
+    backends: BackendsOpt = ALL_BACKENDS,
+    tp: Annotated[str, typer.Option("--tp", help="Comma-separated TP sizes from 1, 2, 4, 8 (the published grid: 1,2,4,8; the default keeps the quick sweep to a few minutes on 2 cores).", rich_help_panel="grid")] = QUICK_TP,
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Comma-separated batch sizes (the published grid: 8,16,32, which needs a suite of more than 16 prompts to form different batches; smoke has 8).", rich_help_panel="grid")] = QUICK_BATCH_SIZES,
     tp_mode: TpModeOpt = TpMode.real,
     max_new_tokens: MaxNewTokensOpt = 16,
     temperature: TemperatureOpt = SAMPLING.temperature,
@@ -40,7 +43,7 @@ def sweep(
     shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: run only every N-th cell of the grid (merge the shards with `detaudit merge`).", rich_help_panel="data and output")] = None,
     executor: Annotated[str, typer.Option("--executor", help="local (this machine) or ray (a Ray actor per (backend, TP) group on a Ray cluster; needs the ray extra).", rich_help_panel="executor")] = "local",
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="--executor ray: the cluster to join (HEAD:6379, ray://HEAD:10001); default: start a private Ray runtime on 127.0.0.1.", rich_help_panel="executor")] = None,
-    max_retries: Annotated[int, typer.Option("--max-retries", help="--executor ray: times a group's unfinished cells are retried on a new actor after its actor or node is lost (>= 0).", rich_help_panel="executor")] = 2,
+    max_retries: Annotated[int, typer.Option("--max-retries", help="--executor ray: times a group's unfinished cells are retried on a new actor after its actor or node is lost (>= 0).", rich_help_panel="executor")] = RAY_MAX_RETRIES,
     base_url: Annotated[Optional[str], typer.Option("--base-url", help="--engine openai: the server's OpenAI API root, e.g. http://127.0.0.1:8000/v1 (credentials and query are never recorded).", rich_help_panel="server")] = None,
     api: Annotated[str, typer.Option("--api", help="Server engines: completions (/v1/completions, detaudit's chat-templated token ids) or chat (/v1/chat/completions, the server's template).", rich_help_panel="server")] = "completions",
     prompt_format: Annotated[str, typer.Option("--prompt-format", help="--api completions: send the prompt as token ids (vLLM, SGLang) or as text (decoded; the server re-tokenizes it).", rich_help_panel="server")] = "ids",
@@ -61,12 +64,12 @@ def sweep(
     from detaudit.sweep import parse_shard, run_sweep
 
     if concurrency is not None:
-        if batch_sizes != "4,8":
+        if batch_sizes != QUICK_BATCH_SIZES:
             raise DetauditError("--concurrency is an alias of --batch-sizes: give one of them")
         batch_sizes = concurrency
     if engine == "openai":  # one deployment: its backend and TP are labels
-        backends = "bf16" if backends == "bf16,bio,bio+tbik" else backends
-        tp = "1" if tp == "1,2" else tp
+        backends = "bf16" if backends == ALL_BACKENDS else backends
+        tp = "1" if tp == QUICK_TP else tp
     server = {"base_url": base_url, "api": api, "prompt_format": prompt_format, "api_key_env": api_key_env,
               "server_model": server_model, "server_kind": server_kind, "background_prompts": background_prompts,
               "request_timeout": request_timeout} if engine in ("openai", "vllm-server") else {}
@@ -78,7 +81,7 @@ def sweep(
         hang_timeout=hang_timeout, executor=executor, background_load=parse_int_list(background_load, "--background-load"),
         repeats=repeats, server=server,
     )
-    if executor != "ray" and (ray_address is not None or max_retries != 2):
+    if executor != "ray" and (ray_address is not None or max_retries != RAY_MAX_RETRIES):
         raise DetauditError("--ray-address and --max-retries apply to --executor ray only")
     result = run_sweep(cfg, output_path, data_dir=paths.data_dir(data_dir), console=err, command=command_line(),
                        shard=parse_shard(shard),
