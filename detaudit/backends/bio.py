@@ -3,7 +3,8 @@ not depend on how many other requests share its batch (see `kernels/fixed.py`):
 
 - matmul / linear: CPU fixed-shape fp32 block products; GPU one persistent Triton kernel with one fixed
   tile config per dtype, no split-K, fp32 accumulation, fp32 inputs in IEEE precision (no TF32);
-- RMSNorm and log-softmax: row-local, the row sum as a fixed-shape product with a ones vector;
+- RMSNorm and log-softmax: row-local, the row sum as a fixed-shape product with a ones vector (CPU) or
+  one program per row (GPU; RMSNorm with the residual add in one kernel, `kernels/fused.py`);
 - attention: KV cache updated before attention (the engine), KV split into chunks of a fixed size
   (`SPLIT` keys, never a fixed number of chunks), fp32 online softmax, unseen chunks are exact no-ops;
 - TP all-reduce: all-gather of fp32 partials, then a rank-order sum (deterministic, but the K split
@@ -18,8 +19,8 @@ import torch
 from torch import Tensor
 
 from detaudit.backends import register_backend
-from detaudit.backends.base import Group, TorchFlags, library_versions, sequential_sum
-from detaudit.backends.kernels import fixed, triton_mm
+from detaudit.backends.base import Group, TorchFlags, add_rms_norm, library_versions, sequential_sum
+from detaudit.backends.kernels import fixed, fused, triton_mm
 
 SPLIT = 64  # keys per attention chunk
 
@@ -27,6 +28,7 @@ SPLIT = 64  # keys per attention chunk
 @register_backend("bio")
 class BioBackend:
     name = "bio"
+    ONE_PARTIAL_IS_A_CAST = True  # combine([p], dtype) is p cast to dtype (see backends/base.py)
 
     def __init__(self) -> None:
         self._flags = TorchFlags()
@@ -49,7 +51,12 @@ class BioBackend:
         return self.combine(group.all_gather(partial.float().contiguous()), dtype)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if fused.usable(x):  # GPU: one program per row, the row's sum of squares in one fixed order
+            return fused.rms_norm(x, weight, eps)[0]
         return _rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        return add_rms_norm(self.rms_norm, x, delta, weight, eps)
 
     def attention_plan(self, q_pos: Tensor, kv_len: int, window: int | None = None) -> dict:
         """A per-step memo for `attention` (one per forward step, passed to every layer): the query rows'
@@ -71,7 +78,8 @@ class BioBackend:
             "matmul_cpu": f"fp32 products on zero-padded blocks of R={fixed.ROWS} rows, fixed shape [R, K] @ [K, N], "
                           "one thread per block product (blocks or 64-column panels spread over worker threads)",
             "matmul_gpu": f"Triton persistent kernel, no split-K, fp32 accumulate; {triton_mm.describe()}",
-            "rms_norm": "fp32; row sum of squares: CPU a fixed-shape product with ones, GPU one Triton program per row",
+            "rms_norm": "fp32; row sum of squares: CPU a fixed-shape product with ones; GPU one Triton program per "
+                        "row (residual add fused), BLOCK fp32 lanes in order then one tree",
             "log_softmax": "fp32; row max, then the row sum of exp as for rms_norm",
             "attention": f"KV chunks of {SPLIT} keys, fp32 online softmax, masked chunks exact no-ops "
                          "(CPU: PyTorch ops; GPU: one Triton kernel, BLOCK_R=16 rows per program)",

@@ -10,12 +10,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from detaudit.backends import register_backend
-from detaudit.backends.base import Group, TorchFlags, library_versions, sequential_sum
+from detaudit.backends.base import Group, TorchFlags, add_rms_norm, library_versions, sequential_sum
+from detaudit.backends.kernels import fused
 
 
 @register_backend("bf16", "native")
 class NativeBackend:
     name = "bf16"
+    ONE_PARTIAL_IS_A_CAST = True  # combine([p], dtype) is p cast to dtype (see backends/base.py)
 
     def __init__(self) -> None:
         self._flags = TorchFlags()
@@ -40,6 +42,8 @@ class NativeBackend:
         return group.all_reduce_sum(partial).to(dtype)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if fused.usable(x):  # GPU: one program per row, as serving engines' fused RMSNorm kernels
+            return fused.rms_norm(x, weight, eps)[0]
         # the same kernels as xf * rsqrt(mean(xf^2) + eps), cast, * weight; in place where the operand
         # is this call's own temporary (no allocation, the same elementwise results)
         xf = x.float()
@@ -47,6 +51,9 @@ class NativeBackend:
         if x.dtype == torch.float32:
             return xf * r * weight
         return xf.mul_(r).to(x.dtype).mul_(weight)
+
+    def add_rms_norm(self, x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        return add_rms_norm(self.rms_norm, x, delta, weight, eps)
 
     def attention_plan(self, q_pos: Tensor, kv_len: int, window: int | None = None) -> dict:
         """A per-step memo for `attention` (the engine makes one per forward step and passes it to every
@@ -77,7 +84,8 @@ class NativeBackend:
             "backend": self.name,
             "matmul": "F.linear (cuBLAS / oneDNN-MKL, library-chosen tiling)",
             "attention": "torch scaled_dot_product_attention",
-            "rms_norm": "torch mean over hidden, fp32",
+            "rms_norm": "fp32; CPU: torch mean over hidden; GPU: one Triton program per row, residual add fused "
+                        "(as serving engines' fused add + RMSNorm kernels)",
             "all_reduce": "library all-reduce (NCCL / gloo) in model dtype; emulated: rank-order sum",
             "sdpa_backends": sdpa_backends(),
             "tf32": "off",

@@ -18,14 +18,16 @@ from torch import Tensor
 
 from detaudit.engine.model import Decoder
 
-# (tokens [B], positions [B], kv_len) -> (logits, logprobs); kv_len: the caller's host-side max position
-# + 1, sparing the eager step a device sync (None: read it from the positions; the graphed step ignores it)
-Step = Callable[..., tuple[Tensor, Tensor]]
+# (tokens [B], positions [B], kv_len) -> (logits, logprobs); kv_len: the caller's host-side furthest
+# position + 1 (the CPU eager step attends that many slots; GPU steps attend the whole cache)
+Step = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
 
 
 def eager_step(model: Decoder, cache: list[tuple[Tensor, Tensor]]) -> Step:
-    def step(tokens: Tensor, positions: Tensor, kv_len: int | None = None) -> tuple[Tensor, Tensor]:
-        logits = model.logits(model.hidden(tokens[:, None], positions[:, None], cache, kv_len))[:, 0]
+    whole = cache[0][0].shape[2] if model.device.type == "cuda" else None
+
+    def step(tokens: Tensor, positions: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+        logits = model.logits(model.hidden(tokens[:, None], positions[:, None], cache, whole or kv_len))[:, 0]
         return logits, model.ctx.backend.log_softmax(logits)
 
     return step
@@ -60,7 +62,7 @@ def graphed_step(model: Decoder, cache: list[tuple[Tensor, Tensor]], batch: int,
     with torch.cuda.graph(graph, capture_error_mode=mode):
         out = forward()
 
-    def step(new_tokens: Tensor, new_positions: Tensor, kv_len: int | None = None) -> tuple[Tensor, Tensor]:
+    def step(new_tokens: Tensor, new_positions: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
         tokens.copy_(new_tokens)
         positions.copy_(new_positions)
         graph.replay()

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from detaudit.backends.base import Backend, Group
+from detaudit.backends.kernels import fused
 
 
 @dataclass
@@ -61,7 +62,15 @@ class RowParallelLinear:
         self.name = name
         self.bias = bias
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, rounded: bool = True) -> Tensor:
+        """The layer's output in the model dtype. With `rounded=False` the caller takes the output as a
+        residual `delta` to a fused add + RMSNorm (`kernels.fused.rms_norm`), which rounds it to the model
+        dtype before adding; at TP 1 in process on GPU, without a bias, where the backend's combine of one
+        partial is that rounding (`ONE_PARTIAL_IS_A_CAST`), the partial is returned as it is: one cast
+        kernel fewer per layer, the same bits."""
+        if (not rounded and self.bias is None and self.ctx.group is None and self.ctx.size == 1
+                and getattr(self.ctx.backend, "ONE_PARTIAL_IS_A_CAST", False) and fused.usable(x)):
+            return self.ctx.backend.row_partial(x, self.shards[0], 1, name=self.name)
         out = self._reduced(x)
         return out if self.bias is None else out + self.bias
 
@@ -90,6 +99,15 @@ class RMSNorm:
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.backend.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The residual sum s = x + delta (x itself when delta is None) and the normed s: (normed, s).
+        Backends with `add_rms_norm` compute both at once (on GPU one kernel)."""
+        add_norm = getattr(self.backend, "add_rms_norm", None)
+        if add_norm is not None:
+            return add_norm(x, delta, self.weight, self.eps)
+        s = x if delta is None else x + delta.to(x.dtype)
+        return self.backend.rms_norm(s, self.weight, self.eps), s
 
 
 class Rotary:

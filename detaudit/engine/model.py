@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from detaudit.backends.kernels import fused
 from detaudit.engine.arch import SUPPORTED, ModelConfig  # noqa: F401  (ModelConfig: the sweep's check)
 from detaudit.engine.layers import (
     ColumnParallelLinear,
@@ -56,32 +57,40 @@ class Block:
         self.n_heads = cfg.num_heads // ctx.size * local
         self.n_kv = cfg.num_kv_heads // ctx.size * local
 
-    def __call__(self, x: Tensor, step: "StepPlan", cache: tuple[Tensor, Tensor]) -> Tensor:
-        """x: the step's tokens flattened, [B*T, H] (every per-token op is row-local, and a 2-D operand
-        is the product the library folds a 3-D one into: the same kernels, fewer view ops per call)."""
+    def __call__(self, x: Tensor, delta: Tensor | None, step: "StepPlan", cache: tuple[Tensor, Tensor]
+                 ) -> tuple[Tensor, Tensor]:
+        """x: the residual stream of the step's tokens flattened, [B*T, H], and `delta`, what the previous
+        layer adds to it (None before the first layer): the add is the input norm's (one kernel on GPU).
+        Returns this layer's (x, delta). Every per-token op is row-local, and a 2-D operand is the product
+        the library folds a 3-D one into: the same kernels, fewer view ops per call."""
         B, T = step.B, step.T
         d = self.cfg.head_dim
-        h = self.input_layernorm(x)
-        q = self.q_proj(h).view(B, T, self.n_heads, d)
-        k = self.k_proj(h).view(B, T, self.n_kv, d)
+        h, x = self.input_layernorm.add(x, delta)
+        q = self.q_proj(h)
+        k = self.k_proj(h)
         v = self.v_proj(h)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), step.cos, step.sin)
-        k = apply_rotary(k.transpose(1, 2), step.cos, step.sin)
+            q = self.q_norm(q.view(B, T, self.n_heads, d))
+            k = self.k_norm(k.view(B, T, self.n_kv, d))
         k_cache, v_cache = cache
         # the cache is updated before attention, so a token's key sits in the same slot whether it
-        # was written in prefill or decode: one row copy per (token, KV head) into the flat cache, at
-        # indices computed once per step (a copy: the values are the ones the per-layer indexed
-        # assignment wrote)
-        k_cache.view(-1, d).index_copy_(0, step.slots, k.transpose(1, 2).reshape(-1, d))
-        v_cache.view(-1, d).index_copy_(0, step.slots, v.view(-1, d))
+        # was written in prefill or decode: one row per (token, KV head) of the flat cache, at the slots
+        # computed once per step
+        if step.fused:  # GPU: rotary for q and k and both cache writes in one kernel (the same bits)
+            q = fused.rope_store(q.view(B * T, -1), k.view(B * T, -1), v, step.cos, step.sin, k_cache, v_cache,
+                                 step.slots, B, T, d)
+        else:
+            q = apply_rotary(q.view(B, T, self.n_heads, d).transpose(1, 2), step.cos, step.sin)
+            k = apply_rotary(k.view(B, T, self.n_kv, d).transpose(1, 2), step.cos, step.sin)
+            k_cache.view(-1, d).index_copy_(0, step.slots, k.transpose(1, 2).reshape(-1, d))
+            v_cache.view(-1, d).index_copy_(0, step.slots, v.view(-1, d))
         kv_len = step.kv_len
         attn = self.ctx.backend.attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], step.pos, d**-0.5,
                                           **step.attention_kwargs(self.window))
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(B * T, self.n_heads * d))
-        h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        delta = self.o_proj(attn.transpose(1, 2).reshape(B * T, self.n_heads * d), rounded=False)
+        h, x = self.post_attention_layernorm.add(x, delta)
+        gate, up = self.gate_proj(h), self.up_proj(h)
+        return x, self.down_proj(fused.silu_mul(gate, up) if step.fused else F.silu(gate) * up, rounded=False)
 
 
 class StepPlan:
@@ -89,7 +98,7 @@ class StepPlan:
     rotary cos / sin, the cache slots the step's keys and values go to, and the backend's per-step
     attention inputs (`backend.attention_plan`, where it has one: bf16's mask, bio's row positions)."""
 
-    __slots__ = ("B", "T", "pos", "cos", "sin", "kv_len", "slots", "_backend", "_plans")
+    __slots__ = ("B", "T", "pos", "cos", "sin", "kv_len", "slots", "fused", "_backend", "_plans")
 
     def __init__(self, model: "Decoder", pos: Tensor, cache: list[tuple[Tensor, Tensor]], kv_len: int) -> None:
         B, T = pos.shape
@@ -100,6 +109,7 @@ class StepPlan:
         heads = torch.arange(n_kv, device=pos.device) * length
         rows = torch.arange(B, device=pos.device)[:, None, None] * (n_kv * length)
         self.slots = (rows + pos[:, :, None] + heads).reshape(-1)
+        self.fused = fused.rope_usable(pos, model.cfg.head_dim)  # GPU: the one-launch per-token kernels
         self._backend = model.ctx.backend
         self._plans: dict = {}
 
@@ -160,9 +170,10 @@ class Decoder:
         if kv_len is None:
             kv_len = int(pos.max()) + 1
         step = StepPlan(self, pos, cache, kv_len)
+        delta = None
         for layer, c in zip(self.layers, cache):
-            x = layer(x, step, c)
-        return self.norm(x).view(B, T, -1)
+            x, delta = layer(x, delta, step, c)
+        return self.norm.add(x, delta)[0].view(B, T, -1)
 
     def logits(self, h: Tensor) -> Tensor:
         """fp32 logits of final hidden states (lm_head replicated: identical at every TP size)."""

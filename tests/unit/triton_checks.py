@@ -65,8 +65,44 @@ def main() -> None:
     sums = triton_rows.row_sum(x)
     check(torch.allclose(sums.double(), x.double().sum(1), atol=1e-3), "row sum accuracy")
     check(all(torch.equal(triton_rows.row_sum(x[:m]), sums[:m]) for m in (1, 4)), "row sum batch invariance")
+    fused_row_ops(g)
     gluon_fallback()
     print("ok")
+
+
+def fused_row_ops(g: torch.Generator) -> None:
+    """The one-launch per-token kernels (fp32 here: the interpreter's bf16 conversions are numpy's; on a
+    GPU tests/gpu/test_fused.py checks bf16 bitwise): rotary + cache writes give the op-by-op bits, the
+    fused add + RMSNorm is batch invariant and accurate, silu * up is accurate."""
+    import torch.nn.functional as F
+
+    from detaudit.backends.kernels import fused
+    from detaudit.engine.layers import Rotary, apply_rotary
+
+    b, t, hq, hkv, d, length = 2, 3, 4, 2, 16, 9
+    q, k, v = (torch.randn(b * t, h * d, generator=g) for h in (hq, hkv, hkv))
+    pos = torch.arange(t).expand(b, t) + torch.tensor([[1], [5]])
+    cos, sin = Rotary(d, 10000.0, torch.device("cpu")).cos_sin(pos, torch.float32)
+    slots = (torch.arange(b)[:, None, None] * (hkv * length) + pos[:, :, None] + torch.arange(hkv) * length).reshape(-1)
+    kc, vc = torch.zeros(b, hkv, length, d), torch.zeros(b, hkv, length, d)
+    got = fused.rope_store(q, k, v, cos, sin, kc, vc, slots, b, t, d)
+    want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    kr = apply_rotary(k.view(b, t, hkv, d).transpose(1, 2), cos, sin)
+    want_k.view(-1, d).index_copy_(0, slots, kr.transpose(1, 2).reshape(-1, d))
+    want_v.view(-1, d).index_copy_(0, slots, v.view(-1, d))
+    check(torch.equal(got, apply_rotary(q.view(b, t, hq, d).transpose(1, 2), cos, sin)), "fused rotary q")
+    check(torch.equal(kc, want_k) and torch.equal(vc, want_v), "fused rotary k and cache writes")
+    x, delta = torch.randn(6, 200, generator=g), torch.randn(6, 200, generator=g)
+    w = torch.randn(200, generator=g)
+    y, s = fused.rms_norm(x, w, 1e-6, delta)
+    check(torch.equal(s, x + delta), "fused residual sum")
+    sd = s.double()
+    ref = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    check(((y.double() - ref).abs().max() < 1e-5 * ref.abs().max()).item(), "fused rms_norm accuracy")
+    check(all(torch.equal(fused.rms_norm(x[:m], w, 1e-6, delta[:m])[0], y[:m]) for m in (1, 4)),
+          "fused rms_norm batch invariance")
+    gate, up = torch.randn(3, 50, generator=g) * 4, torch.randn(3, 50, generator=g)
+    check(torch.allclose(fused.silu_mul(gate, up), F.silu(gate) * up, rtol=1e-6, atol=1e-6), "fused silu * up")
 
 
 def gluon_fallback() -> None:

@@ -1,0 +1,227 @@
+"""One-launch GPU kernels for the decoder's per-token ops, which eager PyTorch runs as dozens of small
+kernels per layer (reports/gpu/eager-host-cost-h100.md: about 60 ops per layer at 18-30 us of host
+time each, the eager decode step's cost):
+
+- `rms_norm`: residual add (optional) and RMSNorm of each row, one program per row. Both GPU
+  backends' RMSNorm *is* this kernel (a definition, not a copy of the op-by-op bits): a row's sum of
+  squares is added in one fixed order (BLOCK fp32 lanes over the row in order, then one tree across
+  the lanes) that depends on nothing but the row, so it is batch invariant, prefill == decode and the
+  same at every TP size. The elementwise steps round where the op-by-op formulation rounds: the
+  residual sum once to the model dtype, the normalised row once before the weight product.
+- `rope_store`: rotary embedding of q and k and the KV-cache writes of k and v, one launch. The same
+  bits as `layers.apply_rotary` followed by the two `index_copy_`: every product and the sum are
+  rounded to the model dtype as PyTorch's bf16 ops round them (fp32 products of bf16 values are exact).
+- `silu_mul`: `silu(gate) * up` with PyTorch's formula (x / (1 + exp(-x)) with the accurate expf and
+  an IEEE division), rounded where the two ops round: the same bits.
+
+Contraction of a multiply and an add into one FMA (which changes rounding) is switched off for all
+three (`enable_fp_fusion=False`). Launches are kept per plan key (`launch`)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from detaudit.backends.kernels import launch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+MAX_BLOCK = 1024  # fp32 lanes of the row-sum (rows longer than this are walked in BLOCK steps)
+SILU_BLOCK = 1024
+_OPTS = dict(num_warps=4, enable_fp_fusion=False)
+
+
+def usable(t: Tensor) -> bool:
+    """Whether the fused kernels run for tensors like `t` (a CUDA tensor and Triton installed)."""
+    return triton is not None and t.is_cuda
+
+
+def rope_usable(t: Tensor, head_dim: int) -> bool:
+    half = head_dim // 2
+    return usable(t) and head_dim % 2 == 0 and half >= 8 and half & (half - 1) == 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, d_ptr, s_ptr, y_ptr, w_ptr, N, sx, sd, ss, sy, inv_n, eps,
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, N, BLOCK):
+            idx = start + offs
+            inside = idx < N
+            x = tl.load(x_ptr + row * sx + idx, mask=inside, other=0.0)
+            if HAS_DELTA:  # the residual sum, rounded once to the model dtype (as x + delta is)
+                d = tl.load(d_ptr + row * sd + idx, mask=inside, other=0.0)
+                x = (x.to(tl.float32) + d.to(s_ptr.dtype.element_ty).to(tl.float32)).to(s_ptr.dtype.element_ty)
+                tl.store(s_ptr + row * ss + idx, x, mask=inside)
+            xf = x.to(tl.float32)
+            acc += xf * xf
+        r = tl.rsqrt(tl.sum(acc, 0) * inv_n + eps)
+        for start in range(0, N, BLOCK):
+            idx = start + offs
+            inside = idx < N
+            x = tl.load(x_ptr + row * sx + idx, mask=inside, other=0.0)
+            if HAS_DELTA:  # recomputed, not read back: another thread of this program stored it
+                d = tl.load(d_ptr + row * sd + idx, mask=inside, other=0.0)
+                x = (x.to(tl.float32) + d.to(s_ptr.dtype.element_ty).to(tl.float32)).to(s_ptr.dtype.element_ty)
+            w = tl.load(w_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+            y = (x.to(tl.float32) * r).to(y_ptr.dtype.element_ty).to(tl.float32) * w
+            tl.store(y_ptr + row * sy + idx, y.to(y_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _rot(x, c, y, s, DT: tl.constexpr):
+        """x * cos + y * sin, each op rounded to DT (PyTorch's bf16 ops); y is the rotated half."""
+        a = (x * c).to(DT).to(tl.float32)
+        b = (y * s).to(DT).to(tl.float32)
+        return (a + b).to(DT)
+
+    @triton.jit
+    def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, qo_ptr,
+                           T, HQ, HKV, sq, sk, sv, D: tl.constexpr, HALF: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # the token: b * T + t
+        h = tl.program_id(1)  # q heads first, then the KV heads
+        DT: tl.constexpr = qo_ptr.dtype.element_ty
+        lo = tl.arange(0, HALF)
+        c1 = tl.load(cos_ptr + row * D + lo).to(tl.float32)
+        c2 = tl.load(cos_ptr + row * D + HALF + lo).to(tl.float32)
+        s1 = tl.load(sin_ptr + row * D + lo).to(tl.float32)
+        s2 = tl.load(sin_ptr + row * D + HALF + lo).to(tl.float32)
+        if h < HQ:
+            src = q_ptr + row * sq + h * D
+            x1 = tl.load(src + lo).to(tl.float32)
+            x2 = tl.load(src + HALF + lo).to(tl.float32)
+            b = row // T
+            dst = qo_ptr + ((b * HQ + h) * T + row % T) * D  # [B, HQ, T, D]
+            tl.store(dst + lo, _rot(x1, c1, -x2, s1, DT))
+            tl.store(dst + HALF + lo, _rot(x2, c2, x1, s2, DT))
+        else:
+            j = h - HQ
+            slot = tl.load(slot_ptr + row * HKV + j)
+            src = k_ptr + row * sk + j * D
+            x1 = tl.load(src + lo).to(tl.float32)
+            x2 = tl.load(src + HALF + lo).to(tl.float32)
+            tl.store(kc_ptr + slot * D + lo, _rot(x1, c1, -x2, s1, DT))
+            tl.store(kc_ptr + slot * D + HALF + lo, _rot(x2, c2, x1, s2, DT))
+            full = tl.arange(0, D)
+            tl.store(vc_ptr + slot * D + full, tl.load(v_ptr + row * sv + j * D + full))
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr, EXPF: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        g = tl.load(g_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        DT: tl.constexpr = o_ptr.dtype.element_ty
+        if EXPF:  # CUDA's accurate expf, as PyTorch's silu calls it
+            e = libdevice.exp(-g)
+        else:  # the CPU interpreter has no libdevice
+            e = tl.exp(-g)
+        s = tl.div_rn(g, 1.0 + e).to(DT).to(tl.float32)
+        tl.store(o_ptr + offs, (s * u).to(DT), mask=inside)
+
+
+def _aligned(*ts: Tensor) -> tuple[bool, ...]:
+    return tuple(t.data_ptr() % 16 == 0 for t in ts)
+
+
+def _run(plans: dict, key: tuple | None, kernel, grid: tuple, args: tuple, kwargs: dict, slots: tuple,
+         tensors: tuple, device: int) -> None:
+    if key is not None:
+        plan = plans.get(key)
+        if plan is not None:
+            plan(device, *tensors)
+            return
+    first = launch.Launch.first(kernel, grid, args, {**kwargs, **_OPTS}, slots=slots)
+    if first is not None and key is not None:
+        launch.cache_put(plans, key, first)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """t as [rows, N] with unit stride along N and 16-byte aligned rows (the kernel's loads then take one
+    layout, so one reduction order, whatever the caller's view)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    if t2.stride(-1) != 1 or t2.data_ptr() % 16 or (t2.stride(0) * t2.element_size()) % 16:
+        t2 = t2.contiguous()
+        if (t2.stride(0) * t2.element_size()) % 16:
+            t2 = t2.clone()  # (a fresh allocation is aligned; an odd row length keeps its layout per row)
+    return t2
+
+
+@functools.lru_cache(maxsize=None)
+def _inverse(n: int) -> float:
+    """1/N rounded to fp32 (the kernel multiplies the sum of squares by it, as `t / N` does in PyTorch)."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / n)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """RMSNorm over the last dim of `x` (+ `delta`, when given: the residual sum, in x's dtype) ->
+    (normed, the sum or None). fp32 statistics; the result and the sum in x's dtype."""
+    shape = x.shape
+    x2 = _rows(x)
+    n = x2.shape[1]
+    d2 = _rows(delta) if delta is not None else x2
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty_like(y) if delta is not None else y
+    if not x2.shape[0]:
+        return y.view(shape), (s.view(shape) if delta is not None else None)
+    block = min(MAX_BLOCK, triton.next_power_of_2(n))
+    inv_n = _inverse(n)
+    key = None
+    if x.is_cuda:
+        key = (x2.shape, x2.stride(), d2.stride(), d2.dtype, x.dtype, weight.dtype, float(eps), delta is not None,
+               x.device.index, *_aligned(x2, d2, s, y, weight))
+    _run(_RMS, key, _rms_norm_kernel, (x2.shape[0],),
+         (x2, d2, s, y, weight, n, x2.stride(0), d2.stride(0), s.stride(0), y.stride(0), inv_n, float(eps)),
+         dict(HAS_DELTA=delta is not None, BLOCK=block), (0, 1, 2, 3, 4), (x2, d2, s, y, weight),
+         x.device.index if x.is_cuda else 0)
+    return y.view(shape), (s.view(shape) if delta is not None else None)
+
+
+def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+               slots: Tensor, batch: int, tokens: int, head_dim: int) -> Tensor:
+    """q[B*T, HQ*D], k / v[B*T, HKV*D] (rows unit-stride), cos / sin[B, 1, T, D] -> rotated q as
+    [B, HQ, T, D] contiguous; rotated k and v written to the flat caches' rows `slots` [B*T*HKV]
+    (ordered (token, KV head))."""
+    d = head_dim
+    hq, hkv = q.shape[1] // d, k.shape[1] // d
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    kc, vc = k_cache.view(-1, d), v_cache.view(-1, d)
+    out = torch.empty((batch, hq, tokens, d), dtype=q.dtype, device=q.device)
+    key = None
+    if q.is_cuda:
+        key = (batch, tokens, hq, hkv, d, q.stride(0), k.stride(0), v.stride(0), q.dtype, q.device.index,
+               *_aligned(q, k, v, cos, sin, kc, vc, slots, out))
+    _run(_ROPE, key, _rope_store_kernel, (batch * tokens, hq + hkv),
+         (q, k, v, cos, sin, kc, vc, slots, out, tokens, hq, hkv, q.stride(0), k.stride(0), v.stride(0)),
+         dict(D=d, HALF=d // 2), (0, 1, 2, 3, 4, 5, 6, 7, 8), (q, k, v, cos, sin, kc, vc, slots, out),
+         q.device.index if q.is_cuda else 0)
+    return out
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up, elementwise, the bits of `F.silu(gate) * up`."""
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if not n:
+        return out
+    key = (n, gate.dtype, gate.device.index, *_aligned(gate, up, out)) if gate.is_cuda else None
+    _run(_SILU, key, _silu_mul_kernel, (triton.cdiv(n, SILU_BLOCK),), (gate, up, out, n),
+         dict(BLOCK=SILU_BLOCK, EXPF=gate.is_cuda), (0, 1, 2), (gate, up, out), gate.device.index if gate.is_cuda else 0)
+    return out
+
+
+_RMS: dict[tuple, launch.Launch] = {}
+_ROPE: dict[tuple, launch.Launch] = {}
+_SILU: dict[tuple, launch.Launch] = {}

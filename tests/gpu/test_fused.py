@@ -1,0 +1,86 @@
+"""The one-launch per-token kernels (`kernels/fused.py`) on a GPU, bitwise: rotary + cache writes and
+silu * up give the op-by-op PyTorch bits; the fused add + RMSNorm is batch invariant, position
+invariant, gives the residual sum's bits and is as accurate as the op-by-op norm against fp64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from detaudit.backends import get_backend
+from detaudit.backends.kernels import fused
+from detaudit.engine.layers import Rotary, apply_rotary
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,t,hq,hkv,d", [(8, 1, 32, 8, 128), (3, 70, 24, 8, 64), (32, 1, 4, 1, 128)])
+def test_rope_store_gives_the_op_by_op_bits(b, t, hq, hkv, d, dtype):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    length = t + 40
+    q = (torch.randn(b * t, hq * d, device="cuda", generator=g) * 3).to(dtype)
+    k = (torch.randn(b * t, hkv * d, device="cuda", generator=g) * 3).to(dtype)
+    v = torch.randn(b * t, hkv * d, device="cuda", generator=g).to(dtype)
+    pos = torch.arange(t, device="cuda").expand(b, t) + torch.randint(0, 40, (b, 1), device="cuda", generator=g)
+    cos, sin = Rotary(d, 1e6, torch.device("cuda")).cos_sin(pos, dtype)
+    heads = torch.arange(hkv, device="cuda") * length
+    slots = (torch.arange(b, device="cuda")[:, None, None] * (hkv * length) + pos[:, :, None] + heads).reshape(-1)
+    caches = [torch.randn(b, hkv, length, d, device="cuda", generator=g).to(dtype) for _ in range(2)]
+    want_k, want_v = (c.clone() for c in caches)
+    want_q = apply_rotary(q.view(b, t, hq, d).transpose(1, 2), cos, sin)
+    kr = apply_rotary(k.view(b, t, hkv, d).transpose(1, 2), cos, sin)
+    want_k.view(-1, d).index_copy_(0, slots, kr.transpose(1, 2).reshape(-1, d))
+    want_v.view(-1, d).index_copy_(0, slots, v.view(-1, d))
+    for _ in range(2):  # the JIT launch, then the kept plan
+        got_k, got_v = (c.clone() for c in caches)
+        got_q = fused.rope_store(q, k, v, cos, sin, got_k, got_v, slots, b, t, d)
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_gives_the_op_by_op_bits(dtype):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    gate = (torch.randn(37, 12288, device="cuda", generator=g) * 6).to(dtype)
+    gate[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
+    up = torch.randn(37, 12288, device="cuda", generator=g).to(dtype)
+    for _ in range(2):
+        assert torch.equal(fused.silu_mul(gate, up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("n", [128, 576, 4096, 5120])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_invariant_and_accurate(n, dtype):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(300, n, device="cuda", generator=g) * 2).to(dtype)
+    delta = torch.randn(300, n, device="cuda", generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(dtype)
+    y, s = fused.rms_norm(x, w, 1e-6, delta)
+    assert torch.equal(s, x + delta)  # the residual sum: PyTorch's add, bitwise
+    alone, _ = fused.rms_norm(s, w, 1e-6)
+    assert torch.equal(alone, y)  # add + norm == norm of the sum
+    for m in (1, 7, 64, 299):  # batch invariant
+        assert torch.equal(fused.rms_norm(x[:m], w, 1e-6, delta[:m])[0], y[:m]), m
+    perm = torch.randperm(300, device="cuda", generator=g)  # a row's bits do not depend on its slot
+    assert torch.equal(fused.rms_norm(x[perm], w, 1e-6, delta[perm])[0], y[perm])
+    odd = torch.empty(300 * n + 1, device="cuda", dtype=dtype)[1:].view(300, n)  # a misaligned view
+    odd.copy_(s)
+    assert torch.equal(fused.rms_norm(odd, w, 1e-6)[0], y)
+    sd = s.double()
+    ref = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    op_by_op = get_backend("bf16")  # on CPU: PyTorch ops (the fused kernel is the GPU path)
+    cpu = op_by_op.rms_norm(s.cpu(), w.cpu(), 1e-6).double()
+    err, err_ops = ((y.double() - ref).abs().max().item(), (cpu - ref.cpu()).abs().max().item())
+    assert err <= 2 * err_ops + 1e-6, (err, err_ops)
+
+
+def test_backends_rms_norm_is_the_fused_kernel_on_gpu():
+    """bio's and bf16's GPU RMSNorm are the kernel, whatever the leading shape (q/k norms are [B, T, H, D])."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(4, 3, 8, 128, device="cuda", generator=g).bfloat16()
+    w = torch.randn(128, device="cuda", generator=g).bfloat16()
+    want = fused.rms_norm(x.reshape(-1, 128), w, 1e-6)[0].view_as(x)
+    for name in ("bio", "bf16", "bio+tbik"):
+        assert torch.equal(get_backend(name).rms_norm(x, w, 1e-6), want), name
