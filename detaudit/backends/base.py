@@ -55,7 +55,9 @@ class Backend(Protocol):
     # optional: `add_rms_norm(x, delta, weight, eps) -> (rms_norm(x + delta), x + delta)`, delta rounded to
     # x's dtype first (the engine adds and calls rms_norm itself for a backend without it); and
     # `ONE_PARTIAL_IS_A_CAST = True` where `combine([p], dtype)` is `p.to(dtype)` bitwise (the engine
-    # then hands a TP-1 partial to the fused add, which rounds it)
+    # then hands a TP-1 partial to the fused add, which rounds it); `FUSED_RMS_NORM = True` where
+    # `rms_norm` on GPU is `kernels.fused.rms_norm` (the engine then norms Qwen3's q / k heads inside its
+    # rotary kernel, with those bits)
     def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float,
                   window: int | None = None) -> Tensor: ...
     def log_softmax(self, logits: Tensor) -> Tensor: ...

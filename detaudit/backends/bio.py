@@ -29,6 +29,7 @@ SPLIT = 64  # keys per attention chunk
 class BioBackend:
     name = "bio"
     ONE_PARTIAL_IS_A_CAST = True  # combine([p], dtype) is p cast to dtype (see backends/base.py)
+    FUSED_RMS_NORM = True  # rms_norm on GPU is kernels.fused.rms_norm
 
     def __init__(self) -> None:
         self._flags = TorchFlags()

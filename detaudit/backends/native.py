@@ -18,6 +18,7 @@ from detaudit.backends.kernels import fused
 class NativeBackend:
     name = "bf16"
     ONE_PARTIAL_IS_A_CAST = True  # combine([p], dtype) is p cast to dtype (see backends/base.py)
+    FUSED_RMS_NORM = True  # rms_norm on GPU is kernels.fused.rms_norm
 
     def __init__(self) -> None:
         self._flags = TorchFlags()

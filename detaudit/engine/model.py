@@ -56,6 +56,30 @@ class Block:
         local = len(ctx.local_ranks)
         self.n_heads = cfg.num_heads // ctx.size * local
         self.n_kv = cfg.num_kv_heads // ctx.size * local
+        # GPU, one shard per layer (TP 1, real TP): q/k/v and gate/up as one product each, as serving
+        # engines merge them (QKVParallelLinear, MergedColumnParallelLinear); the parts are column slices
+        # of its output. bio's matmul gives a column the same bits whatever N is (its reduction never
+        # follows the tiling), so only bf16's library GEMM can see a different problem. (Emulated TP holds
+        # C shards per layer: kept apart.)
+        self.qkv = self.gate_up = None
+        if fused.usable(self.q_proj.shards[0]) and len(self.q_proj.shards) == 1:
+            self.qkv = merged(self.q_proj, self.k_proj, self.v_proj)
+            self.gate_up = merged(self.gate_proj, self.up_proj)
+            self.q_proj = self.k_proj = self.v_proj = self.gate_proj = self.up_proj = None  # (memory)
+
+    def _qkv(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if self.qkv is None:
+            return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        out = self.qkv(h)
+        nq, nkv = self.n_heads * self.cfg.head_dim, self.n_kv * self.cfg.head_dim
+        return out[:, :nq], out[:, nq : nq + nkv], out[:, nq + nkv :]
+
+    def _gate_up(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        if self.gate_up is None:
+            return self.gate_proj(h), self.up_proj(h)
+        out = self.gate_up(h)
+        half = out.shape[1] // 2
+        return out[:, :half], out[:, half:]
 
     def __call__(self, x: Tensor, delta: Tensor | None, step: "StepPlan", cache: tuple[Tensor, Tensor]
                  ) -> tuple[Tensor, Tensor]:
@@ -66,31 +90,42 @@ class Block:
         B, T = step.B, step.T
         d = self.cfg.head_dim
         h, x = self.input_layernorm.add(x, delta)
-        q = self.q_proj(h)
-        k = self.k_proj(h)
-        v = self.v_proj(h)
-        if self.q_norm is not None:
-            q = self.q_norm(q.view(B, T, self.n_heads, d))
-            k = self.k_norm(k.view(B, T, self.n_kv, d))
+        q, k, v = self._qkv(h)
         k_cache, v_cache = cache
         # the cache is updated before attention, so a token's key sits in the same slot whether it
         # was written in prefill or decode: one row per (token, KV head) of the flat cache, at the slots
         # computed once per step
-        if step.fused:  # GPU: rotary for q and k and both cache writes in one kernel (the same bits)
-            q = fused.rope_store(q.view(B * T, -1), k.view(B * T, -1), v, step.cos, step.sin, k_cache, v_cache,
-                                 step.slots, B, T, d)
+        if step.fused:  # GPU: (q/k norms,) rotary for q and k and both cache writes in one kernel
+            norms = None
+            if self.q_norm is not None:
+                if getattr(self.ctx.backend, "FUSED_RMS_NORM", False):  # its GPU RMSNorm: the kernel's bits
+                    norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+                else:
+                    q = self.q_norm(q.reshape(B * T * self.n_heads, d)).view(B * T, -1)
+                    k = self.k_norm(k.reshape(B * T * self.n_kv, d)).view(B * T, -1)
+            q = fused.rope_store(q, k, v, step.cos, step.sin, k_cache, v_cache, step.slots, B, T, d, norms)
         else:
+            if self.q_norm is not None:
+                q = self.q_norm(q.view(B, T, self.n_heads, d))
+                k = self.k_norm(k.view(B, T, self.n_kv, d))
             q = apply_rotary(q.view(B, T, self.n_heads, d).transpose(1, 2), step.cos, step.sin)
             k = apply_rotary(k.view(B, T, self.n_kv, d).transpose(1, 2), step.cos, step.sin)
             k_cache.view(-1, d).index_copy_(0, step.slots, k.transpose(1, 2).reshape(-1, d))
-            v_cache.view(-1, d).index_copy_(0, step.slots, v.view(-1, d))
+            v_cache.view(-1, d).index_copy_(0, step.slots, v.reshape(-1, d))
         kv_len = step.kv_len
         attn = self.ctx.backend.attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], step.pos, d**-0.5,
                                           **step.attention_kwargs(self.window))
         delta = self.o_proj(attn.transpose(1, 2).reshape(B * T, self.n_heads * d), rounded=False)
         h, x = self.post_attention_layernorm.add(x, delta)
-        gate, up = self.gate_proj(h), self.up_proj(h)
+        gate, up = self._gate_up(h)
         return x, self.down_proj(fused.silu_mul(gate, up) if step.fused else F.silu(gate) * up, rounded=False)
+
+
+def merged(*parts: ColumnParallelLinear) -> ColumnParallelLinear:
+    """One column-parallel layer computing `parts` side by side (one shard each)."""
+    weight = torch.cat([p.shards[0] for p in parts])
+    bias = None if parts[0].bias is None else [torch.cat([p.bias[0] for p in parts])]
+    return ColumnParallelLinear([weight], parts[0].ctx, bias)
 
 
 class StepPlan:

@@ -84,3 +84,38 @@ def test_backends_rms_norm_is_the_fused_kernel_on_gpu():
     want = fused.rms_norm(x.reshape(-1, 128), w, 1e-6)[0].view_as(x)
     for name in ("bio", "bf16", "bio+tbik"):
         assert torch.equal(get_backend(name).rms_norm(x, w, 1e-6), want), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merged_projections_and_in_kernel_qk_norm_give_the_separate_bits(dtype):
+    """What the engine does on GPU with one shard per layer, against the separate ops, bitwise: bio's
+    product with q/k/v (gate/up) weights side by side == each product alone; Qwen3's q / k norm inside the
+    rotary kernel == the backend's RMSNorm then the rotary kernel; silu * up of the merged halves."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    hq, hkv, d, hidden, inter = 32, 8, 128, 4096, 12288
+    wq, wk, wv = (torch.randn(n, hidden, device="cuda", generator=g).to(dtype) / 64 for n in (hq * d, hkv * d, hkv * d))
+    wg, wu = (torch.randn(inter, hidden, device="cuda", generator=g).to(dtype) / 64 for _ in range(2))
+    bio = get_backend("bio")
+    qkv_w, gu_w = torch.cat([wq, wk, wv]), torch.cat([wg, wu])
+    for m in (1, 8, 32, 64, 200):
+        h = torch.randn(m, hidden, device="cuda", generator=g).to(dtype)
+        qkv, gu = bio.linear(h, qkv_w), bio.linear(h, gu_w)
+        q, k, v = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d], qkv[:, (hq + hkv) * d :]
+        assert torch.equal(q, bio.linear(h, wq)) and torch.equal(k, bio.linear(h, wk)) and torch.equal(v, bio.linear(h, wv)), m
+        assert torch.equal(gu, torch.cat([bio.linear(h, wg), bio.linear(h, wu)], 1)), m
+        assert torch.equal(fused.silu_mul(gu[:, :inter], gu[:, inter:]), F.silu(gu[:, :inter]) * gu[:, inter:]), m
+    b, t, length = 4, 5, 32
+    h = torch.randn(b * t, hidden, device="cuda", generator=g).to(dtype)
+    qkv = bio.linear(h, qkv_w)
+    q, k, v = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d], qkv[:, (hq + hkv) * d :]
+    qw, kw = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).to(dtype), (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).to(dtype)
+    pos = torch.arange(t, device="cuda").expand(b, t) + 3
+    cos, sin = Rotary(d, 1e6, torch.device("cuda")).cos_sin(pos, dtype)
+    slots = (torch.arange(b, device="cuda")[:, None, None] * (hkv * length) + pos[:, :, None]
+             + torch.arange(hkv, device="cuda") * length).reshape(-1)
+    caches = [torch.zeros(b, hkv, length, d, device="cuda", dtype=dtype) for _ in range(4)]
+    got = fused.rope_store(q, k, v, cos, sin, caches[0], caches[1], slots, b, t, d, (qw, kw, 1e-6))
+    qn = bio.rms_norm(q.reshape(-1, d), qw, 1e-6).view(b * t, -1)
+    kn = bio.rms_norm(k.reshape(-1, d), kw, 1e-6).view(b * t, -1)
+    want = fused.rope_store(qn, kn, v, cos, sin, caches[2], caches[3], slots, b, t, d)
+    assert torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

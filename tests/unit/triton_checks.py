@@ -92,6 +92,13 @@ def fused_row_ops(g: torch.Generator) -> None:
     want_v.view(-1, d).index_copy_(0, slots, v.view(-1, d))
     check(torch.equal(got, apply_rotary(q.view(b, t, hq, d).transpose(1, 2), cos, sin)), "fused rotary q")
     check(torch.equal(kc, want_k) and torch.equal(vc, want_v), "fused rotary k and cache writes")
+    qw, kw = torch.randn(d, generator=g), torch.randn(d, generator=g)  # q / k norms inside the kernel
+    kc2, vc2, kc3, vc3 = (torch.zeros(b, hkv, length, d) for _ in range(4))
+    normed = fused.rope_store(q, k, v, cos, sin, kc2, vc2, slots, b, t, d, (qw, kw, 1e-6))
+    qn = fused.rms_norm(q.reshape(-1, d), qw, 1e-6)[0].view(b * t, -1)
+    kn = fused.rms_norm(k.reshape(-1, d), kw, 1e-6)[0].view(b * t, -1)
+    check(torch.equal(normed, fused.rope_store(qn, kn, v, cos, sin, kc3, vc3, slots, b, t, d))
+          and torch.equal(kc2, kc3), "q / k norm inside the rotary kernel")
     x, delta = torch.randn(6, 200, generator=g), torch.randn(6, 200, generator=g)
     w = torch.randn(200, generator=g)
     y, s = fused.rms_norm(x, w, 1e-6, delta)
@@ -101,7 +108,8 @@ def fused_row_ops(g: torch.Generator) -> None:
     check(((y.double() - ref).abs().max() < 1e-5 * ref.abs().max()).item(), "fused rms_norm accuracy")
     check(all(torch.equal(fused.rms_norm(x[:m], w, 1e-6, delta[:m])[0], y[:m]) for m in (1, 4)),
           "fused rms_norm batch invariance")
-    gate, up = torch.randn(3, 50, generator=g) * 4, torch.randn(3, 50, generator=g)
+    gu = torch.randn(3, 100, generator=g) * 4  # the halves of a merged gate_up product
+    gate, up = gu[:, :50], gu[:, 50:]
     check(torch.allclose(fused.silu_mul(gate, up), F.silu(gate) * up, rtol=1e-6, atol=1e-6), "fused silu * up")
 
 

@@ -8,7 +8,8 @@ time each, the eager decode step's cost):
   the lanes) that depends on nothing but the row, so it is batch invariant, prefill == decode and the
   same at every TP size. The elementwise steps round where the op-by-op formulation rounds: the
   residual sum once to the model dtype, the normalised row once before the weight product.
-- `rope_store`: rotary embedding of q and k and the KV-cache writes of k and v, one launch. The same
+- `rope_store`: rotary embedding of q and k and the KV-cache writes of k and v, one launch (with
+  Qwen3's per-head q / k RMSNorm first: `rms_norm`'s statements for a row of D, the same bits). The same
   bits as `layers.apply_rotary` followed by the two `index_copy_`: every product and the sum are
   rounded to the model dtype as PyTorch's bf16 ops round them (fp32 products of bf16 values are exact).
 - `silu_mul`: `silu(gate) * up` with PyTorch's formula (x / (1 + exp(-x)) with the accurate expf and
@@ -86,8 +87,30 @@ if triton is not None:
         return (a + b).to(DT)
 
     @triton.jit
-    def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, qo_ptr,
-                           T, HQ, HKV, sq, sk, sv, D: tl.constexpr, HALF: tl.constexpr):
+    def _head(src, w_ptr, lo, inv_d, eps, NORM: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr):
+        """One head's row as its two fp32 halves, RMS-normed first when NORM: the statements of
+        `_rms_norm_kernel` without a delta for a row of D (BLOCK = D), so the same bits."""
+        if NORM:
+            full = tl.arange(0, D)
+            acc = tl.zeros([D], tl.float32)
+            xf = tl.load(src + full).to(tl.float32)
+            acc += xf * xf
+            r = tl.rsqrt(tl.sum(acc, 0) * inv_d + eps)
+            x1 = tl.load(src + lo)
+            x2 = tl.load(src + HALF + lo)
+            w1 = tl.load(w_ptr + lo).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + lo).to(tl.float32)
+            x1 = ((x1.to(tl.float32) * r).to(DT).to(tl.float32) * w1).to(DT)
+            x2 = ((x2.to(tl.float32) * r).to(DT).to(tl.float32) * w2).to(DT)
+        else:
+            x1 = tl.load(src + lo)
+            x2 = tl.load(src + HALF + lo)
+        return x1.to(tl.float32), x2.to(tl.float32)
+
+    @triton.jit
+    def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, qo_ptr, qw_ptr, kw_ptr,
+                           T, HQ, HKV, sq, sk, sv, inv_d, eps,
+                           D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # the token: b * T + t
         h = tl.program_id(1)  # q heads first, then the KV heads
         DT: tl.constexpr = qo_ptr.dtype.element_ty
@@ -97,9 +120,7 @@ if triton is not None:
         s1 = tl.load(sin_ptr + row * D + lo).to(tl.float32)
         s2 = tl.load(sin_ptr + row * D + HALF + lo).to(tl.float32)
         if h < HQ:
-            src = q_ptr + row * sq + h * D
-            x1 = tl.load(src + lo).to(tl.float32)
-            x2 = tl.load(src + HALF + lo).to(tl.float32)
+            x1, x2 = _head(q_ptr + row * sq + h * D, qw_ptr, lo, inv_d, eps, NORM, D, HALF, DT)
             b = row // T
             dst = qo_ptr + ((b * HQ + h) * T + row % T) * D  # [B, HQ, T, D]
             tl.store(dst + lo, _rot(x1, c1, -x2, s1, DT))
@@ -107,27 +128,26 @@ if triton is not None:
         else:
             j = h - HQ
             slot = tl.load(slot_ptr + row * HKV + j)
-            src = k_ptr + row * sk + j * D
-            x1 = tl.load(src + lo).to(tl.float32)
-            x2 = tl.load(src + HALF + lo).to(tl.float32)
+            x1, x2 = _head(k_ptr + row * sk + j * D, kw_ptr, lo, inv_d, eps, NORM, D, HALF, DT)
             tl.store(kc_ptr + slot * D + lo, _rot(x1, c1, -x2, s1, DT))
             tl.store(kc_ptr + slot * D + HALF + lo, _rot(x2, c2, x1, s2, DT))
             full = tl.arange(0, D)
             tl.store(vc_ptr + slot * D + full, tl.load(v_ptr + row * sv + j * D + full))
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr, EXPF: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, sg, su, BLOCK: tl.constexpr, EXPF: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
-        g = tl.load(g_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * sg + offs, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * su + offs, mask=inside, other=0.0).to(tl.float32)
         DT: tl.constexpr = o_ptr.dtype.element_ty
         if EXPF:  # CUDA's accurate expf, as PyTorch's silu calls it
             e = libdevice.exp(-g)
         else:  # the CPU interpreter has no libdevice
             e = tl.exp(-g)
         s = tl.div_rn(g, 1.0 + e).to(DT).to(tl.float32)
-        tl.store(o_ptr + offs, (s * u).to(DT), mask=inside)
+        tl.store(o_ptr + row * n + offs, (s * u).to(DT), mask=inside)
 
 
 def _aligned(*ts: Tensor) -> tuple[bool, ...]:
@@ -188,36 +208,41 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None)
 
 
 def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-               slots: Tensor, batch: int, tokens: int, head_dim: int) -> Tensor:
-    """q[B*T, HQ*D], k / v[B*T, HKV*D] (rows unit-stride), cos / sin[B, 1, T, D] -> rotated q as
-    [B, HQ, T, D] contiguous; rotated k and v written to the flat caches' rows `slots` [B*T*HKV]
-    (ordered (token, KV head))."""
+               slots: Tensor, batch: int, tokens: int, head_dim: int,
+               norms: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
+    """q[B*T, HQ*D], k / v[B*T, HKV*D] (rows unit-stride, any row stride: column slices of one fused
+    projection), cos / sin[B, 1, T, D] -> rotated q as [B, HQ, T, D] contiguous; rotated k and v written
+    to the flat caches' rows `slots` [B*T*HKV] (ordered (token, KV head)). `norms` = (q weight, k weight,
+    eps): each head RMS-normed first (Qwen3's q_norm / k_norm), with `rms_norm`'s bits for rows of D."""
     d = head_dim
     hq, hkv = q.shape[1] // d, k.shape[1] // d
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cos, sin = cos.contiguous(), sin.contiguous()
     kc, vc = k_cache.view(-1, d), v_cache.view(-1, d)
     out = torch.empty((batch, hq, tokens, d), dtype=q.dtype, device=q.device)
+    qw, kw, eps = norms if norms is not None else (q, k, 0.0)
     key = None
     if q.is_cuda:
         key = (batch, tokens, hq, hkv, d, q.stride(0), k.stride(0), v.stride(0), q.dtype, q.device.index,
-               *_aligned(q, k, v, cos, sin, kc, vc, slots, out))
+               norms is not None, float(eps), *_aligned(q, k, v, cos, sin, kc, vc, slots, out, qw, kw))
     _run(_ROPE, key, _rope_store_kernel, (batch * tokens, hq + hkv),
-         (q, k, v, cos, sin, kc, vc, slots, out, tokens, hq, hkv, q.stride(0), k.stride(0), v.stride(0)),
-         dict(D=d, HALF=d // 2), (0, 1, 2, 3, 4, 5, 6, 7, 8), (q, k, v, cos, sin, kc, vc, slots, out),
+         (q, k, v, cos, sin, kc, vc, slots, out, qw, kw, tokens, hq, hkv, q.stride(0), k.stride(0), v.stride(0),
+          _inverse(d), float(eps)),
+         dict(D=d, HALF=d // 2, NORM=norms is not None), tuple(range(11)), (q, k, v, cos, sin, kc, vc, slots, out, qw, kw),
          q.device.index if q.is_cuda else 0)
     return out
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) * up, elementwise, the bits of `F.silu(gate) * up`."""
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    if not n:
+    """silu(gate) * up for gate / up[M, N] (rows unit-stride, any row stride: the halves of one fused
+    gate_up projection) -> [M, N] contiguous, the bits of `F.silu(gate) * up`."""
+    gate, up = (t if t.dim() == 2 and t.stride(-1) == 1 else t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))
+    m, n = gate.shape
+    out = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
+    if not out.numel():
         return out
-    key = (n, gate.dtype, gate.device.index, *_aligned(gate, up, out)) if gate.is_cuda else None
-    _run(_SILU, key, _silu_mul_kernel, (triton.cdiv(n, SILU_BLOCK),), (gate, up, out, n),
+    key = (m, n, gate.stride(0), up.stride(0), gate.dtype, gate.device.index, *_aligned(gate, up, out)) if gate.is_cuda else None
+    _run(_SILU, key, _silu_mul_kernel, (m, triton.cdiv(n, SILU_BLOCK)), (gate, up, out, n, gate.stride(0), up.stride(0)),
          dict(BLOCK=SILU_BLOCK, EXPF=gate.is_cuda), (0, 1, 2), (gate, up, out), gate.device.index if gate.is_cuda else 0)
     return out
 
