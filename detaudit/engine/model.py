@@ -112,9 +112,9 @@ class Block:
             k = apply_rotary(k.view(B, T, self.n_kv, d).transpose(1, 2), step.cos, step.sin)
             k_cache.view(-1, d).index_copy_(0, step.slots, k.transpose(1, 2).reshape(-1, d))
             v_cache.view(-1, d).index_copy_(0, step.slots, v.reshape(-1, d))
-        kv_len = step.kv_len
-        attn = self.ctx.backend.attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], step.pos, d**-0.5,
-                                          **step.attention_kwargs(self.window))
+        if step.kv_len != k_cache.shape[2]:  # (the whole cache, as decode on GPU reads it: no slicing)
+            k_cache, v_cache = k_cache[:, :, : step.kv_len], v_cache[:, :, : step.kv_len]
+        attn = self.ctx.backend.attention(q, k_cache, v_cache, step.pos, d**-0.5, **step.attention_kwargs(self.window))
         delta = self.o_proj(attn.transpose(1, 2).reshape(B * T, self.n_heads * d), rounded=False)
         h, x = self.post_attention_layernorm.add(x, delta)
         gate, up = self._gate_up(h)
