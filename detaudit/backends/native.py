@@ -70,8 +70,12 @@ class NativeBackend:
             mask = keys <= qp
             if window is not None:  # sliding window: p - window < j <= p
                 mask = mask & (keys > qp - window)
-            # kept boolean: SDPA given the additive mask it derives from it picks other kernels on the
-            # H100 (different bits at some decode shapes, reports/gpu/eager-host-cost-h100.md)
+            if q.is_cuda:
+                # on GPU the additive form (0 / -inf in the model dtype), built once per step: SDPA's call
+                # costs half the host time with it (35 vs 70 us on the H100 host, where the boolean mask is
+                # converted on every call; reports/gpu/eager-host-cost-h100.md); a choice of bf16's, not an
+                # invariant (it gives other bits than the boolean form at some shapes)
+                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
             if plan is not None:
                 plan["mask"] = mask
         # grouped-query attention inside SDPA (no repeated copies of K/V, as serving engines do)

@@ -336,7 +336,7 @@ def test_real_tp1_process_group_graphed_equals_in_process(qwen3_shaped, monkeypa
 
 def test_hoisted_step_ops_give_the_same_bits():
     """bf16 attention with the step's mask (built once per step, reused by every layer) against SDPA
-    given the boolean mask, bitwise."""
+    given the additive mask (0 / -inf in bf16) freshly built, bitwise."""
     import torch.nn.functional as F
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -347,7 +347,8 @@ def test_hoisted_step_ops_give_the_same_bits():
         v = torch.randn(b, 8, length, 128, device="cuda", generator=g).bfloat16()
         pos = (torch.arange(t, device="cuda") + (length - t)).expand(b, t) - torch.arange(b, device="cuda")[:, None] % 3
         mask = torch.arange(length, device="cuda").view(1, 1, 1, -1) <= pos.view(b, 1, -1, 1)
-        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=128**-0.5, enable_gqa=True)
+        bias = torch.zeros(mask.shape, device="cuda", dtype=torch.bfloat16).masked_fill(~mask, float("-inf"))
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=128**-0.5, enable_gqa=True)
         plan = nat.attention_plan(pos, length)
         for _ in range(2):  # building the mask, then reusing it
             assert torch.equal(nat.attention(q, k, v, pos, 128**-0.5, plan=plan), want), (b, t, length)
