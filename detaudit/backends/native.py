@@ -1,5 +1,7 @@
 """`bf16`: whatever the stack does by default. cuBLAS / oneDNN GEMMs, PyTorch's SDPA attention, and
-the library all-reduce (NCCL ring on GPU, gloo on CPU) in the model dtype."""
+the library all-reduce (NCCL ring on GPU, gloo on CPU) in the model dtype. On GPU the row-local ops are
+fused kernels, as a serving engine's are: RMSNorm with the residual add (`kernels/fused.py`), and the
+attention mask in additive form, built once per step."""
 
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ class NativeBackend:
         return {
             "backend": self.name,
             "matmul": "F.linear (cuBLAS / oneDNN-MKL, library-chosen tiling)",
-            "attention": "torch scaled_dot_product_attention",
+            "attention": "torch scaled_dot_product_attention (GPU: additive 0 / -inf mask in the model dtype)",
             "rms_norm": "fp32; CPU: torch mean over hidden; GPU: one Triton program per row, residual add fused "
                         "(as serving engines' fused add + RMSNorm kernels)",
             "all_reduce": "library all-reduce (NCCL / gloo) in model dtype; emulated: rank-order sum",
