@@ -225,3 +225,27 @@ def _config(c: dict, where: str) -> dict:
     if shard is not None and (len(shard) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)):
         raise _bad(w, "shard", "[I, N]", shard)
     return c
+
+
+# Keys of a backend's description that name the environment (library versions, the GPU), which the
+# manifest's environment and hardware keys already track; every other key describes how it computes.
+ENVIRONMENT_KEYS = frozenset({"torch", "cuda", "gpu", "triton"})
+
+
+def numerics(describe: dict | None) -> dict:
+    """How an engine's cells were computed, from its description (`backend` part, environment keys out)."""
+    backend = (describe or {}).get("backend")
+    return {k: v for k, v in backend.items() if k not in ENVIRONMENT_KEYS} if isinstance(backend, dict) else {}
+
+
+def numerics_conflicts(recorded: dict[str, dict], new: dict[str, dict]) -> list[str]:
+    """Keys of `new` (backend@tp -> engine description) whose numerics differ from what `recorded` holds
+    for the same key, each with the fields that differ: cells of one run computed two ways (a resumed or
+    merged run made by another detaudit version whose kernels compute differently)."""
+    out = []
+    for key in sorted(set(recorded) & set(new)):
+        a, b = numerics(recorded[key]), numerics(new[key])
+        if a and b and a != b:
+            out.append(f"{key} ({', '.join(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)))})")
+    return out
+

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from detaudit.errors import DetauditError
-from detaudit.manifest import CellMeta, Manifest
+from detaudit.manifest import CellMeta, Manifest, numerics_conflicts
 from detaudit.runs import RunDir, now
 
 
@@ -38,6 +38,10 @@ def _load(paths: list[Path]) -> list[RunDir]:
             raise DetauditError(f"cannot merge {run.path} into {runs[0].path}: different {diff}")
         if m.code_version != first.code_version:
             raise DetauditError(f"cannot merge {run.path}: detaudit {m.code_version} vs {first.code_version}")
+        clash = numerics_conflicts(first.backends, m.backends)
+        if clash:
+            raise DetauditError(f"cannot merge {run.path} into {runs[0].path}: their cells were computed with other "
+                                f"numerics (differing: {'; '.join(clash)})")
     return runs
 
 
@@ -54,7 +58,8 @@ def _merged_manifest(runs: list[RunDir], hardware: list[str]) -> Manifest:
     return Manifest(
         config=cfg, identity=dict(first.identity), cells={}, model=first.model, suites=first.suites,
         environment=first.environment, hardware_key=first.hardware_key, command=first.command,
-        code_version=first.code_version, git_hash=first.git_hash, backends=dict(first.backends),
+        code_version=first.code_version, git_hash=first.git_hash,
+        backends={k: v for r in runs for k, v in r.manifest.backends.items()},  # type: ignore[union-attr]
         executor=first.executor, created=now(), merged_from=[str(r.path) for r in runs],
         mixed_hardware=len(hardware) > 1, hardware_keys=hardware,
         extra={"merged": now(), "environments": [r.manifest.environment for r in runs], "duplicates": {}},  # type: ignore[union-attr]

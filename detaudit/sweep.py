@@ -16,12 +16,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from detaudit import fingerprint
+from detaudit.backends import get_backend
 from detaudit.config import Cell, SweepConfig
 from detaudit.engines import EngineOptions, check_tp_mode, get_engine
 from detaudit.errors import DetauditError
 from detaudit.executors import CellJob, CellOutput, Group, get_executor
 from detaudit.inputs import PromptSet, check_model, eos_ids, load_suites, tokenize, tokenizer_for
-from detaudit.manifest import CellMeta, Manifest
+from detaudit.manifest import CellMeta, Manifest, numerics_conflicts
 from detaudit.progress import CellProgress
 from detaudit.runs import RunDir, now
 
@@ -155,6 +156,8 @@ def run_sweep(cfg: SweepConfig, output_path: Path, *, data_dir: Path | None = No
         todo = [c for c in cells if c.id not in done]
         if result.skipped:
             console.print(f"[dim]{len(result.skipped)} completed cell(s) found in {run.path}; skipping them[/]")
+        if cfg.engine == "builtin":  # its description is the backend's: known before any engine opens
+            check_numerics(run, {f"{c.backend}@tp{c.tp}": {"backend": get_backend(c.backend).describe()} for c in todo})
         eos = tuple(eos_ids(model.path, tokenizer))
         groups = [_group(cfg, model.path, eos, prompts, backend, tp, list(g), extra)
                   for (backend, tp), g in groupby(todo, key=lambda c: (c.backend, c.tp))]
@@ -191,6 +194,7 @@ def _record(cfg: SweepConfig, run: RunDir, model, tokenizer, ps: PromptSet, cell
         run.mark(cell.id, "failed", error=out.error, finished=now())
         progress.failed(cell.id, out.error)
         return
+    check_numerics(run, {f"{cell.backend}@tp{cell.tp}": out.describe})  # (any engine: before the cell is written)
     run.manifest.backends[f"{cell.backend}@tp{cell.tp}"] = out.describe
     if cfg.engine != "builtin":  # vLLM: knobs of the engine that ran this batch size (servers: and load)
         bg = f"@bg{cell.background}" if cell.background else ""
@@ -202,6 +206,17 @@ def _record(cfg: SweepConfig, run: RunDir, model, tokenizer, ps: PromptSet, cell
     run.write_cell(cell.id, rows, meta)
     result.done.append(cell.id)
     result.timings[cell.id] = out.timing
+
+
+def check_numerics(run: RunDir, describes: dict[str, dict]) -> None:
+    """Refuse to add cells computed otherwise than the run's earlier cells of the same backend and TP size
+    (a resumed run directory made by a detaudit whose kernels compute differently): the run would mix two
+    definitions and report the mix as (non-)determinism."""
+    assert run.manifest is not None
+    clash = numerics_conflicts(run.manifest.backends, describes)
+    if clash:
+        raise DetauditError(f"{run.path} holds cells computed with other numerics than this detaudit's "
+                            f"(differing: {'; '.join(clash)}); resuming would mix them; use another --output-path")
 
 
 def _server_extra(cfg: SweepConfig, model, tokenizer, suites: list, prompts: dict[str, PromptSet],

@@ -77,7 +77,8 @@ def merge(
     output_path: Annotated[Optional[Path], typer.Option("--output-path", "-o", help="New run directory to write.")] = None,
     allow_mixed_hardware: Annotated[bool, typer.Option("--allow-mixed-hardware", help="Merge runs from different hardware (the report says so).")] = False,
 ):
-    """Combine run directories; refuses different models, suites, decoding settings or code versions."""
+    """Combine run directories; refuses different models, suites, decoding settings, code versions or
+    numerics (a backend's cells computed differently)."""
     from detaudit.merge import merge_runs
 
     if not run_dirs:

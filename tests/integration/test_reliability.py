@@ -138,3 +138,24 @@ def test_shards_merge_to_the_whole(clean_run, tmp_path):
     subprocess.run(_sweep_cmd(other, "--seed", "1", grid=one_cell), check=True, capture_output=True)
     bad = runner.invoke(app, ["merge", parts[0], str(other), "--output-path", str(tmp_path / "m2")])
     assert bad.exit_code == 2 and "decoding" in bad.output.lower()
+
+
+def test_resume_refuses_cells_computed_with_other_numerics(clean_run, tmp_path):
+    """A run directory whose cells an older detaudit computed with another RMSNorm (the manifest records
+    each backend's description): resuming it with more cells is refused in one line before any engine
+    runs, and nothing in it changes; merging it with a run of this detaudit is refused the same way."""
+    import shutil
+
+    from helpers import one_line_error
+
+    old = tmp_path / "old"
+    shutil.copytree(clean_run, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["backends"]["bio@tp1"]["backend"]["rms_norm"] = "an older definition"
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    before = _cell_files(old)
+    res = runner.invoke(app, ["sweep", *GRID[:-1], "1,2,4,8", "--output-path", str(old), "--no-analyze"])
+    one_line_error(res, "computed with other numerics")
+    assert "bio@tp1 (rms_norm)" in res.output and _cell_files(old) == before
+    res = runner.invoke(app, ["merge", str(clean_run), str(old), "--output-path", str(tmp_path / "merged")])
+    one_line_error(res, "other numerics (differing: bio@tp1 (rms_norm))")

@@ -137,3 +137,14 @@ def test_corrupt_manifest(tmp_path):
     (tmp_path / "r" / "manifest.json").write_text("{not json")
     with pytest.raises(DetauditError, match="corrupt"):
         RunDir(tmp_path / "r").load()
+
+
+def test_numerics_conflicts_name_the_backend_and_field():
+    from detaudit.manifest import numerics_conflicts
+
+    bio = {"backend": {"backend": "bio", "rms_norm": "a", "torch": "2.11"}, "workers": 2}
+    same_code_other_torch = {"backend": {"backend": "bio", "rms_norm": "a", "torch": "2.13"}, "workers": 1}
+    other_norm = {"backend": {"backend": "bio", "rms_norm": "b", "torch": "2.11"}}
+    assert numerics_conflicts({"bio@tp1": bio}, {"bio@tp1": same_code_other_torch}) == []
+    assert numerics_conflicts({"bio@tp1": bio}, {"bio@tp2": other_norm}) == []  # another key: nothing recorded
+    assert numerics_conflicts({"bio@tp1": bio}, {"bio@tp1": other_norm}) == ["bio@tp1 (rms_norm)"]
