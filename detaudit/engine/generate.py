@@ -73,11 +73,9 @@ class Generator:
             cum = probs.cumsum(dim=-1)
             drop = (cum - probs) > decoding.top_p  # keep the smallest prefix reaching top_p
             probs = probs.masked_fill(drop, 0.0)
-        out = []
-        for row in range(probs.shape[0]):
-            j = torch.multinomial(probs[row].cpu(), 1, generator=gens[row])
-            out.append(idx[row, j.to(idx.device)])
-        return torch.cat(out)
+        host = probs.cpu()  # one copy (one device sync) for every row, not one per row
+        picks = torch.stack([torch.multinomial(host[row], 1, generator=gens[row]) for row in range(host.shape[0])])
+        return idx.gather(1, picks.to(idx.device))[:, 0]
 
     @torch.inference_mode()
     def generate(
