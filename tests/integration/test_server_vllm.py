@@ -3,6 +3,8 @@
 - `--engine openai` against `python -m vllm.entrypoints.openai.api_server` that this test starts on
   127.0.0.1 (always torn down): the smoke suite at concurrency 1 and 4, with and without background
   load; bf16's result is reported as measured (printed), only that it ran is asserted.
+- `--api chat` and `--prompt-format text` against the same server: every cell completes, the manifest
+  names the prompt form (greedy agreement with token-id prompts reported).
 - `--engine vllm-server --backends bio+tbik` (detaudit starts the server with its plugin): every cell
   of concurrency 1 / 4 x background load 0 / 3 holds bitwise the same token ids and logprobs, so
   unique outputs are 1 and max-prob divergence is 0; no vLLM process outlives the sweep.
@@ -122,3 +124,28 @@ def test_vllm_server_bio_tbik_invariant_under_load(smollm, tmp_path):
     res = runner.invoke(app, ["analyze", str(run), "--json"])
     row = json.loads(res.stdout)[0]
     assert row["unique_max"] == 1 and row["maxprob_div_mean"] == 0, row
+
+
+def test_openai_engine_chat_api_and_text_prompts(vllm_server, tmp_path, capsys):
+    """`--api chat` (the server applies its chat template) and `--api completions --prompt-format text`
+    (detaudit's template, decoded; the server re-tokenizes it) against the real vLLM server: both complete
+    every cell with tokens and log-probabilities, the manifest says which prompt form was sent, and the
+    greedy outputs are compared with the token-id prompts' (reported: the forms need not tokenize alike)."""
+    grid = [*GRID[: GRID.index("--concurrency")], "--concurrency", "1", "--no-analyze"]
+    runs = {}
+    for name, extra in (("ids", []), ("chat", ["--api", "chat"]), ("text", ["--prompt-format", "text"])):
+        run = runs[name] = tmp_path / name
+        res = runner.invoke(app, ["sweep", "--engine", "openai", "--base-url", vllm_server, *grid, *extra, "-o", str(run)])
+        assert res.exit_code == 0, res.output
+        cells = _cells(run)
+        assert set(cells) == {"smoke__bf16__tp1__bs1"}, cells.keys()
+        rows = cells["smoke__bf16__tp1__bs1"]
+        assert len(rows) == 2 and all(len(r[1]) > 0 and len(r[2]) == len(r[1]) and len(r[4]) == len(r[1]) for r in rows)
+        d = json.loads((run / "manifest.json").read_text())["backends"]["bf16@tp1@bs1"]
+        assert d["api"] == ("chat" if name == "chat" else "completions"), d
+        assert d["prompt_format"].startswith({"ids": "token ids", "chat": "chat messages", "text": "text"}[name]), d
+    ids = _cells(runs["ids"])["smoke__bf16__tp1__bs1"]
+    same = {name: sum(a[1] == b[1] for a, b in zip(ids, _cells(runs[name])["smoke__bf16__tp1__bs1"]))
+            for name in ("chat", "text")}
+    with capsys.disabled():
+        print(f"\n[vLLM server, greedy] prompts (of 2) with the token-id prompts' outputs: {same}")
