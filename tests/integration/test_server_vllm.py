@@ -5,6 +5,7 @@
   load; bf16's result is reported as measured (printed), only that it ran is asserted.
 - `--api chat` and `--prompt-format text` against the same server: every cell completes, the manifest
   names the prompt form (greedy agreement with token-id prompts reported).
+- `--engine vllm-server` SIGKILLed mid-run: the server and its children go; rerunning completes the run.
 - `--engine vllm-server --backends bio+tbik` (detaudit starts the server with its plugin): every cell
   of concurrency 1 / 4 x background load 0 / 3 holds bitwise the same token ids and logprobs, so
   unique outputs are 1 and max-prob divergence is 0; no vLLM process outlives the sweep.
@@ -149,3 +150,49 @@ def test_openai_engine_chat_api_and_text_prompts(vllm_server, tmp_path, capsys):
             for name in ("chat", "text")}
     with capsys.disabled():
         print(f"\n[vLLM server, greedy] prompts (of 2) with the token-id prompts' outputs: {same}")
+
+
+def test_vllm_server_engine_killed_mid_run_leaves_no_server_and_resumes(smollm, tmp_path):
+    """SIGKILL the sweep while the vLLM server it started is serving: the server and every process under it
+    go (PR_SET_PDEATHSIG, no process outlives detaudit), and rerunning the command completes the run."""
+    import signal
+
+    run = tmp_path / "killed"
+    grid = ["--suites", "smoke", "--limit", "4", "--max-new-tokens", "200", "--temperature", "0", "--concurrency", "1,4",
+            "--no-analyze"]  # long enough that the kill lands mid-run
+    cmd = [sys.executable, "-c", "from detaudit.cli import main; main()", "sweep", "--engine", "vllm-server",
+           "--model", "smollm2-135m", "--backends", "bio", "--tp", "1", *grid, "-o", str(run)]
+    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        server = None
+        while server is None or not _healthy(server):
+            assert sweep.poll() is None, "the sweep ended before it could be killed"
+            assert time.monotonic() < deadline, "the vLLM server did not come up"
+            procs = _vllm_procs()
+            server = procs[0] if procs else None
+            time.sleep(1)
+        family = [server, *server.children(recursive=True)]
+        time.sleep(2)  # requests in flight
+        assert sweep.poll() is None, "the sweep finished before the kill"
+        os.kill(sweep.pid, signal.SIGKILL)
+        sweep.wait(10)
+        gone, alive = psutil.wait_procs(family, timeout=60)
+        assert not alive, f"outlived the killed sweep: {[p.pid for p in alive]}"
+        assert len(_cells(run)) < 2, "the kill landed after the run was complete"
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert len(_cells(run)) == 2 and not _vllm_procs()
+
+
+def _healthy(server: psutil.Process) -> bool:
+    """Whether the server (its --port, on 127.0.0.1) answers /health."""
+    try:
+        cmd = server.cmdline()
+        port = cmd[cmd.index("--port") + 1]
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200
+    except (psutil.Error, ValueError, IndexError, httpx.HTTPError):
+        return False
