@@ -26,8 +26,6 @@ from typing import Iterator, Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import fused
-
 
 @runtime_checkable
 class Group(Protocol):
@@ -52,12 +50,10 @@ class Backend(Protocol):
     def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor: ...
     def all_reduce(self, partial: Tensor, group: Group, dtype: torch.dtype) -> Tensor: ...
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
-    # optional: `add_rms_norm(x, delta, weight, eps) -> (rms_norm(x + delta), x + delta)`, delta rounded to
-    # x's dtype first (the engine adds and calls rms_norm itself for a backend without it); and
-    # `ONE_PARTIAL_IS_A_CAST = True` where `combine([p], dtype)` is `p.to(dtype)` bitwise (the engine
-    # then hands a TP-1 partial to the fused add, which rounds it); `FUSED_RMS_NORM = True` where
-    # `rms_norm` on GPU is `kernels.fused.rms_norm` (the engine then norms Qwen3's q / k heads inside its
-    # rotary kernel, with those bits)
+    # optional flags: `FUSED_RMS_NORM = True` where `rms_norm` on GPU is `kernels.fused.rms_norm` (the
+    # engine then adds the residual inside that kernel and norms Qwen3's q / k heads inside its rotary
+    # kernel, with those bits); `ONE_PARTIAL_IS_A_CAST = True` where `combine([p], dtype)` is
+    # `p.to(dtype)` bitwise (the engine then hands a TP-1 partial to the fused add, which rounds it)
     def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float,
                   window: int | None = None) -> Tensor: ...
     def log_softmax(self, logits: Tensor) -> Tensor: ...
@@ -118,17 +114,6 @@ def _write_flags(flags: dict[str, object]) -> None:
     torch.backends.cudnn.allow_tf32 = bool(flags["cudnn_tf32"])
     m.allow_bf16_reduced_precision_reduction = bool(flags["bf16_reduced"])
     m.allow_fp16_reduced_precision_reduction = bool(flags["fp16_reduced"])
-
-
-def add_rms_norm(rms_norm, x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """The residual sum s = x + delta (x when delta is None) and `rms_norm(s)`: (normed, s). On GPU one
-    kernel computes both (`kernels.fused.rms_norm`, the GPU RMSNorm of the backends that call this);
-    elsewhere the add, then the backend's `rms_norm`."""
-    if fused.usable(x):
-        y, s = fused.rms_norm(x, weight, eps, delta)
-        return y, (x if s is None else s)
-    s = x if delta is None else x + delta.to(x.dtype)
-    return rms_norm(s, weight, eps), s
 
 
 def sequential_sum(partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:

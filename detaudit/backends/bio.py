@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from detaudit.backends import register_backend
-from detaudit.backends.base import Group, TorchFlags, add_rms_norm, library_versions, sequential_sum
+from detaudit.backends.base import Group, TorchFlags, library_versions, sequential_sum
 from detaudit.backends.kernels import fixed, fused, triton_mm
 
 SPLIT = 64  # keys per attention chunk
@@ -55,9 +55,6 @@ class BioBackend:
         if fused.usable(x):  # GPU: one program per row, the row's sum of squares in one fixed order
             return fused.rms_norm(x, weight, eps)[0]
         return _rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        return add_rms_norm(self.rms_norm, x, delta, weight, eps)
 
     def attention_plan(self, q_pos: Tensor, kv_len: int, window: int | None = None) -> dict:
         """A per-step memo for `attention` (one per forward step, passed to every layer): the query rows'

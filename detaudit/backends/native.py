@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from detaudit.backends import register_backend
-from detaudit.backends.base import Group, TorchFlags, add_rms_norm, library_versions, sequential_sum
+from detaudit.backends.base import Group, TorchFlags, library_versions, sequential_sum
 from detaudit.backends.kernels import fused
 
 
@@ -54,9 +54,6 @@ class NativeBackend:
         if x.dtype == torch.float32:
             return xf * r * weight
         return xf.mul_(r).to(x.dtype).mul_(weight)
-
-    def add_rms_norm(self, x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        return add_rms_norm(self.rms_norm, x, delta, weight, eps)
 
     def attention_plan(self, q_pos: Tensor, kv_len: int, window: int | None = None) -> dict:
         """A per-step memo for `attention` (the engine makes one per forward step and passes it to every

@@ -101,11 +101,12 @@ class RMSNorm:
         return self.backend.rms_norm(x, self.weight, self.eps)
 
     def add(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The residual sum s = x + delta (x itself when delta is None) and the normed s: (normed, s).
-        Backends with `add_rms_norm` compute both at once (on GPU one kernel)."""
-        add_norm = getattr(self.backend, "add_rms_norm", None)
-        if add_norm is not None:
-            return add_norm(x, delta, self.weight, self.eps)
+        """The residual sum s = x + delta (x itself when delta is None; delta rounded to x's dtype first)
+        and the normed s: (normed, s). On GPU, where the backend's RMSNorm is the fused kernel
+        (`FUSED_RMS_NORM`), that kernel computes both; otherwise the add, then the backend's RMSNorm."""
+        if getattr(self.backend, "FUSED_RMS_NORM", False) and fused.usable(x):
+            y, s = fused.rms_norm(x, self.weight, self.eps, delta)
+            return y, (x if s is None else s)
         s = x if delta is None else x + delta.to(x.dtype)
         return self.backend.rms_norm(s, self.weight, self.eps), s
 
