@@ -157,7 +157,8 @@ def run_sweep(cfg: SweepConfig, output_path: Path, *, data_dir: Path | None = No
         if result.skipped:
             console.print(f"[dim]{len(result.skipped)} completed cell(s) found in {run.path}; skipping them[/]")
         if cfg.engine == "builtin":  # its description is the backend's: known before any engine opens
-            check_numerics(run, {f"{c.backend}@tp{c.tp}": {"backend": get_backend(c.backend).describe()} for c in todo})
+            check_numerics(run, {f"{b}@tp{tp}": {"backend": get_backend(b).describe()}
+                                 for b, tp in {(c.backend, c.tp) for c in todo}})
         eos = tuple(eos_ids(model.path, tokenizer))
         groups = [_group(cfg, model.path, eos, prompts, backend, tp, list(g), extra)
                   for (backend, tp), g in groupby(todo, key=lambda c: (c.backend, c.tp))]

@@ -180,7 +180,7 @@ def _rows(t: Tensor) -> Tensor:
     """t as [rows, N] with unit stride along N and 16-byte aligned rows (the kernel's loads then take one
     layout, so one reduction order, whatever the caller's view)."""
     t2 = t.reshape(-1, t.shape[-1])
-    if t2.stride(-1) != 1 or t2.data_ptr() % 16 or (t2.stride(0) * t2.element_size()) % 16:
+    if not _plain_rows(t2):
         t2 = t2.contiguous()
         if (t2.stride(0) * t2.element_size()) % 16:
             t2 = t2.clone()  # (a fresh allocation is aligned; an odd row length keeps its layout per row)
