@@ -118,7 +118,7 @@ def _write_flags(flags: dict[str, object]) -> None:
 
 def sequential_sum(partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
     """(((p0 + p1) + p2) + ...) in rank order, in the partials' dtype, then cast."""
-    acc = partials[0].clone()
+    acc = partials[0] if len(partials) > 1 else partials[0].clone()  # (the first add allocates the sum)
     for p in partials[1:]:
         acc = acc + p
     return acc.to(dtype)

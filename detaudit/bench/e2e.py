@@ -2,7 +2,9 @@
 
 For each (model, TP, backend) one engine is built and, per batch size, a batch of random prompts of
 `prompt_tokens` ids (seeded: every backend sees the same ids) is generated greedily for `new_tokens`
-tokens with EOS disabled, after a short warm-up call (compilation, caches). The engine times the prefill
+tokens with EOS disabled, after a short warm-up call (compilation, caches), `repeats` times (the rows
+report the median call; with more than one, `ms_per_step_min` / `_max` show the spread: eager decode is
+host-bound and the GPU machines' virtualised hosts vary by up to 1.6x between runs). The engine times the prefill
 (prompts -> first logits) and the decode loop (steps -> logits, sampling, bookkeeping), synchronizing
 the device at each boundary; CUDA-graph capture is timed apart and left out of decode. Ratios are to
 bf16 of the same model, TP, batch and graph mode in the same run. `cuda_graphs="both"` times every
@@ -37,9 +39,12 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
 
 def bench_e2e(models: Sequence[tuple[str, Path]], backends: Sequence[str], tps: Sequence[int],
               batch_sizes: Sequence[int], prompt_tokens: int = 512, new_tokens: int = 64, device: str = "cuda",
-              tp_mode: str = "real", cuda_graphs: bool | str = True, progress: Callable[[], None] | None = None) -> pd.DataFrame:
+              tp_mode: str = "real", cuda_graphs: bool | str = True, progress: Callable[[], None] | None = None,
+              repeats: int = 1) -> pd.DataFrame:
     """`cuda_graphs`: True, False, or "both": each (model, TP, backend) runs eagerly and from CUDA graphs
     on the same device, one row each, plus `graphed_speedup` (eager ms per step over graphed)."""
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
     from detaudit.engine import open_engine
     from detaudit.engine.model import ModelConfig
 
@@ -57,16 +62,23 @@ def bench_e2e(models: Sequence[tuple[str, Path]], backends: Sequence[str], tps: 
                         prompts = random_prompts(bs, prompt_tokens, vocab)
                         ids = [str(i) for i in range(bs)]
                         eng.generate(prompts, ids, warm, bs)
-                        eng.generate(prompts, ids, timed, bs)
-                        t = eng.last_timings
+                        runs = []
+                        for _ in range(repeats):
+                            eng.generate(prompts, ids, timed, bs)
+                            runs.append(dict(eng.last_timings))
+                        per_step = [1e3 * t["decode_s"] / max(1, t["decode_steps"]) for t in runs]
+                        t = runs[sorted(range(repeats), key=per_step.__getitem__)[(repeats - 1) // 2]]  # the median call
                         steps = max(1, t["decode_steps"])
-                        rows.append({
+                        row = {
                             "model": name, "tp": tp, "backend": backend, "batch": bs, "prompt_tokens": prompt_tokens,
                             "new_tokens": new_tokens, "prefill_tok_s": t["prompt_tokens"] / t["prefill_s"],
                             "decode_tok_s": bs * steps / t["decode_s"], "ms_per_step": 1e3 * t["decode_s"] / steps,
                             "capture_s": t["capture_s"], "cuda_graphs": bool(t.get("cuda_graphs")),
                             "workers": eng.describe().get("workers", 0),
-                        })
+                        }
+                        if repeats > 1:
+                            row.update(repeats=repeats, ms_per_step_min=min(per_step), ms_per_step_max=max(per_step))
+                        rows.append(row)
                         if progress:
                             progress()
                 finally:

@@ -103,6 +103,11 @@ def bench_e2e_cmd(
     device: CudaOpt = "cuda",
     tp_mode: TpModeOpt = TpMode.real,
     cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs")] = True,
+    compare_graphs: Annotated[bool, typer.Option(
+        "--compare-graphs", help="Time every configuration eagerly and from CUDA graphs on the same device "
+        "(overrides --cuda-graphs); adds graphed_speedup = eager / graphed ms per step.")] = False,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed calls per configuration; rows report the "
+                                         "median, with the min and max ms per step.")] = 1,
     json_: JsonOpt = False,
     save: SaveOpt = None,
 ):
@@ -112,18 +117,21 @@ def bench_e2e_cmd(
     from detaudit.models import resolve_model
     from detaudit.sweep import validate_devices
 
-    if prompt_tokens < 1 or new_tokens < 2:
-        raise DetauditError("--prompt-tokens must be >= 1 and --new-tokens >= 2")
+    if prompt_tokens < 1 or new_tokens < 2 or repeats < 1:
+        raise DetauditError("--prompt-tokens must be >= 1, --new-tokens >= 2 and --repeats >= 1")
+    if compare_graphs and not device.startswith("cuda"):
+        raise DetauditError("--compare-graphs needs a CUDA device (CUDA graphs are GPU only)")
     tps, bss = parse_int_list(tp, "--tp"), parse_int_list(batch_sizes, "--batch-sizes")
     bl = parse_str_list(backends, "--backends")
     cfg = SweepConfig(model="-", suites=("-",), backends=bl, tp=tps, batch_sizes=bss, tp_mode=tp_mode.value, device=device)
     validate_devices(cfg)  # TP sizes, batch sizes, modes and GPU count checked as a sweep's are
     refs = [resolve_model(m, auto_prepare=True, console=err) for m in parse_str_list(models, "--models")]
     with Progress(console=err) as prog:
-        task = prog.add_task("e2e", total=len(refs) * len(tps) * len(bl) * len(bss))
+        task = prog.add_task("e2e", total=len(refs) * len(tps) * len(bl) * len(bss) * (2 if compare_graphs else 1))
         df = bench_e2e([(r.name, r.path) for r in refs], bl, tps, bss, prompt_tokens=prompt_tokens,
-                       new_tokens=new_tokens, device=device, tp_mode=tp_mode.value, cuda_graphs=cuda_graphs,
-                       progress=lambda: prog.advance(task))
+                       new_tokens=new_tokens, device=device, tp_mode=tp_mode.value,
+                       cuda_graphs="both" if compare_graphs else cuda_graphs, progress=lambda: prog.advance(task),
+                       repeats=repeats)
     _print_bench(df, "e2e", json_, save)
 
 

@@ -25,7 +25,14 @@ class TorchGroup:
         self.pg = pg
 
     def all_gather(self, t: Tensor) -> list[Tensor]:
+        """Every rank's `t`, in rank order. On NCCL gathered into one [C, ...] tensor (one collective, no
+        per-rank copies: the list form copies each rank's slice out of such a buffer); gloo has no
+        gather-into-tensor, so the list form there. A gather copies: the same values either way."""
         t = t.contiguous()
+        if t.is_cuda and dist.get_backend(self.pg) == "nccl":
+            out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(out, t, group=self.pg)
+            return list(out.unbind(0))
         out = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(out, t, group=self.pg)
         return out

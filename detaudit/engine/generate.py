@@ -50,15 +50,25 @@ class Generator:
     def _decode_setup(self, batch: int, needed: int) -> tuple[list[tuple[Tensor, Tensor]], Step | None]:
         """A KV cache of at least `needed` slots and, with CUDA graphs, the graphed step over it. A batch
         size's cache and graph are reused while they are long enough (slots another batch left behind sit
-        past every query's position: masked), and replaced by a longer pair (rounded up to 256) when not."""
+        past every query's position: masked), and replaced by a longer pair (`_slots`) when not. Eager
+        decode on GPU attends the whole cache too, so its cache is rounded the same way: a sweep's calls
+        then share a few key lengths, and the library attention (bf16: cuDNN, which builds an execution
+        plan per new key length, about as long as a whole decode step's launches) plans once per length.
+        bio's attention walks only the chunks a row can see: the extra slots change no bit."""
         if not self.cuda_graphs:
-            return self.model.new_cache(batch, needed), None
+            return self.model.new_cache(batch, self._slots(needed) if self.device.type == "cuda" else needed), None
         hit = self._graphs.get(batch)
         if hit is None or hit[0][0][0].shape[2] < needed:
             self._graphs.pop(batch, None)
-            cache = self.model.new_cache(batch, -(-needed // 256) * 256)
+            cache = self.model.new_cache(batch, self._slots(needed))
             hit = self._graphs[batch] = (cache, graphed_step(self.model, cache, batch, self.pad_id))
         return hit
+
+    def _slots(self, needed: int) -> int:
+        """`needed` rounded up to a multiple of 256, but not past the positions the model allows."""
+        limit = self.model.cfg.rope.max_positions
+        rounded = -(-needed // 256) * 256
+        return rounded if limit is None else max(needed, min(rounded, limit))
 
     # ---- sampling (per row, invariant)
     def _choose(self, logits: Tensor, decoding: DecodingParams, gens: list[torch.Generator]) -> Tensor:

@@ -23,3 +23,16 @@ def test_bench_e2e_on_cpu(tiny_llama):
     assert rows[0]["decode_vs_bf16"] == 1.0 and rows[0]["prefill_vs_bf16"] == 1.0
     res = runner.invoke(app, ["bench", "e2e", "--models", str(tiny_llama), "--device", "cpu", "--tp", "3"])
     assert res.exit_code == 2 and "TP size" in res.output
+
+
+def test_bench_e2e_repeats_report_the_median_call(tiny_llama):
+    """With --repeats the row is the median timed call, bracketed by the min and max; bad counts and
+    --compare-graphs without a GPU are one line, exit 2."""
+    res = runner.invoke(app, ["bench", "e2e", "--models", str(tiny_llama), "--device", "cpu", "--batch-sizes", "2",
+                              "--backends", "bio", "--prompt-tokens", "8", "--new-tokens", "3", "--repeats", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(res.stdout)["rows"]
+    assert row["repeats"] == 3 and row["ms_per_step_min"] <= row["ms_per_step"] <= row["ms_per_step_max"]
+    for bad, says in ((["--repeats", "0"], "--repeats"), (["--compare-graphs"], "CUDA device")):
+        res = runner.invoke(app, ["bench", "e2e", "--models", str(tiny_llama), "--device", "cpu", *bad])
+        assert res.exit_code == 2 and says in res.output, res.output

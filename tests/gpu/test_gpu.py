@@ -10,7 +10,7 @@ from detaudit.backends import get_backend
 from detaudit.backends.kernels import fixed, tree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 SHAPES = [(576, 1536), (1536, 576), (576, 49152), (4096, 4096), (6144, 2048)]
 
@@ -288,6 +288,40 @@ def test_kept_launch_plans_give_the_jit_bits():
     pos = torch.randint(0, 300, (64, 4), device="cuda", generator=g)
     outs = [triton_attn.attention(q, k, k, pos, 0.08, 64) for _ in range(3)]
     assert all(torch.equal(outs[0], o) for o in outs[1:]) and triton_attn._PLANS
+    kept = [getattr(p, "launch", None) for p in triton_mm._PLANS.values()]
+    kept += [p.launch for p in gluon_tree._PLANS.values()] + list(triton_rows._PLANS.values())
+    kept += list(triton_attn._PLANS.values())
+    if triton.__version__.startswith("3.6."):  # the direct C launch is taken for every kept plan
+        missing = [p.kernel.name for p in kept if p is not None and p.direct is None]
+        assert not missing and any(p is not None and any(w[2] is not None for w in p.direct.where) for p in kept), missing
+
+
+def test_direct_launch_gives_the_launcher_bits():
+    """A kept plan launched through the compiled C launcher directly (`launch.Direct`, Triton 3.6) writes
+    bitwise what the same plan writes through Triton's launcher (direct path switched off), for a pointer
+    kernel and a TMA-descriptor kernel, with new tensors at new addresses each call."""
+    from detaudit.backends.kernels import launch, triton_mm
+
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"the direct launch is taken on Triton 3.6 only (this is {triton.__version__})")
+    g = torch.Generator(device="cuda").manual_seed(9)
+    w = torch.randn(3072, 4096, device="cuda", generator=g).bfloat16()
+    triton_mm._PLANS.clear()
+    for m in (8, 1500):  # pointer kernel, TMA kernel
+        triton_mm.mm(torch.randn(m, 4096, device="cuda", generator=g).bfloat16(), w)
+        plan = next(p for p in triton_mm._PLANS.values() if isinstance(p, (triton_mm._Plan, triton_mm._TmaPlan)))
+        assert plan.launch.direct is not None and launch.hooks_idle()
+        for _ in range(3):
+            x = torch.randn(m, 4096, device="cuda", generator=g).bfloat16()
+            direct = triton_mm.mm(x, w)
+            keep, plan.launch.direct = plan.launch.direct, None
+            try:
+                through_launcher = triton_mm.mm(x, w)
+            finally:
+                plan.launch.direct = keep
+            assert torch.equal(direct, through_launcher), m
+            assert torch.equal(direct, triton_mm.mm(x, w, config=triton_mm.tiling(torch.bfloat16, m, n=3072)))
+        triton_mm._PLANS.clear()
 
 
 @pytest.fixture(scope="module")

@@ -95,3 +95,20 @@ def test_real_tp_matches_tp1_fp32(tiny_llama):
         assert [g.token_ids for g in got] == [g.token_ids for g in ref]
         for x, y in zip(got, ref):
             assert torch.allclose(torch.tensor(x.token_logprobs), torch.tensor(y.token_logprobs), atol=1e-5)
+
+
+def test_gpu_cache_lengths_are_rounded_within_the_position_limit():
+    """The GPU decode cache (graphed, and eager since both attend the whole cache) is rounded up to a
+    multiple of 256 slots, so calls share a few key lengths, but never past a dynamic rope's position
+    limit (that would refuse a request that fits)."""
+    from types import SimpleNamespace
+
+    from detaudit.engine.generate import Generator
+
+    def slots(limit, needed):
+        gen = Generator.__new__(Generator)
+        gen.model = SimpleNamespace(cfg=SimpleNamespace(rope=SimpleNamespace(max_positions=limit)))
+        return gen._slots(needed)
+
+    assert [slots(None, n) for n in (1, 256, 257, 544)] == [256, 256, 512, 768]
+    assert [slots(2000, n) for n in (1500, 1900, 2000)] == [1536, 2000, 2000]
