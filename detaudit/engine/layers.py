@@ -61,6 +61,9 @@ class RowParallelLinear:
         self.ctx = ctx
         self.name = name
         self.bias = bias
+        # where `rounded=False` may return the partial itself (see __call__), decided once
+        self._partial_is_delta = (bias is None and ctx.group is None and ctx.size == 1 and fused.usable(shards[0])
+                                  and getattr(ctx.backend, "ONE_PARTIAL_IS_A_CAST", False))
 
     def __call__(self, x: Tensor, rounded: bool = True) -> Tensor:
         """The layer's output in the model dtype. With `rounded=False` the caller takes the output as a
@@ -68,8 +71,7 @@ class RowParallelLinear:
         dtype before adding; at TP 1 in process on GPU, without a bias, where the backend's combine of one
         partial is that rounding (`ONE_PARTIAL_IS_A_CAST`), the partial is returned as it is: one cast
         kernel fewer per layer, the same bits."""
-        if (not rounded and self.bias is None and self.ctx.group is None and self.ctx.size == 1
-                and getattr(self.ctx.backend, "ONE_PARTIAL_IS_A_CAST", False) and fused.usable(x)):
+        if not rounded and self._partial_is_delta:
             return self.ctx.backend.row_partial(x, self.shards[0], 1, name=self.name)
         out = self._reduced(x)
         return out if self.bias is None else out + self.bias
@@ -96,6 +98,7 @@ class RMSNorm:
         self.weight = weight
         self.eps = eps
         self.backend = backend
+        self._fused = getattr(backend, "FUSED_RMS_NORM", False) and fused.usable(weight)  # (x is on weight's device)
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.backend.rms_norm(x, self.weight, self.eps)
@@ -104,7 +107,7 @@ class RMSNorm:
         """The residual sum s = x + delta (x itself when delta is None; delta rounded to x's dtype first)
         and the normed s: (normed, s). On GPU, where the backend's RMSNorm is the fused kernel
         (`FUSED_RMS_NORM`), that kernel computes both; otherwise the add, then the backend's RMSNorm."""
-        if getattr(self.backend, "FUSED_RMS_NORM", False) and fused.usable(x):
+        if self._fused:
             y, s = fused.rms_norm(x, self.weight, self.eps, delta)
             return y, (x if s is None else s)
         s = x if delta is None else x + delta.to(x.dtype)

@@ -61,6 +61,10 @@ class Block:
         # of its output. bio's matmul gives a column the same bits whatever N is (its reduction never
         # follows the tiling), so only bf16's library GEMM can see a different problem. (Emulated TP holds
         # C shards per layer: kept apart.)
+        # Qwen3's q / k norms inside the rotary kernel where the backend's GPU RMSNorm is that kernel's
+        self._fused_norms = None
+        if self.q_norm is not None and getattr(b, "FUSED_RMS_NORM", False):
+            self._fused_norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         self.qkv = self.gate_up = None
         if fused.usable(self.q_proj.shards[0]) and len(self.q_proj.shards) == 1:
             self.qkv = merged(self.q_proj, self.k_proj, self.v_proj)
@@ -90,21 +94,23 @@ class Block:
         B, T = step.B, step.T
         d = self.cfg.head_dim
         h, x = self.input_layernorm.add(x, delta)
-        q, k, v = self._qkv(h)
         k_cache, v_cache = cache
         # the cache is updated before attention, so a token's key sits in the same slot whether it
         # was written in prefill or decode: one row per (token, KV head) of the flat cache, at the slots
         # computed once per step
-        if step.fused:  # GPU: (q/k norms,) rotary for q and k and both cache writes in one kernel
-            norms = None
-            if self.q_norm is not None:
-                if getattr(self.ctx.backend, "FUSED_RMS_NORM", False):  # its GPU RMSNorm: the kernel's bits
-                    norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-                else:
-                    q = self.q_norm(q.reshape(B * T * self.n_heads, d)).view(B * T, -1)
-                    k = self.k_norm(k.reshape(B * T * self.n_kv, d)).view(B * T, -1)
-            q = fused.rope_store(q, k, v, step.cos, step.sin, k_cache, v_cache, step.slots, B, T, d, norms)
+        if step.fused and self.qkv is not None and (self.q_norm is None or self._fused_norms is not None):
+            # GPU, merged projection: (q/k norms,) rotary and both cache writes in one kernel reading q, k, v
+            # at their column offsets of the one product
+            q = fused.rope_store_qkv(self.qkv(h), self.n_heads, self.n_kv, step.cos, step.sin, k_cache, v_cache,
+                                     step.slots, B, T, d, self._fused_norms)
+        elif step.fused:  # GPU: (q/k norms,) rotary for q and k and both cache writes in one kernel
+            q, k, v = self._qkv(h)
+            if self.q_norm is not None and self._fused_norms is None:
+                q = self.q_norm(q.reshape(B * T * self.n_heads, d)).view(B * T, -1)
+                k = self.k_norm(k.reshape(B * T * self.n_kv, d)).view(B * T, -1)
+            q = fused.rope_store(q, k, v, step.cos, step.sin, k_cache, v_cache, step.slots, B, T, d, self._fused_norms)
         else:
+            q, k, v = self._qkv(h)
             if self.q_norm is not None:
                 q = self.q_norm(q.view(B, T, self.n_heads, d))
                 k = self.k_norm(k.view(B, T, self.n_kv, d))
@@ -117,6 +123,8 @@ class Block:
         attn = self.ctx.backend.attention(q, k_cache, v_cache, step.pos, d**-0.5, **step.attention_kwargs(self.window))
         delta = self.o_proj(attn.transpose(1, 2).reshape(B * T, self.n_heads * d), rounded=False)
         h, x = self.post_attention_layernorm.add(x, delta)
+        if step.fused and self.gate_up is not None:  # the halves read at their column offsets
+            return x, self.down_proj(fused.silu_mul_halves(self.gate_up(h)), rounded=False)
         gate, up = self._gate_up(h)
         return x, self.down_proj(fused.silu_mul(gate, up) if step.fused else F.silu(gate) * up, rounded=False)
 

@@ -34,9 +34,13 @@ def test_rope_store_gives_the_op_by_op_bits(b, t, hq, hkv, d, dtype):
     kr = apply_rotary(k.view(b, t, hkv, d).transpose(1, 2), cos, sin)
     want_k.view(-1, d).index_copy_(0, slots, kr.transpose(1, 2).reshape(-1, d))
     want_v.view(-1, d).index_copy_(0, slots, v.view(-1, d))
+    qkv = torch.cat([q, k, v], 1)  # the engine's form: one product, read at column offsets
     for _ in range(2):  # the JIT launch, then the kept plan
         got_k, got_v = (c.clone() for c in caches)
         got_q = fused.rope_store(q, k, v, cos, sin, got_k, got_v, slots, b, t, d)
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        got_k, got_v = (c.clone() for c in caches)
+        got_q = fused.rope_store_qkv(qkv, hq, hkv, cos, sin, got_k, got_v, slots, b, t, d)
         assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
@@ -46,8 +50,10 @@ def test_silu_mul_gives_the_op_by_op_bits(dtype):
     gate = (torch.randn(37, 12288, device="cuda", generator=g) * 6).to(dtype)
     gate[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
     up = torch.randn(37, 12288, device="cuda", generator=g).to(dtype)
+    gu = torch.cat([gate, up], 1)
     for _ in range(2):
         assert torch.equal(fused.silu_mul(gate, up), F.silu(gate) * up)
+        assert torch.equal(fused.silu_mul_halves(gu), F.silu(gate) * up)
 
 
 @pytest.mark.parametrize("n", [128, 576, 4096, 5120])
@@ -115,6 +121,9 @@ def test_merged_projections_and_in_kernel_qk_norm_give_the_separate_bits(dtype):
              + torch.arange(hkv, device="cuda") * length).reshape(-1)
     caches = [torch.zeros(b, hkv, length, d, device="cuda", dtype=dtype) for _ in range(4)]
     got = fused.rope_store(q, k, v, cos, sin, caches[0], caches[1], slots, b, t, d, (qw, kw, 1e-6))
+    kc, vc = torch.zeros_like(caches[0]), torch.zeros_like(caches[1])
+    assert torch.equal(fused.rope_store_qkv(qkv, hq, hkv, cos, sin, kc, vc, slots, b, t, d, (qw, kw, 1e-6)), got)
+    assert torch.equal(kc, caches[0]) and torch.equal(vc, caches[1])
     qn = bio.rms_norm(q.reshape(-1, d), qw, 1e-6).view(b * t, -1)
     kn = bio.rms_norm(k.reshape(-1, d), kw, 1e-6).view(b * t, -1)
     want = fused.rope_store(qn, kn, v, cos, sin, caches[2], caches[3], slots, b, t, d)

@@ -111,6 +111,10 @@ def fused_row_ops(g: torch.Generator) -> None:
     gu = torch.randn(3, 100, generator=g) * 4  # the halves of a merged gate_up product
     gate, up = gu[:, :50], gu[:, 50:]
     check(torch.allclose(fused.silu_mul(gate, up), F.silu(gate) * up, rtol=1e-6, atol=1e-6), "fused silu * up")
+    check(torch.equal(fused.silu_mul_halves(gu), fused.silu_mul(gate, up)), "silu * up from the merged halves")
+    kc4, vc4 = torch.zeros(b, hkv, length, d), torch.zeros(b, hkv, length, d)  # q, k, v as one product's columns
+    merged = fused.rope_store_qkv(torch.cat([q, k, v], 1), hq, hkv, cos, sin, kc4, vc4, slots, b, t, d, (qw, kw, 1e-6))
+    check(torch.equal(merged, normed) and torch.equal(kc4, kc2) and torch.equal(vc4, vc2), "rotary from the merged qkv")
 
 
 def gluon_fallback() -> None:

@@ -109,7 +109,7 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, qo_ptr, qw_ptr, kw_ptr,
-                           T, HQ, HKV, sq, sk, sv, inv_d, eps,
+                           T, HQ, HKV, sq, sk, sv, k_off, v_off, inv_d, eps,
                            D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # the token: b * T + t
         h = tl.program_id(1)  # q heads first, then the KV heads
@@ -128,19 +128,19 @@ if triton is not None:
         else:
             j = h - HQ
             slot = tl.load(slot_ptr + row * HKV + j)
-            x1, x2 = _head(k_ptr + row * sk + j * D, kw_ptr, lo, inv_d, eps, NORM, D, HALF, DT)
+            x1, x2 = _head(k_ptr + k_off + row * sk + j * D, kw_ptr, lo, inv_d, eps, NORM, D, HALF, DT)
             tl.store(kc_ptr + slot * D + lo, _rot(x1, c1, -x2, s1, DT))
             tl.store(kc_ptr + slot * D + HALF + lo, _rot(x2, c2, x1, s2, DT))
             full = tl.arange(0, D)
-            tl.store(vc_ptr + slot * D + full, tl.load(v_ptr + row * sv + j * D + full))
+            tl.store(vc_ptr + slot * D + full, tl.load(v_ptr + v_off + row * sv + j * D + full))
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, sg, su, BLOCK: tl.constexpr, EXPF: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, sg, su, u_off, BLOCK: tl.constexpr, EXPF: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
         g = tl.load(g_ptr + row * sg + offs, mask=inside, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + row * su + offs, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + u_off + row * su + offs, mask=inside, other=0.0).to(tl.float32)
         DT: tl.constexpr = o_ptr.dtype.element_ty
         if EXPF:  # CUDA's accurate expf, as PyTorch's silu calls it
             e = libdevice.exp(-g)
@@ -242,21 +242,41 @@ def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cach
     to the flat caches' rows `slots` [B*T*HKV] (ordered (token, KV head)). `norms` = (q weight, k weight,
     eps): each head RMS-normed first (Qwen3's q_norm / k_norm), with `rms_norm`'s bits for rows of D."""
     d = head_dim
-    hq, hkv = q.shape[1] // d, k.shape[1] // d
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    cos, sin = cos.contiguous(), sin.contiguous()
-    kc, vc = k_cache.view(-1, d), v_cache.view(-1, d)
+    return _rope(q, k, v, 0, 0, q.shape[1] // d, k.shape[1] // d, cos, sin, k_cache, v_cache, slots, batch, tokens,
+                 d, norms)
+
+
+def rope_store_qkv(qkv: Tensor, hq: int, hkv: int, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   slots: Tensor, batch: int, tokens: int, head_dim: int,
+                   norms: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
+    """`rope_store` of q, k, v given side by side as the columns of one product qkv[B*T, (HQ + 2 HKV) * D]
+    (unit-stride rows): the kernel reads each part at its column offset, so no slice views are made (the
+    same loads, the same bits)."""
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    return _rope(qkv, qkv, qkv, hq * head_dim, (hq + hkv) * head_dim, hq, hkv, cos, sin, k_cache, v_cache, slots,
+                 batch, tokens, head_dim, norms)
+
+
+def _rope(q: Tensor, k: Tensor, v: Tensor, k_off: int, v_off: int, hq: int, hkv: int, cos: Tensor, sin: Tensor,
+          k_cache: Tensor, v_cache: Tensor, slots: Tensor, batch: int, tokens: int, d: int,
+          norms: tuple[Tensor, Tensor, float] | None) -> Tensor:
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rope_store writes rows of contiguous caches")  # (the kernel addresses slot * D)
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((batch, hq, tokens, d), dtype=q.dtype, device=q.device)
     qw, kw, eps = norms if norms is not None else (q, k, 0.0)
     key = None
     if q.is_cuda:
-        key = (batch, tokens, hq, hkv, d, q.stride(0), k.stride(0), v.stride(0), q.dtype, q.device.index,
-               norms is not None, float(eps), *_aligned(q, k, v, cos, sin, kc, vc, slots, out, qw, kw))
+        key = (batch, tokens, hq, hkv, d, q.stride(0), k.stride(0), v.stride(0), k_off, v_off, q.dtype, q.device.index,
+               norms is not None, float(eps), *_aligned(q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw))
     _run(_ROPE, key, _rope_store_kernel, (batch * tokens, hq + hkv),
-         (q, k, v, cos, sin, kc, vc, slots, out, qw, kw, tokens, hq, hkv, q.stride(0), k.stride(0), v.stride(0),
-          _inverse(d), float(eps)),
-         dict(D=d, HALF=d // 2, NORM=norms is not None), tuple(range(11)), (q, k, v, cos, sin, kc, vc, slots, out, qw, kw),
-         q.device.index if q.is_cuda else 0)
+         (q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw, tokens, hq, hkv, q.stride(0), k.stride(0), v.stride(0),
+          k_off, v_off, _inverse(d), float(eps)),
+         dict(D=d, HALF=d // 2, NORM=norms is not None), tuple(range(11)),
+         (q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw), q.device.index if q.is_cuda else 0)
     return out
 
 
@@ -264,12 +284,25 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up for gate / up[M, N] (rows unit-stride, any row stride: the halves of one fused
     gate_up projection) -> [M, N] contiguous, the bits of `F.silu(gate) * up`."""
     gate, up = (t if t.dim() == 2 and t.stride(-1) == 1 else t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))
-    m, n = gate.shape
+    return _silu(gate, up, 0, gate.shape[1])
+
+
+def silu_mul_halves(gate_up: Tensor) -> Tensor:
+    """`silu_mul` of the two halves of gate_up[M, 2N] (unit-stride rows), read at their column offsets
+    without slice views: the same loads, the same bits."""
+    if gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+        gate_up = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+    n = gate_up.shape[1] // 2
+    return _silu(gate_up, gate_up, n, n)
+
+
+def _silu(gate: Tensor, up: Tensor, u_off: int, n: int) -> Tensor:
+    m = gate.shape[0]
     out = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
     if not out.numel():
         return out
-    key = (m, n, gate.stride(0), up.stride(0), gate.dtype, gate.device.index, *_aligned(gate, up, out)) if gate.is_cuda else None
-    _run(_SILU, key, _silu_mul_kernel, (m, triton.cdiv(n, SILU_BLOCK)), (gate, up, out, n, gate.stride(0), up.stride(0)),
+    key = (m, n, u_off, gate.stride(0), up.stride(0), gate.dtype, gate.device.index, *_aligned(gate, up, out)) if gate.is_cuda else None
+    _run(_SILU, key, _silu_mul_kernel, (m, triton.cdiv(n, SILU_BLOCK)), (gate, up, out, n, gate.stride(0), up.stride(0), u_off),
          dict(BLOCK=SILU_BLOCK, EXPF=gate.is_cuda), (0, 1, 2), (gate, up, out), gate.device.index if gate.is_cuda else 0)
     return out
 
