@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 from typing import Sequence
@@ -103,4 +104,5 @@ class LocalEngine:
         }
 
     def close(self) -> None:
-        pass
+        if self.device.type == "cuda":
+            gc.unfreeze()  # (generate froze what was alive for its decode loop: `generate.settle_gc`)
