@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, port: int, device: str, sizes, reps: int, out_p
             with open(out_path, "w") as f:
                 json.dump(results, f)
     finally:
-        dist.shutdown()
+        dist.shutdown(group)
 
 
 def bench_allreduce(world: int, device: str = "cuda", sizes=SIZES, reps: int = 20, tmp_dir: str = "/tmp") -> pd.DataFrame:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -19,10 +20,11 @@ from torch import Tensor
 class TorchGroup:
     """`pg`: a torch ProcessGroup (default: the default group), ranks in `pg`'s order."""
 
-    def __init__(self, rank: int, size: int, pg=None) -> None:
+    def __init__(self, rank: int, size: int, pg=None, store=None) -> None:
         self.rank = rank
         self.size = size
         self.pg = pg
+        self.store = store  # the default group's TCPStore (served by rank 0), where `init` made it
 
     def all_gather(self, t: Tensor) -> list[Tensor]:
         """Every rank's `t`, in rank order. On NCCL gathered into one [C, ...] tensor (one collective, no
@@ -117,9 +119,28 @@ def init(rank: int, size: int, port: int, device: str, timeout_s: float = 300.0,
     if backend == "nccl":
         kwargs["device_id"] = torch.device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
-    return TorchGroup(rank, size)
+    return TorchGroup(rank, size, store=store)
 
 
-def shutdown() -> None:
+_RELEASED = "detaudit/released"
+
+
+def shutdown(group: TorchGroup | None = None, wait_s: float = 4.0) -> None:
+    """Leave the default process group. With the group `init` returned, rank 0 (which serves the store)
+    waits, up to `wait_s`, until every other rank has left too: NCCL's heartbeat monitor polls the store
+    until its process group is destroyed, and a store gone first makes it log a `recvValue failed` stack
+    trace at every clean exit."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    store = getattr(group, "store", None)
+    if store is None or group.size < 2:
+        return
+    try:
+        if group.rank != 0:
+            store.add(_RELEASED, 1)
+            return
+        deadline = time.monotonic() + wait_s
+        while store.add(_RELEASED, 0) < group.size - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # a rank or the store already gone: nothing left to wait for
+        pass

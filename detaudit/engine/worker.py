@@ -103,7 +103,7 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict, 
                 raise ValueError(f"unknown command {cmd}")
             conn.send(("result", res if rank == 0 else None))
         engine.close()
-        dist.shutdown()
+        dist.shutdown(getattr(getattr(engine, "ctx", None), "group", None))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass
     except BaseException as e:  # report, then exit non-zero

@@ -42,3 +42,33 @@ def test_gloo_equals_emulated(tmp_path, mode, size):
     mp.spawn(_rank, args=(size, dist.free_port(), mode, x, w, str(tmp_path)), nprocs=size, join=True)
     for r in range(size):
         assert torch.equal(torch.load(tmp_path / f"{r}.pt"), ref), (mode, size, r)
+
+
+
+def _leave(rank, size, port, delay, wait, out_dir):
+    import json
+    import time
+
+    torch.set_num_threads(1)
+    group = dist.init(rank, size, port, "cpu")
+    group.barrier()
+    time.sleep(delay if rank == 1 else 0.0)  # rank 1 lets go of its group late
+    start = time.time()
+    dist.shutdown(group, wait_s=wait)
+    with open(f"{out_dir}/{rank}.json", "w") as f:
+        json.dump({"start": start, "end": time.time()}, f)
+
+
+@pytest.mark.parametrize("delay,wait", [(1.0, 30.0), (6.0, 1.0)])
+def test_rank0_serves_the_store_until_the_others_left(tmp_path, delay, wait):
+    """`dist.shutdown(group)`: rank 0 (the store's server) returns only after every other rank has begun
+    leaving its process group (NCCL's heartbeat monitor polls the store until then), and gives up after
+    its wait when a rank never says so."""
+    import json
+
+    mp.spawn(_leave, args=(2, dist.free_port(), delay, wait, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
+    if wait > delay:
+        assert r0["end"] >= r1["start"], (r0, r1)  # it waited for rank 1
+    else:
+        assert r0["end"] < r1["start"] and r0["end"] - r0["start"] < delay, (r0, r1)  # it gave up
