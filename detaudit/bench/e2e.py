@@ -67,12 +67,12 @@ def bench_e2e(models: Sequence[tuple[str, Path]], backends: Sequence[str], tps: 
                             eng.generate(prompts, ids, timed, bs)
                             runs.append(dict(eng.last_timings))
                         per_step = [1e3 * t["decode_s"] / max(1, t["decode_steps"]) for t in runs]
-                        t = runs[sorted(range(repeats), key=per_step.__getitem__)[(repeats - 1) // 2]]  # the median call
-                        steps = max(1, t["decode_steps"])
+                        median = sorted(range(repeats), key=per_step.__getitem__)[(repeats - 1) // 2]  # the median call
+                        t = runs[median]
                         row = {
                             "model": name, "tp": tp, "backend": backend, "batch": bs, "prompt_tokens": prompt_tokens,
                             "new_tokens": new_tokens, "prefill_tok_s": t["prompt_tokens"] / t["prefill_s"],
-                            "decode_tok_s": bs * steps / t["decode_s"], "ms_per_step": 1e3 * t["decode_s"] / steps,
+                            "decode_tok_s": bs * max(1, t["decode_steps"]) / t["decode_s"], "ms_per_step": per_step[median],
                             "capture_s": t["capture_s"], "cuda_graphs": bool(t.get("cuda_graphs")),
                             "workers": eng.describe().get("workers", 0),
                         }

@@ -63,6 +63,7 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict, 
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller handles Ctrl-C and kills us
     os.environ["OMP_NUM_THREADS"] = str(spec["threads"])
+    group = None  # the process group this rank joins (none where the process hosts another engine)
     try:
         import torch
 
@@ -103,7 +104,7 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict, 
                 raise ValueError(f"unknown command {cmd}")
             conn.send(("result", res if rank == 0 else None))
         engine.close()
-        dist.shutdown(getattr(getattr(engine, "ctx", None), "group", None))
+        dist.shutdown(group)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass
     except BaseException as e:  # report, then exit non-zero

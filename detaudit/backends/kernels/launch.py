@@ -115,13 +115,14 @@ class Direct:
     `template` is that argument list with the plan's values; per call the stream, each per-call tensor's
     pointer and each per-call descriptor's expansion are put in."""
 
-    __slots__ = ("raw", "template", "where", "descs")
+    __slots__ = ("raw", "encode", "template", "where", "descs")
 
     BASE = 13  # gridX, gridY, gridZ, stream, function, cooperative, pdl, global scratch, profile scratch,
     #            packed metadata, launch metadata, enter hook, exit hook
 
-    def __init__(self, raw: Any, template: list, where: list[tuple[int, int, Any]]) -> None:
+    def __init__(self, raw: Any, encode: Any, template: list, where: list[tuple[int, int, Any]]) -> None:
         self.raw = raw
+        self.encode = encode  # the driver's descriptor expansion, (descriptor, metadata) -> its arguments
         self.template = template
         self.where = where  # per slot: (position, width, descriptor metadata or None for a pointer)
         self.descs: dict[tuple[int, int], list] = {}  # (slot, base pointer) -> the descriptor's expansion
@@ -159,7 +160,7 @@ class Direct:
                 template.append(value.data_ptr() if isinstance(value, torch.Tensor) and value.is_cuda else value)
         if metas:
             return None
-        return cls(raw, template, [where[i] for i in plan.slots])
+        return cls(raw, nv.make_tensordesc_arg, template, [where[i] for i in plan.slots])
 
     def __call__(self, stream: int, tensors: Sequence[Any]) -> None:
         args = self.template.copy()
@@ -171,9 +172,7 @@ class Direct:
                 key = (slot, t.base.data_ptr())
                 expanded = self.descs.get(key)
                 if expanded is None:
-                    from triton.backends.nvidia import driver as nv
-
-                    expanded = nv.make_tensordesc_arg(t, meta)
+                    expanded = self.encode(t, meta)
                     cache_put(self.descs, key, expanded)
                 args[pos : pos + width] = expanded
         self.raw(*args)
