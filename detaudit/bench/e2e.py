@@ -6,7 +6,11 @@ tokens with EOS disabled, after a short warm-up call (compilation, caches), `rep
 report the median call; with more than one, `ms_per_step_min` / `_max` show the spread: eager decode is
 host-bound and the GPU machines' virtualised hosts vary by up to 1.6x between runs). The engine times the prefill
 (prompts -> first logits) and the decode loop (steps -> logits, sampling, bookkeeping), synchronizing
-the device at each boundary; CUDA-graph capture is timed apart and left out of decode. Ratios are to
+the device at each boundary; CUDA-graph capture is timed apart and left out of decode. `host_ms_per_step`
+is the host's time to issue one decode step (eager: every launch of the forward; graphed: the input copies
+and the replay), not synchronized: decode runs one step ahead of the host's bookkeeping, so where it is
+below the device's step time the GPU, not the host, sets `ms_per_step` (a slower host moves it up to
+about `host_ms_per_step`). Ratios are to
 bf16 of the same model, TP, batch and graph mode in the same run. `cuda_graphs="both"` times every
 configuration eagerly and graphed on the same device (`graphed_speedup`: eager over graphed ms per step).
 With `DETAUDIT_TP1_GROUP=1`, real TP 1 runs in a one-rank process group (NCCL on GPU), as TP > 1 does.
@@ -73,6 +77,7 @@ def bench_e2e(models: Sequence[tuple[str, Path]], backends: Sequence[str], tps: 
                             "model": name, "tp": tp, "backend": backend, "batch": bs, "prompt_tokens": prompt_tokens,
                             "new_tokens": new_tokens, "prefill_tok_s": t["prompt_tokens"] / t["prefill_s"],
                             "decode_tok_s": bs * max(1, t["decode_steps"]) / t["decode_s"], "ms_per_step": per_step[median],
+                            "host_ms_per_step": 1e3 * t["issue_s"] / max(1, t["decode_steps"]),
                             "capture_s": t["capture_s"], "cuda_graphs": bool(t.get("cuda_graphs")),
                             "workers": eng.describe().get("workers", 0),
                         }

@@ -48,6 +48,23 @@ def settle_gc() -> None:
     gc.freeze()
 
 
+def _to_host(*tensors: Tensor):
+    """Start copying `tensors` (a step's picks) to the host and return a function that waits for those
+    copies alone (not for work queued after them) and gives them as lists. On GPU: one pinned buffer and
+    an asynchronous copy each, then an event; on CPU the values are there already."""
+    if not tensors[0].is_cuda:
+        return lambda: [t.tolist() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+    done = torch.cuda.Event()
+    done.record()
+
+    def wait() -> list:
+        done.synchronize()
+        return [t.tolist() for t in host]
+
+    return wait
+
+
 class Generator:
     def __init__(self, model: Decoder, eos_ids: Sequence[int], pad_id: int = 0, cuda_graphs: bool = False) -> None:
         self.model = model
@@ -128,13 +145,32 @@ class Generator:
         prefill_s = clock.lap()
         outs = [Generation([], [], [], [], "length") for _ in range(B)]
         active = [True] * B
+        still = torch.ones(B, dtype=torch.bool, device=self.device)  # `active` on the device, one step ahead
+        eos = torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device) if self.eos else None
         cur = lens.clone()
         steps = 0
+        issue_s = 0.0  # host time spent issuing decode steps (eager: the launches; graphed: a replay)
         for step in range(decoding.max_new_tokens):
             top_lp, top_id = torch.topk(logprobs, decoding.logprobs, dim=-1)
             nxt = self._choose(logits, decoding, gens)
             chosen_lp = logprobs.gather(1, nxt[:, None])[:, 0]
-            nxt_l, top_id_l, top_lp_l, chosen_l = nxt.tolist(), top_id.tolist(), top_lp.tolist(), chosen_lp.tolist()
+            picked = _to_host(nxt, top_id, top_lp, chosen_lp)
+            last = step == decoding.max_new_tokens - 1
+            if not last:
+                # the next step is launched before this one's tokens reach the host (pipelined, as serving
+                # engines schedule asynchronously): its input is decided on the device from the same values
+                # (a request that drew an EOS is fed padding from then on), so the host's bookkeeping and
+                # the device's forward overlap and nothing computed changes. If every request has just
+                # finished, that step is one forward wasted, never read.
+                if eos is not None:
+                    still &= ~torch.isin(nxt, eos)
+                feed = torch.where(still, nxt, torch.full_like(nxt, self.pad_id))
+                issued = time.perf_counter()
+                following = step_fn(feed, cur, T + step + 1)  # the furthest position is T + step
+                issue_s += time.perf_counter() - issued
+                steps += 1
+                cur = cur + 1
+            nxt_l, top_id_l, top_lp_l, chosen_l = picked()
             produced = 0
             for i in range(B):
                 if not active[i]:
@@ -150,13 +186,11 @@ class Generator:
                     active[i] = False
             if progress:
                 progress(produced)
-            if not any(active) or step == decoding.max_new_tokens - 1:
+            if not any(active) or last:
                 break
-            feed = torch.where(torch.tensor(active, device=self.device), nxt, torch.full_like(nxt, self.pad_id))
-            logits, logprobs = step_fn(feed, cur, T + step + 1)  # the furthest position is T + step
-            steps += 1
-            cur = cur + 1
-        self.timings = {"prefill_s": prefill_s, "capture_s": capture_s, "decode_s": clock.lap(), "decode_steps": steps, "batch": B,
+            logits, logprobs = following
+        self.timings = {"prefill_s": prefill_s, "capture_s": capture_s, "decode_s": clock.lap(), "decode_steps": steps,
+                        "issue_s": issue_s, "batch": B,
                         "prompt_tokens": int(lens.sum()), "cuda_graphs": self.cuda_graphs}
         return outs
 

@@ -80,6 +80,31 @@ def test_emulated_tp_matches_tp1_fp32(tiny_llama):
             assert torch.allclose(torch.tensor(x.token_logprobs), torch.tensor(y.token_logprobs), atol=1e-5)
 
 
+def test_eos_ends_its_request_and_nothing_else(tiny_llama):
+    """Decode runs one step ahead of the host (the next step's input is decided on the device): a request
+    that draws an EOS is cut right after it and marked "stop", the others go on with the bits they have
+    without it (bio is batch invariant), and when every request has stopped the loop ends."""
+    prompts = _prompts(6)
+    ids = [str(i) for i in range(6)]
+    dec = DecodingParams(greedy=True, max_new_tokens=10)
+    free = LocalEngine(tiny_llama, "bio", 1, dtype="float32").generate(prompts, ids, dec, 6)
+    eos = free[0].token_ids[2]
+    got = LocalEngine(tiny_llama, "bio", 1, dtype="float32", eos_ids=(eos,)).generate(prompts, ids, dec, 6)
+    stopped = 0
+    for f, g in zip(free, got):
+        cut = f.token_ids.index(eos) + 1 if eos in f.token_ids else len(f.token_ids)
+        assert g.token_ids == f.token_ids[:cut] and g.token_logprobs == f.token_logprobs[:cut]
+        assert g.topk_ids == f.topk_ids[:cut]
+        assert g.finish_reason == ("stop" if cut < len(f.token_ids) or eos in f.token_ids else "length")
+        stopped += g.finish_reason == "stop"
+    assert 0 < stopped < len(prompts)  # (the test needs both kinds of request)
+    firsts = {f.token_ids[0] for f in free}
+    eng = LocalEngine(tiny_llama, "bio", 1, dtype="float32", eos_ids=tuple(firsts))
+    every = eng.generate(prompts, ids, dec, 6)
+    assert all(g.token_ids == f.token_ids[:1] and g.finish_reason == "stop" for f, g in zip(free, every))
+    assert eng.last_timings["decode_steps"] == 1  # the one step issued ahead, never read
+
+
 @pytest.mark.slow
 def test_real_tp_matches_tp1_fp32(tiny_llama):
     prompts = _prompts()
