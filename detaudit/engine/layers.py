@@ -103,12 +103,13 @@ class RMSNorm:
     def __call__(self, x: Tensor) -> Tensor:
         return self.backend.rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+    def add(self, x: Tensor, delta: Tensor | None, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The residual sum s = x + delta (x itself when delta is None; delta rounded to x's dtype first)
         and the normed s: (normed, s). On GPU, where the backend's RMSNorm is the fused kernel
-        (`FUSED_RMS_NORM`), that kernel computes both; otherwise the add, then the backend's RMSNorm."""
+        (`FUSED_RMS_NORM`), that kernel computes both (into `out`'s (normed, s) buffers where given: the
+        engine's kept decode buffers); otherwise the add, then the backend's RMSNorm (`out` unused)."""
         if self._fused:
-            y, s = fused.rms_norm(x, self.weight, self.eps, delta)
+            y, s = fused.rms_norm(x, self.weight, self.eps, delta, out)
             return y, (x if s is None else s)
         s = x if delta is None else x + delta.to(x.dtype)
         return self.backend.rms_norm(s, self.weight, self.eps), s

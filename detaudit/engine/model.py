@@ -70,6 +70,8 @@ class Block:
             self.qkv = merged(self.q_proj, self.k_proj, self.v_proj)
             self.gate_up = merged(self.gate_proj, self.up_proj)
             self.q_proj = self.k_proj = self.v_proj = self.gate_proj = self.up_proj = None  # (memory)
+        # the one-kernel rotary path over the merged product (GPU): where a step's kept buffers apply
+        self.merged_rope = self.qkv is not None and (self.q_norm is None or self._fused_norms is not None)
 
     def _qkv(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self.qkv is None:
@@ -93,16 +95,17 @@ class Block:
         the library folds a 3-D one into: the same kernels, fewer view ops per call."""
         B, T = step.B, step.T
         d = self.cfg.head_dim
-        h, x = self.input_layernorm.add(x, delta)
+        bufs = step.buffers if self.merged_rope else None  # eager GPU decode: the kept output buffers
+        h, x = self.input_layernorm.add(x, delta, None if bufs is None else (bufs.h, bufs.residual(x)))
         k_cache, v_cache = cache
         # the cache is updated before attention, so a token's key sits in the same slot whether it
         # was written in prefill or decode: one row per (token, KV head) of the flat cache, at the slots
         # computed once per step
-        if step.fused and self.qkv is not None and (self.q_norm is None or self._fused_norms is not None):
+        if step.fused and self.merged_rope:
             # GPU, merged projection: (q/k norms,) rotary and both cache writes in one kernel reading q, k, v
             # at their column offsets of the one product
             q = fused.rope_store_qkv(self.qkv(h), self.n_heads, self.n_kv, step.cos, step.sin, k_cache, v_cache,
-                                     step.slots, B, T, d, self._fused_norms)
+                                     step.slots, B, T, d, self._fused_norms, None if bufs is None else bufs.q)
         elif step.fused:  # GPU: (q/k norms,) rotary for q and k and both cache writes in one kernel
             q, k, v = self._qkv(h)
             if self.q_norm is not None and self._fused_norms is None:
@@ -122,9 +125,10 @@ class Block:
             k_cache, v_cache = k_cache[:, :, : step.kv_len], v_cache[:, :, : step.kv_len]
         attn = self.ctx.backend.attention(q, k_cache, v_cache, step.pos, d**-0.5, **step.attention_kwargs(self.window))
         delta = self.o_proj(attn.transpose(1, 2).reshape(B * T, self.n_heads * d), rounded=False)
-        h, x = self.post_attention_layernorm.add(x, delta)
+        h, x = self.post_attention_layernorm.add(x, delta, None if bufs is None else (bufs.h, bufs.residual(x)))
         if step.fused and self.gate_up is not None:  # the halves read at their column offsets
-            return x, self.down_proj(fused.silu_mul_halves(self.gate_up(h)), rounded=False)
+            act = fused.silu_mul_halves(self.gate_up(h), None if bufs is None else bufs.act)
+            return x, self.down_proj(act, rounded=False)
         gate, up = self._gate_up(h)
         return x, self.down_proj(fused.silu_mul(gate, up) if step.fused else F.silu(gate) * up, rounded=False)
 
@@ -136,16 +140,45 @@ def merged(*parts: ColumnParallelLinear) -> ColumnParallelLinear:
     return ColumnParallelLinear([weight], parts[0].ctx, bias)
 
 
+class DecodeBuffers:
+    """The per-layer outputs of one batch size's eager decode step on GPU, allocated once and written by
+    every layer of every step: the normed input of each projection (`h`), the residual stream (two
+    buffers, each layer's add writing the one it does not read), the rotated queries and the gated
+    activation. Eager decode is host-bound, and on the GPU machines' hosts each `torch.empty` cost
+    2-12 us, six per layer (reports/gpu/eager-host-cost-h100.md, fifth pass). Reuse is safe because one
+    stream runs the step in order: a buffer is rewritten only by a kernel queued after every kernel that
+    reads its last value; nothing in it leaves the step (the final norm and the logits allocate). The
+    kernels and their launch plans are the same, so the bits are (tested: eager == graphed, batch and TP
+    invariance on GPU). CUDA-graphed steps keep their own memory pool and do not use these."""
+
+    __slots__ = ("h", "res", "q", "act")
+
+    def __init__(self, model: "Decoder", rows: int) -> None:
+        first = model.layers[0]
+        dt, dev, cfg = model.ctx.dtype, model.device, model.cfg
+        self.h = torch.empty((rows, cfg.hidden_size), dtype=dt, device=dev)
+        self.res = (torch.empty_like(self.h), torch.empty_like(self.h))
+        self.q = torch.empty((rows, first.n_heads, 1, cfg.head_dim), dtype=dt, device=dev)
+        self.act = torch.empty((rows, first.gate_up.shards[0].shape[0] // 2), dtype=dt, device=dev)
+
+    def residual(self, x: Tensor) -> Tensor:
+        """The residual buffer a layer's add writes when it reads `x` (never the one x lies in)."""
+        return self.res[1] if x.data_ptr() == self.res[0].data_ptr() else self.res[0]
+
+
 class StepPlan:
     """What every layer of one forward step shares, computed once per step instead of once per layer:
-    rotary cos / sin, the cache slots the step's keys and values go to, and the backend's per-step
-    attention inputs (`backend.attention_plan`, where it has one: bf16's mask, bio's row positions)."""
+    rotary cos / sin, the cache slots the step's keys and values go to, the backend's per-step
+    attention inputs (`backend.attention_plan`, where it has one: bf16's mask, bio's row positions) and,
+    for an eager decode step on GPU, the kept output buffers."""
 
-    __slots__ = ("B", "T", "pos", "cos", "sin", "kv_len", "slots", "fused", "_backend", "_plans")
+    __slots__ = ("B", "T", "pos", "cos", "sin", "kv_len", "slots", "fused", "buffers", "_backend", "_plans")
 
-    def __init__(self, model: "Decoder", pos: Tensor, cache: list[tuple[Tensor, Tensor]], kv_len: int) -> None:
+    def __init__(self, model: "Decoder", pos: Tensor, cache: list[tuple[Tensor, Tensor]], kv_len: int,
+                 buffers: DecodeBuffers | None = None) -> None:
         B, T = pos.shape
         self.B, self.T, self.pos, self.kv_len = B, T, pos, kv_len
+        self.buffers = buffers
         self.cos, self.sin = model.rotary.cos_sin(pos, model.ctx.dtype)
         n_kv, length = cache[0][0].shape[1], cache[0][0].shape[2]
         # flat row of (b, t, h) in a [B, Hkv, L, D] cache viewed as [B*Hkv*L, D]: (b*Hkv + h)*L + pos[b, t]
@@ -192,6 +225,7 @@ class Decoder:
                 raise DetauditError(f"model {path} holds parameters the built-in engine does not use "
                                     f"({', '.join(unused[:3])}{more}): its config does not describe them")
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, device, cfg.rope)
+        self._buffers: dict[int, DecodeBuffers] = {}  # batch -> eager decode's kept outputs (GPU)
         local = len(ctx.local_ranks)
         self.n_kv_local = cfg.num_kv_heads // ctx.size * local
 
@@ -203,16 +237,22 @@ class Decoder:
             for _ in self.layers
         ]
 
-    def hidden(self, ids: Tensor, pos: Tensor, cache: list[tuple[Tensor, Tensor]], kv_len: int | None = None) -> Tensor:
+    def hidden(self, ids: Tensor, pos: Tensor, cache: list[tuple[Tensor, Tensor]], kv_len: int | None = None,
+               keep_buffers: bool = False) -> Tensor:
         """Final-normed hidden states [B, T, H] of tokens `ids` at positions `pos` (both [B, T]).
         Attention reads the first `kv_len` cache slots (default: up to the furthest position, which needs
         a host sync; a CUDA-graphed decode step passes the whole cache: slots past a query's position
-        are masked)."""
+        are masked). `keep_buffers` (eager decode on GPU): the layers write kept `DecodeBuffers`."""
         B, T = ids.shape
         x = F.embedding(ids.reshape(-1), self.embed_tokens)  # [B*T, H]
         if kv_len is None:
             kv_len = int(pos.max()) + 1
-        step = StepPlan(self, pos, cache, kv_len)
+        buffers = None
+        if keep_buffers and T == 1 and self.layers and self.layers[0].merged_rope:
+            buffers = self._buffers.get(B)
+            if buffers is None:
+                buffers = self._buffers[B] = DecodeBuffers(self, B)
+        step = StepPlan(self, pos, cache, kv_len, buffers)
         delta = None
         for layer, c in zip(self.layers, cache):
             x, delta = layer(x, delta, step, c)

@@ -115,6 +115,21 @@ def fused_row_ops(g: torch.Generator) -> None:
     kc4, vc4 = torch.zeros(b, hkv, length, d), torch.zeros(b, hkv, length, d)  # q, k, v as one product's columns
     merged = fused.rope_store_qkv(torch.cat([q, k, v], 1), hq, hkv, cos, sin, kc4, vc4, slots, b, t, d, (qw, kw, 1e-6))
     check(torch.equal(merged, normed) and torch.equal(kc4, kc2) and torch.equal(vc4, vc2), "rotary from the merged qkv")
+    # the kept decode buffers: written in place of new outputs, the same bits; a misfit is refused
+    yb, sb = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+    y2, s2 = fused.rms_norm(x, w, 1e-6, delta, out=(yb, sb))
+    check(y2 is yb and s2 is sb and torch.equal(yb, y) and torch.equal(sb, s), "fused rms_norm into given buffers")
+    qb, kc5, vc5 = torch.full_like(merged, 7.0), torch.zeros_like(kc4), torch.zeros_like(vc4)
+    got = fused.rope_store_qkv(torch.cat([q, k, v], 1), hq, hkv, cos, sin, kc5, vc5, slots, b, t, d, (qw, kw, 1e-6), qb)
+    check(got is qb and torch.equal(qb, merged) and torch.equal(kc5, kc4), "rotary into a given buffer")
+    ab = torch.full((3, 50), 7.0)
+    check(fused.silu_mul_halves(gu, ab) is ab and torch.equal(ab, fused.silu_mul(gate, up)), "silu * up into a given buffer")
+    for bad in (torch.empty(6, 201), torch.empty(200, 6).t(), torch.empty(6, 200, dtype=torch.float64)):
+        try:
+            fused.rms_norm(x, w, 1e-6, delta, out=(bad, sb))
+            check(False, f"misfit buffer {tuple(bad.shape)} {bad.dtype} refused")
+        except ValueError:
+            pass
 
 
 def gluon_fallback() -> None:

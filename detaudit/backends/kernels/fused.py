@@ -193,28 +193,48 @@ def _inverse(n: int) -> float:
     return float(torch.tensor(1.0, dtype=torch.float32) / n)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def _fits(out: Tensor, shape: tuple, dtype: torch.dtype) -> Tensor:
+    """`out` as a kernel's output buffer: contiguous, of `shape` and `dtype` (the layout the launch plans
+    were made for), or ValueError."""
+    if not (out.is_contiguous() and out.shape == shape and out.dtype == dtype):
+        raise ValueError(f"output buffer {tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()}) "
+                         f"does not fit a {tuple(shape)} {dtype} result")
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None,
+             out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """RMSNorm over the last dim of `x` (+ `delta`, when given: the residual sum, in x's dtype) ->
-    (normed, the sum or None). fp32 statistics; the result and the sum in x's dtype."""
+    (normed, the sum or None). fp32 statistics; the result and the sum in x's dtype. `out`: (normed, sum)
+    buffers to write instead of allocating (contiguous, x's shape and dtype; neither may overlap x or
+    delta); the sum's is unused without a delta."""
     fast = None
     if x.is_cuda and _plain_rows(x) and (delta is None or _plain_rows(delta)):  # the engine's calls: no views
         fast = (x.shape, x.stride(0), x.dtype, None if delta is None else (delta.stride(0), delta.dtype),
                 weight.data_ptr() & 15, weight.dtype, eps, x.device.index)
         plan = _RMS_FAST.get(fast)
         if plan is not None:
-            y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            if out is None:
+                y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if delta is not None else y
+            else:
+                y = _fits(out[0], x.shape, x.dtype)
+                s = _fits(out[1], x.shape, x.dtype) if delta is not None else y
             if delta is None:
                 plan(x.device.index, x, x, y, y, weight)
                 return y, None
-            s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             plan(x.device.index, x, delta, s, y, weight)
             return y, s
     shape = x.shape
     x2 = _rows(x)
     n = x2.shape[1]
     d2 = _rows(delta) if delta is not None else x2
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    s = torch.empty_like(y) if delta is not None else y
+    if out is None:
+        y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        s = torch.empty_like(y) if delta is not None else y
+    else:
+        y = _fits(out[0], shape, x.dtype).view(x2.shape)
+        s = _fits(out[1], shape, x.dtype).view(x2.shape) if delta is not None else y
     if not x2.shape[0]:
         return y.view(shape), (s.view(shape) if delta is not None else None)
     block = min(MAX_BLOCK, triton.next_power_of_2(n))
@@ -231,6 +251,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None)
         _RMS_FAST[fast] = _RMS[key]  # (launch.MAX_PLANS bounds _RMS; this one follows the same keys)
         if len(_RMS_FAST) > launch.MAX_PLANS:
             _RMS_FAST.clear()
+    if out is not None:  # the buffers themselves (x's shape already), as the fast path returns them
+        return out[0], (out[1] if delta is not None else None)
     return y.view(shape), (s.view(shape) if delta is not None else None)
 
 
@@ -249,24 +271,27 @@ def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cach
 
 def rope_store_qkv(qkv: Tensor, hq: int, hkv: int, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                    slots: Tensor, batch: int, tokens: int, head_dim: int,
-                   norms: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
+                   norms: tuple[Tensor, Tensor, float] | None = None, out: Tensor | None = None) -> Tensor:
     """`rope_store` of q, k, v given side by side as the columns of one product qkv[B*T, (HQ + 2 HKV) * D]
     (unit-stride rows): the kernel reads each part at its column offset, so no slice views are made (the
-    same loads, the same bits)."""
+    same loads, the same bits). `out`: the rotated q's buffer ([B, HQ, T, D] contiguous) instead of a new one."""
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     return _rope(qkv, qkv, qkv, hq * head_dim, (hq + hkv) * head_dim, hq, hkv, cos, sin, k_cache, v_cache, slots,
-                 batch, tokens, head_dim, norms)
+                 batch, tokens, head_dim, norms, out)
 
 
 def _rope(q: Tensor, k: Tensor, v: Tensor, k_off: int, v_off: int, hq: int, hkv: int, cos: Tensor, sin: Tensor,
           k_cache: Tensor, v_cache: Tensor, slots: Tensor, batch: int, tokens: int, d: int,
-          norms: tuple[Tensor, Tensor, float] | None) -> Tensor:
+          norms: tuple[Tensor, Tensor, float] | None, out: Tensor | None = None) -> Tensor:
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rope_store writes rows of contiguous caches")  # (the kernel addresses slot * D)
     if not (cos.is_contiguous() and sin.is_contiguous()):
         cos, sin = cos.contiguous(), sin.contiguous()
-    out = torch.empty((batch, hq, tokens, d), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((batch, hq, tokens, d), dtype=q.dtype, device=q.device)
+    else:
+        _fits(out, (batch, hq, tokens, d), q.dtype)
     qw, kw, eps = norms if norms is not None else (q, k, 0.0)
     key = None
     if q.is_cuda:
@@ -287,18 +312,21 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return _silu(gate, up, 0, gate.shape[1])
 
 
-def silu_mul_halves(gate_up: Tensor) -> Tensor:
+def silu_mul_halves(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
     """`silu_mul` of the two halves of gate_up[M, 2N] (unit-stride rows), read at their column offsets
-    without slice views: the same loads, the same bits."""
+    without slice views: the same loads, the same bits. `out`: an [M, N] contiguous buffer to write."""
     if gate_up.dim() != 2 or gate_up.stride(-1) != 1:
         gate_up = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
     n = gate_up.shape[1] // 2
-    return _silu(gate_up, gate_up, n, n)
+    return _silu(gate_up, gate_up, n, n, out)
 
 
-def _silu(gate: Tensor, up: Tensor, u_off: int, n: int) -> Tensor:
+def _silu(gate: Tensor, up: Tensor, u_off: int, n: int, out: Tensor | None = None) -> Tensor:
     m = gate.shape[0]
-    out = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
+    else:
+        _fits(out, (m, n), gate.dtype)
     if not out.numel():
         return out
     key = (m, n, u_off, gate.stride(0), up.stride(0), gate.dtype, gate.device.index, *_aligned(gate, up, out)) if gate.is_cuda else None
