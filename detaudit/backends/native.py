@@ -24,15 +24,30 @@ class NativeBackend:
 
     def __init__(self) -> None:
         self._flags = TorchFlags()
+        self._transposed: dict[int, tuple[Tensor, Tensor]] = {}  # id(weight) -> (weight, weight.t())
+
+    def _product(self, x: Tensor, weight: Tensor) -> Tensor:
+        """`F.linear(x, weight)` without a bias. For a 2-D CUDA input, the `torch.mm(x, weight.t())` it
+        runs there (the same call, so the same cuBLAS problem and bits), with the transposed view made
+        once per weight: eager decode is host-bound, and F.linear's extra dispatch layer and the
+        per-call view cost about 5 of its 18-21 us per call on the GPU machines' hosts
+        (reports/gpu/eager-host-cost-h100.md, fifth pass). The entry holds the weight itself, so its id
+        cannot be reused while it is kept; the cache lives as long as this backend (one engine)."""
+        if x.dim() != 2 or not x.is_cuda:
+            return F.linear(x, weight)
+        hit = self._transposed.get(id(weight))
+        if hit is None or hit[0] is not weight:
+            hit = self._transposed[id(weight)] = (weight, weight.t())
+        return torch.mm(x, hit[1])
 
     def activate(self):
         return self._flags.activate()
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        return F.linear(x, weight)
+        return self._product(x, weight)
 
     def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor:
-        return F.linear(x, weight)
+        return self._product(x, weight)
 
     def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
         # Emulated TP: rank-order sequential sum. A real ring all-reduce adds in an order that

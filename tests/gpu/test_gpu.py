@@ -386,3 +386,22 @@ def test_hoisted_step_ops_give_the_same_bits():
         plan = nat.attention_plan(pos, length)
         for _ in range(2):  # building the mask, then reusing it
             assert torch.equal(nat.attention(q, k, v, pos, 128**-0.5, plan=plan), want), (b, t, length)
+
+
+def test_bf16_products_are_f_linear():
+    """bf16's linear / row_partial on CUDA (torch.mm with the weight's transposed view kept) give F.linear's
+    bits: the call F.linear makes for a 2-D input. 3-D inputs go through F.linear itself."""
+    import torch.nn.functional as F
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    nat = get_backend("bf16")
+    for m, k, n in ((8, 4096, 6144), (32, 12288, 4096), (1, 128, 300), (520, 512, 1536)):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+        want = F.linear(x, w)
+        for _ in range(2):  # making the view, then reusing it
+            assert torch.equal(nat.linear(x, w), want) and torch.equal(nat.row_partial(x, w, 1), want), (m, k, n)
+        assert torch.equal(nat.linear(x.view(1, m, k), w), F.linear(x.view(1, m, k), w))
+    w2 = torch.randn(300, 128, device="cuda", generator=g).bfloat16()  # another weight: its own view
+    x2 = torch.randn(4, 128, device="cuda", generator=g).bfloat16()
+    assert torch.equal(nat.linear(x2, w2), F.linear(x2, w2))
