@@ -95,8 +95,8 @@ class Block:
         the library folds a 3-D one into: the same kernels, fewer view ops per call."""
         B, T = step.B, step.T
         d = self.cfg.head_dim
-        bufs = step.buffers if self.merged_rope else None  # eager GPU decode: the kept output buffers
-        h, x = self.input_layernorm.add(x, delta, None if bufs is None else (bufs.h, bufs.residual(x)))
+        bufs = step.buffers  # eager GPU decode: the kept output buffers (`Decoder.hidden` decides)
+        h, x = self.input_layernorm.add(x, delta, None if bufs is None else bufs.norm_out(x))
         k_cache, v_cache = cache
         # the cache is updated before attention, so a token's key sits in the same slot whether it
         # was written in prefill or decode: one row per (token, KV head) of the flat cache, at the slots
@@ -125,7 +125,7 @@ class Block:
             k_cache, v_cache = k_cache[:, :, : step.kv_len], v_cache[:, :, : step.kv_len]
         attn = self.ctx.backend.attention(q, k_cache, v_cache, step.pos, d**-0.5, **step.attention_kwargs(self.window))
         delta = self.o_proj(attn.transpose(1, 2).reshape(B * T, self.n_heads * d), rounded=False)
-        h, x = self.post_attention_layernorm.add(x, delta, None if bufs is None else (bufs.h, bufs.residual(x)))
+        h, x = self.post_attention_layernorm.add(x, delta, None if bufs is None else bufs.norm_out(x))
         if step.fused and self.gate_up is not None:  # the halves read at their column offsets
             act = fused.silu_mul_halves(self.gate_up(h), None if bufs is None else bufs.act)
             return x, self.down_proj(act, rounded=False)
@@ -161,9 +161,10 @@ class DecodeBuffers:
         self.q = torch.empty((rows, first.n_heads, 1, cfg.head_dim), dtype=dt, device=dev)
         self.act = torch.empty((rows, first.gate_up.shards[0].shape[0] // 2), dtype=dt, device=dev)
 
-    def residual(self, x: Tensor) -> Tensor:
-        """The residual buffer a layer's add writes when it reads `x` (never the one x lies in)."""
-        return self.res[1] if x.data_ptr() == self.res[0].data_ptr() else self.res[0]
+    def norm_out(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(normed, sum) buffers for a layer's add + RMSNorm reading the residual `x`: the sum goes to the
+        residual buffer x does not lie in."""
+        return self.h, (self.res[1] if x.data_ptr() == self.res[0].data_ptr() else self.res[0])
 
 
 class StepPlan:

@@ -202,6 +202,16 @@ def _fits(out: Tensor, shape: tuple, dtype: torch.dtype) -> Tensor:
     return out
 
 
+def _norm_outputs(x: Tensor, delta: Tensor | None, out: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+    """`rms_norm`'s (normed, sum) buffers, of x's shape and dtype: `out`'s, checked, or new ones (without a
+    delta the sum is not written: the normed buffer stands in for it)."""
+    if out is None:
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return y, (torch.empty(x.shape, dtype=x.dtype, device=x.device) if delta is not None else y)
+    y = _fits(out[0], x.shape, x.dtype)
+    return y, (_fits(out[1], x.shape, x.dtype) if delta is not None else y)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None,
              out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """RMSNorm over the last dim of `x` (+ `delta`, when given: the residual sum, in x's dtype) ->
@@ -214,29 +224,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None,
                 weight.data_ptr() & 15, weight.dtype, eps, x.device.index)
         plan = _RMS_FAST.get(fast)
         if plan is not None:
-            if out is None:
-                y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-                s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if delta is not None else y
-            else:
-                y = _fits(out[0], x.shape, x.dtype)
-                s = _fits(out[1], x.shape, x.dtype) if delta is not None else y
+            y, s = _norm_outputs(x, delta, out)
             if delta is None:
                 plan(x.device.index, x, x, y, y, weight)
                 return y, None
             plan(x.device.index, x, delta, s, y, weight)
             return y, s
-    shape = x.shape
     x2 = _rows(x)
     n = x2.shape[1]
     d2 = _rows(delta) if delta is not None else x2
-    if out is None:
-        y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-        s = torch.empty_like(y) if delta is not None else y
-    else:
-        y = _fits(out[0], shape, x.dtype).view(x2.shape)
-        s = _fits(out[1], shape, x.dtype).view(x2.shape) if delta is not None else y
+    y_out, s_out = _norm_outputs(x, delta, out)  # x's shape; the kernel writes them as [rows, N]
+    y, s = y_out.view(x2.shape), s_out.view(x2.shape)
     if not x2.shape[0]:
-        return y.view(shape), (s.view(shape) if delta is not None else None)
+        return y_out, (s_out if delta is not None else None)
     block = min(MAX_BLOCK, triton.next_power_of_2(n))
     inv_n = _inverse(n)
     key = None
@@ -251,9 +251,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None,
         _RMS_FAST[fast] = _RMS[key]  # (launch.MAX_PLANS bounds _RMS; this one follows the same keys)
         if len(_RMS_FAST) > launch.MAX_PLANS:
             _RMS_FAST.clear()
-    if out is not None:  # the buffers themselves (x's shape already), as the fast path returns them
-        return out[0], (out[1] if delta is not None else None)
-    return y.view(shape), (s.view(shape) if delta is not None else None)
+    return y_out, (s_out if delta is not None else None)
 
 
 def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
