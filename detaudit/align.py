@@ -14,6 +14,7 @@ import pandas as pd
 from detaudit.config import DecodingParams
 from detaudit.errors import DetauditError
 
+
 @dataclass(frozen=True)
 class Side:
     engine: str
@@ -27,8 +28,10 @@ class Side:
         from detaudit.engines import ENGINES, get_engine
 
         if engine not in ("builtin", "vllm"):
-            raise DetauditError(f"{option} {text!r}: unknown engine {engine!r} (align runs: builtin, vllm; "
-                                f"registered: {', '.join(ENGINES)})")
+            raise DetauditError(
+                f"{option} {text!r}: unknown engine {engine!r} (align runs: builtin, vllm; "
+                f"registered: {', '.join(ENGINES)})"
+            )
         get_engine(engine)  # an engine whose extra is not installed fails here, naming it
         if int(tp) not in (1, 2, 4, 8):
             raise DetauditError(f"{option} {text!r}: TP size must be one of 1, 2, 4, 8")
@@ -45,11 +48,22 @@ def metrics(rollout_lp: np.ndarray, trainer_lp: np.ndarray) -> dict[str, float]:
     r = np.asarray(rollout_lp, dtype=np.float64)
     t = np.asarray(trainer_lp, dtype=np.float64)
     if r.size == 0:
-        return {"tokens": 0, "bitwise_equal_frac": math.nan, "dp_max": math.nan, "dp_mean": math.nan,
-                "dp_std": math.nan, "pearson": math.nan, "kl": math.nan}
+        return {
+            "tokens": 0,
+            "bitwise_equal_frac": math.nan,
+            "dp_max": math.nan,
+            "dp_mean": math.nan,
+            "dp_std": math.nan,
+            "pearson": math.nan,
+            "kl": math.nan,
+        }
     pr, pt = np.exp(r), np.exp(t)
     dp = np.abs(pr - pt)
-    pearson = float(np.corrcoef(pr, pt)[0, 1]) if r.size > 1 and pr.std() > 0 and pt.std() > 0 else (1.0 if np.array_equal(pr, pt) else math.nan)
+    pearson = (
+        float(np.corrcoef(pr, pt)[0, 1])
+        if r.size > 1 and pr.std() > 0 and pt.std() > 0
+        else (1.0 if np.array_equal(pr, pt) else math.nan)
+    )
     return {
         "tokens": int(r.size),
         "bitwise_equal_frac": float(np.mean(np.asarray(rollout_lp, np.float32) == np.asarray(trainer_lp, np.float32))),
@@ -87,7 +101,9 @@ class AlignConfig:
             raise DetauditError(f"--tp-mode {self.tp_mode}: must be real or emulated")
 
 
-def align(cfg: AlignConfig, output_path: Path, *, data_dir: Path | None, command: str, console) -> tuple[pd.DataFrame, list[Path]]:
+def align(
+    cfg: AlignConfig, output_path: Path, *, data_dir: Path | None, command: str, console
+) -> tuple[pd.DataFrame, list[Path]]:
     """The whole workflow: prompts, rollouts, re-scoring, summary, files. Returns (summary, files)."""
     from rich.progress import Progress
 
@@ -104,31 +120,68 @@ def align(cfg: AlignConfig, output_path: Path, *, data_dir: Path | None, command
         info = get_engine(side.engine)
         check_model(ref.path, [side.tp], info.checks_architecture, [ps], cfg.decoding.max_new_tokens, info.max_context)
     with Progress(console=console) as prog:  # rollout tokens sampled, over all backends
-        task = prog.add_task(f"rollouts {cfg.rollout} -> trainer {cfg.trainer}",
-                             total=len(cfg.backends) * len(ps.ids) * cfg.decoding.max_new_tokens)
-        df = run_align(cfg, ref.path, ref.name, ps.token_ids, ps.ids, tuple(eos_ids(ref.path, tok)),
-                       progress=lambda n: prog.advance(task, n))
+        task = prog.add_task(
+            f"rollouts {cfg.rollout} -> trainer {cfg.trainer}",
+            total=len(cfg.backends) * len(ps.ids) * cfg.decoding.max_new_tokens,
+        )
+        df = run_align(
+            cfg,
+            ref.path,
+            ref.name,
+            ps.token_ids,
+            ps.ids,
+            tuple(eos_ids(ref.path, tok)),
+            progress=lambda n: prog.advance(task, n),
+        )
     summary = summarize(df)
     env = collect()
-    meta = {"command": command, "model": ref.name, "model_checksum": ref.checksum, "suite": suite.name,
-            "rollout": str(cfg.rollout), "trainer": str(cfg.trainer), "batch_size": cfg.batch_size,
-            "decoding": cfg.decoding.to_dict(), "dtype": cfg.dtype, "tp_mode": cfg.tp_mode,
-            "machine": env.get("hardware_key"), "versions": env.get("versions")}
+    meta = {
+        "command": command,
+        "model": ref.name,
+        "model_checksum": ref.checksum,
+        "suite": suite.name,
+        "rollout": str(cfg.rollout),
+        "trainer": str(cfg.trainer),
+        "batch_size": cfg.batch_size,
+        "decoding": cfg.decoding.to_dict(),
+        "dtype": cfg.dtype,
+        "tp_mode": cfg.tp_mode,
+        "machine": env.get("hardware_key"),
+        "versions": env.get("versions"),
+    }
     return summary, write_alignment(df, summary, output_path, meta)
 
 
-def run_align(cfg: AlignConfig, model_path: Path, model_name: str, prompts: list[list[int]], prompt_ids: list[str],
-              eos: tuple[int, ...], progress=None) -> pd.DataFrame:
+def run_align(
+    cfg: AlignConfig,
+    model_path: Path,
+    model_name: str,
+    prompts: list[list[int]],
+    prompt_ids: list[str],
+    eos: tuple[int, ...],
+    progress=None,
+) -> pd.DataFrame:
     """One row per (backend, prompt, position)."""
     from detaudit.engines import EngineOptions, open_engine
 
     rows = []
     for backend in cfg.backends:
+
         def _open(side: Side):
             tp_mode = cfg.tp_mode if side.engine == "builtin" else "real"
-            return open_engine(side.engine, EngineOptions(model_path, backend, side.tp, tp_mode, dtype=cfg.dtype,
-                                                          device=cfg.device, eos_ids=eos,
-                                                          max_batch_size=cfg.batch_size))
+            return open_engine(
+                side.engine,
+                EngineOptions(
+                    model_path,
+                    backend,
+                    side.tp,
+                    tp_mode,
+                    dtype=cfg.dtype,
+                    device=cfg.device,
+                    eos_ids=eos,
+                    max_batch_size=cfg.batch_size,
+                ),
+            )
 
         eng = _open(cfg.rollout)
         try:
@@ -144,17 +197,33 @@ def run_align(cfg: AlignConfig, model_path: Path, model_name: str, prompts: list
             raise DetauditError(f"--trainer {cfg.trainer}: this engine cannot score given tokens")
         for pid, g, s in zip(prompt_ids, gens, scores):
             for i, (tok, lr, lt) in enumerate(zip(g.token_ids, g.token_logprobs, s)):
-                rows.append({"model": model_name, "backend": backend, "rollout": str(cfg.rollout),
-                             "trainer": str(cfg.trainer), "prompt_id": pid, "position": i, "token_id": tok,
-                             "rollout_logprob": lr, "trainer_logprob": lt})
+                rows.append(
+                    {
+                        "model": model_name,
+                        "backend": backend,
+                        "rollout": str(cfg.rollout),
+                        "trainer": str(cfg.trainer),
+                        "prompt_id": pid,
+                        "position": i,
+                        "token_id": tok,
+                        "rollout_logprob": lr,
+                        "trainer_logprob": lt,
+                    }
+                )
     return pd.DataFrame(rows)
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     out = []
     for (backend, rollout, trainer), g in df.groupby(["backend", "rollout", "trainer"], sort=False):
-        out.append({"backend": backend, "rollout": rollout, "trainer": trainer,
-                    **metrics(g["rollout_logprob"].to_numpy(np.float32), g["trainer_logprob"].to_numpy(np.float32))})
+        out.append(
+            {
+                "backend": backend,
+                "rollout": rollout,
+                "trainer": trainer,
+                **metrics(g["rollout_logprob"].to_numpy(np.float32), g["trainer_logprob"].to_numpy(np.float32)),
+            }
+        )
     return pd.DataFrame(out)
 
 
@@ -170,13 +239,22 @@ def write_alignment(df: pd.DataFrame, summary: pd.DataFrame, out_dir: Path, meta
     p = out_dir / "alignment.csv"
     atomic_write_bytes(p, summary.to_csv(index=False).encode())
     files.append(p)
-    md = ["# Rollout vs trainer alignment", "", f"Command: `{meta.get('command', '')}`", "",
-          f"Model: {meta.get('model')}; rollout {meta.get('rollout')} (incremental decode, KV cache, batch "
-          f"{meta.get('batch_size')}); trainer {meta.get('trainer')} (one full-sequence forward per sequence).", "",
-          f"Machine: {meta.get('machine', 'not recorded')}.", "",
-          summary.to_markdown(index=False, floatfmt=".3g"), "",
-          "bitwise_equal_frac: share of sampled tokens whose fp32 log-probability is bitwise equal on both sides. "
-          "dp = |p_rollout - p_trainer|. kl: sample estimate of KL(rollout || trainer) = mean(log p_r - log p_t).", ""]
+    md = [
+        "# Rollout vs trainer alignment",
+        "",
+        f"Command: `{meta.get('command', '')}`",
+        "",
+        f"Model: {meta.get('model')}; rollout {meta.get('rollout')} (incremental decode, KV cache, batch "
+        f"{meta.get('batch_size')}); trainer {meta.get('trainer')} (one full-sequence forward per sequence).",
+        "",
+        f"Machine: {meta.get('machine', 'not recorded')}.",
+        "",
+        summary.to_markdown(index=False, floatfmt=".3g"),
+        "",
+        "bitwise_equal_frac: share of sampled tokens whose fp32 log-probability is bitwise equal on both sides. "
+        "dp = |p_rollout - p_trainer|. kl: sample estimate of KL(rollout || trainer) = mean(log p_r - log p_t).",
+        "",
+    ]
     fig, ax = plt.subplots(figsize=(8, 4))
     for backend, g in df.groupby("backend", sort=False):
         dp = (np.exp(g["rollout_logprob"]) - np.exp(g["trainer_logprob"])).abs()

@@ -49,9 +49,8 @@ import pandas as pd
 import pyarrow as pa
 
 from detaudit.config import Cell
-from detaudit.errors import DetauditError
-from detaudit.metrics import MIN_CELLS, summary_columns
 from detaudit.manifest import Manifest
+from detaudit.metrics import MIN_CELLS, summary_columns
 from detaudit.runs import RunDir
 
 TOPK = 5
@@ -59,13 +58,39 @@ BACKEND_ORDER = ("bf16", "bio", "bio+tbik")
 
 SUMMARY_COLUMNS = summary_columns()  # one per MetricSpec (detaudit.metrics)
 PER_PROMPT_COLUMNS = [
-    "model", "suite", "backend", "prompt_index", "prompt_id", "cells", "unique", "first_div",
-    "maxprob_div", "maxprob_positions", "prefix_div", "prefix_positions",
-    "tf_div_mean", "tf_div_max", "len_mean", "len_std", "correct_frac",
+    "model",
+    "suite",
+    "backend",
+    "prompt_index",
+    "prompt_id",
+    "cells",
+    "unique",
+    "first_div",
+    "maxprob_div",
+    "maxprob_positions",
+    "prefix_div",
+    "prefix_positions",
+    "tf_div_mean",
+    "tf_div_max",
+    "len_mean",
+    "len_std",
+    "correct_frac",
 ]
 PER_CELL_COLUMNS = [
-    "cell_id", "model", "suite", "backend", "tp", "batch_size", "tp_mode", "state", "error",
-    "wall_s", "prompts", "acc", "len_mean", "agree_ref",
+    "cell_id",
+    "model",
+    "suite",
+    "backend",
+    "tp",
+    "batch_size",
+    "tp_mode",
+    "state",
+    "error",
+    "wall_s",
+    "prompts",
+    "acc",
+    "len_mean",
+    "agree_ref",
 ]
 BY_POSITION_COLUMNS = ["suite", "backend", "position", "maxprob_div_mean", "prompts", "diverged_frac"]
 
@@ -239,8 +264,10 @@ def _expected_cells(manifest: Manifest) -> dict[str, dict[str, Any]]:
     c = manifest.config
     return {
         Cell(b, tp, bs, s, bg).id: dict(backend=b, tp=tp, batch_size=bs, suite=s)
-        for b in c.get("backends", []) for tp in c.get("tp", [])
-        for s in c.get("suites", []) for bs in c.get("batch_sizes", [])
+        for b in c.get("backends", [])
+        for tp in c.get("tp", [])
+        for s in c.get("suites", [])
+        for bs in c.get("batch_sizes", [])
         for bg in (c.get("background_load") or [0])
     }
 
@@ -260,16 +287,38 @@ def _load(run_dir: str | os.PathLike) -> tuple[Manifest, pd.DataFrame, pd.DataFr
                 state, error = "missing", "marked done but its cell file is missing"
             else:
                 frames.append(_read_cell(run, cid))
-        rows.append(dict(
-            cell_id=cid, model=model, suite=meta.suite, backend=meta.backend, tp=meta.tp, batch_size=meta.batch_size,
-            tp_mode=meta.tp_mode, state=state, error=error if state != "done" else None, wall_s=meta.extra.get("wall_s"),
-        ))
+        rows.append(
+            dict(
+                cell_id=cid,
+                model=model,
+                suite=meta.suite,
+                backend=meta.backend,
+                tp=meta.tp,
+                batch_size=meta.batch_size,
+                tp_mode=meta.tp_mode,
+                state=state,
+                error=error if state != "done" else None,
+                wall_s=meta.extra.get("wall_s"),
+            )
+        )
     for cid, cell in _expected_cells(manifest).items():
         if cid not in manifest.cells:
-            rows.append(dict(cell_id=cid, model=model, **cell, tp_mode=manifest.tp_mode(cell["tp"]),
-                             state="missing", error="in the configured grid but not in the manifest", wall_s=None))
-    records = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
-        columns=["cell_id", "suite", "backend", "prompt_id", "prompt_index"])
+            rows.append(
+                dict(
+                    cell_id=cid,
+                    model=model,
+                    **cell,
+                    tp_mode=manifest.tp_mode(cell["tp"]),
+                    state="missing",
+                    error="in the configured grid but not in the manifest",
+                    wall_s=None,
+                )
+            )
+    records = (
+        pd.concat(frames, ignore_index=True)
+        if frames
+        else pd.DataFrame(columns=["cell_id", "suite", "backend", "prompt_id", "prompt_index"])
+    )
     per_cell = pd.DataFrame(rows, columns=PER_CELL_COLUMNS[:10])
     order = order_backends(per_cell["backend"].dropna(), manifest)
     per_cell["_b"] = per_cell["backend"].map(lambda b: order.index(b) if b in order else len(order))
@@ -308,7 +357,10 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
             probs = r["top5"][: len(ids)]
             correct = r["correct"]
             d[key] = dict(
-                ids=ids, probs=probs, tf=r.get("tf_token_logprobs"), ref=r.get("tf_reference_cell"),
+                ids=ids,
+                probs=probs,
+                tf=r.get("tf_token_logprobs"),
+                ref=r.get("tf_reference_cell"),
                 correct=None if correct is None or pd.isna(correct) else bool(correct),
             )
             prompt_index.setdefault(key, int(r["prompt_index"]) if pd.notna(r["prompt_index"]) else len(prompt_index))
@@ -325,7 +377,7 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
         fd = first_divergence(seqs)
         compared = len(have) >= MIN_CELLS  # a prompt seen by one cell compares nothing: NaN, not 0
         by_pos = maxprob_divergence_by_position([r["probs"] for r in recs]) if compared else np.zeros(0)
-        prefix = by_pos[: fd] if fd is not None else by_pos
+        prefix = by_pos[:fd] if fd is not None else by_pos
         # teacher forcing
         tf_cells = [c for c, r in zip(have, recs) if r["tf"] is not None]
         tf_mean = tf_max = math.nan
@@ -341,16 +393,27 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
         if compared:
             first_divs.append(fd)
             div_arrays.append(by_pos)
-        pp_rows.append(dict(
-            model=model, suite=suite, backend=backend, prompt_index=prompt_index[key], prompt_id=key,
-            cells=len(have), unique=unique_count(seqs), first_div=fd,
-            maxprob_div=float(by_pos.mean()) if by_pos.size else math.nan, maxprob_positions=int(by_pos.size),
-            prefix_div=float(prefix.mean()) if prefix.size else math.nan, prefix_positions=int(prefix.size),
-            tf_div_mean=tf_mean, tf_div_max=tf_max,
-            len_mean=float(lengths.mean()) if lengths.size else math.nan,
-            len_std=float(lengths.std(ddof=0)) if lengths.size else math.nan,
-            correct_frac=float(np.mean(known)) if known else math.nan,
-        ))
+        pp_rows.append(
+            dict(
+                model=model,
+                suite=suite,
+                backend=backend,
+                prompt_index=prompt_index[key],
+                prompt_id=key,
+                cells=len(have),
+                unique=unique_count(seqs),
+                first_div=fd,
+                maxprob_div=float(by_pos.mean()) if by_pos.size else math.nan,
+                maxprob_positions=int(by_pos.size),
+                prefix_div=float(prefix.mean()) if prefix.size else math.nan,
+                prefix_positions=int(prefix.size),
+                tf_div_mean=tf_mean,
+                tf_div_max=tf_max,
+                len_mean=float(lengths.mean()) if lengths.size else math.nan,
+                len_std=float(lengths.std(ddof=0)) if lengths.size else math.nan,
+                correct_frac=float(np.mean(known)) if known else math.nan,
+            )
+        )
     pp = pd.DataFrame(pp_rows, columns=PER_PROMPT_COLUMNS)
 
     # per cell
@@ -360,9 +423,12 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
         ds = [data[k] for k in configs_of[cid]]
         rs = [r for d in ds for r in d.values()]
         known = [r["correct"] for r in rs if r["correct"] is not None]
-        same = [d[k]["ids"].tobytes() == data[ref_cell][k]["ids"].tobytes() for d in ds for k in d if k in data[ref_cell]]
+        same = [
+            d[k]["ids"].tobytes() == data[ref_cell][k]["ids"].tobytes() for d in ds for k in d if k in data[ref_cell]
+        ]
         cell_extra[cid] = dict(
-            prompts=len({k for d in ds for k in d}), acc=float(np.mean(known)) if known else math.nan,
+            prompts=len({k for d in ds for k in d}),
+            acc=float(np.mean(known)) if known else math.nan,
             len_mean=float(np.mean([len(r["ids"]) for r in rs])) if rs else math.nan,
             agree_ref=float(np.mean(same)) if same else math.nan,
         )
@@ -384,10 +450,17 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
         diverged = np.searchsorted(fds, positions, side="right") / len(first_divs)
     else:
         diverged = np.full(max_len, np.nan)
-    by_position = pd.DataFrame(dict(
-        suite=suite, backend=backend, position=positions, maxprob_div_mean=mean_by_pos,
-        prompts=counts.astype(np.int64), diverged_frac=diverged,
-    ), columns=BY_POSITION_COLUMNS)
+    by_position = pd.DataFrame(
+        dict(
+            suite=suite,
+            backend=backend,
+            position=positions,
+            maxprob_div_mean=mean_by_pos,
+            prompts=counts.astype(np.int64),
+            diverged_frac=diverged,
+        ),
+        columns=BY_POSITION_COLUMNS,
+    )
 
     accs = [cell_extra[c]["acc"] for c in done]
     failed = cells[cells["state"].isin(["failed", "missing"])]["cell_id"].tolist()
@@ -395,18 +468,29 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
     diverging = [f for f in first_divs if f is not None]
     tf_refs = sorted({r["ref"] for c in configs for r in data[c].values() if isinstance(r["ref"], str) and r["ref"]})
     summary = dict(
-        model=model, suite=suite, backend=backend, cells=len(done), prompts=len(prompts),
-        unique_mean=mean_or_nan(pp["unique"]), unique_max=float(pp["unique"].max()) if len(pp) else math.nan,
+        model=model,
+        suite=suite,
+        backend=backend,
+        cells=len(done),
+        prompts=len(prompts),
+        unique_mean=mean_or_nan(pp["unique"]),
+        unique_max=float(pp["unique"].max()) if len(pp) else math.nan,
         identical_prompts=int(sum(f is None for f in first_divs)),
-        maxprob_div_mean=mean_or_nan(pp["maxprob_div"]), maxprob_excluded=int(pp["maxprob_div"].isna().sum()),
-        prefix_div_mean=mean_or_nan(pp["prefix_div"]), prefix_excluded=int(pp["prefix_div"].isna().sum()),
+        maxprob_div_mean=mean_or_nan(pp["maxprob_div"]),
+        maxprob_excluded=int(pp["maxprob_div"].isna().sum()),
+        prefix_div_mean=mean_or_nan(pp["prefix_div"]),
+        prefix_excluded=int(pp["prefix_div"].isna().sum()),
         teacher_forced_div_max=float(np.nanmax(pp["tf_div_max"])) if pp["tf_div_max"].notna().any() else math.nan,
         teacher_forced_div_mean=mean_or_nan(pp["tf_div_mean"]),
         tf_reference=", ".join(tf_refs),
         first_div_median=float(np.median(diverging)) if diverging else math.nan,
-        acc_mean=mean_or_nan(accs), acc_std=accuracy_std(accs),
-        len_mean=mean_or_nan(pp["len_mean"]), len_std=mean_or_nan(pp["len_std"]),
-        failed_cells=len(failed), pending_cells=len(pending), failed_cell_ids=", ".join(failed),
+        acc_mean=mean_or_nan(accs),
+        acc_std=accuracy_std(accs),
+        len_mean=mean_or_nan(pp["len_mean"]),
+        len_std=mean_or_nan(pp["len_std"]),
+        failed_cells=len(failed),
+        pending_cells=len(pending),
+        failed_cell_ids=", ".join(failed),
         emulated=bool((cells.loc[cells["cell_id"].isin(done), "tp_mode"] == "emulated").any()),
     )
     return summary, pp, cell_extra, agreement, by_position
@@ -466,10 +550,14 @@ def nothing_to_compare(summary: pd.DataFrame, per_cell: pd.DataFrame) -> str | N
     if len(low) == len(summary) and max(sizes) < MIN_CELLS:
         where = "the grid has one TP size and one batch size, so each backend has a single cell per suite"
     else:
-        where = "; ".join(f"{s}/{b}: {d} of {n} cell{'s' if n != 1 else ''} done"
-                          for s, b, d, n in zip(low["suite"], low["backend"], low["cells"], sizes))
-    return (f"{where}. Unique outputs and divergences need {MIN_CELLS} or more done cells of a backend "
-            "(shown as –, never as agreement); sweep two or more TP sizes or batch sizes, or finish the cells")
+        where = "; ".join(
+            f"{s}/{b}: {d} of {n} cell{'s' if n != 1 else ''} done"
+            for s, b, d, n in zip(low["suite"], low["backend"], low["cells"], sizes)
+        )
+    return (
+        f"{where}. Unique outputs and divergences need {MIN_CELLS} or more done cells of a backend "
+        "(shown as –, never as agreement); sweep two or more TP sizes or batch sizes, or finish the cells"
+    )
 
 
 def _concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:

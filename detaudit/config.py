@@ -114,7 +114,12 @@ class SweepConfig:
                 raise DetauditError(f"--background-load {bg}: must be >= 0")
         if self.tp_mode not in TP_MODES:
             raise DetauditError(f"--tp-mode {self.tp_mode}: must be one of {', '.join(TP_MODES)}")
-        for name, values in (("--backends", self.backends), ("--tp", self.tp), ("--batch-sizes", self.batch_sizes), ("--suites", self.suites)):
+        for name, values in (
+            ("--backends", self.backends),
+            ("--tp", self.tp),
+            ("--batch-sizes", self.batch_sizes),
+            ("--suites", self.suites),
+        ):
             if len(set(values)) != len(values):
                 raise DetauditError(f"{name} lists a value twice: {', '.join(map(str, values))}")
 

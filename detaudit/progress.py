@@ -16,8 +16,16 @@ class CellProgress:
         self.live = console.is_terminal
         self.tasks: dict[str, int] = {}
         self.started: dict[str, float] = {}
-        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                             TimeRemainingColumn(), console=console, transient=False, disable=not self.live)
+        self.bars = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+            disable=not self.live,
+        )
 
     def __enter__(self) -> "CellProgress":
         self.bars.__enter__()
@@ -41,8 +49,11 @@ class CellProgress:
             self.bars.advance(self.overall)
             if not self.live:
                 took = time.monotonic() - self.started.pop(cell_id, time.monotonic())
-                self.console.print(f"[{self.done}/{self.total}] {escape(cell_id)} finished in {took:.1f} s",
-                                   highlight=False, soft_wrap=True)
+                self.console.print(
+                    f"[{self.done}/{self.total}] {escape(cell_id)} finished in {took:.1f} s",
+                    highlight=False,
+                    soft_wrap=True,
+                )
 
     def failed(self, cell_id: str, error: str) -> None:
         self.bars.console.print(f"[red]cell {escape(cell_id)} failed:[/] {escape(error)}", soft_wrap=True)

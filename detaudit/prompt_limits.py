@@ -49,18 +49,22 @@ def check_prompt_lengths(
     if context_len < 1:
         raise DetauditError(f"the model's context length must be >= 1 (got {context_len})")
     if max_new_tokens >= context_len:
-        raise DetauditError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
-                            f"context of {context_len} tokens")
+        raise DetauditError(
+            f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+            f"context of {context_len} tokens"
+        )
     empty = [pid for pid, toks in zip(prompt_ids, token_id_lists) if len(toks) == 0]
     if empty:
         more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
         raise DetauditError(f"suite {suite_name}: prompt {empty[0]!r} is empty after tokenization{more}")
-    over = [(pid, len(toks)) for pid, toks in zip(prompt_ids, token_id_lists)
-            if len(toks) + max_new_tokens > context_len]
+    over = [
+        (pid, len(toks)) for pid, toks in zip(prompt_ids, token_id_lists) if len(toks) + max_new_tokens > context_len
+    ]
     if over:
         pid, n = over[0]
         more = f" (and {len(over) - 1} more prompts of this suite)" if len(over) > 1 else ""
         raise DetauditError(
             f"suite {suite_name}: prompt {pid!r} is {n} tokens + --max-new-tokens {max_new_tokens} = "
             f"{n + max_new_tokens} > the model's context of {context_len} tokens{more}; "
-            f"lower --max-new-tokens or remove the row (detaudit does not truncate prompts)")
+            f"lower --max-new-tokens or remove the row (detaudit does not truncate prompts)"
+        )

@@ -26,6 +26,7 @@ class Generation:
     topk_logprobs: list[list[float]]
     finish_reason: str
 
+
 SCHEMA = pa.schema(
     [
         ("cell_id", pa.string()),

@@ -124,7 +124,8 @@ class RunDir:
         except BlockingIOError:
             os.close(fd)
             raise DetauditError(
-                f"another sweep is writing to {self.path}{self._lock_holder()}; wait for it or use another --output-path"
+                f"another sweep is writing to {self.path}{self._lock_holder()}; "
+                "wait for it or use another --output-path"
             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
@@ -164,7 +165,9 @@ class RunDir:
             old = self.load()
             if old.comparable() != manifest.comparable():
                 diff = ", ".join(old.differences(manifest)) or "sweep"
-                raise DetauditError(f"{self.path} holds a different sweep (different {diff}); use another --output-path")
+                raise DetauditError(
+                    f"{self.path} holds a different sweep (different {diff}); use another --output-path"
+                )
             for cid, meta in manifest.cells.items():
                 old.cells.setdefault(cid, meta)
             old.environment_history.append(manifest.environment)
@@ -199,7 +202,8 @@ class RunDir:
         except Exception:
             return False
         return self._identity_error(md.metadata or {}, cell_id) is None and (
-            meta is None or not meta.prompts or md.num_rows == meta.prompts)
+            meta is None or not meta.prompts or md.num_rows == meta.prompts
+        )
 
     def _identity_error(self, kv: dict, cell_id: str) -> str | None:
         stored = kv.get(CELL_KEY, b"").decode(errors="replace")
@@ -232,11 +236,13 @@ class RunDir:
             pf = pq.ParquetFile(path)
             table = pf.read(columns=columns)
         except FileNotFoundError:
-            raise DetauditError(f"cell {cell_id} is marked done but its file {path} is missing; "
-                                "rerun the sweep to recompute it") from None
+            raise DetauditError(
+                f"cell {cell_id} is marked done but its file {path} is missing; rerun the sweep to recompute it"
+            ) from None
         except Exception as e:
-            raise DetauditError(f"cell file {path} is unreadable or truncated ({type(e).__name__}); "
-                                f"rerun the sweep to recompute it") from None
+            raise DetauditError(
+                f"cell file {path} is unreadable or truncated ({type(e).__name__}); rerun the sweep to recompute it"
+            ) from None
         missing = [c for c in (columns or COLUMNS) if c not in table.column_names]
         if missing:
             raise DetauditError(f"cell file {path} is corrupt: it lacks columns {', '.join(missing)}")
@@ -278,6 +284,10 @@ def is_alignment_dir(path: Path) -> bool:
 
 def load_alignment(path: Path) -> dict:
     data = read_json(Path(path) / ALIGN_SUMMARY, "alignment")
-    if not isinstance(data, dict) or not isinstance(data.get("summary"), list) or not isinstance(data.get("meta", {}), dict):
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("summary"), list)
+        or not isinstance(data.get("meta", {}), dict)
+    ):
         raise DetauditError(f"{Path(path) / ALIGN_SUMMARY} is not a detaudit alignment summary")
     return data

@@ -32,15 +32,43 @@ from detaudit.errors import DetauditError
 
 # detaudit's own keys and the lm-eval keys it honours
 USED_KEYS = (
-    "task", "include", "dataset_path", "dataset_name", "dataset_kwargs", "test_split", "validation_split",
-    "doc_to_text", "doc_to_target", "doc_to_id", "generation_kwargs", "metadata", "local_file", "docs",
-    "output_type", "num_fewshot", "description", "gen_prefix", "repeats",
+    "task",
+    "include",
+    "dataset_path",
+    "dataset_name",
+    "dataset_kwargs",
+    "test_split",
+    "validation_split",
+    "doc_to_text",
+    "doc_to_target",
+    "doc_to_id",
+    "generation_kwargs",
+    "metadata",
+    "local_file",
+    "docs",
+    "output_type",
+    "num_fewshot",
+    "description",
+    "gen_prefix",
+    "repeats",
 )
 # lm-eval keys that do not change a zero-shot generation prompt or its reference answer
 IGNORED_KEYS = (
-    "task_alias", "tag", "group", "group_alias", "training_split", "fewshot_split", "fewshot_config",
-    "target_delimiter", "fewshot_delimiter", "metric_list", "filter_list", "process_results",
-    "should_decontaminate", "doc_to_decontamination_query", "unsafe_code",
+    "task_alias",
+    "tag",
+    "group",
+    "group_alias",
+    "training_split",
+    "fewshot_split",
+    "fewshot_config",
+    "target_delimiter",
+    "fewshot_delimiter",
+    "metric_list",
+    "filter_list",
+    "process_results",
+    "should_decontaminate",
+    "doc_to_decontamination_query",
+    "unsafe_code",
 )
 # lm-eval keys that change the prompts / answers in ways detaudit does not implement
 REFUSED_KEYS = {
@@ -246,12 +274,16 @@ def _refusals(merged: dict[str, tuple[Any, Path]]) -> list[str]:
             out.append(f"`{key}` ({why})")
     shots = get("num_fewshot")
     if shots is not None and (not isinstance(shots, int) or isinstance(shots, bool) or shots != 0):
-        out.append(f"`num_fewshot: {shots}` (detaudit runs zero-shot prompts only; few-shot examples change every prompt)")
+        out.append(
+            f"`num_fewshot: {shots}` (detaudit runs zero-shot prompts only; few-shot examples change every prompt)"
+        )
     output_type = get("output_type")
     if output_type is not None and output_type != "generate_until":
         out.append(f"`output_type: {output_type}` (detaudit audits generation tasks: `generate_until`)")
-    for key, what in (("description", "text lm-eval puts before every prompt; put it in `doc_to_text`"),
-                      ("gen_prefix", "text lm-eval puts at the start of every answer")):
+    for key, what in (
+        ("description", "text lm-eval puts before every prompt; put it in `doc_to_text`"),
+        ("gen_prefix", "text lm-eval puts at the start of every answer"),
+    ):
         value = get(key)
         if value is not None and (not isinstance(value, str) or value.strip()):
             out.append(f"`{key}` ({what})")
@@ -261,8 +293,18 @@ def _refusals(merged: dict[str, tuple[Any, Path]]) -> list[str]:
     kwargs = get("dataset_kwargs")
     if isinstance(kwargs, dict) and kwargs.get("trust_remote_code"):
         out.append("`dataset_kwargs.trust_remote_code` (detaudit does not run dataset scripts)")
-    for key in ("task", "dataset_kwargs", "dataset_path", "dataset_name", "test_split", "validation_split", "docs",
-                "local_file", "generation_kwargs", "metadata"):
+    for key in (
+        "task",
+        "dataset_kwargs",
+        "dataset_path",
+        "dataset_name",
+        "test_split",
+        "validation_split",
+        "docs",
+        "local_file",
+        "generation_kwargs",
+        "metadata",
+    ):
         if _has_function(get(key)):
             out.append(f"`{key}` (holds a `!function`: detaudit does not run Python functions from task files)")
     return out
@@ -359,7 +401,8 @@ def load_spec(path: Path) -> Spec:
         name=name,
         doc_to_text=_field(env, path, "doc_to_text", data["doc_to_text"]),
         doc_to_target=_field(env, path, "doc_to_target", data["doc_to_target"], allow_int=True)
-        if data.get("doc_to_target") is not None else None,
+        if data.get("doc_to_target") is not None
+        else None,
         doc_to_id=_field(env, path, "doc_to_id", data["doc_to_id"]) if data.get("doc_to_id") is not None else None,
         docs=docs,
         dataset_path=data.get("dataset_path") or None,

@@ -115,8 +115,11 @@ def _local_data_files(kwargs: dict) -> list[Path] | None:
     value = kwargs.get("data_files")
     if value is None or "data_dir" in kwargs:
         return None
-    items = [i for v in value.values() for i in (v if isinstance(v, list) else [v])] if isinstance(value, dict) else (
-        value if isinstance(value, list) else [value])
+    items = (
+        [i for v in value.values() for i in (v if isinstance(v, list) else [v])]
+        if isinstance(value, dict)
+        else (value if isinstance(value, list) else [value])
+    )
     out = []
     for item in items:
         if "://" in item:
@@ -163,15 +166,19 @@ def _dataset_rows(spec: Spec, limit: int | None) -> tuple[bytes, str, Rows]:
             f"({type(e).__name__}: {one_line(e)[:200]}); {hint}"
         ) from None
     if not hasattr(ds, "select") or not hasattr(ds, "column_names"):
-        raise DetauditError(f"suite {spec.name}: {spec.dataset_path} did not load as one split (got {type(ds).__name__})")
+        raise DetauditError(
+            f"suite {spec.name}: {spec.dataset_path} did not load as one split (got {type(ds).__name__})"
+        )
     if files is not None:
         digest = hashlib.sha256()
         for f in files:
             digest.update(f.name.encode() + b"\0" + read_bytes(f, "data file") + b"\0")
         data = digest.hexdigest().encode()
     else:
-        data = (str(getattr(ds, "_fingerprint", "")) or hashlib.sha256(
-            json.dumps(ds.to_list(), sort_keys=True, default=str).encode()).hexdigest()).encode()
+        data = (
+            str(getattr(ds, "_fingerprint", ""))
+            or hashlib.sha256(json.dumps(ds.to_list(), sort_keys=True, default=str).encode()).hexdigest()
+        ).encode()
     if limit is not None and limit < len(ds):
         ds = ds.select(range(limit))
     where = f"{spec.dataset_path} [{spec.split}]"
@@ -242,7 +249,9 @@ def _render(spec: Spec, f: Field, row: dict, label: str) -> str:
     except NullField:
         raise
     except Exception as e:
-        raise DetauditError(f"suite {spec.name}: {label}: `{f.key}` failed: {type(e).__name__}: {one_line(e)[:200]}") from None
+        raise DetauditError(
+            f"suite {spec.name}: {label}: `{f.key}` failed: {type(e).__name__}: {one_line(e)[:200]}"
+        ) from None
 
 
 def _text(spec: Spec, f: Field, row: dict, label: str, what: str) -> str:

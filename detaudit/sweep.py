@@ -44,8 +44,10 @@ def validate_devices(cfg: SweepConfig) -> None:
         if n == 0:
             raise DetauditError("--device cuda: no CUDA device is visible")
         if cfg.tp_mode == "real" and max(cfg.tp) > n:
-            raise DetauditError(f"--tp {max(cfg.tp)} needs {max(cfg.tp)} GPUs in real TP mode but {n} are visible "
-                                "(use --tp-mode emulated to audit it on fewer)")
+            raise DetauditError(
+                f"--tp {max(cfg.tp)} needs {max(cfg.tp)} GPUs in real TP mode but {n} are visible "
+                "(use --tp-mode emulated to audit it on fewer)"
+            )
 
 
 def validate(cfg: SweepConfig) -> None:
@@ -83,8 +85,15 @@ def shard_cells(cfg: SweepConfig, shard: tuple[int, int] | None) -> list[Cell]:
     return [c for c in cells if c in mine or c in refs]
 
 
-def build_manifest(cfg: SweepConfig, model, prompts: dict[str, PromptSet], env: dict, command: str,
-                   cells: list[Cell], shard: tuple[int, int] | None = None) -> Manifest:
+def build_manifest(
+    cfg: SweepConfig,
+    model,
+    prompts: dict[str, PromptSet],
+    env: dict,
+    command: str,
+    cells: list[Cell],
+    shard: tuple[int, int] | None = None,
+) -> Manifest:
     identity = {
         "model_checksum": model.checksum,
         "suites": {s: p.checksum for s, p in prompts.items()},
@@ -102,13 +111,36 @@ def build_manifest(cfg: SweepConfig, model, prompts: dict[str, PromptSet], env: 
         identity=identity,
         code_version=env["versions"]["detaudit"],
         git_hash=env.get("git_hash"),
-        model={"name": model.name, "path": str(model.path), "architecture": model.architecture, "checksum": model.checksum},
-        suites={s: {"checksum": p.checksum, "source": p.source, "prompts": len(p.ids), "ungraded": len(p.ungraded),
-                    "ignored_keys": list(p.ignored_keys)} for s, p in prompts.items()},
+        model={
+            "name": model.name,
+            "path": str(model.path),
+            "architecture": model.architecture,
+            "checksum": model.checksum,
+        },
+        suites={
+            s: {
+                "checksum": p.checksum,
+                "source": p.source,
+                "prompts": len(p.ids),
+                "ungraded": len(p.ungraded),
+                "ignored_keys": list(p.ignored_keys),
+            }
+            for s, p in prompts.items()
+        },
         environment=env,
         hardware_key=env["hardware_key"],
-        cells={c.id: CellMeta(c.backend, c.tp, c.batch_size, c.suite, tp_mode=cfg.tp_mode_of(c.tp), engine=cfg.engine,
-                              prompts=len(prompts[c.suite].ids)) for c in cells},
+        cells={
+            c.id: CellMeta(
+                c.backend,
+                c.tp,
+                c.batch_size,
+                c.suite,
+                tp_mode=cfg.tp_mode_of(c.tp),
+                engine=cfg.engine,
+                prompts=len(prompts[c.suite].ids),
+            )
+            for c in cells
+        },
     )
 
 
@@ -121,22 +153,39 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
     tokenizer = tokenizer_for(model.path)
     prompts = {s.name: tokenize(s, tokenizer) for s in suites}
     info = get_engine(cfg.engine)
-    check_model(model.path, cfg.tp, info.checks_architecture, list(prompts.values()), cfg.decoding.max_new_tokens,
-                info.max_context)
+    check_model(
+        model.path,
+        cfg.tp,
+        info.checks_architecture,
+        list(prompts.values()),
+        cfg.decoding.max_new_tokens,
+        info.max_context,
+    )
     for ps in prompts.values():
         if ps.ignored_keys:
-            console.print(f"[dim]suite {escape(ps.suite)}: ignored lm-eval keys (detaudit does not use them): "
-                          f"{escape(', '.join(ps.ignored_keys))}[/]")
+            console.print(
+                f"[dim]suite {escape(ps.suite)}: ignored lm-eval keys (detaudit does not use them): "
+                f"{escape(', '.join(ps.ignored_keys))}[/]"
+            )
         if ps.ungraded:
             shown = ", ".join(ps.ungraded[:5]) + (", ..." if len(ps.ungraded) > 5 else "")
-            console.print(f"[yellow]warning:[/] suite {escape(ps.suite)}: {len(ps.ungraded)} row(s) have no answer "
-                          f"and are kept ungraded: {escape(shown)}")
+            console.print(
+                f"[yellow]warning:[/] suite {escape(ps.suite)}: {len(ps.ungraded)} row(s) have no answer "
+                f"and are kept ungraded: {escape(shown)}"
+            )
     return suites, model, tokenizer, prompts
 
 
-def run_sweep(cfg: SweepConfig, output_path: Path, *, data_dir: Path | None = None, console: Console | None = None,
-              command: str = "", shard: tuple[int, int] | None = None,
-              executor_options: dict | None = None) -> SweepResult:
+def run_sweep(
+    cfg: SweepConfig,
+    output_path: Path,
+    *,
+    data_dir: Path | None = None,
+    console: Console | None = None,
+    command: str = "",
+    shard: tuple[int, int] | None = None,
+    executor_options: dict | None = None,
+) -> SweepResult:
     console = console or Console(stderr=True)
     validate(cfg)
     executor = get_executor(cfg.executor, **(executor_options or {}))  # a missing extra fails before any work
@@ -157,38 +206,89 @@ def run_sweep(cfg: SweepConfig, output_path: Path, *, data_dir: Path | None = No
         if result.skipped:
             console.print(f"[dim]{len(result.skipped)} completed cell(s) found in {run.path}; skipping them[/]")
         if cfg.engine == "builtin":  # its description is the backend's: known before any engine opens
-            check_numerics(run, {f"{b}@tp{tp}": {"backend": get_backend(b).describe()}
-                                 for b, tp in {(c.backend, c.tp) for c in todo}})
+            check_numerics(
+                run,
+                {f"{b}@tp{tp}": {"backend": get_backend(b).describe()} for b, tp in {(c.backend, c.tp) for c in todo}},
+            )
         eos = tuple(eos_ids(model.path, tokenizer))
-        groups = [_group(cfg, model.path, eos, prompts, backend, tp, list(g), extra)
-                  for (backend, tp), g in groupby(todo, key=lambda c: (c.backend, c.tp))]
+        groups = [
+            _group(cfg, model.path, eos, prompts, backend, tp, list(g), extra)
+            for (backend, tp), g in groupby(todo, key=lambda c: (c.backend, c.tp))
+        ]
         by_id = {c.id: c for c in cells}
-        with CellProgress(console, total=len(cells), done=len(result.skipped),
-                          tokens={c.id: len(prompts[c.suite].ids) * cfg.repeats * cfg.decoding.max_new_tokens
-                                  for c in todo}) as progress:
+        with CellProgress(
+            console,
+            total=len(cells),
+            done=len(result.skipped),
+            tokens={c.id: len(prompts[c.suite].ids) * cfg.repeats * cfg.decoding.max_new_tokens for c in todo},
+        ) as progress:
+
             def on_output(out: CellOutput) -> None:
-                _record(cfg, run, model, tokenizer, prompts[by_id[out.cell_id].suite], by_id[out.cell_id], out, result,
-                        progress)
+                _record(
+                    cfg,
+                    run,
+                    model,
+                    tokenizer,
+                    prompts[by_id[out.cell_id].suite],
+                    by_id[out.cell_id],
+                    out,
+                    result,
+                    progress,
+                )
 
             executor.run(groups, lambda ref_id: _reference_outputs(run, ref_id), on_output, progress.event)
     return result
 
 
-def _group(cfg: SweepConfig, model_path: Path, eos: tuple[int, ...], prompts: dict[str, PromptSet], backend: str,
-           tp: int, cells: list[Cell], extra: dict | None = None) -> Group:
-    options = EngineOptions(model_path=model_path, backend=backend, tp=tp, tp_mode=cfg.tp_mode, dtype=cfg.dtype,
-                            device=cfg.device, eos_ids=eos, hang_timeout=cfg.hang_timeout,
-                            max_batch_size=max(c.batch_size for c in cells), cuda_graphs=cfg.cuda_graphs,
-                            extra=dict(extra or {}))
+def _group(
+    cfg: SweepConfig,
+    model_path: Path,
+    eos: tuple[int, ...],
+    prompts: dict[str, PromptSet],
+    backend: str,
+    tp: int,
+    cells: list[Cell],
+    extra: dict | None = None,
+) -> Group:
+    options = EngineOptions(
+        model_path=model_path,
+        backend=backend,
+        tp=tp,
+        tp_mode=cfg.tp_mode,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        eos_ids=eos,
+        hang_timeout=cfg.hang_timeout,
+        max_batch_size=max(c.batch_size for c in cells),
+        cuda_graphs=cfg.cuda_graphs,
+        extra=dict(extra or {}),
+    )
     r = cfg.repeats  # server engines: every prompt sent r times (rows: repeat-major)
-    jobs = [CellJob(c.id, c.batch_size, prompts[c.suite].ids * r, prompts[c.suite].token_ids * r, cfg.reference(c).id,
-                    load={"background": c.background} if c.background else {})
-            for c in cells]
+    jobs = [
+        CellJob(
+            c.id,
+            c.batch_size,
+            prompts[c.suite].ids * r,
+            prompts[c.suite].token_ids * r,
+            cfg.reference(c).id,
+            load={"background": c.background} if c.background else {},
+        )
+        for c in cells
+    ]
     return Group(cfg.engine, options, cfg.decoding, jobs)
 
 
-def _record(cfg: SweepConfig, run: RunDir, model, tokenizer, ps: PromptSet, cell: Cell, out: CellOutput,
-            result: SweepResult, progress: CellProgress) -> None:
+def _record(
+    cfg: SweepConfig,
+    run: RunDir,
+    model,
+    tokenizer,
+    ps: PromptSet,
+    cell: Cell,
+    out: CellOutput,
+    result: SweepResult,
+    progress: CellProgress,
+) -> None:
     assert run.manifest is not None
     if out.error is not None:
         result.failed[cell.id] = out.error
@@ -216,18 +316,23 @@ def check_numerics(run: RunDir, describes: dict[str, dict]) -> None:
     assert run.manifest is not None
     clash = numerics_conflicts(run.manifest.backends, describes)
     if clash:
-        raise DetauditError(f"{run.path} holds cells computed with other numerics than this detaudit's "
-                            f"(differing: {'; '.join(clash)}); resuming would mix them; use another --output-path")
+        raise DetauditError(
+            f"{run.path} holds cells computed with other numerics than this detaudit's "
+            f"(differing: {'; '.join(clash)}); resuming would mix them; use another --output-path"
+        )
 
 
-def _server_extra(cfg: SweepConfig, model, tokenizer, suites: list, prompts: dict[str, PromptSet],
-                  output_path: Path) -> dict:
+def _server_extra(
+    cfg: SweepConfig, model, tokenizer, suites: list, prompts: dict[str, PromptSet], output_path: Path
+) -> dict:
     """Server engines' `EngineOptions.extra` (`detaudit.server.hooks`); other engines refuse load options."""
     info = get_engine(cfg.engine)
     if not info.server:
         if cfg.repeats != 1 or any(cfg.background_load) or cfg.server.get("base_url"):
-            raise DetauditError(f"--repeats, --background-load and --base-url apply to server engines (openai, "
-                                f"vllm-server), not --engine {cfg.engine}")
+            raise DetauditError(
+                f"--repeats, --background-load and --base-url apply to server engines (openai, "
+                f"vllm-server), not --engine {cfg.engine}"
+            )
         return {}
     from detaudit.server.hooks import check_config, engine_extra
 
@@ -235,8 +340,9 @@ def _server_extra(cfg: SweepConfig, model, tokenizer, suites: list, prompts: dic
     texts = {}  # --api chat sends the user message, found by the prompt's token-id hash
     if cfg.server.get("api") == "chat":
         texts = {h: p.text for s in suites for h, p in zip(prompts[s.name].hashes, s.prompts)}
-    return engine_extra(cfg.server, cfg.model, model, tokenizer, texts, Path(output_path) / "logs",
-                        max(cfg.background_load))
+    return engine_extra(
+        cfg.server, cfg.model, model, tokenizer, texts, Path(output_path) / "logs", max(cfg.background_load)
+    )
 
 
 def _server_identity(cfg: SweepConfig, manifest: Manifest, model, extra: dict) -> None:
@@ -270,16 +376,32 @@ def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: Ce
         i, repeat = k % n, (k // n if cfg.repeats > 1 else None)  # --repeats: rows are repeat-major
         text = tokenizer.decode(g.token_ids, skip_special_tokens=True)
         answer = ps.answers[i]
-        rows.append({
-            "cell_id": cell.id, "model": model.name, "suite": cell.suite, "backend": cell.backend,
-            "tp": cell.tp, "batch_size": cell.batch_size, "tp_mode": cfg.tp_mode_of(cell.tp),
-            "engine": cfg.engine, "prompt_index": i, "prompt_id": ps.ids[i], "prompt_hash": ps.hashes[i],
-            "prompt_tokens": len(ps.token_ids[i]), "output_token_ids": g.token_ids, "output_text": text,
-            "finish_reason": g.finish_reason, "token_logprobs": g.token_logprobs, "topk_ids": g.topk_ids,
-            "topk_logprobs": g.topk_logprobs, "reference_answer": answer,
-            "predicted_answer": extract_answer(text),
-            "correct": is_correct(text, answer) if answer is not None else None,
-            "tf_reference_cell": out.reference_id, "tf_token_logprobs": tf[k] if tf is not None else None,
-            "repeat": repeat,
-        })
+        rows.append(
+            {
+                "cell_id": cell.id,
+                "model": model.name,
+                "suite": cell.suite,
+                "backend": cell.backend,
+                "tp": cell.tp,
+                "batch_size": cell.batch_size,
+                "tp_mode": cfg.tp_mode_of(cell.tp),
+                "engine": cfg.engine,
+                "prompt_index": i,
+                "prompt_id": ps.ids[i],
+                "prompt_hash": ps.hashes[i],
+                "prompt_tokens": len(ps.token_ids[i]),
+                "output_token_ids": g.token_ids,
+                "output_text": text,
+                "finish_reason": g.finish_reason,
+                "token_logprobs": g.token_logprobs,
+                "topk_ids": g.topk_ids,
+                "topk_logprobs": g.topk_logprobs,
+                "reference_answer": answer,
+                "predicted_answer": extract_answer(text),
+                "correct": is_correct(text, answer) if answer is not None else None,
+                "tf_reference_cell": out.reference_id,
+                "tf_token_logprobs": tf[k] if tf is not None else None,
+                "repeat": repeat,
+            }
+        )
     return rows

@@ -41,11 +41,21 @@ PRESETS = {
         name="qwen3-8b-shaped",
         description="Qwen3-8B's architecture with random weights (seeded, generated on the device; no download)",
         config={
-            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16", "eos_token_id": 2,
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 40960,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "eos_token_id": 2,
         },
     ),
 }
@@ -66,8 +76,15 @@ def prepare(name: str, dest: Path, tokenizer_dir: Path) -> dict:
     for f in TOKENIZER_FILES:
         if (tokenizer_dir / f).exists():
             shutil.copy(tokenizer_dir / f, dest / f)
-    return {"name": name, "synthetic": {"preset": name, "seed": SEED, "std": STD,
-                                        "init": "N(0, std) matrices, ones for norms, per-parameter seed"}}
+    return {
+        "name": name,
+        "synthetic": {
+            "preset": name,
+            "seed": SEED,
+            "std": STD,
+            "init": "N(0, std) matrices, ones for norms, per-parameter seed",
+        },
+    }
 
 
 def _shape(cfg: dict, name: str) -> tuple[int, ...]:
@@ -80,10 +97,19 @@ def _shape(cfg: dict, name: str) -> tuple[int, ...]:
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
     if m is None or int(m.group(1)) >= cfg["num_hidden_layers"]:
         raise DetauditError(f"synthetic model has no parameter {name}")
-    shapes = {"input_layernorm": (h,), "post_attention_layernorm": (h,), "self_attn.q_norm": (d,),
-              "self_attn.k_norm": (d,), "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
-              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h),
-              "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    shapes = {
+        "input_layernorm": (h,),
+        "post_attention_layernorm": (h,),
+        "self_attn.q_norm": (d,),
+        "self_attn.k_norm": (d,),
+        "self_attn.q_proj": (q, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }
     if m.group(2) not in shapes:
         raise DetauditError(f"synthetic model has no parameter {name}")
     return shapes[m.group(2)]

@@ -39,9 +39,17 @@ def _tiny(kind: str, path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=8, num_key_value_heads=8, head_dim=16, max_position_embeddings=512,
-                  tie_word_embeddings=kind == "llama")
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=kind == "llama",
+    )
     model = LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else Qwen3ForCausalLM(Qwen3Config(**common))
     with torch.no_grad():  # larger weights than the default init so logits are far from uniform
         for p in model.parameters():

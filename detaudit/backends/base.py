@@ -7,7 +7,8 @@ engine performs a reduction that can change with batch size or TP size.
 Shapes and conventions:
 - `linear(x, w)`: x[..., K] @ w[N, K]^T, returned in x.dtype. Column-parallel and replicated layers.
 - `row_partial(x, w, tp_size)`: this rank's partial sum of a row-parallel layer (o_proj, down_proj);
-  x[..., K/C], w[N, K/C]; `name` is the layer's name, for error messages. The dtype of the partial is the backend's choice (tbik keeps fp32).
+  x[..., K/C], w[N, K/C]; `name` is the layer's name, for error messages. The dtype of the partial is the
+  backend's choice (tbik keeps fp32).
 - `combine(partials, dtype)`: the fixed-order reduction of all C partials, given in rank order.
   Used by emulated TP directly and, after an all-gather, by the default `all_reduce`.
 - `all_reduce(partial, group, dtype)`: the single TP seam in real TP mode.
@@ -54,8 +55,9 @@ class Backend(Protocol):
     # engine then adds the residual inside that kernel and norms Qwen3's q / k heads inside its rotary
     # kernel, with those bits); `ONE_PARTIAL_IS_A_CAST = True` where `combine([p], dtype)` is
     # `p.to(dtype)` bitwise (the engine then hands a TP-1 partial to the fused add, which rounds it)
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float,
-                  window: int | None = None) -> Tensor: ...
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None
+    ) -> Tensor: ...
     def log_softmax(self, logits: Tensor) -> Tensor: ...
     def describe(self) -> dict[str, str]: ...
 

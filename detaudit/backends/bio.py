@@ -61,8 +61,16 @@ class BioBackend:
         positions in the kernel's layout, computed once per step instead of once per layer."""
         return {}
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None,
-                  plan: dict | None = None) -> Tensor:
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_pos: Tensor,
+        scale: float,
+        window: int | None = None,
+        plan: dict | None = None,
+    ) -> Tensor:
         return fixed.attention(q, k, v, q_pos, scale, SPLIT, window, plan)
 
     def log_softmax(self, logits: Tensor) -> Tensor:
@@ -74,13 +82,13 @@ class BioBackend:
         return {
             "backend": self.name,
             "matmul_cpu": f"fp32 products on zero-padded blocks of R={fixed.ROWS} rows, fixed shape [R, K] @ [K, N], "
-                          "one thread per block product (blocks or 64-column panels spread over worker threads)",
+            "one thread per block product (blocks or 64-column panels spread over worker threads)",
             "matmul_gpu": f"Triton persistent kernel, no split-K, fp32 accumulate; {triton_mm.describe()}",
             "rms_norm": "fp32; row sum of squares: CPU a fixed-shape product with ones; GPU one Triton program per "
-                        "row (residual add fused), BLOCK fp32 lanes in order then one tree",
+            "row (residual add fused), BLOCK fp32 lanes in order then one tree",
             "log_softmax": "fp32; row max, then the row sum of exp as for rms_norm",
             "attention": f"KV chunks of {SPLIT} keys, fp32 online softmax, masked chunks exact no-ops "
-                         "(CPU: PyTorch ops; GPU: one Triton kernel, BLOCK_R=16 rows per program)",
+            "(CPU: PyTorch ops; GPU: one Triton kernel, BLOCK_R=16 rows per program)",
             "all_reduce": "all-gather fp32 partials, rank-order sum, cast once",
             "tf32": "off",
             **library_versions(),
@@ -93,4 +101,3 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     var = fixed.row_sum(xf * xf) / x.shape[-1]
     y = xf * torch.rsqrt(var + eps)
     return (y.to(x.dtype) * weight) if x.dtype != torch.float32 else y * weight
-

@@ -75,8 +75,16 @@ class NativeBackend:
         layer): the boolean mask, built once per step instead of once per layer."""
         return {}
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None,
-                  plan: dict | None = None) -> Tensor:
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_pos: Tensor,
+        scale: float,
+        window: int | None = None,
+        plan: dict | None = None,
+    ) -> Tensor:
         mask = None if plan is None else plan.get("mask")
         if mask is None or mask.shape[-1] != k.shape[2]:
             keys = torch.arange(k.shape[2], device=q.device).view(1, 1, 1, -1)
@@ -104,7 +112,7 @@ class NativeBackend:
             "matmul": "F.linear (cuBLAS / oneDNN-MKL, library-chosen tiling)",
             "attention": "torch scaled_dot_product_attention (GPU: additive 0 / -inf mask in the model dtype)",
             "rms_norm": "fp32; CPU: torch mean over hidden; GPU: one Triton program per row, residual add fused "
-                        "(as serving engines' fused add + RMSNorm kernels)",
+            "(as serving engines' fused add + RMSNorm kernels)",
             "all_reduce": "library all-reduce (NCCL / gloo) in model dtype; emulated: rank-order sum",
             "sdpa_backends": sdpa_backends(),
             "tf32": "off",
@@ -116,6 +124,10 @@ def sdpa_backends() -> str:
     """Which CUDA attention kernels PyTorch may pick for SDPA: on an H100 the default pick for decode
     shapes was not run-to-run deterministic (reports/gpu/bf16-run-to-run-h100.md), math-only was."""
     b = torch.backends.cuda
-    flags = {"flash": b.flash_sdp_enabled(), "mem_efficient": b.mem_efficient_sdp_enabled(),
-             "cudnn": getattr(b, "cudnn_sdp_enabled", lambda: False)(), "math": b.math_sdp_enabled()}
+    flags = {
+        "flash": b.flash_sdp_enabled(),
+        "mem_efficient": b.mem_efficient_sdp_enabled(),
+        "cudnn": getattr(b, "cudnn_sdp_enabled", lambda: False)(),
+        "math": b.math_sdp_enabled(),
+    }
     return " ".join(f"{k}={'on' if v else 'off'}" for k, v in flags.items())

@@ -33,7 +33,9 @@ class TbikBackend(BioBackend):
         super().__init__()
         self.allreduce = allreduce or os.environ.get("DETAUDIT_TBIK_ALLREDUCE", "gather")
         if self.allreduce not in ALLREDUCE_MODES:
-            raise DetauditError(f"DETAUDIT_TBIK_ALLREDUCE must be one of {', '.join(ALLREDUCE_MODES)}, got {self.allreduce!r}")
+            raise DetauditError(
+                f"DETAUDIT_TBIK_ALLREDUCE must be one of {', '.join(ALLREDUCE_MODES)}, got {self.allreduce!r}"
+            )
 
     def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor:
         return tree.tree_matmul(x, weight, tp_size, name)

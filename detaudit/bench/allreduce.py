@@ -29,9 +29,11 @@ def _rank(rank: int, world: int, port: int, device: str, sizes, reps: int, out_p
         for n in sizes:
             x = torch.randn(n, device=dev)
             row = {"elements": n}
-            for name, fn in (("library", lambda: group.all_reduce_sum(x)),
-                             ("tree_gather", lambda: TbikBackend("gather").all_reduce(x, group, torch.float32)),
-                             ("tree_a2a", lambda: TbikBackend("a2a").all_reduce(x, group, torch.float32))):
+            for name, fn in (
+                ("library", lambda: group.all_reduce_sum(x)),
+                ("tree_gather", lambda: TbikBackend("gather").all_reduce(x, group, torch.float32)),
+                ("tree_a2a", lambda: TbikBackend("a2a").all_reduce(x, group, torch.float32)),
+            ):
                 for _ in range(3):
                     fn()
                 group.barrier()
@@ -56,7 +58,9 @@ def _rank(rank: int, world: int, port: int, device: str, sizes, reps: int, out_p
         dist.shutdown(group)
 
 
-def bench_allreduce(world: int, device: str = "cuda", sizes=SIZES, reps: int = 20, tmp_dir: str = "/tmp") -> pd.DataFrame:
+def bench_allreduce(
+    world: int, device: str = "cuda", sizes=SIZES, reps: int = 20, tmp_dir: str = "/tmp"
+) -> pd.DataFrame:
     from detaudit.engine.dist import free_port
 
     out_path = os.path.join(tmp_dir, f"detaudit-allreduce-{os.getpid()}.json")

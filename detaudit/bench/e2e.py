@@ -41,10 +41,19 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
     return torch.randint(10, vocab, (batch, length), generator=g).tolist()
 
 
-def bench_e2e(models: Sequence[tuple[str, Path]], backends: Sequence[str], tps: Sequence[int],
-              batch_sizes: Sequence[int], prompt_tokens: int = 512, new_tokens: int = 64, device: str = "cuda",
-              tp_mode: str = "real", cuda_graphs: bool | str = True, progress: Callable[[], None] | None = None,
-              repeats: int = 1) -> pd.DataFrame:
+def bench_e2e(
+    models: Sequence[tuple[str, Path]],
+    backends: Sequence[str],
+    tps: Sequence[int],
+    batch_sizes: Sequence[int],
+    prompt_tokens: int = 512,
+    new_tokens: int = 64,
+    device: str = "cuda",
+    tp_mode: str = "real",
+    cuda_graphs: bool | str = True,
+    progress: Callable[[], None] | None = None,
+    repeats: int = 1,
+) -> pd.DataFrame:
     """`cuda_graphs`: True, False, or "both": each (model, TP, backend) runs eagerly and from CUDA graphs
     on the same device, one row each, plus `graphed_speedup` (eager ms per step over graphed)."""
     if repeats < 1:
@@ -74,11 +83,18 @@ def bench_e2e(models: Sequence[tuple[str, Path]], backends: Sequence[str], tps: 
                         median = sorted(range(repeats), key=per_step.__getitem__)[(repeats - 1) // 2]  # the median call
                         t = runs[median]
                         row = {
-                            "model": name, "tp": tp, "backend": backend, "batch": bs, "prompt_tokens": prompt_tokens,
-                            "new_tokens": new_tokens, "prefill_tok_s": t["prompt_tokens"] / t["prefill_s"],
-                            "decode_tok_s": bs * max(1, t["decode_steps"]) / t["decode_s"], "ms_per_step": per_step[median],
+                            "model": name,
+                            "tp": tp,
+                            "backend": backend,
+                            "batch": bs,
+                            "prompt_tokens": prompt_tokens,
+                            "new_tokens": new_tokens,
+                            "prefill_tok_s": t["prompt_tokens"] / t["prefill_s"],
+                            "decode_tok_s": bs * max(1, t["decode_steps"]) / t["decode_s"],
+                            "ms_per_step": per_step[median],
                             "host_ms_per_step": 1e3 * t["issue_s"] / max(1, t["decode_steps"]),
-                            "capture_s": t["capture_s"], "cuda_graphs": bool(t.get("cuda_graphs")),
+                            "capture_s": t["capture_s"],
+                            "cuda_graphs": bool(t.get("cuda_graphs")),
                             "workers": eng.describe().get("workers", 0),
                         }
                         if repeats > 1:

@@ -12,8 +12,9 @@ import torch
 from detaudit.config import DecodingParams
 
 
-def time_generate(engine, prompts: list[list[int]], ids: list[str], decoding: DecodingParams, batch_size: int,
-                  repeats: int) -> tuple[float, float, list]:
+def time_generate(
+    engine, prompts: list[list[int]], ids: list[str], decoding: DecodingParams, batch_size: int, repeats: int
+) -> tuple[float, float, list]:
     """(seconds of a 2-token warm-up call, best seconds of `repeats` timed generate calls, the last
     call's outputs)."""
     t = time.perf_counter()
@@ -27,8 +28,15 @@ def time_generate(engine, prompts: list[list[int]], ids: list[str], decoding: De
     return warm_s, best, gens
 
 
-def bench_engine(model_path: Path, prompts: list[list[int]], batch_size: int = 8, max_new_tokens: int = 32,
-                 dtype: str = "bfloat16", backends: tuple[str, ...] = ("bf16",), repeats: int = 2) -> pd.DataFrame:
+def bench_engine(
+    model_path: Path,
+    prompts: list[list[int]],
+    batch_size: int = 8,
+    max_new_tokens: int = 32,
+    dtype: str = "bfloat16",
+    backends: tuple[str, ...] = ("bf16",),
+    repeats: int = 2,
+) -> pd.DataFrame:
     from transformers import AutoModelForCausalLM
 
     from detaudit.engine.local import DTYPES, LocalEngine
@@ -49,10 +57,15 @@ def bench_engine(model_path: Path, prompts: list[list[int]], batch_size: int = 8
     inp = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros_like(inp)
     for i, p in enumerate(prompts):  # left padding, as HF generate expects for decoder-only models
-        inp[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    kw = dict(attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-              pad_token_id=0)
+        inp[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    kw = dict(
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
     with torch.inference_mode():
         hf.generate(inp, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
         best = float("inf")

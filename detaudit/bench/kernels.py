@@ -105,8 +105,14 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
-def bench_kernels(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, m_values=M_VALUES,
-                  kn_values=KN_VALUES, progress=None, eager: bool = True) -> pd.DataFrame:
+def bench_kernels(
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    m_values=M_VALUES,
+    kn_values=KN_VALUES,
+    progress=None,
+    eager: bool = True,
+) -> pd.DataFrame:
     """Per (K, N, M): graph-replayed seconds per call of cuBLAS / bio / tree (`_times`: kernel time, no
     host work) as TFLOP/s and ratios, and with `eager` the wall time per call of each called eagerly from
     Python (`_eager_per_call`: the wrapper's host cost at small M) as microseconds and as a multiple of
@@ -125,17 +131,32 @@ def bench_kernels(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, m_v
             tbik = lambda i=0: tree.tree_matmul(x, ws[i % len(ws)], 1).to(dtype)  # noqa: E731
             t_nat, t_bio, t_tree = _times((native, bio, tbik), dev)
             flops = 2 * m * n * k
-            row = {"M": m, "K": k, "N": n, "native_tflops": flops / t_nat / 1e12,
-                   "bio_tflops": flops / t_bio / 1e12, "bio_ratio": t_nat / t_bio,
-                   "tree_tflops": flops / t_tree / 1e12, "tree_ratio": t_nat / t_tree}
+            row = {
+                "M": m,
+                "K": k,
+                "N": n,
+                "native_tflops": flops / t_nat / 1e12,
+                "bio_tflops": flops / t_bio / 1e12,
+                "bio_ratio": t_nat / t_bio,
+                "tree_tflops": flops / t_tree / 1e12,
+                "tree_ratio": t_nat / t_tree,
+            }
             if eager:  # the wrappers as an eager caller runs them: bio's linear, the tree's row partial
                 tree_partial = lambda i=0: tree.tree_matmul(x, ws[i % len(ws)], 1)  # noqa: E731 (fp32, no cast)
                 e_nat, e_bio, e_tree = _eager_per_call((native, bio, tree_partial), dev)
-                row.update(native_eager_us=e_nat * 1e6, bio_eager_us=e_bio * 1e6, tree_eager_us=e_tree * 1e6,
-                           bio_eager_vs_native=e_bio / e_nat, tree_eager_vs_native=e_tree / e_nat)
+                row.update(
+                    native_eager_us=e_nat * 1e6,
+                    bio_eager_us=e_bio * 1e6,
+                    tree_eager_us=e_tree * 1e6,
+                    bio_eager_vs_native=e_bio / e_nat,
+                    tree_eager_vs_native=e_tree / e_nat,
+                )
             if ref is not None:
-                row.update(native_relerr=_rel_err(native(), ref), bio_relerr=_rel_err(bio(), ref),
-                           tree_relerr=_rel_err(tbik(), ref))
+                row.update(
+                    native_relerr=_rel_err(native(), ref),
+                    bio_relerr=_rel_err(bio(), ref),
+                    tree_relerr=_rel_err(tbik(), ref),
+                )
             rows.append(row)
             if progress:
                 progress()

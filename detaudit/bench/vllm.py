@@ -11,9 +11,19 @@ import pandas as pd
 from detaudit.config import DecodingParams
 
 
-def bench_vllm(model_path: Path, prompts: list[list[int]], *, backends: tuple[str, ...], tps: tuple[int, ...],
-               batch_size: int = 8, max_new_tokens: int = 32, dtype: str = "bfloat16", device: str = "cpu",
-               repeats: int = 2, progress=None) -> pd.DataFrame:
+def bench_vllm(
+    model_path: Path,
+    prompts: list[list[int]],
+    *,
+    backends: tuple[str, ...],
+    tps: tuple[int, ...],
+    batch_size: int = 8,
+    max_new_tokens: int = 32,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    repeats: int = 2,
+    progress=None,
+) -> pd.DataFrame:
     from detaudit.bench.engine import time_generate
     from detaudit.engines import EngineOptions, open_engine
 
@@ -24,8 +34,9 @@ def bench_vllm(model_path: Path, prompts: list[list[int]], *, backends: tuple[st
     for tp in tps:
         for backend in backends:
             t0 = time.perf_counter()
-            eng = open_engine("vllm", EngineOptions(model_path, backend, tp, dtype=dtype, device=device,
-                                                     max_batch_size=batch_size))
+            eng = open_engine(
+                "vllm", EngineOptions(model_path, backend, tp, dtype=dtype, device=device, max_batch_size=batch_size)
+            )
             open_s = time.perf_counter() - t0
             try:
                 warm_s, best, gens = time_generate(eng, prompts, ids, decoding, batch_size, repeats)
@@ -33,8 +44,16 @@ def bench_vllm(model_path: Path, prompts: list[list[int]], *, backends: tuple[st
                 eng.close()
             start_s = open_s + warm_s  # host process start, vLLM build (on the first generate) and warm-up
             ntok = sum(len(g.token_ids) for g in gens)
-            rows.append({"tp": tp, "backend": backend, "tokens": ntok, "seconds": round(best, 3),
-                         "tokens_per_s": ntok / best, "engine_start_s": round(start_s, 1)})
+            rows.append(
+                {
+                    "tp": tp,
+                    "backend": backend,
+                    "tokens": ntok,
+                    "seconds": round(best, 3),
+                    "tokens_per_s": ntok / best,
+                    "engine_start_s": round(start_s, 1),
+                }
+            )
             if progress:
                 progress()
     df = pd.DataFrame(rows)

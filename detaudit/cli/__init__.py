@@ -10,10 +10,11 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 try:  # typer >= 0.20 vendors click
-    from typer._click import exceptions as cx
     from typer._click import echo
+    from typer._click import exceptions as cx
 except ImportError:  # pragma: no cover - older typer on the real click
-    from click import echo, exceptions as cx
+    from click import echo
+    from click import exceptions as cx
 
 from detaudit.cli import align, bench, catalog, results, sweep
 from detaudit.cli.common import err
@@ -41,8 +42,13 @@ class _OneLineErrors(TyperGroup):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
-app = typer.Typer(cls=_OneLineErrors, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
-                  help="Audit whether LLM inference is reproducible across TP sizes, batch sizes and numeric backends.")
+app = typer.Typer(
+    cls=_OneLineErrors,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    help="Audit whether LLM inference is reproducible across TP sizes, batch sizes and numeric backends.",
+)
 app.command()(sweep.sweep)
 app.command()(results.analyze)
 app.command()(results.report)

@@ -9,8 +9,23 @@ import typer
 from rich.progress import Progress
 
 from detaudit.cli.common import (
-    ALL_BACKENDS, DEFAULT_MODEL, BackendsOpt, DataDirOpt, DeviceOpt, Dtype, DtypeOpt, JsonOpt, ModelOpt, SaveOpt, TpMode, TpModeOpt,
-    command_line, err, handle_errors, print_json, print_rows,
+    ALL_BACKENDS,
+    DEFAULT_MODEL,
+    BackendsOpt,
+    DataDirOpt,
+    DeviceOpt,
+    Dtype,
+    DtypeOpt,
+    JsonOpt,
+    ModelOpt,
+    SaveOpt,
+    TpMode,
+    TpModeOpt,
+    command_line,
+    err,
+    handle_errors,
+    print_json,
+    print_rows,
 )
 from detaudit.errors import DetauditError
 
@@ -25,7 +40,9 @@ def _print_bench(df, title: str, json_: bool, save: Optional[Path]) -> None:
     if json_:
         print_json({"meta": df.attrs, "rows": df.to_dict(orient="records")})
     else:
-        rows = [{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in df.to_dict(orient="records")]
+        rows = [
+            {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in df.to_dict(orient="records")
+        ]
         print_rows(rows, list(df.columns), title=f"{title} {df.attrs}")
     if save:
         save.parent.mkdir(parents=True, exist_ok=True)
@@ -33,9 +50,16 @@ def _print_bench(df, title: str, json_: bool, save: Optional[Path]) -> None:
             from detaudit.fingerprint import collect
 
             env = collect()
-            head = [f"# {title}", "", f"Command: `{command_line()}`", "",
-                    f"Machine: {env.get('hardware_key')}; torch {env['versions'].get('torch')}, triton {env['versions'].get('triton', '-')}, "
-                    f"CPU capability {env.get('torch_build', {}).get('cpu_capability')}", ""]
+            head = [
+                f"# {title}",
+                "",
+                f"Command: `{command_line()}`",
+                "",
+                f"Machine: {env.get('hardware_key')}; torch {env['versions'].get('torch')}, "
+                f"triton {env['versions'].get('triton', '-')}, "
+                f"CPU capability {env.get('torch_build', {}).get('cpu_capability')}",
+                "",
+            ]
             save.write_text("\n".join(head) + df.to_markdown(index=False, floatfmt=".4g") + "\n")
         else:
             df.to_csv(save, index=False)
@@ -55,25 +79,48 @@ def _bench_prompts(model: str, suite: str, data_dir: Optional[Path]):
 
 @bench_app.command("engine")
 @handle_errors
-def bench_engine_cmd(model: ModelOpt = DEFAULT_MODEL, suite: SuiteOpt = "smoke", data_dir: DataDirOpt = None,
-                     batch_size: BatchOpt = 8, max_new_tokens: NewTokOpt = 32, dtype: DtypeOpt = Dtype.bfloat16,
-                     backends: BackendsOpt = ALL_BACKENDS, json_: JsonOpt = False, save: SaveOpt = None):
+def bench_engine_cmd(
+    model: ModelOpt = DEFAULT_MODEL,
+    suite: SuiteOpt = "smoke",
+    data_dir: DataDirOpt = None,
+    batch_size: BatchOpt = 8,
+    max_new_tokens: NewTokOpt = 32,
+    dtype: DtypeOpt = Dtype.bfloat16,
+    backends: BackendsOpt = ALL_BACKENDS,
+    json_: JsonOpt = False,
+    save: SaveOpt = None,
+):
     """Built-in engine tokens/s vs transformers' generate (same prompts, batch size, dtype, threads)."""
     from detaudit.bench.engine import bench_engine
     from detaudit.config import parse_str_list
 
     ref, prompts = _bench_prompts(model, suite, data_dir)
-    df = bench_engine(ref.path, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens, dtype=dtype.value,
-                      backends=parse_str_list(backends, "--backends"))
+    df = bench_engine(
+        ref.path,
+        prompts,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        dtype=dtype.value,
+        backends=parse_str_list(backends, "--backends"),
+    )
     _print_bench(df, "engine", json_, save)
 
 
 @bench_app.command("vllm")
 @handle_errors
-def bench_vllm_cmd(model: ModelOpt = DEFAULT_MODEL, suite: SuiteOpt = "smoke", data_dir: DataDirOpt = None,
-                   backends: BackendsOpt = ALL_BACKENDS, tp: Annotated[str, typer.Option("--tp")] = "1,2",
-                   batch_size: BatchOpt = 8, max_new_tokens: NewTokOpt = 32, dtype: DtypeOpt = Dtype.bfloat16,
-                   device: DeviceOpt = "cpu", json_: JsonOpt = False, save: SaveOpt = None):
+def bench_vllm_cmd(
+    model: ModelOpt = DEFAULT_MODEL,
+    suite: SuiteOpt = "smoke",
+    data_dir: DataDirOpt = None,
+    backends: BackendsOpt = ALL_BACKENDS,
+    tp: Annotated[str, typer.Option("--tp")] = "1,2",
+    batch_size: BatchOpt = 8,
+    max_new_tokens: NewTokOpt = 32,
+    dtype: DtypeOpt = Dtype.bfloat16,
+    device: DeviceOpt = "cpu",
+    json_: JsonOpt = False,
+    save: SaveOpt = None,
+):
     """vLLM tokens/s with bf16 (vLLM's kernels) vs bio / bio+tbik (detaudit's plugin), per TP size."""
     from detaudit.bench.vllm import bench_vllm
     from detaudit.config import check_tp_size, parse_int_list, parse_str_list
@@ -86,28 +133,50 @@ def bench_vllm_cmd(model: ModelOpt = DEFAULT_MODEL, suite: SuiteOpt = "smoke", d
     ref, prompts = _bench_prompts(model, suite, data_dir)
     with Progress(console=err) as prog:
         task = prog.add_task("vLLM engines", total=len(bl) * len(tps))
-        df = bench_vllm(ref.path, prompts, backends=bl, tps=tps, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                        dtype=dtype.value, device=device, progress=lambda: prog.advance(task))
+        df = bench_vllm(
+            ref.path,
+            prompts,
+            backends=bl,
+            tps=tps,
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            dtype=dtype.value,
+            device=device,
+            progress=lambda: prog.advance(task),
+        )
     _print_bench(df, "vllm", json_, save)
 
 
 @bench_app.command("e2e")
 @handle_errors
 def bench_e2e_cmd(
-    models: Annotated[str, typer.Option("--models", help="Comma-separated named models or checkpoint directories.")] = "smollm2-135m,qwen3-8b-shaped",
+    models: Annotated[
+        str, typer.Option("--models", help="Comma-separated named models or checkpoint directories.")
+    ] = "smollm2-135m,qwen3-8b-shaped",
     backends: BackendsOpt = ALL_BACKENDS,
     tp: Annotated[str, typer.Option("--tp", help="Comma-separated TP sizes (real TP: one GPU per rank).")] = "1",
     batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "8,32,64",
-    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Random prompt ids per request (seeded).")] = 512,
+    prompt_tokens: Annotated[
+        int, typer.Option("--prompt-tokens", help="Random prompt ids per request (seeded).")
+    ] = 512,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Decode steps timed per request.")] = 64,
     device: CudaOpt = "cuda",
     tp_mode: TpModeOpt = TpMode.real,
     cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs")] = True,
-    compare_graphs: Annotated[bool, typer.Option(
-        "--compare-graphs", help="Time every configuration eagerly and from CUDA graphs on the same device "
-        "(overrides --cuda-graphs); adds graphed_speedup = eager / graphed ms per step.")] = False,
-    repeats: Annotated[int, typer.Option("--repeats", help="Timed calls per configuration; rows report the "
-                                         "median, with the min and max ms per step.")] = 1,
+    compare_graphs: Annotated[
+        bool,
+        typer.Option(
+            "--compare-graphs",
+            help="Time every configuration eagerly and from CUDA graphs on the same device "
+            "(overrides --cuda-graphs); adds graphed_speedup = eager / graphed ms per step.",
+        ),
+    ] = False,
+    repeats: Annotated[
+        int,
+        typer.Option(
+            "--repeats", help="Timed calls per configuration; rows report the median, with the min and max ms per step."
+        ),
+    ] = 1,
     json_: JsonOpt = False,
     save: SaveOpt = None,
 ):
@@ -123,15 +192,26 @@ def bench_e2e_cmd(
         raise DetauditError("--compare-graphs needs a CUDA device (CUDA graphs are GPU only)")
     tps, bss = parse_int_list(tp, "--tp"), parse_int_list(batch_sizes, "--batch-sizes")
     bl = parse_str_list(backends, "--backends")
-    cfg = SweepConfig(model="-", suites=("-",), backends=bl, tp=tps, batch_sizes=bss, tp_mode=tp_mode.value, device=device)
+    cfg = SweepConfig(
+        model="-", suites=("-",), backends=bl, tp=tps, batch_sizes=bss, tp_mode=tp_mode.value, device=device
+    )
     validate_devices(cfg)  # TP sizes, batch sizes, modes and GPU count checked as a sweep's are
     refs = [resolve_model(m, auto_prepare=True, console=err) for m in parse_str_list(models, "--models")]
     with Progress(console=err) as prog:
         task = prog.add_task("e2e", total=len(refs) * len(tps) * len(bl) * len(bss) * (2 if compare_graphs else 1))
-        df = bench_e2e([(r.name, r.path) for r in refs], bl, tps, bss, prompt_tokens=prompt_tokens,
-                       new_tokens=new_tokens, device=device, tp_mode=tp_mode.value,
-                       cuda_graphs="both" if compare_graphs else cuda_graphs, progress=lambda: prog.advance(task),
-                       repeats=repeats)
+        df = bench_e2e(
+            [(r.name, r.path) for r in refs],
+            bl,
+            tps,
+            bss,
+            prompt_tokens=prompt_tokens,
+            new_tokens=new_tokens,
+            device=device,
+            tp_mode=tp_mode.value,
+            cuda_graphs="both" if compare_graphs else cuda_graphs,
+            progress=lambda: prog.advance(task),
+            repeats=repeats,
+        )
     _print_bench(df, "e2e", json_, save)
 
 
@@ -171,7 +251,9 @@ def bench_kernels_cmd(
 def bench_allreduce_cmd(
     ranks: Annotated[str, typer.Option("--ranks", help="Comma-separated rank counts (one process per rank).")] = "2",
     device: Annotated[str, typer.Option("--device", help="cuda (NCCL) or cpu (gloo).")] = "cuda",
-    sizes: Annotated[str, typer.Option("--sizes", help="Comma-separated fp32 element counts.")] = "32768,2097152,33554432",
+    sizes: Annotated[
+        str, typer.Option("--sizes", help="Comma-separated fp32 element counts.")
+    ] = "32768,2097152,33554432",
     reps: Annotated[int, typer.Option("--reps")] = 20,
     json_: JsonOpt = False,
     save: SaveOpt = None,
@@ -186,6 +268,10 @@ def bench_allreduce_cmd(
     worlds = parse_int_list(ranks, "--ranks")
     if device.startswith("cuda") and max(worlds) > torch.cuda.device_count():
         raise DetauditError(f"--ranks {max(worlds)} needs {max(worlds)} GPUs; {torch.cuda.device_count()} visible")
-    df = pd.concat([bench_allreduce(w, "cuda" if device.startswith("cuda") else "cpu",
-                                    parse_int_list(sizes, "--sizes"), reps) for w in worlds])
+    df = pd.concat(
+        [
+            bench_allreduce(w, "cuda" if device.startswith("cuda") else "cpu", parse_int_list(sizes, "--sizes"), reps)
+            for w in worlds
+        ]
+    )
     _print_bench(df, f"allreduce ({device})", json_, save)

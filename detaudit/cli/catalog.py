@@ -8,7 +8,18 @@ from typing import Annotated, Callable
 import typer
 from rich.table import Table
 
-from detaudit.cli.common import DEFAULT_MODEL, DataDirOpt, JsonOpt, LimitOpt, err, handle_errors, out, print_json, print_listing, print_rows
+from detaudit.cli.common import (
+    DEFAULT_MODEL,
+    DataDirOpt,
+    JsonOpt,
+    LimitOpt,
+    err,
+    handle_errors,
+    out,
+    print_json,
+    print_listing,
+    print_rows,
+)
 
 models_app = typer.Typer(no_args_is_help=True, help="Named models and local checkpoints.")
 suites_app = typer.Typer(no_args_is_help=True, help="Prompt suites.")
@@ -39,14 +50,30 @@ def _suites() -> list[dict]:
 def _backends() -> list[dict]:
     from detaudit.backends import available, get_backend
 
-    return [{"name": name, **{k: v for k, v in get_backend(name).describe().items() if k != "backend"}}
-            for name in available()]
+    return [
+        {"name": name, **{k: v for k, v in get_backend(name).describe().items() if k != "backend"}}
+        for name in available()
+    ]
 
 
-_ls(models_app, _models, ["name", "state", "size_mb", "path", "description"], "List named models and whether they are prepared.")
-_ls(suites_app, _suites, ["name", "source", "dataset_path", "needs_data_dir", "description"],
-    "List the built-in suites (package data: detaudit/data/suites).")
-_ls(backends_app, _backends, ["name", "matmul", "attention", "all_reduce"], "List the registered numeric backends and how they compute.")
+_ls(
+    models_app,
+    _models,
+    ["name", "state", "size_mb", "path", "description"],
+    "List named models and whether they are prepared.",
+)
+_ls(
+    suites_app,
+    _suites,
+    ["name", "source", "dataset_path", "needs_data_dir", "description"],
+    "List the built-in suites (package data: detaudit/data/suites).",
+)
+_ls(
+    backends_app,
+    _backends,
+    ["name", "matmul", "attention", "all_reduce"],
+    "List the registered numeric backends and how they compute.",
+)
 
 
 @models_app.command("prepare")
@@ -78,8 +105,16 @@ def suites_show(
     ignored = list(getattr(suite, "ignored_keys", ()) or ())
     ungraded = list(getattr(suite, "ungraded", ()) or ())
     if json_:
-        print_json({"name": suite.name, "source": suite.source, "checksum": suite.checksum, "prompts": rows,
-                    "ignored_keys": ignored, "ungraded": ungraded})
+        print_json(
+            {
+                "name": suite.name,
+                "source": suite.source,
+                "checksum": suite.checksum,
+                "prompts": rows,
+                "ignored_keys": ignored,
+                "ungraded": ungraded,
+            }
+        )
         return
     out.print(f"[bold]{suite.name}[/] ({suite.source}, {len(rows)} prompts, sha256 {suite.checksum[:16]})")
     if ignored:

@@ -101,27 +101,91 @@ class TpMode(str, Enum):
 
 # ---- options declared once
 JsonOpt = Annotated[bool, typer.Option("--json", help="Output as JSON.")]
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Named model (see `models ls`), a local HF checkpoint directory, or a hub id (from the local HF cache; online where a network exists).", rich_help_panel="model and suites")]
-DataDirOpt = Annotated[Optional[Path], typer.Option("--data-dir", envvar="DETAUDIT_DATA_DIR", help="Local suite mirror holding aime24.jsonl / amc23.jsonl (no dataset hub needed).", rich_help_panel="model and suites")]
-LimitOpt = Annotated[Optional[int], typer.Option("--limit", "-L", help="Only the first N prompts of each suite.", rich_help_panel="model and suites")]
-BackendsOpt = Annotated[str, typer.Option("--backends", "-b", help="Comma-separated backends (see `backends ls`).", rich_help_panel="grid")]
-TpModeOpt = Annotated[TpMode, typer.Option("--tp-mode", help="real: one process per rank; emulated: one process computes every rank's partials.", rich_help_panel="grid")]
-DtypeOpt = Annotated[Dtype, typer.Option("--dtype", help="bfloat16 (as deployments run) or float32.", rich_help_panel="engine")]
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help=(
+            "Named model (see `models ls`), a local HF checkpoint directory, or a hub id (from the local HF cache; "
+            "online where a network exists)."
+        ),
+        rich_help_panel="model and suites",
+    ),
+]
+DataDirOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--data-dir",
+        envvar="DETAUDIT_DATA_DIR",
+        help="Local suite mirror holding aime24.jsonl / amc23.jsonl (no dataset hub needed).",
+        rich_help_panel="model and suites",
+    ),
+]
+LimitOpt = Annotated[
+    Optional[int],
+    typer.Option("--limit", "-L", help="Only the first N prompts of each suite.", rich_help_panel="model and suites"),
+]
+BackendsOpt = Annotated[
+    str, typer.Option("--backends", "-b", help="Comma-separated backends (see `backends ls`).", rich_help_panel="grid")
+]
+TpModeOpt = Annotated[
+    TpMode,
+    typer.Option(
+        "--tp-mode",
+        help="real: one process per rank; emulated: one process computes every rank's partials.",
+        rich_help_panel="grid",
+    ),
+]
+DtypeOpt = Annotated[
+    Dtype, typer.Option("--dtype", help="bfloat16 (as deployments run) or float32.", rich_help_panel="engine")
+]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda.", rich_help_panel="engine")]
-MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.", rich_help_panel="decoding")]
+MaxNewTokensOpt = Annotated[
+    int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.", rich_help_panel="decoding")
+]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", rich_help_panel="decoding")]
 TopPOpt = Annotated[float, typer.Option("--top-p", rich_help_panel="decoding")]
 TopKOpt = Annotated[int, typer.Option("--top-k", rich_help_panel="decoding")]
 SeedOpt = Annotated[int, typer.Option("--seed", rich_help_panel="decoding")]
-GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Greedy decoding instead of seeded sampling.", rich_help_panel="decoding")]
-OutputOpt = Annotated[Path, typer.Option("--output-path", "-o", help="Directory to write.", rich_help_panel="data and output")]
+GreedyOpt = Annotated[
+    bool, typer.Option("--greedy", help="Greedy decoding instead of seeded sampling.", rich_help_panel="decoding")
+]
+OutputOpt = Annotated[
+    Path, typer.Option("--output-path", "-o", help="Directory to write.", rich_help_panel="data and output")
+]
 SaveOpt = Annotated[Optional[Path], typer.Option("--save", help="Also write the table (.md or .csv).")]
-RunDirArg = Annotated[Path, typer.Argument(help="A run directory written by `detaudit sweep`, or an alignment directory written by `detaudit align`.")]
+RunDirArg = Annotated[
+    Path,
+    typer.Argument(
+        help="A run directory written by `detaudit sweep`, or an alignment directory written by `detaudit align`."
+    ),
+]
 
 
-def decoding(temperature: float, top_p: float, top_k: int, seed: int, max_new_tokens: int, greedy: bool = False,
-             logprobs: int = SAMPLING.logprobs) -> DecodingParams:
-    if greedy and temperature != 0 and (temperature, top_p, top_k) != (SAMPLING.temperature, SAMPLING.top_p, SAMPLING.top_k):
-        raise DetauditError("conflicting flags: --greedy decodes without sampling; drop --temperature/--top-p/--top-k or --greedy")
-    return DecodingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                          seed=seed, greedy=greedy, logprobs=logprobs)
+def decoding(
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int,
+    max_new_tokens: int,
+    greedy: bool = False,
+    logprobs: int = SAMPLING.logprobs,
+) -> DecodingParams:
+    if (
+        greedy
+        and temperature != 0
+        and (temperature, top_p, top_k) != (SAMPLING.temperature, SAMPLING.top_p, SAMPLING.top_k)
+    ):
+        raise DetauditError(
+            "conflicting flags: --greedy decodes without sampling; drop --temperature/--top-p/--top-k or --greedy"
+        )
+    return DecodingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        greedy=greedy,
+        logprobs=logprobs,
+    )

@@ -27,7 +27,9 @@ def analyze_and_report(run_dir: Path, formats, json_: bool):
 
 
 @handle_errors
-def analyze(run_dir: RunDirArg, json_: Annotated[bool, typer.Option("--json", help="Print the summary rows as JSON.")] = False):
+def analyze(
+    run_dir: RunDirArg, json_: Annotated[bool, typer.Option("--json", help="Print the summary rows as JSON.")] = False
+):
     """Metrics per (model, suite, backend): unique outputs, probability divergence, accuracy, ..."""
     analyze_and_report(run_dir, ("md", "csv"), json_)
 
@@ -36,7 +38,9 @@ def analyze(run_dir: RunDirArg, json_: Annotated[bool, typer.Option("--json", he
 def report(
     run_dir: RunDirArg,
     format: Annotated[str, typer.Option("--format", help="Comma-separated: md, csv, html.")] = "md,csv,html",
-    output_path: Annotated[Optional[Path], typer.Option("--output-path", "-o", help="Where to write (default: the run directory).")] = None,
+    output_path: Annotated[
+        Optional[Path], typer.Option("--output-path", "-o", help="Where to write (default: the run directory).")
+    ] = None,
 ):
     """Write markdown / CSV / HTML reports (tables laid out like the published ones, plots)."""
     from detaudit.analyze import analyze as do_analyze
@@ -54,13 +58,25 @@ def report(
 @handle_errors
 def gate(
     run_dir: RunDirArg,
-    policy: Annotated[Optional[Path], typer.Option("--policy", help="Policy YAML (default: bio+tbik must be bitwise invariant).")] = None,
-    baseline: Annotated[Optional[Path], typer.Option("--baseline", help="Fail when a metric is worse than this run's by more than its tolerance.")] = None,
-    allow_mismatch: Annotated[bool, typer.Option("--allow-mismatch", help="Compare with a --baseline of another model or suite anyway (the differences are still listed).")] = False,
+    policy: Annotated[
+        Optional[Path], typer.Option("--policy", help="Policy YAML (default: bio+tbik must be bitwise invariant).")
+    ] = None,
+    baseline: Annotated[
+        Optional[Path],
+        typer.Option("--baseline", help="Fail when a metric is worse than this run's by more than its tolerance."),
+    ] = None,
+    allow_mismatch: Annotated[
+        bool,
+        typer.Option(
+            "--allow-mismatch",
+            help="Compare with a --baseline of another model or suite anyway (the differences are still listed).",
+        ),
+    ] = False,
     json_: JsonOpt = False,
 ):
     """Exit 0 when the run meets the policy, 1 when it does not (violations listed), 2 on bad input."""
-    from detaudit.gate import gate as do_gate, render_result
+    from detaudit.gate import gate as do_gate
+    from detaudit.gate import render_result
 
     res = do_gate(run_dir, policy_path=policy, baseline_dir=baseline, allow_mismatch=allow_mismatch)
     if json_:
@@ -73,9 +89,15 @@ def gate(
 
 @handle_errors
 def merge(
-    run_dirs: Annotated[Optional[list[Path]], typer.Argument(help="Run directories to combine (e.g. the shards of one grid).")] = None,
-    output_path: Annotated[Optional[Path], typer.Option("--output-path", "-o", help="New run directory to write.")] = None,
-    allow_mixed_hardware: Annotated[bool, typer.Option("--allow-mixed-hardware", help="Merge runs from different hardware (the report says so).")] = False,
+    run_dirs: Annotated[
+        Optional[list[Path]], typer.Argument(help="Run directories to combine (e.g. the shards of one grid).")
+    ] = None,
+    output_path: Annotated[
+        Optional[Path], typer.Option("--output-path", "-o", help="New run directory to write.")
+    ] = None,
+    allow_mixed_hardware: Annotated[
+        bool, typer.Option("--allow-mixed-hardware", help="Merge runs from different hardware (the report says so).")
+    ] = False,
 ):
     """Combine run directories; refuses different models, suites, decoding settings, code versions or
     numerics (a backend's cells computed differently)."""

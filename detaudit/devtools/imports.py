@@ -17,8 +17,18 @@ PACKAGE = Path(__file__).resolve().parent.parent
 # lowest first; a module may import its own layer and the ones below it
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "paths", "__init__"),
-    ("config", "records", "manifest", "metrics", "grading", "suite_yaml", "synthetic", "prompt_limits", "fingerprint",
-     "progress"),
+    (
+        "config",
+        "records",
+        "manifest",
+        "metrics",
+        "grading",
+        "suite_yaml",
+        "synthetic",
+        "prompt_limits",
+        "fingerprint",
+        "progress",
+    ),
     ("suites", "models", "backends", "runs"),
     ("engine",),
     ("vllm", "server"),

@@ -27,12 +27,28 @@ def open_engine(
     if (tp == 1 and not tp1_group()) or tp_mode == "emulated":
         from detaudit.engine.local import LocalEngine
 
-        return LocalEngine(model_path, backend, tp, emulated=tp > 1, dtype=dtype, device=device, eos_ids=eos_ids,
-                           cuda_graphs=cuda_graphs)
+        return LocalEngine(
+            model_path,
+            backend,
+            tp,
+            emulated=tp > 1,
+            dtype=dtype,
+            device=device,
+            eos_ids=eos_ids,
+            cuda_graphs=cuda_graphs,
+        )
     from detaudit.engine.worker import DistEngine
 
-    return DistEngine(model_path, backend, tp, dtype=dtype, device=device, eos_ids=eos_ids, hang_timeout=hang_timeout,
-                      cuda_graphs=cuda_graphs)
+    return DistEngine(
+        model_path,
+        backend,
+        tp,
+        dtype=dtype,
+        device=device,
+        eos_ids=eos_ids,
+        hang_timeout=hang_timeout,
+        cuda_graphs=cuda_graphs,
+    )
 
 
 TP1_GROUP_ENV = "DETAUDIT_TP1_GROUP"

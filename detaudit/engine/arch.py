@@ -94,11 +94,15 @@ class ModelConfig:
     def from_dict(cls, raw: dict, where: str = "config.json") -> "ModelConfig":
         mtype = raw.get("model_type")
         if mtype not in ARCHITECTURES:
-            raise DetauditError(f"{where}: model_type {mtype!r} is not supported by the built-in engine "
-                                f"(supported: {', '.join(SUPPORTED)}; `--engine vllm` runs what vLLM supports)")
+            raise DetauditError(
+                f"{where}: model_type {mtype!r} is not supported by the built-in engine "
+                f"(supported: {', '.join(SUPPORTED)}; `--engine vllm` runs what vLLM supports)"
+            )
 
         def refuse(what: str, note: str = "") -> DetauditError:
-            return DetauditError(f"{where}: {what} is not supported by the built-in engine ({mtype}{'; ' + note if note else ''})")
+            return DetauditError(
+                f"{where}: {what} is not supported by the built-in engine ({mtype}{'; ' + note if note else ''})"
+            )
 
         archs = raw.get("architectures") or [ARCHITECTURES[mtype]]
         if list(archs) != [ARCHITECTURES[mtype]]:
@@ -163,7 +167,8 @@ class ModelConfig:
             raise DetauditError(
                 f"rope_type 'dynamic' beyond max_position_embeddings ({limit} positions; this run needs {length}) "
                 "is not supported by the built-in engine: transformers rescales the frequencies by the longest "
-                "sequence of each forward call (not batch invariant)")
+                "sequence of each forward call (not batch invariant)"
+            )
 
 
 def _rope(raw: dict, max_pos: int, refuse) -> RopeSpec:
@@ -195,8 +200,9 @@ def _rope(raw: dict, max_pos: int, refuse) -> RopeSpec:
     # transformers: a top-level original_max_position_embeddings wins, then the rope dict's, then
     # max_position_embeddings
     original = raw.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", max_pos))
-    return RopeSpec("llama3", theta, factor, float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
-                    int(original))
+    return RopeSpec(
+        "llama3", theta, factor, float(rope["low_freq_factor"]), float(rope["high_freq_factor"]), int(original)
+    )
 
 
 def _windows(raw: dict, mtype: str, layers: int, refuse) -> tuple[int | None, ...]:

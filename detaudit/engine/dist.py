@@ -95,8 +95,9 @@ def loopback_ifname() -> str:
     return next((n for n in names if n.startswith("lo")), "lo")
 
 
-def init(rank: int, size: int, port: int, device: str, timeout_s: float = 300.0,
-         listen_fd: int | None = None) -> TorchGroup:
+def init(
+    rank: int, size: int, port: int, device: str, timeout_s: float = 300.0, listen_fd: int | None = None
+) -> TorchGroup:
     """Join the default process group. Every socket it opens listens on loopback only:
 
     - the store: a TCPStore that rank 0 serves from `listen_fd` (a socket the controller bound to

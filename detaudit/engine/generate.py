@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -189,9 +188,16 @@ class Generator:
             if not any(active) or last:
                 break
             logits, logprobs = following
-        self.timings = {"prefill_s": prefill_s, "capture_s": capture_s, "decode_s": clock.lap(), "decode_steps": steps,
-                        "issue_s": issue_s, "batch": B,
-                        "prompt_tokens": int(lens.sum()), "cuda_graphs": self.cuda_graphs}
+        self.timings = {
+            "prefill_s": prefill_s,
+            "capture_s": capture_s,
+            "decode_s": clock.lap(),
+            "decode_steps": steps,
+            "issue_s": issue_s,
+            "batch": B,
+            "prompt_tokens": int(lens.sum()),
+            "cuda_graphs": self.cuda_graphs,
+        }
         return outs
 
     @torch.inference_mode()

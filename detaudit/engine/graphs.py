@@ -27,8 +27,9 @@ def eager_step(model: Decoder, cache: list[tuple[Tensor, Tensor]]) -> Step:
     whole = cache[0][0].shape[2] if model.device.type == "cuda" else None
 
     def step(tokens: Tensor, positions: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-        logits = model.logits(model.hidden(tokens[:, None], positions[:, None], cache, whole or kv_len,
-                                           keep_buffers=True))[:, 0]
+        logits = model.logits(
+            model.hidden(tokens[:, None], positions[:, None], cache, whole or kv_len, keep_buffers=True)
+        )[:, 0]
         return logits, model.ctx.backend.log_softmax(logits)
 
     return step

@@ -62,8 +62,13 @@ class RowParallelLinear:
         self.name = name
         self.bias = bias
         # where `rounded=False` may return the partial itself (see __call__), decided once
-        self._partial_is_delta = (bias is None and ctx.group is None and ctx.size == 1 and fused.usable(shards[0])
-                                  and getattr(ctx.backend, "ONE_PARTIAL_IS_A_CAST", False))
+        self._partial_is_delta = (
+            bias is None
+            and ctx.group is None
+            and ctx.size == 1
+            and fused.usable(shards[0])
+            and getattr(ctx.backend, "ONE_PARTIAL_IS_A_CAST", False)
+        )
 
     def __call__(self, x: Tensor, rounded: bool = True) -> Tensor:
         """The layer's output in the model dtype. With `rounded=False` the caller takes the output as a

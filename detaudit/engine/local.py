@@ -13,9 +13,9 @@ from detaudit.backends import get_backend
 from detaudit.backends.base import Group
 from detaudit.config import DecodingParams
 from detaudit.engine.generate import Generator
-from detaudit.records import Generation, ProgressFn
 from detaudit.engine.layers import TPContext
 from detaudit.engine.model import Decoder
+from detaudit.records import Generation, ProgressFn
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -85,7 +85,9 @@ class LocalEngine:
         self.last_timings = totals
         return out
 
-    def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], batch_size: int) -> list[list[float]]:
+    def score(
+        self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], batch_size: int
+    ) -> list[list[float]]:
         out: list[list[float]] = []
         with self.backend.activate():
             for r in chunks(len(prompts), batch_size):

@@ -33,12 +33,14 @@ class Block:
         self.window = cfg.windows[i] if cfg.windows else None
 
         def column(name: str, bias: bool) -> ColumnParallelLinear:
-            return ColumnParallelLinear(load.shards(name + ".weight", 0), ctx,
-                                        load.shards(name + ".bias", 0) if bias else None)
+            return ColumnParallelLinear(
+                load.shards(name + ".weight", 0), ctx, load.shards(name + ".bias", 0) if bias else None
+            )
 
         def row(name: str, bias: bool) -> RowParallelLinear:
-            return RowParallelLinear(load.shards(name + ".weight", 1), ctx, name,
-                                     load.full(name + ".bias") if bias else None)
+            return RowParallelLinear(
+                load.shards(name + ".weight", 1), ctx, name, load.full(name + ".bias") if bias else None
+            )
 
         self.input_layernorm = RMSNorm(load.full(p + "input_layernorm.weight"), cfg.rms_norm_eps, b)
         self.post_attention_layernorm = RMSNorm(load.full(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps, b)
@@ -87,8 +89,9 @@ class Block:
         half = out.shape[1] // 2
         return out[:, :half], out[:, half:]
 
-    def __call__(self, x: Tensor, delta: Tensor | None, step: "StepPlan", cache: tuple[Tensor, Tensor]
-                 ) -> tuple[Tensor, Tensor]:
+    def __call__(
+        self, x: Tensor, delta: Tensor | None, step: "StepPlan", cache: tuple[Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor]:
         """x: the residual stream of the step's tokens flattened, [B*T, H], and `delta`, what the previous
         layer adds to it (None before the first layer): the add is the input norm's (one kernel on GPU).
         Returns this layer's (x, delta). Every per-token op is row-local, and a 2-D operand is the product
@@ -104,8 +107,21 @@ class Block:
         if step.fused and self.merged_rope:
             # GPU, merged projection: (q/k norms,) rotary and both cache writes in one kernel reading q, k, v
             # at their column offsets of the one product
-            q = fused.rope_store_qkv(self.qkv(h), self.n_heads, self.n_kv, step.cos, step.sin, k_cache, v_cache,
-                                     step.slots, B, T, d, self._fused_norms, None if bufs is None else bufs.q)
+            q = fused.rope_store_qkv(
+                self.qkv(h),
+                self.n_heads,
+                self.n_kv,
+                step.cos,
+                step.sin,
+                k_cache,
+                v_cache,
+                step.slots,
+                B,
+                T,
+                d,
+                self._fused_norms,
+                None if bufs is None else bufs.q,
+            )
         elif step.fused:  # GPU: (q/k norms,) rotary for q and k and both cache writes in one kernel
             q, k, v = self._qkv(h)
             if self.q_norm is not None and self._fused_norms is None:
@@ -175,8 +191,14 @@ class StepPlan:
 
     __slots__ = ("B", "T", "pos", "cos", "sin", "kv_len", "slots", "fused", "buffers", "_backend", "_plans")
 
-    def __init__(self, model: "Decoder", pos: Tensor, cache: list[tuple[Tensor, Tensor]], kv_len: int,
-                 buffers: DecodeBuffers | None = None) -> None:
+    def __init__(
+        self,
+        model: "Decoder",
+        pos: Tensor,
+        cache: list[tuple[Tensor, Tensor]],
+        kv_len: int,
+        buffers: DecodeBuffers | None = None,
+    ) -> None:
         B, T = pos.shape
         self.B, self.T, self.pos, self.kv_len = B, T, pos, kv_len
         self.buffers = buffers
@@ -223,8 +245,10 @@ class Decoder:
             unused = load.unused() if hasattr(load, "unused") else []
             if unused:
                 more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
-                raise DetauditError(f"model {path} holds parameters the built-in engine does not use "
-                                    f"({', '.join(unused[:3])}{more}): its config does not describe them")
+                raise DetauditError(
+                    f"model {path} holds parameters the built-in engine does not use "
+                    f"({', '.join(unused[:3])}{more}): its config does not describe them"
+                )
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, device, cfg.rope)
         self._buffers: dict[int, DecodeBuffers] = {}  # batch -> eager decode's kept outputs (GPU)
         local = len(ctx.local_ranks)
@@ -234,12 +258,21 @@ class Decoder:
         self.cfg.check_length(length)
         shape = (batch, self.n_kv_local, length, self.cfg.head_dim)
         return [
-            (torch.zeros(shape, dtype=self.ctx.dtype, device=self.device), torch.zeros(shape, dtype=self.ctx.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.ctx.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.ctx.dtype, device=self.device),
+            )
             for _ in self.layers
         ]
 
-    def hidden(self, ids: Tensor, pos: Tensor, cache: list[tuple[Tensor, Tensor]], kv_len: int | None = None,
-               keep_buffers: bool = False) -> Tensor:
+    def hidden(
+        self,
+        ids: Tensor,
+        pos: Tensor,
+        cache: list[tuple[Tensor, Tensor]],
+        kv_len: int | None = None,
+        keep_buffers: bool = False,
+    ) -> Tensor:
         """Final-normed hidden states [B, T, H] of tokens `ids` at positions `pos` (both [B, T]).
         Attention reads the first `kv_len` cache slots (default: up to the furthest position, which needs
         a host sync; a CUDA-graphed decode step passes the whole cache: slots past a query's position

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from detaudit.config import DecodingParams
-from detaudit.records import Generation, ProgressFn
 from detaudit.engine.local import cpu_cores
 from detaudit.errors import CellFailed
+from detaudit.records import Generation, ProgressFn
 
 FAULT_ENV = "DETAUDIT_FAULT_INJECT"  # tests: "crash:RANK" or "hang:RANK" (at the first generate)
 
@@ -81,8 +81,15 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict, 
             torch.set_num_interop_threads(1)
             group = dist.init(rank, size, port, device, listen_fd=listen_fd)
             engine = LocalEngine(
-                Path(spec["model_path"]), spec["backend"], size, rank=rank, group=group,
-                dtype=spec["dtype"], device=device, eos_ids=spec["eos_ids"], threads=spec["threads"],
+                Path(spec["model_path"]),
+                spec["backend"],
+                size,
+                rank=rank,
+                group=group,
+                dtype=spec["dtype"],
+                device=device,
+                eos_ids=spec["eos_ids"],
+                threads=spec["threads"],
                 cuda_graphs=spec.get("cuda_graphs", True),
             )
         conn.send(("ready", engine.describe()))
@@ -142,8 +149,17 @@ class DistEngine:
         self.hosted = host is not None
         self.keep_log = False  # set when a failure's message names the host's log file
         threads = max(1, cpu_cores() // tp) if not device.startswith("cuda") else 1
-        self.spec = dict(model_path=str(model_path), backend=backend, dtype=dtype, device=device,
-                         eos_ids=list(eos_ids), threads=threads, tp=tp, cuda_graphs=cuda_graphs, **(host or {}))
+        self.spec = dict(
+            model_path=str(model_path),
+            backend=backend,
+            dtype=dtype,
+            device=device,
+            eos_ids=list(eos_ids),
+            threads=threads,
+            tp=tp,
+            cuda_graphs=cuda_graphs,
+            **(host or {}),
+        )
         nprocs = 1 if self.hosted else tp
         # rank 0's store socket: bound to 127.0.0.1 here, before any worker starts, and inherited by
         # rank 0 only (no free-port race, nothing listens on another interface)
@@ -158,11 +174,19 @@ class DistEngine:
                 fds = (child.fileno(),) + ((store_sock.fileno(),) if store_sock and r == 0 else ())
                 listen_fd = fds[1] if len(fds) > 1 else -1
                 code = "from detaudit.engine.worker import _entry; _entry()"
-                argv = [sys.executable, "-c", code, str(r), str(nprocs), str(port), str(child.fileno()),
-                        str(listen_fd), json.dumps(self.spec)]
+                argv = [
+                    sys.executable,
+                    "-c",
+                    code,
+                    str(r),
+                    str(nprocs),
+                    str(port),
+                    str(child.fileno()),
+                    str(listen_fd),
+                    json.dumps(self.spec),
+                ]
                 log = open(host["log"], "ab") if host and host.get("log") else None  # vLLM's own chatter
-                p = subprocess.Popen(argv, pass_fds=fds, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=log, stderr=log)
+                p = subprocess.Popen(argv, pass_fds=fds, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
                 if log is not None:
                     log.close()
                 child.close()
@@ -231,8 +255,9 @@ class DistEngine:
             self.close()
             raise
 
-    def generate(self, prompts, prompt_ids, decoding: DecodingParams, batch_size: int,
-                 progress: ProgressFn | None = None) -> list[Generation]:
+    def generate(
+        self, prompts, prompt_ids, decoding: DecodingParams, batch_size: int, progress: ProgressFn | None = None
+    ) -> list[Generation]:
         return self._call("generate", (list(map(list, prompts)), list(prompt_ids), decoding, batch_size), progress)
 
     def score(self, prompts, continuations, batch_size: int) -> list[list[float]]:

@@ -10,20 +10,37 @@ from detaudit.errors import CellFailed
 from detaudit.executors import CellJob, CellOutput, Group, OutputFn, ProgressFn, ReferenceFn
 
 
-def run_job(engine: Engine, group: Group, job: CellJob, reference: ReferenceFn, progress: ProgressFn,
-            load_s: float) -> CellOutput:
+def run_job(
+    engine: Engine, group: Group, job: CellJob, reference: ReferenceFn, progress: ProgressFn, load_s: float
+) -> CellOutput:
     """Generate one cell, then score its reference's outputs (teacher forcing) where they exist."""
     t0 = time.monotonic()
     load = {"load": job.load} if job.load else {}  # server engines: background requests during the cell
-    gens = engine.generate(job.token_ids, job.prompt_ids, group.decoding, job.batch_size,
-                           progress=lambda n: progress(job.cell_id, "tokens", n), **load)
+    gens = engine.generate(
+        job.token_ids,
+        job.prompt_ids,
+        group.decoding,
+        job.batch_size,
+        progress=lambda n: progress(job.cell_id, "tokens", n),
+        **load,
+    )
     gen_s = time.monotonic() - t0
     continuations = [g.token_ids for g in gens] if job.reference_id == job.cell_id else reference(job.reference_id)
     scores = engine.score(job.token_ids, continuations, job.batch_size) if continuations is not None else None
-    timing = {"wall_s": round(time.monotonic() - t0 + load_s, 3), "engine_start_s": round(load_s, 3),
-              "generate_s": round(gen_s, 3)}
-    return CellOutput(job.cell_id, gens, scores, job.reference_id if scores is not None else None, timing,
-                      describe=engine.describe(), emulated=bool(getattr(engine, "emulated", False)) and group.options.tp > 1)
+    timing = {
+        "wall_s": round(time.monotonic() - t0 + load_s, 3),
+        "engine_start_s": round(load_s, 3),
+        "generate_s": round(gen_s, 3),
+    }
+    return CellOutput(
+        job.cell_id,
+        gens,
+        scores,
+        job.reference_id if scores is not None else None,
+        timing,
+        describe=engine.describe(),
+        emulated=bool(getattr(engine, "emulated", False)) and group.options.tp > 1,
+    )
 
 
 class GroupEngine:

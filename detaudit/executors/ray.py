@@ -87,10 +87,15 @@ class GroupActor:
         gpus = ctx.get_accelerator_ids().get("GPU") or []
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         return {
-            "executor": "ray", "node_id": ctx.get_node_id(), "node_ip": _node_ip(),
-            "hostname": socket.gethostname(), "pid": os.getpid(),
+            "executor": "ray",
+            "node_id": ctx.get_node_id(),
+            "node_ip": _node_ip(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
             "gpu_ids": list(gpus) or ([d for d in visible.split(",") if d] if visible else []),
-            "cuda_visible_devices": visible, "cpu_cores": cores, "model_path": str(self.group.options.model_path),
+            "cuda_visible_devices": visible,
+            "cpu_cores": cores,
+            "model_path": str(self.group.options.model_path),
         }
 
     def run_cell(self, job: CellJob, continuations: list[list[int]] | None, fault: bool) -> CellOutput:
@@ -99,9 +104,11 @@ class GroupActor:
         if self.runner is None:
             path = self.group.options.model_path
             if not path.exists():
-                raise DetauditError(f"model path {path} does not exist on Ray node {socket.gethostname()} "
-                                    f"({_node_ip()}); on a cluster the model must be at the same "
-                                    "path on every node")
+                raise DetauditError(
+                    f"model path {path} does not exist on Ray node {socket.gethostname()} "
+                    f"({_node_ip()}); on a cluster the model must be at the same "
+                    "path on every node"
+                )
             self.runner = GroupEngine(self.group)
         out = self.runner.run(job, lambda _ref: continuations, lambda *a: None)
         if fault:
@@ -150,8 +157,9 @@ class _Slot:
 class RayExecutor:
     name = "ray"
 
-    def __init__(self, address: str | None = None, max_retries: int = 2, num_cpus: int | None = None,
-                 poll_s: float = 0.5) -> None:
+    def __init__(
+        self, address: str | None = None, max_retries: int = 2, num_cpus: int | None = None, poll_s: float = 0.5
+    ) -> None:
         if max_retries < 0:
             raise DetauditError(f"--max-retries must be >= 0 (got {max_retries})")
         self.ray = require_ray()
@@ -164,10 +172,13 @@ class RayExecutor:
         self._actor_cls: Any = None
 
     def describe(self) -> dict:
-        return {"name": self.name, "ray_version": self.ray.__version__,
-                "address": safe_address(self.address) or "local (started by detaudit on 127.0.0.1)",
-                "max_retries": self.max_retries,
-                "model_path": "the driver's model path, required at the same path on every node"}
+        return {
+            "name": self.name,
+            "ray_version": self.ray.__version__,
+            "address": safe_address(self.address) or "local (started by detaudit on 127.0.0.1)",
+            "max_retries": self.max_retries,
+            "model_path": "the driver's model path, required at the same path on every node",
+        }
 
     # -- Ray runtime
 
@@ -181,12 +192,20 @@ class RayExecutor:
             try:
                 ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
             except (ConnectionError, ValueError, RuntimeError) as e:
-                raise DetauditError(f"--ray-address {safe_address(self.address)}: cannot connect to a Ray cluster "
-                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                raise DetauditError(
+                    f"--ray-address {safe_address(self.address)}: cannot connect to a Ray cluster "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                ) from None
         else:  # a private single-node runtime, every port on 127.0.0.1
             self._loopback(True)
-            ray.init(address="local", num_cpus=self.num_cpus, include_dashboard=False,
-                     _node_ip_address="127.0.0.1", logging_level=logging.WARNING, log_to_driver=False)
+            ray.init(
+                address="local",
+                num_cpus=self.num_cpus,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
         self.started_ray = True
 
     def _shutdown(self) -> None:
@@ -248,16 +267,20 @@ class RayExecutor:
             pg = placement_group([{resource: 1}] * tp, strategy="STRICT_PACK", name=f"detaudit-{group.label}")
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)
             if resource == "GPU":
-                probes = [ray.remote(num_gpus=1, num_cpus=0)(_gpu_ids).options(
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
-                    for i in range(tp)]
+                probes = [
+                    ray.remote(num_gpus=1, num_cpus=0)(_gpu_ids)
+                    .options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+                    .remote()
+                    for i in range(tp)
+                ]
                 visible = ",".join(i for ids in ray.get(probes) for i in ids)
         if self._actor_cls is None:
             self._actor_cls = ray.remote(num_cpus=0, num_gpus=0, max_restarts=0, max_task_retries=0)(GroupActor)
         actor_cls = self._actor_cls
         slot.pg = pg
         slot.actor = actor_cls.options(scheduling_strategy=strategy, name=None).remote(
-            replace(group, jobs=[]), visible, env)
+            replace(group, jobs=[]), visible, env
+        )
         slot.started = True
 
     def _stop(self, slot: _Slot, graceful: bool) -> None:
@@ -305,9 +328,20 @@ class RayExecutor:
         ray = self.ray
         from ray.exceptions import RayTaskError
 
-        lost_errors: tuple = tuple(getattr(ray.exceptions, n) for n in (
-            "RayActorError", "ActorDiedError", "ActorUnavailableError", "NodeDiedError", "WorkerCrashedError",
-            "ObjectLostError", "OwnerDiedError", "ActorPlacementGroupRemoved") if hasattr(ray.exceptions, n))
+        lost_errors: tuple = tuple(
+            getattr(ray.exceptions, n)
+            for n in (
+                "RayActorError",
+                "ActorDiedError",
+                "ActorUnavailableError",
+                "NodeDiedError",
+                "WorkerCrashedError",
+                "ObjectLostError",
+                "OwnerDiedError",
+                "ActorPlacementGroupRemoved",
+            )
+            if hasattr(ray.exceptions, n)
+        )
         owner = {job.cell_id: s.index for s in slots for job in s.pending}
         landed: set[str] = set()
         begun: set[str] = set()  # cells whose progress bar exists
@@ -351,9 +385,15 @@ class RayExecutor:
             begin(job.cell_id)
             if slot.actor is None:
                 need = self._resource(slot.group)
-                if not (slot.group.engine == "vllm" and need == "GPU") and self._largest_node(need) < slot.group.options.tp:
-                    give_up(slot, f"no Ray node has {slot.group.options.tp} {need}(s) for {slot.group.label} "
-                                  "(a TP group is packed onto one node)")
+                if (
+                    not (slot.group.engine == "vllm" and need == "GPU")
+                    and self._largest_node(need) < slot.group.options.tp
+                ):
+                    give_up(
+                        slot,
+                        f"no Ray node has {slot.group.options.tp} {need}(s) for {slot.group.label} "
+                        "(a TP group is packed onto one node)",
+                    )
                     return
                 self._start(slot)
                 progress(job.cell_id, "engine", 0)
@@ -391,13 +431,19 @@ class RayExecutor:
                     attempts[job.cell_id] = attempts.get(job.cell_id, 0) + 1
                     self._stop(slot, graceful=False)
                     if slot.lost > self.max_retries:
-                        give_up(slot, f"Ray actor for {slot.group.label} lost {slot.lost} time(s) "
-                                      f"(max retries {self.max_retries}): {type(e).__name__}")
+                        give_up(
+                            slot,
+                            f"Ray actor for {slot.group.label} lost {slot.lost} time(s) "
+                            f"(max retries {self.max_retries}): {type(e).__name__}",
+                        )
                         continue
                     dispatch(slot)  # the group's unfinished cells, on a new actor and placement group
                     continue
-                out.placement = {**out.placement, "attempt": attempts.get(job.cell_id, 0) + 1,
-                                 "group_actor_restarts": slot.lost}
+                out.placement = {
+                    **out.placement,
+                    "attempt": attempts.get(job.cell_id, 0) + 1,
+                    "group_actor_restarts": slot.lost,
+                }
                 slot.pending.popleft()
                 land(out)
                 dispatch(slot)

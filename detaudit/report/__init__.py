@@ -12,8 +12,8 @@ from rich.text import Text
 
 from detaudit.analyze import Analysis, nothing_to_compare
 from detaudit.errors import DetauditError
-from detaudit.metrics import MIN_CELLS, fmt_num, fmt_pct, is_missing, shown, spec, text_labels
 from detaudit.manifest import Manifest
+from detaudit.metrics import MIN_CELLS, fmt_num, fmt_pct, is_missing, shown, spec, text_labels
 from detaudit.runs import atomic_write_bytes
 
 FORMATS = ("md", "csv", "html")
@@ -83,15 +83,36 @@ def cell_state(state: str, error: Any) -> str:
 
 
 def cell_rows(analysis: Analysis) -> Rows:
-    header = ["cell", "backend", "TP", "batch", "TP mode", "state", "prompts", "acc", "mean len",
-              "same as first cell", "wall s"]
+    header = [
+        "cell",
+        "backend",
+        "TP",
+        "batch",
+        "TP mode",
+        "state",
+        "prompts",
+        "acc",
+        "mean len",
+        "same as first cell",
+        "wall s",
+    ]
     rows = []
     for c in analysis.per_cell.to_dict("records"):
-        rows.append([
-            c["cell_id"], str(c["backend"]), fmt_num(c["tp"]), fmt_num(c["batch_size"]), str(c["tp_mode"]),
-            cell_state(c["state"], c["error"]), fmt_num(c["prompts"]), fmt_pct(c["acc"]),
-            fmt_num(c["len_mean"], 1), fmt_pct(c["agree_ref"]), fmt_num(c["wall_s"], 1),
-        ])
+        rows.append(
+            [
+                c["cell_id"],
+                str(c["backend"]),
+                fmt_num(c["tp"]),
+                fmt_num(c["batch_size"]),
+                str(c["tp_mode"]),
+                cell_state(c["state"], c["error"]),
+                fmt_num(c["prompts"]),
+                fmt_pct(c["acc"]),
+                fmt_num(c["len_mean"], 1),
+                fmt_pct(c["agree_ref"]),
+                fmt_num(c["wall_s"], 1),
+            ]
+        )
     return header, rows
 
 
@@ -105,14 +126,18 @@ def warnings(analysis: Analysis) -> list[str]:
     out = []
     m = analysis.manifest
     if m.mixed_hardware:
-        out.append("MIXED HARDWARE: the cells of this run were computed on different machines, so differences "
-                   "may come from the hardware rather than from TP size, batch size or backend.")
+        out.append(
+            "MIXED HARDWARE: the cells of this run were computed on different machines, so differences "
+            "may come from the hardware rather than from TP size, batch size or backend."
+        )
     pc = analysis.per_cell
     bad = pc[pc["state"] != "done"]
     if len(bad):
-        out.append(f"INCOMPLETE: {len(bad)} of {len(pc)} cells are not done "
-                   f"({', '.join(f'{c} {s}' for c, s in zip(bad['cell_id'], bad['state']))}); "
-                   "their backends are measured over fewer configurations.")
+        out.append(
+            f"INCOMPLETE: {len(bad)} of {len(pc)} cells are not done "
+            f"({', '.join(f'{c} {s}' for c, s in zip(bad['cell_id'], bad['state']))}); "
+            "their backends are measured over fewer configurations."
+        )
     if (pc["tp_mode"] == "emulated").any():
         out.append("EMULATED TP: " + EMULATED_NOTE)
     uncompared = nothing_to_compare(analysis.summary, pc)
@@ -146,7 +171,6 @@ def write_file(path: str | Path, text: str) -> Path:
     atomic_write_bytes(path, text.encode())
     path.chmod(0o644)
     return path
-
 
 
 def write_reports(analysis: Analysis, out_dir: str | Path, formats: Sequence[str] = FORMATS) -> list[Path]:
@@ -190,8 +214,9 @@ def summary_table(analysis: Analysis) -> Table:
 def render_summary(analysis: Analysis) -> list[Table | Text]:
     """What `detaudit analyze` prints: the summary table, then a line when a group compares nothing."""
     uncompared = nothing_to_compare(analysis.summary, analysis.per_cell)
-    return [summary_table(analysis)] + ([Text("nothing to compare: " + uncompared, style="bold yellow")]
-                                        if uncompared else [])
+    return [summary_table(analysis)] + (
+        [Text("nothing to compare: " + uncompared, style="bold yellow")] if uncompared else []
+    )
 
 
 __all__ = ["write_reports", "summary_table", "render_summary", "FORMATS"]

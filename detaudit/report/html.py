@@ -30,7 +30,6 @@ from detaudit.report import (
     yaml_dump,
 )
 
-
 COLORS = {"bf16": "#d62728", "bio": "#ff7f0e", "bio+tbik": "#2ca02c"}
 PALETTE = ["#1f77b4", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 
@@ -49,8 +48,11 @@ def png(fig: Figure) -> str:
 
 
 def agreement_figure(analysis: Analysis, suite: str) -> Figure | None:
-    mats = [(b, analysis.agreement[(suite, b)]) for b in analysis.backends  # a 1x1 matrix compares nothing
-            if (suite, b) in analysis.agreement and len(analysis.agreement[(suite, b)]) >= MIN_CELLS]
+    mats = [
+        (b, analysis.agreement[(suite, b)])
+        for b in analysis.backends  # a 1x1 matrix compares nothing
+        if (suite, b) in analysis.agreement and len(analysis.agreement[(suite, b)]) >= MIN_CELLS
+    ]
     if not mats:
         return None
     n = max(len(m) for _, m in mats)
@@ -72,8 +74,15 @@ def agreement_figure(analysis: Analysis, suite: str) -> Figure | None:
                 for j in range(len(m)):
                     v = m.iat[i, j]
                     if not math.isnan(v):
-                        ax.text(j, i, f"{v:.2f}".rstrip("0").rstrip(".") if v not in (0, 1) else f"{v:.0f}",
-                                ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
+                        ax.text(
+                            j,
+                            i,
+                            f"{v:.2f}".rstrip("0").rstrip(".") if v not in (0, 1) else f"{v:.0f}",
+                            ha="center",
+                            va="center",
+                            fontsize=7,
+                            color="white" if v < 0.6 else "black",
+                        )
     cbar = fig.colorbar(image, ax=list(axes), shrink=0.8, pad=0.02)
     cbar.ax.tick_params(labelsize=8)
     return fig
@@ -125,8 +134,15 @@ def first_div_figure(analysis: Analysis, suite: str) -> Figure | None:
         values = sub["first_div"].dropna().astype(float)
         label = f"{backend}: {len(values)}/{len(sub)} prompts diverged"
         if len(values):
-            ax.hist(values, bins=bins, color=color(backend, i), alpha=0.45, label=label,
-                    histtype="stepfilled", edgecolor=color(backend, i))
+            ax.hist(
+                values,
+                bins=bins,
+                color=color(backend, i),
+                alpha=0.45,
+                label=label,
+                histtype="stepfilled",
+                edgecolor=color(backend, i),
+            )
         else:
             ax.plot([], [], color=color(backend, i), lw=6, alpha=0.45, label=label)
     ax.set_xlabel("first divergence position (tokens)")
@@ -150,21 +166,32 @@ def accuracy_figure(analysis: Analysis, suite: str) -> Figure | None:
     failed_marked = False
     for i, backend in enumerate(backends):
         sub = pc[pc["backend"] == backend]
-        xs = np.array([labels.index(cell_label(t, b)) for t, b in zip(sub["tp"], sub["batch_size"])]) + (
-            i - (len(backends) - 1) / 2) * width
+        xs = (
+            np.array([labels.index(cell_label(t, b)) for t, b in zip(sub["tp"], sub["batch_size"])])
+            + (i - (len(backends) - 1) / 2) * width
+        )
         acc = sub["acc"].to_numpy(dtype=float) * 100
         ok = ~np.isnan(acc)
         ax.bar(xs[ok], acc[ok], width=width, color=color(backend, i), label=backend)
         bad = (sub["state"] != "done").to_numpy()
         if bad.any():
-            ax.scatter(xs[bad], np.full(bad.sum(), 4.0), marker="x", color=color(backend, i), s=40,
-                       linewidths=2, zorder=3, clip_on=False)
+            ax.scatter(
+                xs[bad],
+                np.full(bad.sum(), 4.0),
+                marker="x",
+                color=color(backend, i),
+                s=40,
+                linewidths=2,
+                zorder=3,
+                clip_on=False,
+            )
             failed_marked = True
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(0, 100)
-    ax.set_title(f"{suite}: accuracy per cell" + ("  (× = cell not done)" if failed_marked else ""),
-                 fontsize=11, pad=22)
+    ax.set_title(
+        f"{suite}: accuracy per cell" + ("  (× = cell not done)" if failed_marked else ""), fontsize=11, pad=22
+    )
     ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=8, frameon=False)
     ax.grid(alpha=0.3, axis="y")
     return fig
@@ -263,8 +290,12 @@ def render_html(analysis: Analysis) -> str:
     suite_figs = []
     for suite in analysis.suites:
         figs = {}
-        for key, make in (("agreement", agreement_figure), ("divergence", divergence_figure),
-                          ("first_div", first_div_figure), ("accuracy", accuracy_figure)):
+        for key, make in (
+            ("agreement", agreement_figure),
+            ("divergence", divergence_figure),
+            ("first_div", first_div_figure),
+            ("accuracy", accuracy_figure),
+        ):
             fig = make(analysis, suite)
             figs[key] = png(fig) if fig is not None else None
         suite_figs.append(dict(suite=suite, **figs))
@@ -272,16 +303,28 @@ def render_html(analysis: Analysis) -> str:
     summary_classes = [row_status(r) for r in analysis.summary.to_dict("records")]
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(TEMPLATE).render(
-        is_text=is_text, model=analysis.model, version=__version__, created=m.created,
-        cells_done=int((pc["state"] == "done").sum()), cells_total=len(pc),
-        suites=analysis.suites, backends=analysis.backends, warns=warnings(analysis),
+        is_text=is_text,
+        model=analysis.model,
+        version=__version__,
+        created=m.created,
+        cells_done=int((pc["state"] == "done").sum()),
+        cells_total=len(pc),
+        suites=analysis.suites,
+        backends=analysis.backends,
+        warns=warnings(analysis),
         unique_tables=[(s, published_table(analysis, s, "unique_mean")) for s in analysis.suites],
         div_tables=[(s, published_table(analysis, s, "maxprob_div_mean")) for s in analysis.suites],
-        summary=summary_rows(analysis), summary_classes=summary_classes, definitions=definitions(),
-        suite_figs=suite_figs, cells=cell_rows(analysis),
+        summary=summary_rows(analysis),
+        summary_classes=summary_classes,
+        definitions=definitions(),
+        suite_figs=suite_figs,
+        cells=cell_rows(analysis),
         cell_classes=["bad" if s != "done" else "" for s in pc["state"]],
-        emulated=bool((pc["tp_mode"] == "emulated").any()), emulated_note=EMULATED_NOTE,
-        command=cmd, recorded=recorded, config=yaml_dump(m.config),
+        emulated=bool((pc["tp_mode"] == "emulated").any()),
+        emulated_note=EMULATED_NOTE,
+        command=cmd,
+        recorded=recorded,
+        config=yaml_dump(m.config),
         model_info=yaml_dump(m.model) if m.model else "",
         environment=yaml_dump(m.environment),
     )

@@ -16,16 +16,23 @@ from detaudit.report import (
     published_table,
     summary_rows,
     warnings,
+    write_file,
     yaml_dump,
 )
-from detaudit.report import write_file
-
 
 PUBLISHED = (  # the published tables: (title, what it shows, summary column)
-    ("Unique outputs per prompt", "Mean over prompts of the number of distinct outputs across the cells "
-     "(1 = every configuration agreed on every prompt; at most the number of cells).", "unique_mean"),
-    ("Average max probability divergence (×1e-3)", "Top-5 probabilities, largest spread across the cells, mean "
-     "over positions then prompts. `0` means exactly zero.", "maxprob_div_mean"),
+    (
+        "Unique outputs per prompt",
+        "Mean over prompts of the number of distinct outputs across the cells "
+        "(1 = every configuration agreed on every prompt; at most the number of cells).",
+        "unique_mean",
+    ),
+    (
+        "Average max probability divergence (×1e-3)",
+        "Top-5 probabilities, largest spread across the cells, mean "
+        "over positions then prompts. `0` means exactly zero.",
+        "maxprob_div_mean",
+    ),
 )
 
 

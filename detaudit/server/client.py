@@ -56,8 +56,9 @@ class ServerOptions:
         if o.prompt_format not in PROMPT_FORMATS:
             raise DetauditError(f"--prompt-format {o.prompt_format}: must be one of {', '.join(PROMPT_FORMATS)}")
         if o.background_prompts not in BACKGROUND_PROMPTS:
-            raise DetauditError(f"--background-prompts {o.background_prompts}: must be one of "
-                                f"{', '.join(BACKGROUND_PROMPTS)}")
+            raise DetauditError(
+                f"--background-prompts {o.background_prompts}: must be one of {', '.join(BACKGROUND_PROMPTS)}"
+            )
         if o.server_kind not in KINDS:
             raise DetauditError(f"--server-kind {o.server_kind}: must be one of {', '.join(KINDS)}")
         if not o.request_timeout > 0:
@@ -89,7 +90,9 @@ def probe(o: ServerOptions) -> ServerInfo:
     """The server's model ids (`/v1/models`, which must serve --model) and version (`/version`)."""
     base = check_base_url(o.base_url)
     key = o.api_key()
-    quick = RetryPolicy(retries=min(o.retries, 3), total_s=min(o.retry_total_s, 10.0))  # a server that is not up fails fast
+    quick = RetryPolicy(
+        retries=min(o.retries, 3), total_s=min(o.retry_total_s, 10.0)
+    )  # a server that is not up fails fast
     d = get_json_sync(base, "/models", key, min(o.request_timeout, 30.0), quick)
     try:
         entries = [m for m in d["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
@@ -100,8 +103,9 @@ def probe(o: ServerOptions) -> ServerInfo:
         raise DetauditError(f"server {public_url(base)} serves no model")
     model = _match(ids, o)
     version = None
-    v = get_json_sync(server_root(base), "/version", key, min(o.request_timeout, 30.0), RetryPolicy(retries=1),
-                      ok_404=True)
+    v = get_json_sync(
+        server_root(base), "/version", key, min(o.request_timeout, 30.0), RetryPolicy(retries=1), ok_404=True
+    )
     if isinstance(v, dict) and isinstance(v.get("version"), str):
         version = v["version"][:80]
     kind = o.server_kind
@@ -115,8 +119,9 @@ def _match(ids: list[str], o: ServerOptions) -> str:
     shown = ", ".join(i[:60] for i in ids[:5]) + (", ..." if len(ids) > 5 else "")
     if o.server_model:
         if o.server_model not in ids:
-            raise DetauditError(f"--server-model {o.server_model[:60]!r} is not served by {public_url(o.base_url)} "
-                                f"(it serves {shown})")
+            raise DetauditError(
+                f"--server-model {o.server_model[:60]!r} is not served by {public_url(o.base_url)} (it serves {shown})"
+            )
         return o.server_model
     cands = [c for c in o.model_candidates if c]
     names = {Path(c.rstrip("/")).name.lower() for c in cands} | {c.lower() for c in cands}
@@ -124,8 +129,10 @@ def _match(ids: list[str], o: ServerOptions) -> str:
         if i in cands or i.lower() in names or Path(i.rstrip("/")).name.lower() in names:
             return i
     want = cands[0] if cands else "?"
-    raise DetauditError(f"model mismatch: {public_url(o.base_url)} serves {shown}, not --model {want[:60]!r} "
-                        "(pass --server-model ID to audit that id with --model's tokenizer)")
+    raise DetauditError(
+        f"model mismatch: {public_url(o.base_url)} serves {shown}, not --model {want[:60]!r} "
+        "(pass --server-model ID to audit that id with --model's tokenizer)"
+    )
 
 
 class OpenAIEngine:
@@ -142,8 +149,11 @@ class OpenAIEngine:
         self.tokens = wire.TokenMap(self._tokenizer if o.model_path else None)
         self._tok = None
         self.tf_mode: str | None = "prompt_logprobs" if self.vllm_like else "echo"
-        self.tf_note = ("vLLM prompt_logprobs (one request per prompt + continuation)" if self.vllm_like
-                        else "echo + logprobs (tried on the first scored prompt)")
+        self.tf_note = (
+            "vLLM prompt_logprobs (one request per prompt + continuation)"
+            if self.vllm_like
+            else "echo + logprobs (tried on the first scored prompt)"
+        )
         self.load: dict[str, Any] = {}
         self.retried = 0
         self.extra_describe = extra_describe or {}
@@ -182,17 +192,28 @@ class OpenAIEngine:
             body.pop("return_tokens_as_token_ids", None)
         return path, body
 
-    def generate(self, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[str], decoding: DecodingParams,
-                 batch_size: int, progress: ProgressFn | None = None, load: dict | None = None) -> list[Generation]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        prompt_ids: Sequence[str],
+        decoding: DecodingParams,
+        batch_size: int,
+        progress: ProgressFn | None = None,
+        load: dict | None = None,
+    ) -> list[Generation]:
         return asyncio.run(self._generate(prompts, prompt_ids, decoding, batch_size, progress, load or {}))
 
     async def _generate(self, prompts, prompt_ids, decoding, batch_size, progress, load) -> list[Generation]:
         n_bg = int(load.get("background", 0))
         stats = LoadStats()
-        self.load = {"concurrency": batch_size, "background": n_bg,
-                     "background_prompts": self.o.background_prompts if n_bg else None}
-        async with Http(self.info.base_url, self.key, self.o.request_timeout, self.o.retry(),
-                        batch_size + n_bg + 2) as http:
+        self.load = {
+            "concurrency": batch_size,
+            "background": n_bg,
+            "background_prompts": self.o.background_prompts if n_bg else None,
+        }
+        async with Http(
+            self.info.base_url, self.key, self.o.request_timeout, self.o.retry(), batch_size + n_bg + 2
+        ) as http:
             sem = asyncio.Semaphore(batch_size)
             out: list[Generation | None] = [None] * len(prompts)
             chat = self.o.api == "chat"
@@ -234,8 +255,12 @@ class OpenAIEngine:
                     await asyncio.gather(bg, return_exceptions=True)
                 self.retried += http.retried
         if n_bg:
-            self.load.update(background_sent=stats.sent, background_requests=stats.requests, background_failed=stats.failed,
-                             background_errors=stats.errors)
+            self.load.update(
+                background_sent=stats.sent,
+                background_requests=stats.requests,
+                background_failed=stats.failed,
+                background_errors=stats.errors,
+            )
         return [g for g in out if g is not None]
 
     def score(self, prompts, continuations, batch_size: int) -> list[list[float]] | None:
@@ -245,6 +270,7 @@ class OpenAIEngine:
 
     async def _score(self, prompts, continuations, batch_size) -> list[list[float]] | None:
         async with Http(self.info.base_url, self.key, self.o.request_timeout, self.o.retry(), batch_size + 2) as http:
+
             async def one(i: int) -> list[float] | None:
                 seq = list(map(int, prompts[i])) + list(map(int, continuations[i]))
                 body = {"model": self.info.model, "prompt": seq, "max_tokens": 1, "temperature": 0.0}
@@ -276,26 +302,43 @@ class OpenAIEngine:
 
             res = await asyncio.gather(*(bounded(i) for i in range(len(prompts))))
         if any(r is None for r in res):
-            self.tf_mode, self.tf_note = None, "unavailable: the server's prompt log-probabilities did not cover the continuation"
+            self.tf_mode, self.tf_note = (
+                None,
+                "unavailable: the server's prompt log-probabilities did not cover the continuation",
+            )
             return None
         return list(res)  # type: ignore[arg-type]
 
     def describe(self) -> dict[str, Any]:
         if self.tokens.mapped:
-            ids = (f"mapped from the server's token strings with --model's tokenizer (approximate: "
-                   f"{self.tokens.mapped} mapped, {self.tokens.unmapped} without a single id, recorded as -1)")
+            ids = (
+                f"mapped from the server's token strings with --model's tokenizer (approximate: "
+                f"{self.tokens.mapped} mapped, {self.tokens.unmapped} without a single id, recorded as -1)"
+            )
         else:
             ids = "returned by the server (vLLM return_tokens_as_token_ids)" if self.vllm_like else "returned as ids"
         return {
             "engine": self.engine_name,
-            "server": {"base_url": public_url(self.info.base_url), "model": self.info.model,
-                       "models": self.info.models[:10], "version": self.info.version, "kind": self.info.kind},
-            "api": self.o.api, "prompt_format": "chat messages (server-side template)" if self.o.api == "chat"
-            else ("token ids (detaudit's chat template)" if self.o.prompt_format == "ids"
-                  else "text (detaudit's chat template, decoded; the server re-tokenizes it)"),
+            "server": {
+                "base_url": public_url(self.info.base_url),
+                "model": self.info.model,
+                "models": self.info.models[:10],
+                "version": self.info.version,
+                "kind": self.info.kind,
+            },
+            "api": self.o.api,
+            "prompt_format": "chat messages (server-side template)"
+            if self.o.api == "chat"
+            else (
+                "token ids (detaudit's chat template)"
+                if self.o.prompt_format == "ids"
+                else "text (detaudit's chat template, decoded; the server re-tokenizes it)"
+            ),
             "token_ids": ids,
             "teacher_forcing": self.tf_note if self.tf_mode else (self.tf_note or "unavailable"),
-            "load": dict(self.load), "request_timeout_s": self.o.request_timeout, "retries_used": self.retried,
+            "load": dict(self.load),
+            "request_timeout_s": self.o.request_timeout,
+            "retries_used": self.retried,
             "api_key": f"from ${self.o.api_key_env}" if self.o.api_key_env else "none",
             **self.extra_describe,
         }

@@ -9,13 +9,20 @@ from detaudit.server.client import ServerOptions, probe
 from detaudit.server.urls import public_url
 
 
-def engine_extra(server: dict, model_arg: str, model, tokenizer, texts: dict[str, str], log_dir: Path,
-                 max_background: int) -> dict[str, Any]:
+def engine_extra(
+    server: dict, model_arg: str, model, tokenizer, texts: dict[str, str], log_dir: Path, max_background: int
+) -> dict[str, Any]:
     """The server options of the sweep plus what the client needs from --model (tokenizer path, names
     to match the server's model id against, vocabulary size, chat prompt texts by prompt hash)."""
     extra = {k: v for k, v in server.items() if v is not None}
-    extra.update(model_candidates=(model_arg, model.name, str(model.path)), model_path=str(model.path),
-                 vocab_size=len(tokenizer), prompt_texts=texts, log_dir=str(log_dir), max_background=max_background)
+    extra.update(
+        model_candidates=(model_arg, model.name, str(model.path)),
+        model_path=str(model.path),
+        vocab_size=len(tokenizer),
+        prompt_texts=texts,
+        log_dir=str(log_dir),
+        max_background=max_background,
+    )
     ServerOptions.from_extra(extra)  # bad options fail before anything starts
     return extra
 
@@ -39,6 +46,8 @@ def check_config(cfg) -> None:
 
         check_base_url(base)
         if len(cfg.backends) != 1 or len(cfg.tp) != 1:
-            raise DetauditError("--engine openai audits one deployment: give one --backends label (e.g. bf16) and one --tp")
+            raise DetauditError(
+                "--engine openai audits one deployment: give one --backends label (e.g. bf16) and one --tp"
+            )
     elif base:
         raise DetauditError(f"--base-url applies to --engine openai (--engine {cfg.engine} starts its own server)")

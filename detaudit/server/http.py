@@ -29,14 +29,16 @@ class RetryPolicy:
 class Http:
     """One async client per generate/score call (its own event loop)."""
 
-    def __init__(self, base_url: str, api_key: str | None, timeout_s: float, retry: RetryPolicy,
-                 connections: int) -> None:
+    def __init__(
+        self, base_url: str, api_key: str | None, timeout_s: float, retry: RetryPolicy, connections: int
+    ) -> None:
         self.base_url, self.timeout_s, self.retry = base_url, timeout_s, retry
         self.public = public_url(base_url)
         self._secret = api_key or ""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(
-            base_url=base_url, headers=headers,
+            base_url=base_url,
+            headers=headers,
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
             trust_env=not is_loopback(base_url),  # no proxy between detaudit and a local server
@@ -66,8 +68,10 @@ class Http:
             try:
                 r = await self.client.request(method, path, json=body)
             except httpx.TimeoutException:
-                raise DetauditError(f"server {where}: no response within {self.timeout_s:g} s (server hung or "
-                                    "overloaded; raise --request-timeout)") from None
+                raise DetauditError(
+                    f"server {where}: no response within {self.timeout_s:g} s (server hung or "
+                    "overloaded; raise --request-timeout)"
+                ) from None
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
                 reason = f"{type(e).__name__}: {self.scrub(str(e)) or 'connection failed'}"
                 r = None
@@ -77,8 +81,10 @@ class Http:
                 elif r.status_code == 404 and ok_404:
                     return None
                 elif r.status_code in (401, 403):
-                    raise DetauditError(f"server {where}: HTTP {r.status_code} (not authorized; set the API key in the "
-                                        "environment variable named by --api-key-env)")
+                    raise DetauditError(
+                        f"server {where}: HTTP {r.status_code} (not authorized; set the API key in the "
+                        "environment variable named by --api-key-env)"
+                    )
                 elif r.status_code >= 400:
                     raise DetauditError(f"server {where}: HTTP {r.status_code}: {self.scrub(_message(r))}")
                 else:
@@ -89,10 +95,11 @@ class Http:
             elapsed = time.monotonic() - start
             if attempt >= self.retry.retries or elapsed >= self.retry.total_s:
                 if r is None:
-                    raise DetauditError(f"cannot reach server {where} ({reason}; {attempt + 1} attempt(s) in "
-                                        f"{elapsed:.0f} s)")
+                    raise DetauditError(
+                        f"cannot reach server {where} ({reason}; {attempt + 1} attempt(s) in {elapsed:.0f} s)"
+                    )
                 raise DetauditError(f"server {where}: still {reason} after {attempt + 1} attempt(s) in {elapsed:.0f} s")
-            delay = min(self.retry.max_backoff_s, self.retry.base_s * 2 ** attempt) * (0.5 + random.random() / 2)
+            delay = min(self.retry.max_backoff_s, self.retry.base_s * 2**attempt) * (0.5 + random.random() / 2)
             retry_after = r.headers.get("retry-after") if r is not None else None
             if retry_after and retry_after.replace(".", "", 1).isdigit():
                 delay = min(self.retry.max_backoff_s, float(retry_after))
@@ -115,8 +122,9 @@ def _message(r: httpx.Response) -> str:
     return str(d)[:200]
 
 
-def get_json_sync(base_url: str, path: str, api_key: str | None, timeout_s: float, retry: RetryPolicy,
-                  ok_404: bool = False) -> Any:
+def get_json_sync(
+    base_url: str, path: str, api_key: str | None, timeout_s: float, retry: RetryPolicy, ok_404: bool = False
+) -> Any:
     async def go():
         async with Http(base_url, api_key, timeout_s, retry, 2) as h:
             return await h.request("GET", path, ok_404=ok_404)

@@ -24,6 +24,7 @@ import httpx
 
 from detaudit.errors import DetauditError
 from detaudit.vllm import MAX_MODEL_LEN
+
 STOP_WAIT_S = 20.0
 KILL_WAIT_S = 10.0
 
@@ -34,16 +35,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(model_path: Path, port: int, tp: int, dtype: str, max_num_seqs: int, device: str,
-                   max_logprobs: int) -> list[str]:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-           "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", str(tp), "--dtype", dtype,
-           "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", str(MAX_MODEL_LEN),
-           "--max-num-seqs", str(max_num_seqs), "--max-logprobs", str(max(20, max_logprobs)), "--seed", "0",
-           "--disable-custom-all-reduce", "--uvicorn-log-level", "warning"]
+def server_command(
+    model_path: Path, port: int, tp: int, dtype: str, max_num_seqs: int, device: str, max_logprobs: int
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(tp),
+        "--dtype",
+        dtype,
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-logprobs",
+        str(max(20, max_logprobs)),
+        "--seed",
+        "0",
+        "--disable-custom-all-reduce",
+        "--uvicorn-log-level",
+        "warning",
+    ]
     if not device.startswith("cuda"):
-        cmd += ["--no-enable-chunked-prefill", "--no-async-scheduling",
-                "--max-num-batched-tokens", str(max_num_seqs * MAX_MODEL_LEN)]
+        cmd += [
+            "--no-enable-chunked-prefill",
+            "--no-async-scheduling",
+            "--max-num-batched-tokens",
+            str(max_num_seqs * MAX_MODEL_LEN),
+        ]
     if tp > 1:
         cmd += ["--distributed-executor-backend", "mp"]
     return cmd
@@ -59,8 +88,19 @@ def _pdeathsig() -> None:  # runs in the child before exec: die with detaudit
 
 
 class VllmServer:
-    def __init__(self, model_path: Path, backend: str, tp: int, *, dtype: str, device: str, max_num_seqs: int,
-                 log_dir: Path, startup_timeout: float = 600.0, max_logprobs: int = 20) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        backend: str,
+        tp: int,
+        *,
+        dtype: str,
+        device: str,
+        max_num_seqs: int,
+        log_dir: Path,
+        startup_timeout: float = 600.0,
+        max_logprobs: int = 20,
+    ) -> None:
         from detaudit.vllm.host import engine_env, marker_dir
 
         self.backend, self.tp, self.device = backend, tp, device
@@ -82,8 +122,15 @@ class VllmServer:
         env.pop("VLLM_API_KEY", None)
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(self.cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=_pdeathsig)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_pdeathsig,
+            )
         finally:
             log.close()
         atexit.register(self.stop)
@@ -103,16 +150,20 @@ class VllmServer:
                 assert self.proc is not None
                 code = self.proc.poll()
                 if code is not None:
-                    raise DetauditError(f"vLLM server ({self.backend}, TP {self.tp}) exited with code {code} while "
-                                        f"starting: {self.last_log_line()} (log: {self.log_path})")
+                    raise DetauditError(
+                        f"vLLM server ({self.backend}, TP {self.tp}) exited with code {code} while "
+                        f"starting: {self.last_log_line()} (log: {self.log_path})"
+                    )
                 try:
                     if c.get(url).status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise DetauditError(f"vLLM server ({self.backend}, TP {self.tp}) not healthy after {timeout:.0f} s "
-                                        f"(log: {self.log_path})")
+                    raise DetauditError(
+                        f"vLLM server ({self.backend}, TP {self.tp}) not healthy after {timeout:.0f} s "
+                        f"(log: {self.log_path})"
+                    )
                 time.sleep(0.5)
 
     def last_log_line(self) -> str:

@@ -27,8 +27,9 @@ def random_prompts(n: int, lengths: Sequence[int], vocab_size: int, seed: int = 
     return [[rng.randrange(100, hi) for _ in range(max(1, lengths[i % len(lengths)]))] for i in range(n)]
 
 
-async def run_background(n: int, pool: Sequence, send: Callable[[object, int], Awaitable[None]],
-                         stop: asyncio.Event, stats: LoadStats) -> None:
+async def run_background(
+    n: int, pool: Sequence, send: Callable[[object, int], Awaitable[None]], stop: asyncio.Event, stats: LoadStats
+) -> None:
     """N slots each send pool items (slot-staggered) until `stop` is set."""
 
     async def slot(i: int) -> None:

@@ -18,8 +18,10 @@ def check_base_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise DetauditError(f"--base-url {public_url(url)!r}: expected http(s)://HOST[:PORT]/v1")
     if parts.username or parts.password or parts.query or parts.fragment:
-        raise DetauditError(f"--base-url {public_url(url)!r}: no credentials, query or fragment in the URL (it is "
-                            "recorded; put the API key in an environment variable named by --api-key-env)")
+        raise DetauditError(
+            f"--base-url {public_url(url)!r}: no credentials, query or fragment in the URL (it is "
+            "recorded; put the API key in an environment variable named by --api-key-env)"
+        )
     return url.rstrip("/")
 
 

@@ -27,10 +27,19 @@ def sampling(decoding: DecodingParams, prompt_id: str, vllm_like: bool) -> dict[
     return body
 
 
-def completion_body(model: str, prompt: Sequence[int] | str, decoding: DecodingParams, prompt_id: str,
-                    vllm_like: bool, logprobs: bool = True) -> dict[str, Any]:
-    body = {"model": model, "prompt": prompt if isinstance(prompt, str) else list(map(int, prompt)),
-            **sampling(decoding, prompt_id, vllm_like)}
+def completion_body(
+    model: str,
+    prompt: Sequence[int] | str,
+    decoding: DecodingParams,
+    prompt_id: str,
+    vllm_like: bool,
+    logprobs: bool = True,
+) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "prompt": prompt if isinstance(prompt, str) else list(map(int, prompt)),
+        **sampling(decoding, prompt_id, vllm_like),
+    }
     if logprobs:
         body["logprobs"] = decoding.logprobs
         if vllm_like:
@@ -38,8 +47,9 @@ def completion_body(model: str, prompt: Sequence[int] | str, decoding: DecodingP
     return body
 
 
-def chat_body(model: str, text: str, decoding: DecodingParams, prompt_id: str, vllm_like: bool,
-              logprobs: bool = True) -> dict[str, Any]:
+def chat_body(
+    model: str, text: str, decoding: DecodingParams, prompt_id: str, vllm_like: bool, logprobs: bool = True
+) -> dict[str, Any]:
     body = {"model": model, "messages": [{"role": "user", "content": text}], **sampling(decoding, prompt_id, vllm_like)}
     if logprobs:
         body.update(logprobs=True, top_logprobs=decoding.logprobs)
@@ -59,7 +69,7 @@ class TokenMap:
     def __call__(self, token: str) -> int:
         if token.startswith(TOKEN_ID_PREFIX):
             try:
-                return int(token[len(TOKEN_ID_PREFIX):])
+                return int(token[len(TOKEN_ID_PREFIX) :])
             except ValueError:
                 pass
         if self._tok_fn is None:
@@ -87,8 +97,10 @@ def _finish(reason: Any) -> str:
 
 
 def _no_logprobs(where: str) -> DetauditError:
-    return DetauditError(f"server {where}: the answer has no logprobs (the audit needs per-token top-k "
-                         "log-probabilities; is logprobs supported / --max-logprobs high enough?)")
+    return DetauditError(
+        f"server {where}: the answer has no logprobs (the audit needs per-token top-k "
+        "log-probabilities; is logprobs supported / --max-logprobs high enough?)"
+    )
 
 
 def _generation(entries, k: int, where: str, finish: Any) -> Generation:
@@ -132,8 +144,10 @@ def parse_chat(d: Any, k: int, tokens: TokenMap, where: str) -> Generation:
     content = lp.get("content") if isinstance(lp, dict) else None
     if content is None:
         raise _no_logprobs(where)
-    entries = ((tokens(e["token"]), e["logprob"], [(tokens(x["token"]), x["logprob"]) for x in e.get("top_logprobs") or []])
-               for e in content)
+    entries = (
+        (tokens(e["token"]), e["logprob"], [(tokens(x["token"]), x["logprob"]) for x in e.get("top_logprobs") or []])
+        for e in content
+    )
     return _generation(entries, k, where, choice.get("finish_reason"))
 
 
@@ -155,7 +169,7 @@ def parse_echo_logprobs(d: Any, prompt_len: int, continuation: Sequence[int]) ->
     """`echo` + `logprobs`: the echoed sequence's token_logprobs (prompt + continuation first)."""
     try:
         lps = d["choices"][0]["logprobs"]["token_logprobs"]
-        vals = lps[prompt_len: prompt_len + len(continuation)]
+        vals = lps[prompt_len : prompt_len + len(continuation)]
         if len(vals) != len(continuation) or any(v is None for v in vals):
             return None
         return [float(v) for v in vals]

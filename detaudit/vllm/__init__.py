@@ -20,8 +20,9 @@ def require_vllm() -> None:
         raise DetauditError(f"--engine vllm needs vLLM, which is not installed: {INSTALL_HINT}")
 
 
-def open_vllm(model_path, backend: str, tp: int, *, dtype: str, device: str, eos_ids, hang_timeout: float,
-              max_batch_size: int):
+def open_vllm(
+    model_path, backend: str, tp: int, *, dtype: str, device: str, eos_ids, hang_timeout: float, max_batch_size: int
+):
     """One child process per (backend, TP) hosting vLLM's offline engine (`host.VllmHost`), driven over
     the same pipe protocol as the built-in TP workers (crashes, hangs and Ctrl-C handled the same way)."""
     require_vllm()
@@ -29,7 +30,12 @@ def open_vllm(model_path, backend: str, tp: int, *, dtype: str, device: str, eos
     from detaudit.vllm.host import engine_env, marker_dir
 
     mdir = marker_dir()
-    host = {"host": "detaudit.vllm.host:from_spec", "env": engine_env(backend, tp, device, mdir),
-            "log": f"{mdir}/vllm.log", "max_batch_size": max_batch_size}
-    return DistEngine(model_path, backend, tp, dtype=dtype, device=device, eos_ids=eos_ids,
-                      hang_timeout=hang_timeout, host=host)
+    host = {
+        "host": "detaudit.vllm.host:from_spec",
+        "env": engine_env(backend, tp, device, mdir),
+        "log": f"{mdir}/vllm.log",
+        "max_batch_size": max_batch_size,
+    }
+    return DistEngine(
+        model_path, backend, tp, dtype=dtype, device=device, eos_ids=eos_ids, hang_timeout=hang_timeout, host=host
+    )

@@ -50,10 +50,18 @@ def _install_attention(backend, marker, tp_rank) -> None:
     impl = cpu_attn.CPUAttentionBackendImpl
 
     def supported(self) -> None:
-        if (self.attn_type != AttentionType.DECODER or self.alibi_slopes is not None or self.sliding_window != -1
-                or self.logits_soft_cap or self.sinks is not None or self.is_fp8_kv_cache):
-            raise NotImplementedError(f"detaudit {backend.name}: only plain causal decoder attention (no ALiBi, sliding "
-                                      "window, soft cap, sinks or fp8 KV cache) runs through the invariant attention")
+        if (
+            self.attn_type != AttentionType.DECODER
+            or self.alibi_slopes is not None
+            or self.sliding_window != -1
+            or self.logits_soft_cap
+            or self.sinks is not None
+            or self.is_fp8_kv_cache
+        ):
+            raise NotImplementedError(
+                f"detaudit {backend.name}: only plain causal decoder attention (no ALiBi, sliding "
+                "window, soft cap, sinks or fp8 KV cache) runs through the invariant attention"
+            )
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         supported(self)
@@ -64,14 +72,17 @@ def _install_attention(backend, marker, tp_rank) -> None:
         k_cache[blk, :, off] = key[: slots.shape[0]][keep]
         v_cache[blk, :, off] = value[: slots.shape[0]][keep]
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
         if attn_metadata is None:  # warm-up
             return output
         supported(self)
         if output_scale is not None or output_block_scale is not None or not attn_metadata.causal:
-            raise NotImplementedError(f"detaudit {backend.name}: attention with fused output quantization or "
-                                      "non-causal masks is not supported")
+            raise NotImplementedError(
+                f"detaudit {backend.name}: attention with fused output quantization or "
+                "non-causal masks is not supported"
+            )
         marker.op("attention", tp_rank())
         starts = attn_metadata.query_start_loc.tolist()
         lens = attn_metadata.seq_lens.tolist()

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from detaudit.config import DecodingParams, request_seed
-from detaudit.records import Generation, ProgressFn
 from detaudit.engine.local import chunks, cpu_core_ids
+from detaudit.records import Generation, ProgressFn
 from detaudit.vllm import MAX_MODEL_LEN
 
 BACKEND_ENV = "DETAUDIT_VLLM_BACKEND"  # read by detaudit.vllm.plugin in every vLLM process
@@ -34,7 +34,7 @@ def thread_binds(tp: int, cores: Sequence[int]) -> str:
     groups = []
     for r in range(tp):
         start = (r * per) % len(cores)
-        groups.append(",".join(str(c) for c in cores[start:start + per]))
+        groups.append(",".join(str(c) for c in cores[start : start + per]))
     return "|".join(groups)
 
 
@@ -90,8 +90,15 @@ def recorded_env() -> dict[str, str]:
 
 def from_spec(spec: dict) -> "VllmHost":
     """The hosted-engine factory `detaudit.engine.worker` calls in the child process."""
-    return VllmHost(Path(spec["model_path"]), spec["backend"], spec["tp"], dtype=spec["dtype"], device=spec["device"],
-                    eos_ids=spec["eos_ids"], max_batch_size=spec.get("max_batch_size", 0))
+    return VllmHost(
+        Path(spec["model_path"]),
+        spec["backend"],
+        spec["tp"],
+        dtype=spec["dtype"],
+        device=spec["device"],
+        eos_ids=spec["eos_ids"],
+        max_batch_size=spec.get("max_batch_size", 0),
+    )
 
 
 EXECUTOR_ENV = "DETAUDIT_VLLM_EXECUTOR"  # "mp" or "ray" (set by detaudit.executors.ray for multi-node TP)
@@ -115,8 +122,17 @@ def executor_backend(tp: int, device: str) -> str | None:
 
 
 class VllmHost:
-    def __init__(self, model_path: Path, backend: str, tp: int, *, dtype: str, device: str, eos_ids: Sequence[int],
-                 max_batch_size: int = 0) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        backend: str,
+        tp: int,
+        *,
+        dtype: str,
+        device: str,
+        eos_ids: Sequence[int],
+        max_batch_size: int = 0,
+    ) -> None:
         import vllm
 
         self.model_path, self.backend, self.tp = Path(model_path), backend, tp
@@ -140,25 +156,38 @@ class VllmHost:
         from vllm import LLM
 
         self.llm = LLM(
-            model=str(self.model_path), tokenizer=str(self.model_path), tensor_parallel_size=self.tp,
-            dtype=self.dtype, max_num_seqs=seqs, max_model_len=MAX_MODEL_LEN,
-            max_num_batched_tokens=seqs * MAX_MODEL_LEN, enforce_eager=True,
-            enable_prefix_caching=False, enable_chunked_prefill=False, disable_custom_all_reduce=True,
-            distributed_executor_backend=executor_backend(self.tp, self.device), seed=0,
+            model=str(self.model_path),
+            tokenizer=str(self.model_path),
+            tensor_parallel_size=self.tp,
+            dtype=self.dtype,
+            max_num_seqs=seqs,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=seqs * MAX_MODEL_LEN,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            enable_chunked_prefill=False,
+            disable_custom_all_reduce=True,
+            distributed_executor_backend=executor_backend(self.tp, self.device),
+            seed=0,
         )
         self.max_num_seqs = seqs
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         cache = self.llm.llm_engine.vllm_config.cache_config
         self.knobs = {
-            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "enable_chunked_prefill": sched.enable_chunked_prefill, "async_scheduling": sched.async_scheduling,
-            "enable_prefix_caching": cache.enable_prefix_caching, "enforce_eager": True,
-            "disable_custom_all_reduce": True, "env": recorded_env(),
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "enable_chunked_prefill": sched.enable_chunked_prefill,
+            "async_scheduling": sched.async_scheduling,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "enforce_eager": True,
+            "disable_custom_all_reduce": True,
+            "env": recorded_env(),
             "distributed_executor_backend": executor_backend(self.tp, self.device),
         }
 
-    def generate(self, prompts, prompt_ids, decoding: DecodingParams, batch_size: int,
-                 progress: ProgressFn | None = None) -> list[Generation]:
+    def generate(
+        self, prompts, prompt_ids, decoding: DecodingParams, batch_size: int, progress: ProgressFn | None = None
+    ) -> list[Generation]:
         from vllm import SamplingParams
 
         llm = self._engine(batch_size)
@@ -170,8 +199,11 @@ class VllmHost:
                     top_p=1.0 if decoding.greedy else decoding.top_p,
                     top_k=0 if decoding.greedy else decoding.top_k,
                     seed=None if decoding.greedy else request_seed(decoding.seed, prompt_ids[i]),
-                    max_tokens=decoding.max_new_tokens, logprobs=decoding.logprobs,
-                    stop_token_ids=self.eos, ignore_eos=not self.eos, detokenize=False,
+                    max_tokens=decoding.max_new_tokens,
+                    logprobs=decoding.logprobs,
+                    stop_token_ids=self.eos,
+                    ignore_eos=not self.eos,
+                    detokenize=False,
                 )
                 for i in r
             ]
@@ -201,13 +233,20 @@ class VllmHost:
         from detaudit.backends import get_backend
 
         if self.backend == "bf16":
-            kernels = {"backend": "bf16", "kernels": "vLLM's own (CPU: oneDNN / SGL / F.linear GEMMs, vLLM CPU "
-                       "attention with KV split, vLLM's all-reduce; GPU: cuBLAS, FlashAttention, NCCL / custom AR)"}
+            kernels = {
+                "backend": "bf16",
+                "kernels": "vLLM's own (CPU: oneDNN / SGL / F.linear GEMMs, vLLM CPU "
+                "attention with KV split, vLLM's all-reduce; GPU: cuBLAS, FlashAttention, NCCL / custom AR)",
+            }
         else:
             kernels = get_backend(self.backend).describe()
         return {
-            "engine": "vllm", "vllm_version": self.version, "tp": self.tp, "tp_mode": "real",
-            "device": self.device, "backend": kernels,
+            "engine": "vllm",
+            "vllm_version": self.version,
+            "tp": self.tp,
+            "tp_mode": "real",
+            "device": self.device,
+            "backend": kernels,
             "plugin": "off (native vLLM kernels)" if self.backend == "bf16" else f"detaudit plugin: {self.backend}",
             "plugin_markers": read_markers(os.environ.get(MARKER_ENV, "")) if os.environ.get(MARKER_ENV) else [],
             "knobs": self.knobs or {"env": recorded_env()},
@@ -236,5 +275,6 @@ def _generation(c, k: int) -> Generation:
         ranked = sorted((v.rank, t, v.logprob) for t, v in lp.items() if v.rank is not None and v.rank <= k)
         topk_ids.append([t for _, t, _ in ranked])
         topk_lps.append([float(x) for _, _, x in ranked])
-    return Generation(list(c.token_ids), token_logprobs, topk_ids, topk_lps,
-                      "stop" if c.finish_reason == "stop" else "length")
+    return Generation(
+        list(c.token_ids), token_logprobs, topk_ids, topk_lps, "stop" if c.finish_reason == "stop" else "length"
+    )

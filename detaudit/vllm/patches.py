@@ -91,7 +91,9 @@ def _install_row_parallel(backend, marker, op: str) -> None:
             else:
                 x = input_.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
             if self.tp_size > 1 and not self.reduce_results:
-                raise NotImplementedError(f"detaudit {backend.name}: {self.prefix} defers its all-reduce (reduce_results=False)")
+                raise NotImplementedError(
+                    f"detaudit {backend.name}: {self.prefix} defers its all-reduce (reduce_results=False)"
+                )
             marker.op(op, self.tp_rank)
             with backend.activate():
                 partial = backend.row_partial(x, self.weight, self.tp_size, name=self.prefix)

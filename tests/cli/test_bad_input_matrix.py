@@ -17,9 +17,24 @@ from typer.testing import CliRunner
 from detaudit.cli import app
 
 runner = CliRunner()
+
+
 def small(batch_sizes: str = "1") -> list[str]:
-    return ["--suites", "smoke", "--limit", "1", "--max-new-tokens", "2", "--backends", "bio", "--tp", "1",
-            "--batch-sizes", batch_sizes, "--no-analyze"]
+    return [
+        "--suites",
+        "smoke",
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--backends",
+        "bio",
+        "--tp",
+        "1",
+        "--batch-sizes",
+        batch_sizes,
+        "--no-analyze",
+    ]
 
 
 SMALL = small()
@@ -53,17 +68,27 @@ def test_malformed_suite_yaml_and_jsonl(tmp_path, smollm):
     d = tmp_path / "mirror"
     d.mkdir()
     (d / "aime24.jsonl").write_text('{"id": 1, "problem": "x", "answer": "1"}\n{oops\n')
-    _bad(runner.invoke(app, ["sweep", "--suites", "aime24", "--data-dir", str(d), "--output-path", str(tmp_path / "r")]), "line 2")
+    _bad(
+        runner.invoke(app, ["sweep", "--suites", "aime24", "--data-dir", str(d), "--output-path", str(tmp_path / "r")]),
+        "line 2",
+    )
 
 
 def test_missing_data_dir(tmp_path):
-    _bad(runner.invoke(app, ["sweep", "--suites", "aime24", "--data-dir", str(tmp_path / "nope"),
-                             "--output-path", str(tmp_path / "r")]), "nope")
+    _bad(
+        runner.invoke(
+            app,
+            ["sweep", "--suites", "aime24", "--data-dir", str(tmp_path / "nope"), "--output-path", str(tmp_path / "r")],
+        ),
+        "nope",
+    )
 
 
 def test_conflicting_flags(tmp_path):
-    _bad(runner.invoke(app, ["sweep", "--greedy", "--temperature", "0.9", "--output-path", str(tmp_path / "r")]),
-         "conflicting flags")
+    _bad(
+        runner.invoke(app, ["sweep", "--greedy", "--temperature", "0.9", "--output-path", str(tmp_path / "r")]),
+        "conflicting flags",
+    )
     _bad(runner.invoke(app, ["sweep", "--shard", "3/2", "--output-path", str(tmp_path / "r")]), "--shard")
 
 
@@ -71,8 +96,10 @@ def test_model_directory_missing_files(tmp_path, smollm):
     broken = tmp_path / "model"
     shutil.copytree(smollm.path, broken)
     (broken / "model.safetensors").unlink()
-    _bad(runner.invoke(app, ["sweep", *SMALL, "--model", str(broken), "--output-path", str(tmp_path / "r")]),
-         "no *.safetensors")
+    _bad(
+        runner.invoke(app, ["sweep", *SMALL, "--model", str(broken), "--output-path", str(tmp_path / "r")]),
+        "no *.safetensors",
+    )
 
 
 def test_prepared_model_checksum_mismatch(tmp_path, smollm, monkeypatch):
@@ -81,7 +108,10 @@ def test_prepared_model_checksum_mismatch(tmp_path, smollm, monkeypatch):
     with open(home / "models" / "smollm2-135m" / "tokenizer_config.json", "a") as f:
         f.write("\n")
     monkeypatch.setenv("DETAUDIT_HOME", str(home))
-    _bad(runner.invoke(app, ["sweep", *SMALL, "--output-path", str(tmp_path / "r")]), "does not match its recorded sha256")
+    _bad(
+        runner.invoke(app, ["sweep", *SMALL, "--output-path", str(tmp_path / "r")]),
+        "does not match its recorded sha256",
+    )
 
 
 def test_output_dir_holding_another_sweep(done_run, tmp_path):
@@ -126,11 +156,24 @@ def test_disk_full_while_writing_a_cell_loses_nothing(done_run, tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
 
-    proc = subprocess.run([sys.executable, "-c", "from detaudit.cli import main; main()", "sweep", *small("1,2"),
-                           "--output-path", str(run)], capture_output=True, text=True, preexec_fn=limit)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from detaudit.cli import main; main()",
+            "sweep",
+            *small("1,2"),
+            "--output-path",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "cannot write" in proc.stderr and "Traceback" not in proc.stderr
-    assert {p.name: p.read_bytes() for p in (run / "cells").iterdir() if p.suffix == ".parquet"} == \
-        {k: v for k, v in before.items() if k.endswith(".parquet")}
+    assert {p.name: p.read_bytes() for p in (run / "cells").iterdir() if p.suffix == ".parquet"} == {
+        k: v for k, v in before.items() if k.endswith(".parquet")
+    }
     assert runner.invoke(app, ["analyze", str(run)]).exit_code == 0
     json.loads((run / "manifest.json").read_text())  # never left half-written

@@ -14,8 +14,24 @@ runner = CliRunner()
 
 def test_bench_e2e_on_cpu(tiny_llama):
     """One row per backend, bf16's ratios are 1, bad TP input is one line."""
-    res = runner.invoke(app, ["bench", "e2e", "--models", str(tiny_llama), "--device", "cpu", "--batch-sizes", "2",
-                              "--prompt-tokens", "8", "--new-tokens", "3", "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "bench",
+            "e2e",
+            "--models",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "2",
+            "--prompt-tokens",
+            "8",
+            "--new-tokens",
+            "3",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)["rows"]
     assert [r["backend"] for r in rows] == ["bf16", "bio", "bio+tbik"]
@@ -28,8 +44,28 @@ def test_bench_e2e_on_cpu(tiny_llama):
 def test_bench_e2e_repeats_report_the_median_call(tiny_llama):
     """With --repeats the row is the median timed call, bracketed by the min and max; bad counts and
     --compare-graphs without a GPU are one line, exit 2."""
-    res = runner.invoke(app, ["bench", "e2e", "--models", str(tiny_llama), "--device", "cpu", "--batch-sizes", "2",
-                              "--backends", "bio", "--prompt-tokens", "8", "--new-tokens", "3", "--repeats", "3", "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "bench",
+            "e2e",
+            "--models",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "2",
+            "--backends",
+            "bio",
+            "--prompt-tokens",
+            "8",
+            "--new-tokens",
+            "3",
+            "--repeats",
+            "3",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     (row,) = json.loads(res.stdout)["rows"]
     assert row["repeats"] == 3 and row["ms_per_step_min"] <= row["ms_per_step"] <= row["ms_per_step_max"]

@@ -28,8 +28,15 @@ def small_copy(qwen3_shaped, tmp_path_factory):
     d = tmp_path_factory.mktemp("q3") / "m"
     shutil.copytree(qwen3_shaped.path, d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-               num_key_value_heads=4, head_dim=32, vocab_size=1000)
+    cfg.update(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        vocab_size=1000,
+    )
     (d / "config.json").write_text(json.dumps(cfg))
     return d
 

@@ -107,18 +107,28 @@ def test_merged_projections_and_in_kernel_qk_norm_give_the_separate_bits(dtype):
         h = torch.randn(m, hidden, device="cuda", generator=g).to(dtype)
         qkv, gu = bio.linear(h, qkv_w), bio.linear(h, gu_w)
         q, k, v = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d], qkv[:, (hq + hkv) * d :]
-        assert torch.equal(q, bio.linear(h, wq)) and torch.equal(k, bio.linear(h, wk)) and torch.equal(v, bio.linear(h, wv)), m
+        assert (
+            torch.equal(q, bio.linear(h, wq))
+            and torch.equal(k, bio.linear(h, wk))
+            and torch.equal(v, bio.linear(h, wv))
+        ), m
         assert torch.equal(gu, torch.cat([bio.linear(h, wg), bio.linear(h, wu)], 1)), m
         assert torch.equal(fused.silu_mul(gu[:, :inter], gu[:, inter:]), F.silu(gu[:, :inter]) * gu[:, inter:]), m
     b, t, length = 4, 5, 32
     h = torch.randn(b * t, hidden, device="cuda", generator=g).to(dtype)
     qkv = bio.linear(h, qkv_w)
     q, k, v = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d], qkv[:, (hq + hkv) * d :]
-    qw, kw = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).to(dtype), (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).to(dtype)
+    qw, kw = (
+        (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).to(dtype),
+        (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).to(dtype),
+    )
     pos = torch.arange(t, device="cuda").expand(b, t) + 3
     cos, sin = Rotary(d, 1e6, torch.device("cuda")).cos_sin(pos, dtype)
-    slots = (torch.arange(b, device="cuda")[:, None, None] * (hkv * length) + pos[:, :, None]
-             + torch.arange(hkv, device="cuda") * length).reshape(-1)
+    slots = (
+        torch.arange(b, device="cuda")[:, None, None] * (hkv * length)
+        + pos[:, :, None]
+        + torch.arange(hkv, device="cuda") * length
+    ).reshape(-1)
     caches = [torch.zeros(b, hkv, length, d, device="cuda", dtype=dtype) for _ in range(4)]
     got = fused.rope_store(q, k, v, cos, sin, caches[0], caches[1], slots, b, t, d, (qw, kw, 1e-6))
     kc, vc = torch.zeros_like(caches[0]), torch.zeros_like(caches[1])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from detaudit.backends import get_backend
-from detaudit.backends.kernels import fixed, tree
+from detaudit.backends.kernels import fixed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 triton = pytest.importorskip("triton")
@@ -75,8 +75,9 @@ def test_tma_and_pointer_paths_give_the_same_bits(k, n):
     tma = triton_mm.mm(a, w, config=cfg, out_dtype=torch.bfloat16)
     assert torch.equal(tma, triton_mm.mm(a, w, config=ptr, out_dtype=torch.bfloat16))
     assert torch.equal(tma, triton_mm.mm(a, w.t().contiguous().t(), config=cfg, out_dtype=torch.bfloat16))
-    assert torch.equal(tma, triton_mm.mm(a.unsqueeze(0).expand(2, -1, -1), w, config=cfg,
-                                         out_dtype=torch.bfloat16)[1])  # batched: pointer path
+    assert torch.equal(
+        tma, triton_mm.mm(a.unsqueeze(0).expand(2, -1, -1), w, config=cfg, out_dtype=torch.bfloat16)[1]
+    )  # batched: pointer path
     if (k // 8) % 64 == 0:  # leaves of whole BLOCK_K steps: the TMA tree path
         tcfg = dict(triton_mm.TREE_CONFIGS[torch.bfloat16], TMA=1, GLUON=0)
         assert torch.equal(triton_mm.mm(a, w, leaves=8, config=tcfg), triton_mm.mm(a, w, leaves=8))
@@ -160,12 +161,14 @@ def smollm_gpu():
 
 
 def _smoke(model):
-    from detaudit.suites import load_suite, prompt_token_ids
     from detaudit.inputs import tokenizer_for
+    from detaudit.suites import load_suite, prompt_token_ids
 
     suite = load_suite("smoke")
     tok = tokenizer_for(model.path)
-    return [prompt_token_ids(tok, p) for p in suite.prompts] * 4, [f"{p.id}#{r}" for r in range(4) for p in suite.prompts]
+    return [prompt_token_ids(tok, p) for p in suite.prompts] * 4, [
+        f"{p.id}#{r}" for r in range(4) for p in suite.prompts
+    ]
 
 
 def _out(gens):
@@ -205,7 +208,9 @@ def test_cuda_graph_decode_matches_eager(smollm_gpu, capsys):
     dec = DecodingParams(max_new_tokens=24)
     report = {}
     for backend in ("bio", "bio+tbik", "bf16"):
-        eager = LocalEngine(smollm_gpu.path, backend, 1, device="cuda", cuda_graphs=False).generate(ids[:16], pids[:16], dec, 8)
+        eager = LocalEngine(smollm_gpu.path, backend, 1, device="cuda", cuda_graphs=False).generate(
+            ids[:16], pids[:16], dec, 8
+        )
         eng = LocalEngine(smollm_gpu.path, backend, 1, device="cuda", cuda_graphs=True)
         assert eng.describe()["cuda_graphs"]
         graphed = eng.generate(ids[:16], pids[:16], dec, 8)  # two batches of 8: one capture, two replays
@@ -293,7 +298,9 @@ def test_kept_launch_plans_give_the_jit_bits():
     kept += list(triton_attn._PLANS.values())
     if triton.__version__.startswith("3.6."):  # the direct C launch is taken for every kept plan
         missing = [p.kernel.name for p in kept if p is not None and p.direct is None]
-        assert not missing and any(p is not None and any(w[2] is not None for w in p.direct.where) for p in kept), missing
+        assert not missing and any(p is not None and any(w[2] is not None for w in p.direct.where) for p in kept), (
+            missing
+        )
 
 
 def test_direct_launch_gives_the_launcher_bits():

@@ -5,13 +5,10 @@ log-probabilities for every sampled token; bf16 does not."""
 from __future__ import annotations
 
 import pytest
-
-import json
-
+from helpers import cli_json
 from typer.testing import CliRunner
 
 from detaudit.cli import app
-from helpers import cli_json
 
 pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
 
@@ -20,9 +17,29 @@ runner = CliRunner()
 
 def test_align_tbik_is_bitwise_and_bf16_is_not(smollm, tmp_path):
     out = tmp_path / "align"
-    res = runner.invoke(app, ["align", "--rollout", "builtin:2", "--trainer", "builtin:1", "--backends", "bf16,bio+tbik",
-                              "--suite", "smoke", "--limit", "3", "--batch-size", "3", "--max-new-tokens", "8",
-                              "--output-path", str(out), "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "align",
+            "--rollout",
+            "builtin:2",
+            "--trainer",
+            "builtin:1",
+            "--backends",
+            "bf16,bio+tbik",
+            "--suite",
+            "smoke",
+            "--limit",
+            "3",
+            "--batch-size",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--output-path",
+            str(out),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     rows = {r["backend"]: r for r in cli_json(res)}
     assert rows["bio+tbik"]["bitwise_equal_frac"] == 1.0 and rows["bio+tbik"]["dp_max"] == 0.0

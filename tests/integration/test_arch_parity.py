@@ -12,30 +12,52 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli_json
 
 from detaudit.config import DecodingParams
 from detaudit.engine import open_engine
 from detaudit.engine.local import LocalEngine
 from detaudit.errors import DetauditError
-from helpers import cli_json
 
 ATOL = 1e-4
 BACKENDS = ("bf16", "bio", "bio+tbik")
 SEQ = 80  # > the bio attention chunk (64 keys) and > the sliding windows below
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-              num_key_value_heads=4, head_dim=16, max_position_embeddings=512)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=16,
+    max_position_embeddings=512,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 # name -> (transformers model type, config overrides)
 ARCHS = {
     # Llama-3.1-style: llama3 RoPE scaling (original context 32, so positions < SEQ cross every band),
     # q/k/v/o biases, gate/up/down biases, tied embeddings
-    "llama31": ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
-                              rope_parameters=dict(LLAMA3_ROPE))),
+    "llama31": (
+        "llama",
+        dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, rope_parameters=dict(LLAMA3_ROPE)),
+    ),
     # Qwen2.5-style: q/k/v biases, a sliding window declared but off (use_sliding_window false), as shipped
-    "qwen25": ("qwen2", dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                             use_sliding_window=False, sliding_window=32768, max_window_layers=1)),
+    "qwen25": (
+        "qwen2",
+        dict(
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            use_sliding_window=False,
+            sliding_window=32768,
+            max_window_layers=1,
+        ),
+    ),
     # Qwen2 with the window on for layers >= max_window_layers (layer 1 sliding, layer 0 full)
     "qwen2_swa": ("qwen2", dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
     # Mistral-style: a sliding window smaller than the test sequence
@@ -166,7 +188,7 @@ def test_llama_attention_bias_is_no_longer_ignored(tmp_path):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
             lp = torch.log_softmax(hf(torch.tensor([p + g.token_ids])).logits[0], -1)
-        assert ref[0, len(p):].tolist() == g.token_ids
+        assert ref[0, len(p) :].tolist() == g.token_ids
         ref_lp = lp[len(p) - 1 : -1].gather(1, torch.tensor(g.token_ids)[:, None])[:, 0]
         assert (torch.tensor(g.token_logprobs) - ref_lp).abs().max().item() < ATOL
 
@@ -206,10 +228,14 @@ def test_sliding_window_decode_equals_prefill_and_transformers(ckpts, backend):
         assert (torch.tensor(g.token_logprobs) - ref).abs().max().item() < ATOL
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
-], ids=["linear", "dynamic"])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+    ],
+    ids=["linear", "dynamic"],
+)
 def test_other_rope_scalings_match_transformers(tmp_path, rope):
     path = build("llama", tmp_path / rope["rope_type"], rope_parameters=dict(rope), max_position_embeddings=96)
     ids = token_ids()
@@ -222,11 +248,17 @@ def test_other_rope_scalings_match_transformers(tmp_path, rope):
 def test_dynamic_rope_beyond_max_positions_is_refused(tmp_path):
     """Past max_position_embeddings transformers rescales by each forward call's longest sequence (not
     batch invariant): the engine refuses instead of computing something else."""
-    path = build("llama", tmp_path / "dyn", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
-                                                             "factor": 2.0}, max_position_embeddings=96)
+    path = build(
+        "llama",
+        tmp_path / "dyn",
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        max_position_embeddings=96,
+    )
     eng = LocalEngine(path, "bf16", 1, dtype="float32")
     with pytest.raises(DetauditError, match="rope_type 'dynamic' beyond max_position_embeddings \\(96"):
-        eng.generate([token_ids(batch=1, length=90)[0].tolist()], ["a"], DecodingParams(greedy=True, max_new_tokens=10), 1)
+        eng.generate(
+            [token_ids(batch=1, length=90)[0].tolist()], ["a"], DecodingParams(greedy=True, max_new_tokens=10), 1
+        )
 
 
 # ---------------------------------------------------------------- slow: real TP over gloo, CLI sweeps
@@ -258,8 +290,13 @@ def _sweep_checkpoint(arch: str, dest: Path) -> Path:
     kind, over = ARCHS[arch]
     build(kind, dest, vocab=49152, **over)
     tok = resolve_model("smollm2-135m", auto_prepare=True).path
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-              "generation_config.json"):
+    for f in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ):
         if (tok / f).exists():
             shutil.copy(tok / f, dest / f)
     return dest
@@ -276,9 +313,29 @@ def test_cli_sweep(arch, tmp_path):
 
     path = _sweep_checkpoint(arch, tmp_path / arch)
     out = tmp_path / "run"
-    args = ["sweep", "--model", str(path), "--suites", "smoke", "--limit", "2", "--max-new-tokens", "4",
-            "--backends", "bf16,bio,bio+tbik", "--tp", "1,2", "--batch-sizes", "2", "--dtype", "float32",
-            "--tp-mode", "real" if arch == "llama31" else "emulated", "--output-path", str(out)]
+    args = [
+        "sweep",
+        "--model",
+        str(path),
+        "--suites",
+        "smoke",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--backends",
+        "bf16,bio,bio+tbik",
+        "--tp",
+        "1,2",
+        "--batch-sizes",
+        "2",
+        "--dtype",
+        "float32",
+        "--tp-mode",
+        "real" if arch == "llama31" else "emulated",
+        "--output-path",
+        str(out),
+    ]
     runner = CliRunner()
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output

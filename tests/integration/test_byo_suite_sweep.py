@@ -30,14 +30,33 @@ def test_sweep_runs_a_json_task_file(smollm, tmp_path, monkeypatch):
     evals = tmp_path / "evals"
     (evals / "data").mkdir(parents=True)
     (evals / "my_task.yaml").write_text(TASK)
-    rows = [{"question": "What is 2+3?", "answer": "5"}, {"question": "What is 7*6?", "answer": ""},
-            {"question": "What is 10-4?", "answer": "6"}]
+    rows = [
+        {"question": "What is 2+3?", "answer": "5"},
+        {"question": "What is 7*6?", "answer": ""},
+        {"question": "What is 10-4?", "answer": "6"},
+    ]
     (evals / "data" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.chdir(tmp_path / "..")  # data_files resolve relative to the YAML, not the working directory
     out = tmp_path / "run"
-    res = CliRunner().invoke(app, ["sweep", "--suites", str(evals / "my_task.yaml"), "--max-new-tokens", "2",
-                                   "--backends", "bio", "--tp", "1", "--batch-sizes", "1,3", "--output-path", str(out),
-                                   "--no-analyze"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "sweep",
+            "--suites",
+            str(evals / "my_task.yaml"),
+            "--max-new-tokens",
+            "2",
+            "--backends",
+            "bio",
+            "--tp",
+            "1",
+            "--batch-sizes",
+            "1,3",
+            "--output-path",
+            str(out),
+            "--no-analyze",
+        ],
+    )
     assert res.exit_code == 0, res.output
     manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(manifest["cells"]) == ["my_task__bio__tp1__bs1", "my_task__bio__tp1__bs3"]

@@ -24,9 +24,10 @@ def _hf_check(path, prompts, gens, atol):
     worst = 0.0
     for p, g in zip(prompts, gens):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=len(g.token_ids), do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-            assert ref[0, len(p):].tolist() == g.token_ids
+            ref = hf.generate(
+                torch.tensor([p]), max_new_tokens=len(g.token_ids), do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            assert ref[0, len(p) :].tolist() == g.token_ids
             lp = torch.log_softmax(hf(torch.tensor([p + g.token_ids])).logits[0].float(), -1)
         lp = lp[len(p) - 1 : len(p) - 1 + len(g.token_ids)]
         ours = torch.tensor(g.token_logprobs)

@@ -15,8 +15,8 @@ import pytest
 
 from detaudit.config import DecodingParams
 from detaudit.engine.local import LocalEngine
-from detaudit.suites import load_suite, prompt_token_ids
 from detaudit.inputs import tokenizer_for
+from detaudit.suites import load_suite, prompt_token_ids
 
 pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
 
@@ -70,10 +70,15 @@ def test_bio_is_not_tp_invariant(smollm, prompts, capsys):
     while TP 2 and 8 did not. The counts are reported; at least one TP size must diverge."""
     ids, pids = prompts
     one = LocalEngine(smollm.path, "bio", 1).generate(ids[:4], pids[:4], GREEDY, batch_size=4)
-    report = {tp: _diverging(one, LocalEngine(smollm.path, "bio", tp, emulated=True).generate(
-        ids[:4], pids[:4], GREEDY, batch_size=4)) for tp in (2, 4, 8)}
-    msg = "bio across TP, prompts (of 4) whose greedy tokens/logprobs differ from TP 1: " + \
-        ", ".join(f"TP {tp}: {n}" for tp, n in report.items())
+    report = {
+        tp: _diverging(
+            one, LocalEngine(smollm.path, "bio", tp, emulated=True).generate(ids[:4], pids[:4], GREEDY, batch_size=4)
+        )
+        for tp in (2, 4, 8)
+    }
+    msg = "bio across TP, prompts (of 4) whose greedy tokens/logprobs differ from TP 1: " + ", ".join(
+        f"TP {tp}: {n}" for tp, n in report.items()
+    )
     with capsys.disabled():
         print("\n" + msg)
     assert sum(report.values()) > 0, msg
@@ -86,8 +91,9 @@ def test_bf16_negative_control(smollm, prompts, capsys):
     eng = LocalEngine(smollm.path, "bf16", 1)
     ref = eng.generate(ids[:8], pids[:8], GREEDY, batch_size=1)
     report = {bs: _diverging(eng.generate(ids[:bs], pids[:bs], GREEDY, batch_size=bs)[:8], ref) for bs in (8, 16, 32)}
-    msg = "bf16 negative control, prompts (of 8) whose greedy tokens/logprobs differ from batch size 1: " + \
-        ", ".join(f"bs {bs}: {n}" for bs, n in report.items())
+    msg = "bf16 negative control, prompts (of 8) whose greedy tokens/logprobs differ from batch size 1: " + ", ".join(
+        f"bs {bs}: {n}" for bs, n in report.items()
+    )
     with capsys.disabled():
         print("\n" + msg)
     warnings.warn(msg)

@@ -42,8 +42,17 @@ def test_pad_heads_preserves_function(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=72, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=9, num_key_value_heads=3, head_dim=8)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=100,
+            hidden_size=72,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=8,
+        )
+    ).eval()
     ids = torch.randint(0, 100, (2, 11))
     with torch.no_grad():
         before = model(ids).logits
@@ -58,8 +67,17 @@ def test_pad_heads_preserves_function(tmp_path):
 def test_pad_heads_refuses_breaking_gqa():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=10, hidden_size=72, intermediate_size=8, num_hidden_layers=1,
-                                         num_attention_heads=9, num_key_value_heads=3, head_dim=8))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=10,
+            hidden_size=72,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=8,
+        )
+    )
     with pytest.raises(DetauditError, match="GQA group of 3"):
         models.pad_heads(model, 16, 8)
 
@@ -119,7 +137,8 @@ def test_engine_matches_transformers_on_the_real_model(smollm):
     enc = tok.apply_chat_template([{"role": "user", "content": "What is 7 times 8?"}], add_generation_prompt=True)
     ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
     gen = LocalEngine(smollm.path, "bf16", 1, dtype="float32").generate(
-        [ids], ["p"], DecodingParams(greedy=True, max_new_tokens=40), 1)[0]
+        [ids], ["p"], DecodingParams(greedy=True, max_new_tokens=40), 1
+    )[0]
     hf = AutoModelForCausalLM.from_pretrained(smollm.path, dtype=torch.float32).eval()
     with torch.no_grad():
         lp = torch.log_softmax(hf(torch.tensor([ids + gen.token_ids])).logits[0].double(), -1)

@@ -22,11 +22,35 @@ from detaudit.cli import app
 from detaudit.executors.ray import FAULT_ENV, safe_address
 
 runner = CliRunner()
-GRID = ["--suites", "smoke", "--limit", "2", "--max-new-tokens", "3", "--backends", "bf16,bio+tbik",
-        "--tp", "1,2", "--batch-sizes", "1,2", "--no-analyze"]
+GRID = [
+    "--suites",
+    "smoke",
+    "--limit",
+    "2",
+    "--max-new-tokens",
+    "3",
+    "--backends",
+    "bf16,bio+tbik",
+    "--tp",
+    "1,2",
+    "--batch-sizes",
+    "1,2",
+    "--no-analyze",
+]
 KILLED = "smoke__bio-tbik__tp2__bs1"  # a TP 2 cell (real rank processes), not a reference cell
-RECORD_COLUMNS = ["cell_id", "prompt_id", "output_token_ids", "finish_reason", "token_logprobs", "topk_ids",
-                  "topk_logprobs", "tf_reference_cell", "tf_token_logprobs", "output_text", "predicted_answer"]
+RECORD_COLUMNS = [
+    "cell_id",
+    "prompt_id",
+    "output_token_ids",
+    "finish_reason",
+    "token_logprobs",
+    "topk_ids",
+    "topk_logprobs",
+    "tf_reference_cell",
+    "tf_token_logprobs",
+    "output_text",
+    "predicted_answer",
+]
 
 
 def _ray_children(before: set[int]) -> list[str]:
@@ -59,8 +83,9 @@ def runs(tmp_path_factory, smollm):
     mp = pytest.MonkeyPatch()
     mp.setenv(FAULT_ENV, f"kill:{KILLED}")
     try:
-        res = runner.invoke(app, ["sweep", *GRID, "--output-path", str(remote), "--executor", "ray",
-                                  "--max-retries", "1"])
+        res = runner.invoke(
+            app, ["sweep", *GRID, "--output-path", str(remote), "--executor", "ray", "--max-retries", "1"]
+        )
     finally:
         mp.undo()
     assert res.exit_code == 0, res.output
@@ -143,7 +168,9 @@ def test_ctrl_c_kills_actors_removes_placement_groups_and_stops_ray(smollm):
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     opts = EngineOptions(model_path=smollm.path, backend="bio+tbik", tp=2)
-    groups = [Group("builtin", opts, DecodingParams(greedy=True, max_new_tokens=2), [CellJob("c1", 1, ["p"], [[1, 2]], "c1")])]
+    groups = [
+        Group("builtin", opts, DecodingParams(greedy=True, max_new_tokens=2), [CellJob("c1", 1, ["p"], [[1, 2]], "c1")])
+    ]
     ex = RayExecutor(num_cpus=2)
     seen: dict = {}
     real_shutdown = ex._shutdown

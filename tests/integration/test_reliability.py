@@ -4,7 +4,6 @@ the run-directory lock, TP worker crash / hang, sharded sweeps and merge."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -14,16 +13,28 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers import cli_json
 from typer.testing import CliRunner
 
 from detaudit.cli import app
-from helpers import cli_json
 
 pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
 
 runner = CliRunner()
-GRID = ["--suites", "smoke", "--limit", "2", "--max-new-tokens", "4", "--backends", "bf16,bio",
-        "--tp", "1", "--batch-sizes", "1,2,4"]
+GRID = [
+    "--suites",
+    "smoke",
+    "--limit",
+    "2",
+    "--max-new-tokens",
+    "4",
+    "--backends",
+    "bf16,bio",
+    "--tp",
+    "1",
+    "--batch-sizes",
+    "1,2,4",
+]
 
 
 def _workers() -> list[psutil.Process]:
@@ -39,8 +50,17 @@ def _workers() -> list[psutil.Process]:
 
 
 def _sweep_cmd(out: Path, *extra: str, grid: list[str] = GRID) -> list[str]:
-    return [sys.executable, "-c", "from detaudit.cli import main; main()", "sweep", *grid, "--output-path", str(out),
-            "--no-analyze", *extra]
+    return [
+        sys.executable,
+        "-c",
+        "from detaudit.cli import main; main()",
+        "sweep",
+        *grid,
+        "--output-path",
+        str(out),
+        "--no-analyze",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +130,28 @@ def test_tp_worker_failure_fails_the_cell_and_the_sweep_goes_on(smollm, tmp_path
     out = tmp_path / "run"
     monkeypatch.setenv("DETAUDIT_FAULT_INJECT", fault)
     t0 = time.monotonic()
-    res = runner.invoke(app, ["sweep", "--suites", "smoke", "--limit", "2", "--max-new-tokens", "4",
-                              "--backends", "bio", "--tp", "1,2", "--batch-sizes", "2", "--hang-timeout", "10",
-                              "--output-path", str(out)])
+    res = runner.invoke(
+        app,
+        [
+            "sweep",
+            "--suites",
+            "smoke",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--backends",
+            "bio",
+            "--tp",
+            "1,2",
+            "--batch-sizes",
+            "2",
+            "--hang-timeout",
+            "10",
+            "--output-path",
+            str(out),
+        ],
+    )
     assert time.monotonic() - t0 < 120
     assert res.exit_code == 1, res.output
     assert ("died" in res.output) if fault.startswith("crash") else ("hung" in res.output)
@@ -134,7 +173,7 @@ def test_shards_merge_to_the_whole(clean_run, tmp_path):
     assert res.exit_code == 0, res.output
     assert _summary(merged) == _summary(clean_run)
     other = tmp_path / "other"  # another seed (one cell is enough: merge compares the settings first)
-    one_cell = [*GRID[:GRID.index("--backends")], "--backends", "bio", "--tp", "1", "--batch-sizes", "1"]
+    one_cell = [*GRID[: GRID.index("--backends")], "--backends", "bio", "--tp", "1", "--batch-sizes", "1"]
     subprocess.run(_sweep_cmd(other, "--seed", "1", grid=one_cell), check=True, capture_output=True)
     bad = runner.invoke(app, ["merge", parts[0], str(other), "--output-path", str(tmp_path / "m2")])
     assert bad.exit_code == 2 and "decoding" in bad.output.lower()

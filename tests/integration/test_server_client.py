@@ -48,15 +48,18 @@ class Fake:
         lp = {
             "tokens": [f"token_id:{t}" for t in ids],
             "token_logprobs": [-0.1 - 0.01 * i for i in range(n)],
-            "top_logprobs": [{f"token_id:{t + j}": -0.1 - 0.5 * j - 0.01 * i for j in range(k)} for i, t in enumerate(ids)],
+            "top_logprobs": [
+                {f"token_id:{t + j}": -0.1 - 0.5 * j - 0.01 * i for j in range(k)} for i, t in enumerate(ids)
+            ],
             "text_offset": list(range(n)),
         }
         choice = {"index": 0, "text": "x" * n, "finish_reason": "length", "logprobs": lp if k else None}
         if self.mode == "nologprobs":
             choice["logprobs"] = None
         if body.get("prompt_logprobs") is not None:
-            choice["prompt_logprobs"] = [None] + [{str(t): {"logprob": -1.0 - 0.001 * p, "rank": 1}}
-                                                  for p, t in enumerate(prompt[1:], 1)]
+            choice["prompt_logprobs"] = [None] + [
+                {str(t): {"logprob": -1.0 - 0.001 * p, "rank": 1}} for p, t in enumerate(prompt[1:], 1)
+            ]
         return {"id": "cmpl", "object": "text_completion", "model": self.model_id, "choices": [choice]}
 
     async def __call__(self, scope, receive, send):
@@ -78,7 +81,10 @@ class Fake:
         self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
         status, out = 404, {"error": {"message": "not found"}}
         if path == "/v1/models":
-            status, out = 200, {"object": "list", "data": [{"id": self.model_id, "object": "model", "owned_by": "vllm"}]}
+            status, out = (
+                200,
+                {"object": "list", "data": [{"id": self.model_id, "object": "model", "owned_by": "vllm"}]},
+            )
         elif path == "/version":
             status, out = 200, {"version": "fake-0.1"}
         elif path == "/v1/completions":
@@ -92,8 +98,13 @@ class Fake:
             else:
                 status, out = 200, self.completion(req)
         data = json.dumps(out).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": data})
 
 
@@ -107,8 +118,9 @@ def free_port() -> int:
 def fake():
     app_ = Fake()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app_, host="127.0.0.1", port=port, log_level="error", lifespan="on",
-                                         timeout_graceful_shutdown=1))
+    server = uvicorn.Server(
+        uvicorn.Config(app_, host="127.0.0.1", port=port, log_level="error", lifespan="on", timeout_graceful_shutdown=1)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -132,9 +144,30 @@ def reset(fake, smollm):
 
 
 def sweep(url: str, out: Path, *extra: str):
-    return runner.invoke(app, ["sweep", "--engine", "openai", "--base-url", url, "--suites", "smoke", "--limit", "2",
-                               "--max-new-tokens", "3", "--temperature", "0", "--api-key-env", "DETAUDIT_TEST_KEY",
-                               "--no-analyze", "-o", str(out), *extra])
+    return runner.invoke(
+        app,
+        [
+            "sweep",
+            "--engine",
+            "openai",
+            "--base-url",
+            url,
+            "--suites",
+            "smoke",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "3",
+            "--temperature",
+            "0",
+            "--api-key-env",
+            "DETAUDIT_TEST_KEY",
+            "--no-analyze",
+            "-o",
+            str(out),
+            *extra,
+        ],
+    )
 
 
 def one_line_exit_2(res, *words: str) -> str:

@@ -30,8 +30,19 @@ from detaudit.cli import app
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 runner = CliRunner()
-GRID = ["--suites", "smoke", "--limit", "2", "--max-new-tokens", "6", "--temperature", "0",
-        "--concurrency", "1,4", "--no-analyze"]
+GRID = [
+    "--suites",
+    "smoke",
+    "--limit",
+    "2",
+    "--max-new-tokens",
+    "6",
+    "--temperature",
+    "0",
+    "--concurrency",
+    "1,4",
+    "--no-analyze",
+]
 
 
 def _vllm_procs() -> list[psutil.Process]:
@@ -51,9 +62,28 @@ def vllm_server(smollm, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1"}
     env.pop("DETAUDIT_VLLM_BACKEND", None)  # bf16: native vLLM kernels
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm.path),
-           "--served-model-name", "smollm2-135m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-           "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "16", "--max-logprobs", "20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(smollm.path),
+        "--served-model-name",
+        "smollm2-135m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "16",
+        "--max-logprobs",
+        "20",
+    ]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -84,15 +114,18 @@ def _cells(run) -> dict[str, list[tuple]]:
     out = {}
     for f in sorted((run / "cells").glob("*.parquet")):
         t = pq.read_table(f).to_pydict()
-        out[f.name.split(".")[0]] = list(zip(t["prompt_id"], t["output_token_ids"], t["token_logprobs"], t["topk_ids"],
-                                             t["topk_logprobs"]))
+        out[f.name.split(".")[0]] = list(
+            zip(t["prompt_id"], t["output_token_ids"], t["token_logprobs"], t["topk_ids"], t["topk_logprobs"])
+        )
     return out
 
 
 def test_openai_engine_on_vllm_bf16(vllm_server, tmp_path, capsys):
     run = tmp_path / "bf16"
-    res = runner.invoke(app, ["sweep", "--engine", "openai", "--base-url", vllm_server, *GRID,
-                              "--background-load", "0,3", "-o", str(run)])
+    res = runner.invoke(
+        app,
+        ["sweep", "--engine", "openai", "--base-url", vllm_server, *GRID, "--background-load", "0,3", "-o", str(run)],
+    )
     assert res.exit_code == 0, res.output
     cells = _cells(run)
     assert set(cells) == {f"smoke__bf16__tp1__bs{c}{b}" for c in (1, 4) for b in ("", "__bg3")}
@@ -103,14 +136,33 @@ def test_openai_engine_on_vllm_bf16(vllm_server, tmp_path, capsys):
     res = runner.invoke(app, ["analyze", str(run), "--json"])
     row = json.loads(res.stdout)[0]
     with capsys.disabled():  # reported as measured, not asserted
-        print(f"\n[bf16 via vLLM server] unique_mean={row['unique_mean']} maxprob_div_mean={row['maxprob_div_mean']} "
-              f"teacher_forced_div_max={row['teacher_forced_div_max']}")
+        print(
+            f"\n[bf16 via vLLM server] unique_mean={row['unique_mean']} maxprob_div_mean={row['maxprob_div_mean']} "
+            f"teacher_forced_div_max={row['teacher_forced_div_max']}"
+        )
 
 
 def test_vllm_server_bio_tbik_invariant_under_load(smollm, tmp_path):
     run = tmp_path / "tbik"
-    res = runner.invoke(app, ["sweep", "--engine", "vllm-server", "--model", "smollm2-135m", "--backends", "bio+tbik",
-                              "--tp", "1", *GRID, "--background-load", "0,3", "-o", str(run)])
+    res = runner.invoke(
+        app,
+        [
+            "sweep",
+            "--engine",
+            "vllm-server",
+            "--model",
+            "smollm2-135m",
+            "--backends",
+            "bio+tbik",
+            "--tp",
+            "1",
+            *GRID,
+            "--background-load",
+            "0,3",
+            "-o",
+            str(run),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert not _vllm_procs(), "a vLLM server outlived the sweep"
     cells = _cells(run)
@@ -136,7 +188,9 @@ def test_openai_engine_chat_api_and_text_prompts(vllm_server, tmp_path, capsys):
     runs = {}
     for name, extra in (("ids", []), ("chat", ["--api", "chat"]), ("text", ["--prompt-format", "text"])):
         run = runs[name] = tmp_path / name
-        res = runner.invoke(app, ["sweep", "--engine", "openai", "--base-url", vllm_server, *grid, *extra, "-o", str(run)])
+        res = runner.invoke(
+            app, ["sweep", "--engine", "openai", "--base-url", vllm_server, *grid, *extra, "-o", str(run)]
+        )
         assert res.exit_code == 0, res.output
         cells = _cells(run)
         assert set(cells) == {"smoke__bf16__tp1__bs1"}, cells.keys()
@@ -146,8 +200,10 @@ def test_openai_engine_chat_api_and_text_prompts(vllm_server, tmp_path, capsys):
         assert d["api"] == ("chat" if name == "chat" else "completions"), d
         assert d["prompt_format"].startswith({"ids": "token ids", "chat": "chat messages", "text": "text"}[name]), d
     ids = _cells(runs["ids"])["smoke__bf16__tp1__bs1"]
-    same = {name: sum(a[1] == b[1] for a, b in zip(ids, _cells(runs[name])["smoke__bf16__tp1__bs1"]))
-            for name in ("chat", "text")}
+    same = {
+        name: sum(a[1] == b[1] for a, b in zip(ids, _cells(runs[name])["smoke__bf16__tp1__bs1"]))
+        for name in ("chat", "text")
+    }
     with capsys.disabled():
         print(f"\n[vLLM server, greedy] prompts (of 2) with the token-id prompts' outputs: {same}")
 
@@ -158,10 +214,36 @@ def test_vllm_server_engine_killed_mid_run_leaves_no_server_and_resumes(smollm, 
     import signal
 
     run = tmp_path / "killed"
-    grid = ["--suites", "smoke", "--limit", "4", "--max-new-tokens", "200", "--temperature", "0", "--concurrency", "1,4",
-            "--no-analyze"]  # long enough that the kill lands mid-run
-    cmd = [sys.executable, "-c", "from detaudit.cli import main; main()", "sweep", "--engine", "vllm-server",
-           "--model", "smollm2-135m", "--backends", "bio", "--tp", "1", *grid, "-o", str(run)]
+    grid = [
+        "--suites",
+        "smoke",
+        "--limit",
+        "4",
+        "--max-new-tokens",
+        "200",
+        "--temperature",
+        "0",
+        "--concurrency",
+        "1,4",
+        "--no-analyze",
+    ]  # long enough that the kill lands mid-run
+    cmd = [
+        sys.executable,
+        "-c",
+        "from detaudit.cli import main; main()",
+        "sweep",
+        "--engine",
+        "vllm-server",
+        "--model",
+        "smollm2-135m",
+        "--backends",
+        "bio",
+        "--tp",
+        "1",
+        *grid,
+        "-o",
+        str(run),
+    ]
     sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 300

@@ -7,15 +7,15 @@ import json
 
 import pytest
 import torch
+from helpers import cli_json
 from typer.testing import CliRunner
 
 from detaudit.cli import app
 from detaudit.config import DecodingParams
 from detaudit.engine import open_engine
 from detaudit.engine.local import cpu_cores
-from detaudit.suites import load_suite, prompt_token_ids
 from detaudit.inputs import tokenizer_for
-from helpers import cli_json
+from detaudit.suites import load_suite, prompt_token_ids
 
 pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
 
@@ -48,8 +48,23 @@ def test_sweep_bio_backends_real_tp(smollm, tmp_path):
     table says so; a rerun skips every cell. (bf16 sweeps through the CLI: test_vllm.py and the default
     main job; TP 2 real vs emulated: test_tbik_dist.py; TP 1/2/4/8 sweeps: reports/.)"""
     out = tmp_path / "run"
-    args = ["sweep", "--suites", "smoke", "--limit", "2", "--max-new-tokens", "4", "--backends", "bio,bio+tbik",
-            "--tp", "1,4", "--batch-sizes", "1,2", "--output-path", str(out)]
+    args = [
+        "sweep",
+        "--suites",
+        "smoke",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--backends",
+        "bio,bio+tbik",
+        "--tp",
+        "1,4",
+        "--batch-sizes",
+        "1,2",
+        "--output-path",
+        str(out),
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())

@@ -44,7 +44,6 @@ def test_gloo_equals_emulated(tmp_path, mode, size):
         assert torch.equal(torch.load(tmp_path / f"{r}.pt"), ref), (mode, size, r)
 
 
-
 def _leave(rank, size, port, delay, wait, out_dir):
     import json
     import time

@@ -5,16 +5,15 @@ message)."""
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pandas as pd
 import pytest
+from helpers import cli_json
 from typer.testing import CliRunner
 
 from detaudit.cli import app
 from detaudit.runs import RunDir
 from detaudit.vllm.host import thread_binds
-from helpers import cli_json
 
 runner = CliRunner()
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -56,8 +55,24 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys):
     out = tmp_path / "run"
     # batch 2 and 4 on smoke's first 4 prompts: two batches of 2 vs one of 4 (the CLI default grid, batch 4
     # and 8 on all 8 prompts, is in reports/cpu-vllm; this is the CI-sized version of it)
-    args = ["sweep", "--engine", "vllm", "--backends", "bf16,bio,bio+tbik", "--tp", "1,2", "--batch-sizes", "2,4",
-            "--limit", "4", "--max-new-tokens", "6", "--output-path", str(out), "--no-analyze"]
+    args = [
+        "sweep",
+        "--engine",
+        "vllm",
+        "--backends",
+        "bf16,bio,bio+tbik",
+        "--tp",
+        "1,2",
+        "--batch-sizes",
+        "2,4",
+        "--limit",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--output-path",
+        str(out),
+        "--no-analyze",
+    ]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["analyze", str(out), "--json"])
@@ -73,9 +88,11 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys):
         assert _same(df[(df.backend == "bio") & (df.tp == tp)]), f"bio differs across batch sizes at TP {tp}"
     assert _same(df[df.backend == "bio+tbik"])
     with capsys.disabled():  # bf16 is the negative control: report what it shows
-        print(f"\n[vllm-cpu bf16] unique_mean={rows['bf16']['unique_mean']:.3g} "
-              f"maxprob_div_mean={rows['bf16']['maxprob_div_mean']:.3g}; "
-              f"bio unique_mean={rows['bio']['unique_mean']:.3g} (across TP)")
+        print(
+            f"\n[vllm-cpu bf16] unique_mean={rows['bf16']['unique_mean']:.3g} "
+            f"maxprob_div_mean={rows['bf16']['maxprob_div_mean']:.3g}; "
+            f"bio unique_mean={rows['bio']['unique_mean']:.3g} (across TP)"
+        )
     assert rows["bf16"]["maxprob_div_mean"] > 0, "bf16 agreed everywhere: the negative control found nothing"
 
     # the plugin ran in every vLLM worker: one marker per TP rank, with the patched ops used there
@@ -91,8 +108,15 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys):
             continue
         ranks = {m["tp_rank"]: m for m in markers if m["ops"]}
         assert set(ranks) == set(range(tp)), (key, markers)
-        want = {"linear", "rms_norm", "log_softmax", "attention", "rotary", "silu_and_mul",
-                "tree_row_parallel" if backend == "bio+tbik" else "row_parallel"}
+        want = {
+            "linear",
+            "rms_norm",
+            "log_softmax",
+            "attention",
+            "rotary",
+            "silu_and_mul",
+            "tree_row_parallel" if backend == "bio+tbik" else "row_parallel",
+        }
         assert all(want <= set(m["ops"]) for m in ranks.values()), (key, markers)
 
 
@@ -103,9 +127,27 @@ def test_vllm_rollout_tp2_is_bitwise_aligned_with_builtin_trainer_tp1(tmp_path):
     sampled tokens at TP 1 (one full forward per sequence). With bio+tbik every token's log-probability
     is bitwise equal. (bf16's gap, vLLM's kernels against the built-in engine's, is in
     reports/cpu-vllm/; the sweep test above already shows bf16 moving inside vLLM.)"""
-    res = runner.invoke(app, ["align", "--rollout", "vllm:2", "--trainer", "builtin:1", "--backends", "bio+tbik",
-                              "--limit", "3", "--batch-size", "3", "--max-new-tokens", "6",
-                              "--output-path", str(tmp_path / "align"), "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "align",
+            "--rollout",
+            "vllm:2",
+            "--trainer",
+            "builtin:1",
+            "--backends",
+            "bio+tbik",
+            "--limit",
+            "3",
+            "--batch-size",
+            "3",
+            "--max-new-tokens",
+            "6",
+            "--output-path",
+            str(tmp_path / "align"),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     rows = {r["backend"]: r for r in cli_json(res)}
     assert rows["bio+tbik"]["tokens"] > 0 and rows["bio+tbik"]["bitwise_equal_frac"] == 1.0

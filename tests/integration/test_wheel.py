@@ -41,17 +41,26 @@ def wheel_venv(tmp_path_factory) -> tuple[Path, dict, Path, Path]:
     shutil.copytree(REPO / "detaudit", src / "detaudit", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    _run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist")],
-         cwd=src, env=env)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist")],
+        cwd=src,
+        env=env,
+    )
     (wheel,) = (tmp / "dist").glob("detaudit-*.whl")
 
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp, env=env)
     python = venv / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
-         cwd=tmp, env=env)
-    purelib = Path(subprocess.check_output([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                           text=True).strip())
+    _run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+        cwd=tmp,
+        env=env,
+    )
+    purelib = Path(
+        subprocess.check_output(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+    )
     outer = Path(sysconfig.get_paths()["purelib"])  # the test venv's dependencies (torch, transformers, ...)
     (purelib / "_detaudit_test_deps.pth").write_text(f"{outer}\n")
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
@@ -66,9 +75,16 @@ def test_wheel_install_finds_suites_and_sweeps(wheel_venv, smollm):
     work.mkdir()
     assert REPO not in work.parents
 
-    where = _run([str(venv / "bin" / "python"), "-c",
-                  "import detaudit, json; from detaudit import paths; "
-                  "print(json.dumps([detaudit.__file__, str(paths.builtin_suites_dir())]))"], cwd=work, env=env)
+    where = _run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import detaudit, json; from detaudit import paths; "
+            "print(json.dumps([detaudit.__file__, str(paths.builtin_suites_dir())]))",
+        ],
+        cwd=work,
+        env=env,
+    )
     module, suites_dir = (Path(p) for p in json.loads(where.stdout))
     assert purelib in module.parents, f"detaudit imported from {module}, not from the wheel's venv"
     assert purelib in suites_dir.parents and REPO not in suites_dir.parents
@@ -78,8 +94,28 @@ def test_wheel_install_finds_suites_and_sweeps(wheel_venv, smollm):
 
     out = work / "run"
     env = {**env, "DETAUDIT_HOME": os.environ["DETAUDIT_HOME"]}  # the embedded model prepared by `smollm`
-    _run([str(venv / "bin" / "detaudit"), "sweep", "--suites", "smoke", "--limit", "1", "--max-new-tokens", "2",
-          "--backends", "bio", "--tp", "1", "--batch-sizes", "1", "--output-path", str(out)], cwd=work, env=env)
+    _run(
+        [
+            str(venv / "bin" / "detaudit"),
+            "sweep",
+            "--suites",
+            "smoke",
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--backends",
+            "bio",
+            "--tp",
+            "1",
+            "--batch-sizes",
+            "1",
+            "--output-path",
+            str(out),
+        ],
+        cwd=work,
+        env=env,
+    )
     assert (out / "manifest.json").is_file() and list(out.rglob("*.parquet"))
 
 

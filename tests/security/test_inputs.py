@@ -23,7 +23,9 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
 
 
 def test_prompts_that_fit_pass():
-    check_prompt_lengths("smoke", ["a", "b"], [[1] * 10, [2] * 90], max_new_tokens=10, context_len=100)  # 90 + 10 == 100
+    check_prompt_lengths(
+        "smoke", ["a", "b"], [[1] * 10, [2] * 90], max_new_tokens=10, context_len=100
+    )  # 90 + 10 == 100
     check_prompt_lengths("smoke", [], [], max_new_tokens=1, context_len=2)
 
 
@@ -62,8 +64,13 @@ def test_model_context_len(tmp_path):
     assert model_context_len(tmp_path, cap=4096) == 4096  # vLLM's max_model_len
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 512}}))
     assert model_context_len(tmp_path) == 512
-    for bad in ({"max_position_embeddings": -1}, {"max_position_embeddings": "8192"}, {"max_position_embeddings": True},
-                {}, [1]):
+    for bad in (
+        {"max_position_embeddings": -1},
+        {"max_position_embeddings": "8192"},
+        {"max_position_embeddings": True},
+        {},
+        [1],
+    ):
         (tmp_path / "config.json").write_text(json.dumps(bad))
         with pytest.raises(DetauditError) as e:
             model_context_len(tmp_path)
@@ -84,9 +91,28 @@ def test_sweep_refuses_non_positive_hang_timeout(tmp_path, value):
     from detaudit.cli import app
 
     out = tmp_path / "run"
-    res = CliRunner().invoke(app, ["sweep", "--hang-timeout", value, "--suites", "smoke", "--limit", "1",
-                                   "--max-new-tokens", "2", "--backends", "bio", "--tp", "1,2", "--batch-sizes", "1",
-                                   "--output-path", str(out)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "sweep",
+            "--hang-timeout",
+            value,
+            "--suites",
+            "smoke",
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--backends",
+            "bio",
+            "--tp",
+            "1,2",
+            "--batch-sizes",
+            "1",
+            "--output-path",
+            str(out),
+        ],
+    )
     assert res.exit_code == 2, (res.output, res.exception)
     assert "Traceback" not in res.output
     lines = [line for line in res.output.splitlines() if line.strip()]
@@ -101,8 +127,26 @@ def test_sweep_refuses_prompt_over_context_before_model_work(tmp_path, smollm):
     from detaudit.cli import app
 
     out = tmp_path / "run"
-    res = CliRunner().invoke(app, ["sweep", "--suites", "smoke", "--limit", "1", "--max-new-tokens", "8180",
-                                   "--backends", "bio", "--tp", "1", "--batch-sizes", "1", "--output-path", str(out)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "sweep",
+            "--suites",
+            "smoke",
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "8180",
+            "--backends",
+            "bio",
+            "--tp",
+            "1",
+            "--batch-sizes",
+            "1",
+            "--output-path",
+            str(out),
+        ],
+    )
     assert res.exit_code == 2, (res.output, res.exception)
     assert "Traceback" not in res.output
     lines = [line for line in res.output.splitlines() if line.strip()]

@@ -76,8 +76,12 @@ def test_dist_init_without_listen_fd_is_loopback_only():
     from detaudit.engine.dist import free_port
 
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(port)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(r), str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for r in range(2)
+    ]
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"

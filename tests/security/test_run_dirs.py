@@ -12,12 +12,13 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from helpers import one_line_error
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
+from unit.test_analyze import TBIK, invariant_cells, make_run
 
 from detaudit.cli import app
-from helpers import one_line_error
-from unit.test_analyze import TBIK, invariant_cells, make_run
 
 runner = CliRunner()
 
@@ -43,8 +44,12 @@ def test_merge_and_analyze_refuse_path_like_cell_ids(run, tmp_path):
     _write(run, m)
     (run / "cells" / "x.parquet").write_bytes((run / "cells" / f"{TBIK[1]}.parquet").read_bytes())
     out = tmp_path / "deep" / "er" / "out"
-    for args in (["merge", str(run), "-o", str(out)], ["analyze", str(run)], ["gate", str(run)],
-                 ["report", str(run), "-o", str(tmp_path / "rep")]):
+    for args in (
+        ["merge", str(run), "-o", str(out)],
+        ["analyze", str(run)],
+        ["gate", str(run)],
+        ["report", str(run), "-o", str(tmp_path / "rep")],
+    ):
         one_line_error(runner.invoke(app, args), "not a detaudit cell id")
     assert not out.exists() and not (tmp_path / "deep" / "x.parquet").exists()
     assert list(tmp_path.rglob("x*.parquet*")) == [run / "cells" / "x.parquet"]  # only the one planted
@@ -79,8 +84,12 @@ def test_merge_on_a_full_disk_leaves_the_output_as_it_was(run, tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
 
-    proc = subprocess.run([sys.executable, "-c", "from detaudit.cli import main; main()", "merge", str(run), "-o", str(out)],
-                          capture_output=True, text=True, preexec_fn=limit)
+    proc = subprocess.run(
+        [sys.executable, "-c", "from detaudit.cli import main; main()", "merge", str(run), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "cannot write" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -88,8 +97,15 @@ def test_merge_on_a_full_disk_leaves_the_output_as_it_was(run, tmp_path):
 
 
 # ---- type fuzzing: any field of the manifest replaced by a value of another type
-VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=5), st.lists(st.integers(), max_size=2),
-                   st.dictionaries(st.text(max_size=3), st.integers(), max_size=2), st.floats(allow_nan=True))
+VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.text(max_size=5),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.floats(allow_nan=True),
+)
 
 
 def _paths(obj, prefix=()):

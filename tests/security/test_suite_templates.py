@@ -56,9 +56,26 @@ def test_payload_in_doc_to_text_fails_in_suites_show(tmp_path, name):
 def test_payload_fails_in_sweep_before_any_model_work(tmp_path, name, key):
     path = _suite(tmp_path, key, PAYLOADS[name])
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["sweep", "--suites", str(path), "--backends", "bio", "--tp", "1",
-                                      "--batch-sizes", "1", "--limit", "1", "--max-new-tokens", "2",
-                                      "--output-path", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "sweep",
+            "--suites",
+            str(path),
+            "--backends",
+            "bio",
+            "--tp",
+            "1",
+            "--batch-sizes",
+            "1",
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--output-path",
+            str(out),
+        ],
+    )
     line = _one_line_exit_2(result, tmp_path / "marker")
     assert key in line and "sandbox" in line
     assert not out.exists() or not any(out.iterdir())  # nothing was written for the run
@@ -67,7 +84,8 @@ def test_payload_fails_in_sweep_before_any_model_work(tmp_path, name, key):
 def test_payload_in_an_included_file(tmp_path):
     marker = tmp_path / "marker"
     (tmp_path / "base.yaml").write_text(
-        "doc_to_text: " + repr(PAYLOADS["cycler-popen"].replace("MARKER", str(marker))) + "\n")
+        "doc_to_text: " + repr(PAYLOADS["cycler-popen"].replace("MARKER", str(marker))) + "\n"
+    )
     (tmp_path / "task.yaml").write_text("include: base.yaml\ntask: inc\ndocs: [{q: x}]\n")
     _one_line_exit_2(CliRunner().invoke(app, ["suites", "show", str(tmp_path / "task.yaml")]), marker)
 
@@ -76,9 +94,11 @@ def test_ordinary_templates_still_render(tmp_path):
     # what lm-eval task files do: filters, string methods, conditionals, loops over a row's list
     (tmp_path / "ok.yaml").write_text(
         "task: ok\n"
-        "doc_to_text: \"{{ question | trim }} Options: {% for c in choices %}{{ loop.index }}. {{ c | upper }} {% endfor %}\"\n"
+        'doc_to_text: "{{ question | trim }} Options: '
+        '{% for c in choices %}{{ loop.index }}. {{ c | upper }} {% endfor %}"\n'
         "doc_to_target: \"{{ answer.split('####')[-1].strip() if answer is defined else target }}\"\n"
-        "docs: [{question: ' Pick one. ', choices: [a, b], answer: 'work #### 7'}]\n")
+        "docs: [{question: ' Pick one. ', choices: [a, b], answer: 'work #### 7'}]\n"
+    )
     result = CliRunner().invoke(app, ["suites", "show", str(tmp_path / "ok.yaml"), "--json"])
     assert result.exit_code == 0, result.output
     assert '"text": "Pick one. Options: 1. A 2. B "' in result.output and '"answer": "7"' in result.output

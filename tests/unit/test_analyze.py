@@ -26,8 +26,8 @@ from detaudit.analyze import (
 )
 from detaudit.config import SweepConfig
 from detaudit.errors import DetauditError
-from detaudit.records import COLUMNS
 from detaudit.manifest import Manifest
+from detaudit.records import COLUMNS
 from detaudit.runs import RunDir
 
 SUITE = "smoke"
@@ -47,12 +47,15 @@ def rec(prompt: int, ids, topk=None, tf=None, correct=None, tf_ref=None) -> dict
     ids = list(ids)
     topk = topk if topk is not None else [DEFAULT_TOPK] * len(ids)
     return dict(
-        prompt_index=prompt, prompt_id=f"p{prompt}", output_token_ids=ids,
+        prompt_index=prompt,
+        prompt_id=f"p{prompt}",
+        output_token_ids=ids,
         topk_ids=[list(range(len(row))) for row in topk],
         topk_logprobs=[[math.log(p) for p in row] for row in topk],
         token_logprobs=[math.log(row[0]) for row in topk],
         tf_token_logprobs=None if tf is None else [math.log(p) for p in tf],
-        tf_reference_cell=tf_ref, correct=correct,
+        tf_reference_cell=tf_ref,
+        correct=correct,
     )
 
 
@@ -72,20 +75,38 @@ def make_run(
     """A run directory: the grid of `SweepConfig(...)`, cells listed in `cells` written as done,
     cells in `states` marked (state, error), the others left pending. `identity` overrides entries of
     the manifest's `comparable` (model checksum, suite checksums, decoding, ...)."""
-    cfg = SweepConfig(model="tiny", suites=tuple(suites), backends=tuple(backends), tp=tuple(tp),
-                      batch_sizes=tuple(batch_sizes), tp_mode=tp_mode)
+    cfg = SweepConfig(
+        model="tiny",
+        suites=tuple(suites),
+        backends=tuple(backends),
+        tp=tuple(tp),
+        batch_sizes=tuple(batch_sizes),
+        tp_mode=tp_mode,
+    )
     manifest = {
-        "comparable": {"model_checksum": "tiny-ck", "suites": {s: f"{s}-ck" for s in suites},
-                       "decoding": cfg.decoding.to_dict(), "dtype": cfg.dtype, "limit": cfg.limit,
-                       "engine": cfg.engine, **(identity or {})},
+        "comparable": {
+            "model_checksum": "tiny-ck",
+            "suites": {s: f"{s}-ck" for s in suites},
+            "decoding": cfg.decoding.to_dict(),
+            "dtype": cfg.dtype,
+            "limit": cfg.limit,
+            "engine": cfg.engine,
+            **(identity or {}),
+        },
         "code_version": "0.1.0",
         "config": cfg.to_dict(),
         "model": {"name": "tiny"},
         "environment": {"python": "3.11", "torch": "2.13", "hardware": {"cpu": "test"}},
         "command": "detaudit sweep --model tiny --suites smoke",
         "cells": {
-            c.id: dict(backend=c.backend, tp=c.tp, batch_size=c.batch_size, suite=c.suite,
-                       tp_mode=tp_mode if c.tp > 1 else "real", state="pending")
+            c.id: dict(
+                backend=c.backend,
+                tp=c.tp,
+                batch_size=c.batch_size,
+                suite=c.suite,
+                tp_mode=tp_mode if c.tp > 1 else "real",
+                state="pending",
+            )
             for c in cfg.cells()
         },
         **(manifest_extra or {}),
@@ -98,10 +119,20 @@ def make_run(
             full = []
             for r in rows:
                 row = {c: None for c in COLUMNS}
-                row.update(cell_id=cid, model="tiny", suite=meta["suite"], backend=meta["backend"],
-                           tp=meta["tp"], batch_size=meta["batch_size"], tp_mode=meta["tp_mode"],
-                           engine="builtin", prompt_hash="h", prompt_tokens=3, output_text="",
-                           finish_reason="length")
+                row.update(
+                    cell_id=cid,
+                    model="tiny",
+                    suite=meta["suite"],
+                    backend=meta["backend"],
+                    tp=meta["tp"],
+                    batch_size=meta["batch_size"],
+                    tp_mode=meta["tp_mode"],
+                    engine="builtin",
+                    prompt_hash="h",
+                    prompt_tokens=3,
+                    output_text="",
+                    finish_reason="length",
+                )
                 row.update(r)
                 full.append(row)
             run.write_cell(cid, full, {"wall_s": 1.5})
@@ -112,8 +143,16 @@ def make_run(
 
 def invariant_cells(n_prompts: int = 3, tf: bool = True) -> dict[str, list[dict]]:
     """bio+tbik cells that agree bit for bit."""
-    rows = [rec(p, [10 + p, 11, 12], tf=[0.5, 0.25, 0.125] if tf else None, correct=p % 2 == 0,
-                tf_ref=TBIK[1] if tf else None) for p in range(n_prompts)]
+    rows = [
+        rec(
+            p,
+            [10 + p, 11, 12],
+            tf=[0.5, 0.25, 0.125] if tf else None,
+            correct=p % 2 == 0,
+            tf_ref=TBIK[1] if tf else None,
+        )
+        for p in range(n_prompts)
+    ]
     return {TBIK[1]: rows, TBIK[2]: [dict(r) for r in rows]}
 
 
@@ -198,11 +237,13 @@ def test_accuracy_std_is_population_std():
 
 
 def test_agreement_matrix():
-    m = agreement_matrix({
-        "a": {"p0": [1, 2], "p1": [3], "p2": [4]},
-        "b": {"p0": [1, 2], "p1": [3, 3], "p2": [4]},
-        "c": {"p0": [9], "p1": [3], "p2": [4]},
-    })
+    m = agreement_matrix(
+        {
+            "a": {"p0": [1, 2], "p1": [3], "p2": [4]},
+            "b": {"p0": [1, 2], "p1": [3, 3], "p2": [4]},
+            "c": {"p0": [9], "p1": [3], "p2": [4]},
+        }
+    )
     assert m.loc["a", "a"] == 1.0
     assert m.loc["a", "b"] == m.loc["b", "a"] == pytest.approx(2 / 3)
     assert m.loc["a", "c"] == pytest.approx(2 / 3)
@@ -223,10 +264,15 @@ def diverging_bf16() -> dict[str, list[dict]]:
             rec(2, [7, 7], correct=False, tf=[0.5], tf_ref=BF16[1]),
         ],
         BF16[2]: [
-            rec(0, [1, 2, 3], topk=[t, [0.25, 0.25, 0.125, 0.0625, 0.03125], t], correct=True,
-                tf=[0.5, 0.5], tf_ref=BF16[1]),
-            rec(1, [1, 2, 5], topk=[t, t, [0.5, 0.5, 0.5, 0.5, 0.5]], correct=False,
-                tf=[0.25, 0.5], tf_ref=BF16[1]),
+            rec(
+                0,
+                [1, 2, 3],
+                topk=[t, [0.25, 0.25, 0.125, 0.0625, 0.03125], t],
+                correct=True,
+                tf=[0.5, 0.5],
+                tf_ref=BF16[1],
+            ),
+            rec(1, [1, 2, 5], topk=[t, t, [0.5, 0.5, 0.5, 0.5, 0.5]], correct=False, tf=[0.25, 0.5], tf_ref=BF16[1]),
             rec(2, [], topk=[], correct=False, tf=[0.5], tf_ref=BF16[1]),
         ],
     }
@@ -248,8 +294,16 @@ def test_analyze_summary_known_answers(audit):
 
     # p0: positions 0..2 diverge 0, 0.25, 0 -> 0.25/3 ; p1: 0, 0, 0.5-... rank-wise max -> see below
     d0 = (p32(0.5) - p32(0.25)) / 3
-    d1 = max(p32(0.5) - p32(0.5), p32(0.5) - p32(0.25), p32(0.5) - p32(0.125),
-             p32(0.5) - p32(0.0625), p32(0.5) - p32(0.03125)) / 3
+    d1 = (
+        max(
+            p32(0.5) - p32(0.5),
+            p32(0.5) - p32(0.25),
+            p32(0.5) - p32(0.125),
+            p32(0.5) - p32(0.0625),
+            p32(0.5) - p32(0.03125),
+        )
+        / 3
+    )
     assert bf["maxprob_div_mean"] == pytest.approx((d0 + d1) / 2, abs=1e-12)
     assert bf["maxprob_excluded"] == 1  # p2: empty output
     # prefix: p0 identical tokens -> all 3 positions; p1 diverges at 2 -> positions 0, 1 (both 0)
@@ -299,8 +353,12 @@ def test_analyze_per_prompt_per_cell_agreement(audit):
 
 def test_failed_missing_and_emulated_cells(tmp_path):
     cells = invariant_cells()
-    run = make_run(tmp_path / "r", {**cells, BF16[1]: diverging_bf16()[BF16[1]]},
-                   states={BF16[2]: ("failed", "worker 1 ran out of memory")}, tp_mode="emulated")
+    run = make_run(
+        tmp_path / "r",
+        {**cells, BF16[1]: diverging_bf16()[BF16[1]]},
+        states={BF16[2]: ("failed", "worker 1 ran out of memory")},
+        tp_mode="emulated",
+    )
     a = analyze(run)
     s = a.summary.set_index("backend")
     assert s.loc["bf16", "cells"] == 1 and s.loc["bf16", "failed_cells"] == 1
@@ -349,10 +407,16 @@ def test_analyze_a_full_grid_of_long_outputs(tmp_path):
     for tp in cfg_tp:
         for bs in cfg_bs:
             ids = base.copy()
-            ids[:, 200 + tp * 10 + bs:] += 1
+            ids[:, 200 + tp * 10 + bs :] += 1
             cells[f"smoke__bf16__tp{tp}__bs{bs}"] = [
-                dict(prompt_index=p, prompt_id=f"p{p}", output_token_ids=ids[p].tolist(),
-                     topk_logprobs=topk, tf_token_logprobs=None, correct=bool(p % 2))
+                dict(
+                    prompt_index=p,
+                    prompt_id=f"p{p}",
+                    output_token_ids=ids[p].tolist(),
+                    topk_logprobs=topk,
+                    tf_token_logprobs=None,
+                    correct=bool(p % 2),
+                )
                 for p in range(40)
             ]
     run = make_run(tmp_path / "big", cells, backends=("bf16",), tp=cfg_tp, batch_sizes=cfg_bs)

@@ -10,37 +10,54 @@ import pytest
 from detaudit.engine.arch import ModelConfig
 from detaudit.errors import DetauditError
 
-BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "vocab_size": 300}
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+BASE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 300,
+}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def cfg(model_type: str, **over) -> ModelConfig:
     return ModelConfig.from_dict({"model_type": model_type, **BASE, **over})
 
 
-@pytest.mark.parametrize("model_type,over,field", [
-    ("gpt2", {}, "model_type 'gpt2'"),
-    ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
-    ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
-    ("llama", {"rope_parameters": {"rope_type": "longrope"}}, "rope_type 'longrope'"),
-    ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}},
-     "without low_freq_factor"),
-    ("llama", {"rope_parameters": {"rope_type": "linear"}}, "without a factor"),
-    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-    ("llama", {"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per-layer-type rope_parameters"),
-    ("llama", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
-    ("llama", {"num_key_value_heads": 3}, "num_key_value_heads 3"),
-    ("mistral", {"attention_bias": True}, "attention_bias"),
-    ("qwen2", {"attention_bias": True}, "attention_bias"),
-    ("qwen2", {"mlp_bias": True}, "mlp_bias"),
-    ("qwen3", {"mlp_bias": True}, "mlp_bias"),
-    ("mistral", {"layer_types": ["full_attention"] * 4}, "layer_types"),
-    ("qwen2", {"layer_types": ["chunked_attention"] * 4}, "layer_types"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 0}, "sliding_window 0"),
-])
+@pytest.mark.parametrize(
+    "model_type,over,field",
+    [
+        ("gpt2", {}, "model_type 'gpt2'"),
+        ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        ("llama", {"rope_parameters": {"rope_type": "longrope"}}, "rope_type 'longrope'"),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}},
+            "without low_freq_factor",
+        ),
+        ("llama", {"rope_parameters": {"rope_type": "linear"}}, "without a factor"),
+        ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ("llama", {"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per-layer-type rope_parameters"),
+        ("llama", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+        ("llama", {"num_key_value_heads": 3}, "num_key_value_heads 3"),
+        ("mistral", {"attention_bias": True}, "attention_bias"),
+        ("qwen2", {"attention_bias": True}, "attention_bias"),
+        ("qwen2", {"mlp_bias": True}, "mlp_bias"),
+        ("qwen3", {"mlp_bias": True}, "mlp_bias"),
+        ("mistral", {"layer_types": ["full_attention"] * 4}, "layer_types"),
+        ("qwen2", {"layer_types": ["chunked_attention"] * 4}, "layer_types"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 0}, "sliding_window 0"),
+    ],
+)
 def test_unimplemented_fields_are_refused_by_name(model_type, over, field):
     with pytest.raises(DetauditError, match="not supported by the built-in engine") as e:
         cfg(model_type, **over)
@@ -68,7 +85,9 @@ def test_both_rope_spellings_read_alike():
 
 def test_llama3_original_context_as_transformers_picks_it():
     rope = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
-    assert cfg("llama", rope_parameters=rope, max_position_embeddings=4096).rope.original_max_position_embeddings == 4096
+    assert (
+        cfg("llama", rope_parameters=rope, max_position_embeddings=4096).rope.original_max_position_embeddings == 4096
+    )
     top = cfg("llama", rope_parameters=dict(LLAMA3), original_max_position_embeddings=1024)
     assert top.rope.original_max_position_embeddings == 1024
 

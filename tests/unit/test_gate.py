@@ -9,6 +9,7 @@ from rich.console import Console
 
 from detaudit.errors import DetauditError
 from detaudit.gate import gate, load_policy, render_result, violations_table
+
 from .test_analyze import BF16, TBIK, diverging_bf16, invariant_cells, make_run
 
 
@@ -50,8 +51,9 @@ def test_divergent_tbik_fails_with_every_metric(tmp_path):
     run = make_run(tmp_path / "r", {**diverging_bf16(), **as_tbik(diverging_bf16())})
     result = gate(run)
     assert not result.passed
-    assert metrics(result) == {("bio+tbik", m) for m in
-                               ("unique_mean", "maxprob_div_mean", "prefix_div_mean", "teacher_forced_div_max")}
+    assert metrics(result) == {
+        ("bio+tbik", m) for m in ("unique_mean", "maxprob_div_mean", "prefix_div_mean", "teacher_forced_div_max")
+    }
     v = next(v for v in result.violations if v.metric == "unique_mean")
     assert v.suite == "smoke" and v.value == pytest.approx(5 / 3) and v.threshold == "<= 1"
     assert "breaks" in v.reason
@@ -83,13 +85,18 @@ def test_pending_and_missing_cells_fail(tmp_path):
     run = make_run(tmp_path / "p", {TBIK[1]: cells[TBIK[1]]})  # bf16 cells and tbik tp2 pending
     result = gate(run)
     assert {(v.backend, v.value) for v in result.violations if v.metric == "cell"} == {
-        ("bf16", "pending"), ("bio+tbik", "pending")}
+        ("bf16", "pending"),
+        ("bio+tbik", "pending"),
+    }
     assert ("bio+tbik", "cells") in metrics(result)  # one done cell compares nothing
 
 
 def test_failed_cell_fails_with_reason(tmp_path):
-    run = make_run(tmp_path / "r", {TBIK[1]: invariant_cells()[TBIK[1]], **diverging_bf16()},
-                   states={TBIK[2]: ("failed", "rank 1 hung in all_reduce (timeout 300 s)")})
+    run = make_run(
+        tmp_path / "r",
+        {TBIK[1]: invariant_cells()[TBIK[1]], **diverging_bf16()},
+        states={TBIK[2]: ("failed", "rank 1 hung in all_reduce (timeout 300 s)")},
+    )
     result = gate(run)
     assert not result.passed
     v = next(v for v in result.violations if v.metric == "cell")
@@ -106,8 +113,7 @@ def test_policy_backend_absent_from_run_fails(tmp_path):
 
 
 def test_backend_with_no_done_cell_fails(tmp_path):
-    run = make_run(tmp_path / "r", diverging_bf16(),
-                   states={TBIK[1]: ("failed", "boom"), TBIK[2]: ("failed", "boom")})
+    run = make_run(tmp_path / "r", diverging_bf16(), states={TBIK[1]: ("failed", "boom"), TBIK[2]: ("failed", "boom")})
     result = gate(run)
     assert ("bio+tbik", "cells") in metrics(result)
     assert sum(v.metric == "cell" for v in result.violations) == 2
@@ -120,19 +126,22 @@ def test_report_only_rules_warn(tmp_path):
     assert result.passed and [(w.backend, w.metric) for w in result.warnings] == [("bf16", "unique_mean")]
 
 
-@pytest.mark.parametrize("text, match", [
-    ("backends: [unclosed", "not valid YAML"),
-    ("", "is empty"),
-    ("- a\n- b\n", "must be a mapping"),
-    ("backends:\n  bio+tbik: {unique_meen: {max: 1}}\n", "unknown metric 'unique_meen'"),
-    ("backends:\n  bio+tbik: {unique_mean: {maximum: 1}}\n", "unknown key 'maximum'"),
-    ("backends:\n  bio+tbik: {unique_mean: {max: one}}\n", "must be a number"),
-    ("backends:\n  bio+tbik: {unique_mean: 1}\n", "must be a mapping such as"),
-    ("backends:\n  bf16: {report_only: maybe}\n", "report_only must be true or false"),
-    ("backend:\n  bf16: {}\n", "unknown key 'backend'"),
-    ("backends: {}\nbaseline_tolerance: {acc_mean: -1}\n", "must be a number >= 0"),
-    ("version: 2\nbackends: {}\n", "version 2 is not supported"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("backends: [unclosed", "not valid YAML"),
+        ("", "is empty"),
+        ("- a\n- b\n", "must be a mapping"),
+        ("backends:\n  bio+tbik: {unique_meen: {max: 1}}\n", "unknown metric 'unique_meen'"),
+        ("backends:\n  bio+tbik: {unique_mean: {maximum: 1}}\n", "unknown key 'maximum'"),
+        ("backends:\n  bio+tbik: {unique_mean: {max: one}}\n", "must be a number"),
+        ("backends:\n  bio+tbik: {unique_mean: 1}\n", "must be a mapping such as"),
+        ("backends:\n  bf16: {report_only: maybe}\n", "report_only must be true or false"),
+        ("backend:\n  bf16: {}\n", "unknown key 'backend'"),
+        ("backends: {}\nbaseline_tolerance: {acc_mean: -1}\n", "must be a number >= 0"),
+        ("version: 2\nbackends: {}\n", "version 2 is not supported"),
+    ],
+)
 def test_bad_policy_is_detaudit_error(tmp_path, text, match):
     run = make_run(tmp_path / "r", invariant_cells())
     with pytest.raises(DetauditError, match=match):
@@ -185,11 +194,14 @@ def text_of(result) -> str:
     return console.export_text()
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(manifest_extra={"model": {"name": "other"}}, identity={"model_checksum": "other-ck"}), "model"),
-    (dict(identity={"suites": {"smoke": "edited-ck"}}), "suite smoke"),  # same name, other prompts
-    (dict(suites=("smoke", "amc23")), "suites"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(manifest_extra={"model": {"name": "other"}}, identity={"model_checksum": "other-ck"}), "model"),
+        (dict(identity={"suites": {"smoke": "edited-ck"}}), "suite smoke"),  # same name, other prompts
+        (dict(suites=("smoke", "amc23")), "suites"),
+    ],
+)
 def test_baseline_of_another_model_or_suite_fails_unless_allowed(tmp_path, kw, field):
     policy = write(tmp_path, BF16_POLICY)
     run = make_run(tmp_path / "new", diverging_bf16(), backends=("bf16",))
@@ -208,8 +220,12 @@ def test_baseline_of_another_model_or_suite_fails_unless_allowed(tmp_path, kw, f
     assert allowed.passed
     assert [m.field for m in allowed.mismatches] == [field]
     assert f"baseline differs: {field}" in text_of(allowed) and "gate passed" in text_of(allowed)
-    worse_than = make_run(tmp_path / "b2", {BF16[1]: invariant_cells()[TBIK[1]], BF16[2]: invariant_cells()[TBIK[2]]},
-                          backends=("bf16",), **kw)
+    worse_than = make_run(
+        tmp_path / "b2",
+        {BF16[1]: invariant_cells()[TBIK[1]], BF16[2]: invariant_cells()[TBIK[2]]},
+        backends=("bf16",),
+        **kw,
+    )
     assert not gate(run, policy, baseline_dir=worse_than, allow_mismatch=True).passed  # still a regression
 
 
@@ -218,8 +234,13 @@ def test_baseline_differences_that_do_not_block_are_printed(tmp_path):
     run = make_run(tmp_path / "new", diverging_bf16(), backends=("bf16",))
     same = gate(run, policy, baseline_dir=run)
     assert same.passed and same.mismatches == []
-    other = make_run(tmp_path / "base", diverging_bf16(), backends=("bf16",), manifest_extra={"code_version": "0.2.0"},
-                     identity={"decoding": {"greedy": True}})
+    other = make_run(
+        tmp_path / "base",
+        diverging_bf16(),
+        backends=("bf16",),
+        manifest_extra={"code_version": "0.2.0"},
+        identity={"decoding": {"greedy": True}},
+    )
     result = gate(run, policy, baseline_dir=other)
     assert result.passed
     assert {(m.field, m.blocking) for m in result.mismatches} == {("decoding", False), ("code version", False)}
@@ -252,9 +273,21 @@ def make_alignment(tmp_path, tbik_trainer=(-0.5, -1.25, -0.125), backends=("bf16
 
     rollout = (-0.5, -1.25, -0.125)
     trainer = {"bf16": (-0.5001, -1.2502, -0.125), "bio+tbik": tbik_trainer}
-    rows = [{"model": "m", "backend": b, "rollout": "vllm:4", "trainer": "builtin:1", "prompt_id": "p", "position": i,
-             "token_id": 7, "rollout_logprob": r, "trainer_logprob": t}
-            for b in backends for i, (r, t) in enumerate(zip(rollout, trainer[b]))]
+    rows = [
+        {
+            "model": "m",
+            "backend": b,
+            "rollout": "vllm:4",
+            "trainer": "builtin:1",
+            "prompt_id": "p",
+            "position": i,
+            "token_id": 7,
+            "rollout_logprob": r,
+            "trainer_logprob": t,
+        }
+        for b in backends
+        for i, (r, t) in enumerate(zip(rollout, trainer[b]))
+    ]
     df = pd.DataFrame(rows)
     out = tmp_path / "align"
     write_alignment(df, summarize(df), out, {"rollout": "vllm:4", "trainer": "builtin:1", "model": "m"})

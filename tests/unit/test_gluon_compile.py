@@ -74,8 +74,9 @@ def test_gluon_tree_compiles_for_hopper_without_spills(hopper, leaves, transpose
         pytest.skip("no cuobjdump to read the cubin's resource usage")
     cubin = hopper / f"tree{leaves}{transposed}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
-    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                           check=True).stdout
+    usage = subprocess.run(
+        [tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
     stack = [int(v) for v in re.findall(r"STACK:(\d+)", usage)]
     local = [int(v) for v in re.findall(r"LOCAL:(\d+)", usage)]
     assert stack and max(stack) == 0 and max(local) == 0, usage

@@ -51,11 +51,20 @@ def test_metrics_that_are_not_gateable_are_refused(name):
 def test_alignment_metrics_are_align_columns_and_parse():
     from detaudit.align import summarize
 
-    df = pd.DataFrame({"backend": "bf16", "rollout": "vllm:1", "trainer": "builtin:1",
-                       "rollout_logprob": [-0.5, -1.0], "trainer_logprob": [-0.5, -1.1]})
+    df = pd.DataFrame(
+        {
+            "backend": "bf16",
+            "rollout": "vllm:1",
+            "trainer": "builtin:1",
+            "rollout_logprob": [-0.5, -1.0],
+            "trainer_logprob": [-0.5, -1.1],
+        }
+    )
     assert set(gateable("align")) <= set(summarize(df).columns)
     rules = {name: {"min": 0} for name in gateable("align")}
-    assert len(parse_policy({"backends": {}, "alignment": {"bio+tbik": rules}}).alignment["bio+tbik"].rules) == len(rules)
+    assert len(parse_policy({"backends": {}, "alignment": {"bio+tbik": rules}}).alignment["bio+tbik"].rules) == len(
+        rules
+    )
 
 
 def test_default_tolerances_are_the_shipped_policy_s():
@@ -76,8 +85,20 @@ def test_worse_direction():
 def test_report_columns_resolve_by_name(tmp_path):
     a = analyze_mod.analyze(make_run(tmp_path / "r", {**diverging_bf16(), **invariant_cells()}))
     header, rows = summary_rows(a, "cli")
-    assert header == ["suite", "backend", "cells", "prompts", "unique", "max-prob div ×1e-3", "prefix div ×1e-3",
-                      "TF div max", "first div (median)", "acc", "acc std", "failed cells"]
+    assert header == [
+        "suite",
+        "backend",
+        "cells",
+        "prompts",
+        "unique",
+        "max-prob div ×1e-3",
+        "prefix div ×1e-3",
+        "TF div max",
+        "first div (median)",
+        "acc",
+        "acc std",
+        "failed cells",
+    ]
     bf16 = dict(zip(header, rows[0]))
     assert bf16["backend"] == "bf16" and bf16["unique"] == "1.67" and bf16["first div (median)"] == "1"
     full, _ = summary_rows(a)
@@ -116,6 +137,7 @@ def test_table_definition_errors_are_caught():
 def test_metrics_is_a_lower_layer():
     tree = ast.parse(Path(metrics.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
-        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
     assert {m for m in imported if m.split(".")[0] == "detaudit"} == {"detaudit.errors"}
     assert all(m.split(".")[0] in ("__future__", "numbers", "dataclasses", "typing", "detaudit") for m in imported)

@@ -106,8 +106,9 @@ def test_incomplete_cached_snapshot_is_not_used(tiny_qwen3, hf_home, tmp_path):
         models.resolve_model("org/partial")
     # a sharded checkpoint whose index names a shard that is missing is incomplete too
     shutil.copy(tiny_qwen3 / "model.safetensors", partial / "model-00001-of-00002.safetensors")
-    (partial / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (partial / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
     fake_hub_cache(hf_home / "hub", "org/sharded", partial)
     with pytest.raises(DetauditError, match="'org/sharded'"):
         models.resolve_model("org/sharded")
@@ -139,8 +140,20 @@ def test_cli_missing_hub_id_exits_2_with_one_line(hf_home, tmp_path):
 
     from detaudit.cli import app
 
-    result = CliRunner().invoke(app, ["sweep", "--model", "org/not-cached", "--suites", "smoke", "--limit", "1",
-                                      "--output-path", str(tmp_path / "run")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "sweep",
+            "--model",
+            "org/not-cached",
+            "--suites",
+            "smoke",
+            "--limit",
+            "1",
+            "--output-path",
+            str(tmp_path / "run"),
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     lines = [line for line in result.output.splitlines() if line.strip()]

@@ -15,6 +15,7 @@ from detaudit.metrics import fmt_div, fmt_unique
 from detaudit.report import command, render_summary, summary_rows, summary_table, write_reports
 from detaudit.report.html import agreement_figure, divergence_figure
 from detaudit.report.markdown import render_markdown
+
 from .test_analyze import BF16, TBIK, diverging_bf16, invariant_cells, make_run, p32
 
 
@@ -39,8 +40,17 @@ def expected_bf16_div() -> str:
 def test_write_reports_creates_every_file(audit, written, tmp_path):
     out, paths = written
     names = {p.name for p in paths}
-    assert {"report.md", "report.html", "summary.csv", "per_cell.csv", "per_prompt.csv", "agreement.csv",
-            "divergence_by_position.csv", "unique_outputs.csv", "maxprob_div_x1e-3.csv"} <= names
+    assert {
+        "report.md",
+        "report.html",
+        "summary.csv",
+        "per_cell.csv",
+        "per_prompt.csv",
+        "agreement.csv",
+        "divergence_by_position.csv",
+        "unique_outputs.csv",
+        "maxprob_div_x1e-3.csv",
+    } <= names
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
 
     unique = pd.read_csv(out / "unique_outputs.csv")
@@ -70,9 +80,13 @@ def test_markdown_published_tables(audit):
 
 def test_markdown_failed_emulated_mixed_hardware(tmp_path):
     cells = invariant_cells()
-    run = make_run(tmp_path / "r", {**cells, BF16[1]: diverging_bf16()[BF16[1]]},
-                   states={BF16[2]: ("failed", "worker 1 ran out of memory")}, tp_mode="emulated",
-                   manifest_extra={"mixed_hardware": True})
+    run = make_run(
+        tmp_path / "r",
+        {**cells, BF16[1]: diverging_bf16()[BF16[1]]},
+        states={BF16[2]: ("failed", "worker 1 ran out of memory")},
+        tp_mode="emulated",
+        manifest_extra={"mixed_hardware": True},
+    )
     md = render_markdown(analyze(run))
     assert re.search(r"^> \*\*MIXED HARDWARE\*\*", md, flags=re.M)
     assert f"| {BF16[2]} | bf16 | 2 | 1 | emulated | FAILED: worker 1 ran out of memory |" in md
@@ -85,10 +99,14 @@ def test_html_is_self_contained_with_plots(written):
     html = (written[0] / "report.html").read_text()
     imgs = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
     assert {alt.rsplit(" ", 1)[0] for alt, _ in imgs} == {
-        "agreement matrix", "divergence by position", "first divergence", "accuracy per cell"}
+        "agreement matrix",
+        "divergence by position",
+        "first divergence",
+        "accuracy per cell",
+    }
     assert all(len(data) > 1000 for _, data in imgs)
     assert "http://" not in html and "https://" not in html and "<script" not in html
-    assert "<td class=\"l\">tiny</td>" in html
+    assert '<td class="l">tiny</td>' in html
 
 
 def test_html_without_grades_skips_accuracy_plot(tmp_path):
@@ -169,8 +187,9 @@ def test_single_cell_grid_says_nothing_to_compare(single, tmp_path):
 
 
 def test_a_group_with_one_done_cell_is_named(tmp_path):
-    run = make_run(tmp_path / "r", {**invariant_cells(), BF16[1]: diverging_bf16()[BF16[1]]},
-                   states={BF16[2]: ("failed", "boom")})
+    run = make_run(
+        tmp_path / "r", {**invariant_cells(), BF16[1]: diverging_bf16()[BF16[1]]}, states={BF16[2]: ("failed", "boom")}
+    )
     a = analyze(run)
     header, rows = summary_rows(a)
     unique = {r[header.index("backend")]: r[header.index("unique")] for r in rows}

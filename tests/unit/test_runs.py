@@ -16,18 +16,39 @@ A, B = "s__bf16__tp1__bs1", "s__bf16__tp1__bs2"
 
 
 def row(cell_id, i, tokens=(1, 2)):
-    return {"cell_id": cell_id, "model": "m", "suite": "s", "backend": "bf16", "tp": 1, "batch_size": 1,
-            "tp_mode": "real", "engine": "builtin", "prompt_index": i, "prompt_id": str(i), "prompt_hash": "h",
-            "prompt_tokens": 3, "output_token_ids": list(tokens), "output_text": "x", "finish_reason": "length",
-            "token_logprobs": [-0.1] * len(tokens), "topk_ids": [[1] * 5] * len(tokens),
-            "topk_logprobs": [[-0.1] * 5] * len(tokens), "reference_answer": "1", "predicted_answer": "1",
-            "correct": True, "tf_reference_cell": None, "tf_token_logprobs": None}
+    return {
+        "cell_id": cell_id,
+        "model": "m",
+        "suite": "s",
+        "backend": "bf16",
+        "tp": 1,
+        "batch_size": 1,
+        "tp_mode": "real",
+        "engine": "builtin",
+        "prompt_index": i,
+        "prompt_id": str(i),
+        "prompt_hash": "h",
+        "prompt_tokens": 3,
+        "output_token_ids": list(tokens),
+        "output_text": "x",
+        "finish_reason": "length",
+        "token_logprobs": [-0.1] * len(tokens),
+        "topk_ids": [[1] * 5] * len(tokens),
+        "topk_logprobs": [[-0.1] * 5] * len(tokens),
+        "reference_answer": "1",
+        "predicted_answer": "1",
+        "correct": True,
+        "tf_reference_cell": None,
+        "tf_token_logprobs": None,
+    }
 
 
 def manifest(key="k", cells=(A, B)) -> Manifest:
-    return Manifest(config={"backends": ["bf16"], "tp": [1], "batch_sizes": [1, 2], "suites": ["s"]},
-                    identity={"model_checksum": key},
-                    cells={c: CellMeta("bf16", 1, int(c[-1]), "s", prompts=2) for c in cells})
+    return Manifest(
+        config={"backends": ["bf16"], "tp": [1], "batch_sizes": [1, 2], "suites": ["s"]},
+        identity={"model_checksum": key},
+        cells={c: CellMeta("bf16", 1, int(c[-1]), "s", prompts=2) for c in cells},
+    )
 
 
 def test_write_and_resume(tmp_path):

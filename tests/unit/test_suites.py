@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from detaudit import paths
 from detaudit.errors import DetauditError
 from detaudit.grading import is_correct
-from detaudit import paths
 from detaudit.suites import Prompt, list_suites, load_suite, prompt_hash, prompt_token_ids
 
 SUITES_DIR = paths.builtin_suites_dir()
@@ -20,7 +20,8 @@ def _mirror() -> Path:
 MIRROR = _mirror()
 needs_mirror = pytest.mark.skipif(
     not (MIRROR / "aime24.jsonl").is_file() or not (MIRROR / "amc23.jsonl").is_file(),
-    reason=f"suite mirror not found at {MIRROR} (set DETAUDIT_DATA_DIR to a directory holding aime24.jsonl, amc23.jsonl)",
+    reason=f"suite mirror not found at {MIRROR} "
+    "(set DETAUDIT_DATA_DIR to a directory holding aime24.jsonl, amc23.jsonl)",
 )
 
 
@@ -223,7 +224,9 @@ def test_jsonl_bad_line(tmp_path):
 
 def test_jsonl_line_not_an_object(tmp_path):
     data = _write_jsonl(tmp_path, ['{"id": 1, "q": "a?", "a": "1"}', "[1, 2]"])
-    assert f"{data}, line 2: expected a JSON object" in _error(load_suite, str(_suite_yaml(tmp_path)), data_dir=tmp_path)
+    assert f"{data}, line 2: expected a JSON object" in _error(
+        load_suite, str(_suite_yaml(tmp_path)), data_dir=tmp_path
+    )
 
 
 def test_empty_suite(tmp_path):
@@ -234,15 +237,25 @@ def test_empty_suite(tmp_path):
 
 
 def test_rows_without_answer_are_ungraded(tmp_path):
-    _write_jsonl(tmp_path, ['{"id": 1, "q": "a?", "a": "1"}', '{"id": 2, "q": "b?"}', '{"id": 3, "q": "c?", "a": null}',
-                            '{"id": 4, "q": "d?", "a": "  "}', '{"id": 5, "q": "e?", "a": 0}'])
+    _write_jsonl(
+        tmp_path,
+        [
+            '{"id": 1, "q": "a?", "a": "1"}',
+            '{"id": 2, "q": "b?"}',
+            '{"id": 3, "q": "c?", "a": null}',
+            '{"id": 4, "q": "d?", "a": "  "}',
+            '{"id": 5, "q": "e?", "a": 0}',
+        ],
+    )
     suite = load_suite(str(_suite_yaml(tmp_path)), data_dir=tmp_path)
     assert [(p.id, p.answer) for p in suite.prompts] == [("1", "1"), ("2", None), ("3", None), ("4", None), ("5", "0")]
     assert suite.ungraded == ("2", "3", "4")
 
 
 def test_inline_row_without_answer_is_ungraded(tmp_path):
-    path = _suite_yaml(tmp_path, 'task: mine\ndoc_to_text: "{{q}}"\ndoc_to_target: "{{a}}"\ndocs: [{q: x, a: 1}, {q: y}]\n')
+    path = _suite_yaml(
+        tmp_path, 'task: mine\ndoc_to_text: "{{q}}"\ndoc_to_target: "{{a}}"\ndocs: [{q: x, a: 1}, {q: y}]\n'
+    )
     suite = load_suite(str(path))
     assert [p.answer for p in suite.prompts] == ["1", None] and suite.ungraded == ("1",)
 
@@ -253,7 +266,10 @@ def test_suite_without_target_has_no_ungraded_list(tmp_path):
 
 
 def test_target_field_that_no_row_has_is_refused(tmp_path):
-    path = _suite_yaml(tmp_path, 'task: mine\ndoc_to_text: "{{q}}"\ndoc_to_target: "{{answr}}"\ndocs: [{q: x, answer: 1}, {q: y, answer: 2}]\n')
+    path = _suite_yaml(
+        tmp_path,
+        'task: mine\ndoc_to_text: "{{q}}"\ndoc_to_target: "{{answr}}"\ndocs: [{q: x, answer: 1}, {q: y, answer: 2}]\n',
+    )
     message = _error(load_suite, str(path))
     assert "`doc_to_target: {{answr}}` names a field no row has" in message and "answr" in message
 
@@ -334,7 +350,9 @@ def _tiny_real_tokenizer(chat_template: str | None):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(["[UNK]", "<|user|>", "<|assistant|>", "<|end|>", "What", "is", "7", "times", "8?"])}
+    vocab = {
+        w: i for i, w in enumerate(["[UNK]", "<|user|>", "<|assistant|>", "<|end|>", "What", "is", "7", "times", "8?"])
+    }
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
@@ -373,7 +391,7 @@ def test_hashes():
 # lm-eval task files, in lm-evaluation-harness's own layout (lm_eval/tasks/<task>/<task>.yaml)
 
 # lm_eval/tasks/gsm8k/gsm8k.yaml as lm-eval ships it (few-shot, from the hub)
-GSM8K_YAML = r'''tag:
+GSM8K_YAML = r"""tag:
   - math_word_problems
 task: gsm8k
 dataset_path: gsm8k
@@ -418,10 +436,10 @@ filter_list:
       - function: "take_first"
 metadata:
   version: 3.0
-'''
+"""
 
 # a zero-shot variant next to it, the way lm-eval's variants inherit (`include:`), reading local rows
-GSM8K_LOCAL_YAML = r'''include: gsm8k.yaml
+GSM8K_LOCAL_YAML = r"""include: gsm8k.yaml
 task: gsm8k_local
 dataset_path: json
 dataset_name: null
@@ -432,7 +450,7 @@ num_fewshot: 0
 doc_to_target: "{{answer.split('####')[-1].strip()}}"
 should_decontaminate: true
 doc_to_decontamination_query: question
-'''
+"""
 
 GSM8K_ROWS = [
     {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?", "answer": "3 + 4 = 7\n#### 7"},
@@ -465,11 +483,26 @@ def test_lm_eval_include_and_json_data_files(tmp_path, monkeypatch):
     assert [p.answer for p in suite.prompts] == ["7", "30", "6"]
     assert [p.id for p in suite.prompts] == ["0", "1", "2"] and suite.ungraded == ()
     assert suite.version == "3.0"
-    assert suite.generation_kwargs == {"until": ["Question:", "</s>", "<|im_end|>"], "do_sample": False, "temperature": 0.0}
+    assert suite.generation_kwargs == {
+        "until": ["Question:", "</s>", "<|im_end|>"],
+        "do_sample": False,
+        "temperature": 0.0,
+    }
     # accepted but unused keys, listed once each (from both files)
-    assert sorted(suite.ignored_keys) == sorted([
-        "tag", "output_type", "training_split", "fewshot_split", "metric_list", "repeats", "num_fewshot",
-        "filter_list", "should_decontaminate", "doc_to_decontamination_query"])
+    assert sorted(suite.ignored_keys) == sorted(
+        [
+            "tag",
+            "output_type",
+            "training_split",
+            "fewshot_split",
+            "metric_list",
+            "repeats",
+            "num_fewshot",
+            "filter_list",
+            "should_decontaminate",
+            "doc_to_decontamination_query",
+        ]
+    )
     assert len(set(suite.ignored_keys)) == len(suite.ignored_keys)
     # the checksum follows the data file and both YAML files
     data = folder / "data" / "test.jsonl"
@@ -488,10 +521,16 @@ def test_lm_eval_local_formats(tmp_path, fmt):
     frame = pd.DataFrame({"question": ["one?", "two?"], "answer": ["1", "2"]})
     file = tmp_path / "rows" / f"test.{fmt}"
     file.parent.mkdir()
-    {"json": lambda: frame.to_json(file, orient="records", lines=True), "csv": lambda: frame.to_csv(file, index=False),
-     "parquet": lambda: frame.to_parquet(file)}[fmt]()
-    path = _suite_yaml(tmp_path, f"task: t_{fmt}\ndataset_path: {fmt}\ndataset_kwargs:\n  data_files: rows/test.{fmt}\n"
-                                 "test_split: train\ndoc_to_text: question\ndoc_to_target: answer\n")
+    {
+        "json": lambda: frame.to_json(file, orient="records", lines=True),
+        "csv": lambda: frame.to_csv(file, index=False),
+        "parquet": lambda: frame.to_parquet(file),
+    }[fmt]()
+    path = _suite_yaml(
+        tmp_path,
+        f"task: t_{fmt}\ndataset_path: {fmt}\ndataset_kwargs:\n  data_files: rows/test.{fmt}\n"
+        "test_split: train\ndoc_to_text: question\ndoc_to_target: answer\n",
+    )
     suite = load_suite(str(path))
     assert [(p.text, p.answer) for p in suite.prompts] == [("one?", "1"), ("two?", "2")]
     assert suite.source == f"dataset:{fmt}"
@@ -504,15 +543,20 @@ def test_data_dir_is_not_used_for_a_suite_without_local_file(tmp_path):
 
 
 def test_missing_data_files_named(tmp_path):
-    path = _suite_yaml(tmp_path, "task: t\ndataset_path: json\ndataset_kwargs: {data_files: nope.jsonl}\n"
-                                 "test_split: train\ndoc_to_text: q\n")
+    path = _suite_yaml(
+        tmp_path,
+        "task: t\ndataset_path: json\ndataset_kwargs: {data_files: nope.jsonl}\ntest_split: train\ndoc_to_text: q\n",
+    )
     message = _error(load_suite, str(path))
     assert "data_files" in message and "nope.jsonl" in message
 
 
 def test_bare_column_names(tmp_path):
-    path = _suite_yaml(tmp_path, "task: t\ndoc_to_text: question\ndoc_to_target: answer\ndoc_to_id: key\n"
-                                 "docs: [{key: a, question: 'What is 2+2?', answer: 4}, {key: b, question: 'And 3+3?', answer: ''}]\n")
+    path = _suite_yaml(
+        tmp_path,
+        "task: t\ndoc_to_text: question\ndoc_to_target: answer\ndoc_to_id: key\n"
+        "docs: [{key: a, question: 'What is 2+2?', answer: 4}, {key: b, question: 'And 3+3?', answer: ''}]\n",
+    )
     suite = load_suite(str(path))
     assert [(p.id, p.text, p.answer) for p in suite.prompts] == [("a", "What is 2+2?", "4"), ("b", "And 3+3?", None)]
     assert suite.ungraded == ("b",)
@@ -528,11 +572,17 @@ def test_int_target_and_validation_split(tmp_path, monkeypatch):
     import datasets
 
     calls = []
-    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or datasets.Dataset.from_list([{"q": "x"}]))
-    path = _suite_yaml(tmp_path, "task: t\ndataset_path: someone/t\nvalidation_split: dev\ndoc_to_text: q\ndoc_to_target: 3\n")
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or datasets.Dataset.from_list([{"q": "x"}])
+    )
+    path = _suite_yaml(
+        tmp_path, "task: t\ndataset_path: someone/t\nvalidation_split: dev\ndoc_to_text: q\ndoc_to_target: 3\n"
+    )
     suite = load_suite(str(path))
     assert calls == [(("someone/t", None), {"split": "dev"})] and suite.prompts[0].answer == "3"
-    path = _suite_yaml(tmp_path, "task: t\ndataset_path: someone/t\ntest_split: test\nvalidation_split: dev\ndoc_to_text: q\n")
+    path = _suite_yaml(
+        tmp_path, "task: t\ndataset_path: someone/t\ntest_split: test\nvalidation_split: dev\ndoc_to_text: q\n"
+    )
     assert load_suite(str(path)).ignored_keys == ("validation_split",) and calls[-1][1] == {"split": "test"}
 
 
@@ -545,19 +595,22 @@ def test_dataset_path_not_required_with_local_file_or_docs(tmp_path):
     assert load_suite(str(inline)).prompts[0].text == "b?"
 
 
-@pytest.mark.parametrize("extra, named", [
-    ("num_fewshot: 3\n", "`num_fewshot: 3`"),
-    ("process_docs: !function utils.process_docs\n", "`process_docs`"),
-    ("doc_to_choice: ['A', 'B']\n", "`doc_to_choice`"),
-    ("output_type: multiple_choice\n", "`output_type: multiple_choice`"),
-    ("output_type: loglikelihood\n", "`output_type: loglikelihood`"),
-    ("description: 'Answer the following math question.\\n\\n'\n", "`description`"),
-    ("gen_prefix: 'The answer is'\n", "`gen_prefix`"),
-    ("repeats: 4\n", "`repeats: 4`"),
-    ("use_prompt: promptsource:*\n", "`use_prompt`"),
-    ("class: !function task.MyTask\n", "`class`"),
-    ("dataset_kwargs: {trust_remote_code: true}\n", "trust_remote_code"),
-])
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ("num_fewshot: 3\n", "`num_fewshot: 3`"),
+        ("process_docs: !function utils.process_docs\n", "`process_docs`"),
+        ("doc_to_choice: ['A', 'B']\n", "`doc_to_choice`"),
+        ("output_type: multiple_choice\n", "`output_type: multiple_choice`"),
+        ("output_type: loglikelihood\n", "`output_type: loglikelihood`"),
+        ("description: 'Answer the following math question.\\n\\n'\n", "`description`"),
+        ("gen_prefix: 'The answer is'\n", "`gen_prefix`"),
+        ("repeats: 4\n", "`repeats: 4`"),
+        ("use_prompt: promptsource:*\n", "`use_prompt`"),
+        ("class: !function task.MyTask\n", "`class`"),
+        ("dataset_kwargs: {trust_remote_code: true}\n", "trust_remote_code"),
+    ],
+)
 def test_lm_eval_keys_that_change_prompts_are_refused_by_name(tmp_path, extra, named):
     path = _suite_yaml(tmp_path, 'task: t\ndoc_to_text: "{{q}}"\ndocs: [{q: x}]\n' + extra)
     message = _error(load_suite, str(path))
@@ -571,8 +624,11 @@ def test_function_in_a_prompt_field_is_refused(tmp_path):
 
 
 def test_function_in_scoring_keys_is_ignored(tmp_path):
-    path = _suite_yaml(tmp_path, 'task: t\ndoc_to_text: "{{q}}"\ndocs: [{q: x}]\nprocess_results: !function utils.process_results\n'
-                                 "metric_list: [{metric: !function utils.acc}]\ndescription: ''\nnum_fewshot: 0\n")
+    path = _suite_yaml(
+        tmp_path,
+        'task: t\ndoc_to_text: "{{q}}"\ndocs: [{q: x}]\nprocess_results: !function utils.process_results\n'
+        "metric_list: [{metric: !function utils.acc}]\ndescription: ''\nnum_fewshot: 0\n",
+    )
     assert load_suite(str(path)).ignored_keys == ("process_results", "metric_list", "description", "num_fewshot")
 
 
@@ -606,7 +662,9 @@ def _count_renders(monkeypatch) -> list:
     import detaudit.suites as suites_module
 
     calls, real = [], suites_module._render
-    monkeypatch.setattr(suites_module, "_render", lambda spec, f, row, label: calls.append(label) or real(spec, f, row, label))
+    monkeypatch.setattr(
+        suites_module, "_render", lambda spec, f, row, label: calls.append(label) or real(spec, f, row, label)
+    )
     return calls
 
 
@@ -623,8 +681,11 @@ def test_limit_renders_only_the_first_rows_of_a_large_jsonl(tmp_path, monkeypatc
 
 def test_limit_renders_only_the_first_rows_of_a_dataset(tmp_path, monkeypatch):
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"q": f"q{i}", "a": str(i)}) + "\n" for i in range(5000)))
-    path = _suite_yaml(tmp_path, "task: t\ndataset_path: json\ndataset_kwargs: {data_files: rows.jsonl}\n"
-                                 "test_split: train\ndoc_to_text: q\ndoc_to_target: a\n")
+    path = _suite_yaml(
+        tmp_path,
+        "task: t\ndataset_path: json\ndataset_kwargs: {data_files: rows.jsonl}\n"
+        "test_split: train\ndoc_to_text: q\ndoc_to_target: a\n",
+    )
     calls = _count_renders(monkeypatch)
     suite = load_suite(str(path), limit=3)
     assert [p.text for p in suite.prompts] == ["q0", "q1", "q2"] and len(calls) == 6

@@ -24,8 +24,13 @@ def row_parallel(backend, x, w, c):
 
 
 @settings(max_examples=25, deadline=None)
-@given(m=st.integers(1, 40), leaf=st.integers(1, 48), n=st.integers(1, 70), seed=st.integers(0, 2**16),
-       scale=st.sampled_from([1e-3, 1.0, 1e3]))
+@given(
+    m=st.integers(1, 40),
+    leaf=st.integers(1, 48),
+    n=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+    scale=st.sampled_from([1e-3, 1.0, 1e3]),
+)
 def test_row_parallel_tp_invariant_property(m, leaf, n, seed, scale):
     g = torch.Generator().manual_seed(seed)
     k = 8 * leaf

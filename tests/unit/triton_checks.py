@@ -38,8 +38,12 @@ def main() -> None:
                 check(((one.double() - ref).abs().max() < 1e-4 * ref.abs().max()).item(), f"tree accuracy {dt} {k}x{n}")
                 for c in (2, 4, 8):
                     kc = k // c
-                    parts = [triton_mm.mm(x[:, r * kc : (r + 1) * kc].contiguous(), w[:, r * kc : (r + 1) * kc], leaves=8 // c)
-                             for r in range(c)]
+                    parts = [
+                        triton_mm.mm(
+                            x[:, r * kc : (r + 1) * kc].contiguous(), w[:, r * kc : (r + 1) * kc], leaves=8 // c
+                        )
+                        for r in range(c)
+                    ]
                     check(torch.equal(tree.tree_sum(parts), one), f"tree TP invariance {dt} {k}x{n} C={c}")
                 check(torch.equal(triton_mm.mm(x[:3], w, leaves=8), one[:3]), f"tree batch invariance {dt}")
         # batched (attention-shaped) products: invariant in the batch count
@@ -47,7 +51,9 @@ def main() -> None:
         b = torch.randn(6, 16, 16, generator=g).to(dt)
         full = triton_mm.mm(a, b)
         check(torch.equal(triton_mm.mm(a[2:3], b[2:3]), full[2:3]), f"batched mm {dt}")
-        check(torch.equal(triton_mm.mm(a, b.transpose(1, 2).contiguous().transpose(1, 2)), full), f"strided operand {dt}")
+        check(
+            torch.equal(triton_mm.mm(a, b.transpose(1, 2).contiguous().transpose(1, 2)), full), f"strided operand {dt}"
+        )
     # the attention kernel: the same function as the PyTorch formulation (its bits are its own: on a GPU
     # tests/gpu checks prefill == decode and batch invariance; here numpy's BLAS stands in for tl.dot)
     for dt in (torch.float32, torch.bfloat16):
@@ -56,8 +62,7 @@ def main() -> None:
         v = torch.randn(3, 70, 16, generator=g).to(dt)
         pos = torch.randint(0, 70, (3, 20), generator=g)
         out = triton_attn.attention(q, k, v, pos, 0.25, 64)
-        ref = get_backend("bf16").attention(q.float()[:, None], k.float()[:, None], v.float()[:, None],
-                                            pos, 0.25)[:, 0]
+        ref = get_backend("bf16").attention(q.float()[:, None], k.float()[:, None], v.float()[:, None], pos, 0.25)[:, 0]
         tol = 1e-5 if dt == torch.float32 else 3e-2
         check(torch.allclose(out.float(), ref, atol=tol, rtol=tol), f"attention kernel accuracy {dt}")
     # row sums: one program per row
@@ -97,8 +102,10 @@ def fused_row_ops(g: torch.Generator) -> None:
     normed = fused.rope_store(q, k, v, cos, sin, kc2, vc2, slots, b, t, d, (qw, kw, 1e-6))
     qn = fused.rms_norm(q.reshape(-1, d), qw, 1e-6)[0].view(b * t, -1)
     kn = fused.rms_norm(k.reshape(-1, d), kw, 1e-6)[0].view(b * t, -1)
-    check(torch.equal(normed, fused.rope_store(qn, kn, v, cos, sin, kc3, vc3, slots, b, t, d))
-          and torch.equal(kc2, kc3), "q / k norm inside the rotary kernel")
+    check(
+        torch.equal(normed, fused.rope_store(qn, kn, v, cos, sin, kc3, vc3, slots, b, t, d)) and torch.equal(kc2, kc3),
+        "q / k norm inside the rotary kernel",
+    )
     x, delta = torch.randn(6, 200, generator=g), torch.randn(6, 200, generator=g)
     w = torch.randn(200, generator=g)
     y, s = fused.rms_norm(x, w, 1e-6, delta)
@@ -106,8 +113,10 @@ def fused_row_ops(g: torch.Generator) -> None:
     sd = s.double()
     ref = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
     check(((y.double() - ref).abs().max() < 1e-5 * ref.abs().max()).item(), "fused rms_norm accuracy")
-    check(all(torch.equal(fused.rms_norm(x[:m], w, 1e-6, delta[:m])[0], y[:m]) for m in (1, 4)),
-          "fused rms_norm batch invariance")
+    check(
+        all(torch.equal(fused.rms_norm(x[:m], w, 1e-6, delta[:m])[0], y[:m]) for m in (1, 4)),
+        "fused rms_norm batch invariance",
+    )
     gu = torch.randn(3, 100, generator=g) * 4  # the halves of a merged gate_up product
     gate, up = gu[:, :50], gu[:, 50:]
     check(torch.allclose(fused.silu_mul(gate, up), F.silu(gate) * up, rtol=1e-6, atol=1e-6), "fused silu * up")
@@ -123,7 +132,10 @@ def fused_row_ops(g: torch.Generator) -> None:
     got = fused.rope_store_qkv(torch.cat([q, k, v], 1), hq, hkv, cos, sin, kc5, vc5, slots, b, t, d, (qw, kw, 1e-6), qb)
     check(got is qb and torch.equal(qb, merged) and torch.equal(kc5, kc4), "rotary into a given buffer")
     ab = torch.full((3, 50), 7.0)
-    check(fused.silu_mul_halves(gu, ab) is ab and torch.equal(ab, fused.silu_mul(gate, up)), "silu * up into a given buffer")
+    check(
+        fused.silu_mul_halves(gu, ab) is ab and torch.equal(ab, fused.silu_mul(gate, up)),
+        "silu * up into a given buffer",
+    )
     for bad in (torch.empty(6, 201), torch.empty(200, 6).t(), torch.empty(6, 200, dtype=torch.float64)):
         try:
             fused.rms_norm(x, w, 1e-6, delta, out=(bad, sb))
@@ -157,8 +169,10 @@ def gluon_fallback() -> None:
     finally:
         gluon_tree.supports, gluon_tree.tree_mm = saved
     check(torch.equal(got, want) and torch.equal(again, want), "Gluon fallback gives the Triton bits")
-    check(len([c for c in caught if "Gluon tree kernel did not build" in str(c.message)]) == 1,
-          "one warning for a failed Gluon build")
+    check(
+        len([c for c in caught if "Gluon tree kernel did not build" in str(c.message)]) == 1,
+        "one warning for a failed Gluon build",
+    )
     check(bool(gluon_tree._disabled) and not gluon_tree.available(x), "a failed build turns the kernel off")
 
 

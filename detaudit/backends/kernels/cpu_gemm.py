@@ -27,8 +27,8 @@ from torch import Tensor
 _set_num_threads = torch._C.set_num_threads
 
 PANEL = 64  # output columns are split at multiples of this (keeps every panel 256-byte aligned)
-MIN_SPLIT_FLOPS = 64e6
-FEW_BLOCKS = 4  # up to this many blocks per group, b is copied per block and one call does all groups  # below this, one thread does the whole product (a hand-off costs ~0.1 ms)
+MIN_SPLIT_FLOPS = 64e6  # below this, one thread does the whole product (a hand-off costs ~0.1 ms)
+FEW_BLOCKS = 4  # up to this many blocks per group, b is copied per block and one call does all groups
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
@@ -50,8 +50,10 @@ def _workers(n: int) -> ThreadPoolExecutor:
     global _pool, _pool_size
     with _lock:
         if _pool is None or _pool_size < n:
-            _pool, _pool_size = ThreadPoolExecutor(n, thread_name_prefix="detaudit-gemm",
-                                                   initializer=_set_num_threads, initargs=(1,)), n
+            _pool, _pool_size = (
+                ThreadPoolExecutor(n, thread_name_prefix="detaudit-gemm", initializer=_set_num_threads, initargs=(1,)),
+                n,
+            )
         return _pool
 
 
@@ -85,8 +87,10 @@ def _jobs(g: int, nb: int, n: int, width: int) -> list[tuple[slice, slice, slice
         else:
             panels = -(-n // PANEL)
             w = min(width, panels)
-            jobs += [(grp, slice(0, nb), slice(i * panels // w * PANEL, min(n, (i + 1) * panels // w * PANEL)))
-                     for i in range(w)]
+            jobs += [
+                (grp, slice(0, nb), slice(i * panels // w * PANEL, min(n, (i + 1) * panels // w * PANEL)))
+                for i in range(w)
+            ]
     return jobs
 
 
@@ -114,7 +118,12 @@ def block_products(a: Tensor, b: Tensor) -> Tensor:
             if gs.stop - gs.start > 1 and blocks <= FEW_BLOCKS:
                 # many groups of few blocks (decode attention): one call, the group's b repeated per block
                 rows = a4[gs, bs].reshape(-1, r, k)
-                rhs = b3[gs, :, ns].unsqueeze(1).expand(-1, blocks, k, ns.stop - ns.start).reshape(-1, k, ns.stop - ns.start)
+                rhs = (
+                    b3[gs, :, ns]
+                    .unsqueeze(1)
+                    .expand(-1, blocks, k, ns.stop - ns.start)
+                    .reshape(-1, k, ns.stop - ns.start)
+                )
                 out[gs, bs, :, ns] = torch.bmm(rows, rhs).view(-1, blocks, r, ns.stop - ns.start)
                 return
             for gi in range(gs.start, gs.stop):  # b shared by the group's blocks: a stride-0 view, no copy

@@ -118,8 +118,16 @@ def batched(a: Tensor, b_t: Tensor) -> Tensor:
     return bmm_fixed(a.float(), b_t.float().transpose(1, 2))
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, split: int,
-              window: int | None = None, plan: dict | None = None) -> Tensor:
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    scale: float,
+    split: int,
+    window: int | None = None,
+    plan: dict | None = None,
+) -> Tensor:
     """Causal attention over the cache in fixed-size KV chunks of `split` keys (never a fixed number of
     chunks), with an fp32 online softmax. A chunk a row cannot see is an exact no-op for that row, so the
     result does not depend on how long the batch's longest sequence is, and a query's output is the same
@@ -143,8 +151,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, spli
             rows_pos = rows_pos.to(torch.int32).contiguous()
             if plan is not None:
                 plan[(hkv, groups)] = rows_pos
-        out = triton_attn.attention(qg, k.reshape(g, length, d), v.reshape(g, length, d), rows_pos, scale, split,
-                                    window)
+        out = triton_attn.attention(
+            qg, k.reshape(g, length, d), v.reshape(g, length, d), rows_pos, scale, split, window
+        )
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d)
     pos = q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, t * groups, 1)
     qs = qg.float() * scale
@@ -191,8 +200,17 @@ def _hidden(keys: Tensor, pos: Tensor, window: int | None) -> Tensor:
     return keys > pos if window is None else (keys > pos) | (keys <= pos - window)
 
 
-def _decode_chunks(qs: Tensor, pos: Tensor, kf: Tensor, vf: Tensor, split: int, m: Tensor, l: Tensor,
-                   acc: Tensor, window: int | None = None) -> Tensor:
+def _decode_chunks(
+    qs: Tensor,
+    pos: Tensor,
+    kf: Tensor,
+    vf: Tensor,
+    split: int,
+    m: Tensor,
+    l: Tensor,
+    acc: Tensor,
+    window: int | None = None,
+) -> Tensor:
     """`attention`'s chunk loop for a few query rows (decode), with every chunk's scores, row sums and
     P @ V products computed by one call each: the running max is a cumulative max over the chunks'
     maxima (max is exact in any order), and the recurrence over chunks then applies the same

@@ -52,8 +52,9 @@ def rope_usable(t: Tensor, head_dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, d_ptr, s_ptr, y_ptr, w_ptr, N, sx, sd, ss, sy, inv_n, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(
+        x_ptr, d_ptr, s_ptr, y_ptr, w_ptr, N, sx, sd, ss, sy, inv_n, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], tl.float32)
@@ -108,9 +109,32 @@ if triton is not None:
         return x1.to(tl.float32), x2.to(tl.float32)
 
     @triton.jit
-    def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, qo_ptr, qw_ptr, kw_ptr,
-                           T, HQ, HKV, sq, sk, sv, k_off, v_off, inv_d, eps,
-                           D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    def _rope_store_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        kc_ptr,
+        vc_ptr,
+        slot_ptr,
+        qo_ptr,
+        qw_ptr,
+        kw_ptr,
+        T,
+        HQ,
+        HKV,
+        sq,
+        sk,
+        sv,
+        k_off,
+        v_off,
+        inv_d,
+        eps,
+        D: tl.constexpr,
+        HALF: tl.constexpr,
+        NORM: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)  # the token: b * T + t
         h = tl.program_id(1)  # q heads first, then the KV heads
         DT: tl.constexpr = qo_ptr.dtype.element_ty
@@ -164,8 +188,17 @@ def _plain_rows(t: Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1 and not (t.data_ptr() & 15) and not ((t.stride(0) * t.element_size()) & 15)
 
 
-def _run(plans: dict, key: tuple | None, kernel, grid: tuple, args: tuple, kwargs: dict, slots: tuple,
-         tensors: tuple, device: int) -> None:
+def _run(
+    plans: dict,
+    key: tuple | None,
+    kernel,
+    grid: tuple,
+    args: tuple,
+    kwargs: dict,
+    slots: tuple,
+    tensors: tuple,
+    device: int,
+) -> None:
     if key is not None:
         plan = plans.get(key)
         if plan is not None:
@@ -197,8 +230,10 @@ def _fits(out: Tensor, shape: tuple, dtype: torch.dtype) -> Tensor:
     """`out` as a kernel's output buffer: contiguous, of `shape` and `dtype` (the layout the launch plans
     were made for), or ValueError."""
     if not (out.is_contiguous() and out.shape == shape and out.dtype == dtype):
-        raise ValueError(f"output buffer {tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()}) "
-                         f"does not fit a {tuple(shape)} {dtype} result")
+        raise ValueError(
+            f"output buffer {tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()}) "
+            f"does not fit a {tuple(shape)} {dtype} result"
+        )
     return out
 
 
@@ -212,16 +247,25 @@ def _norm_outputs(x: Tensor, delta: Tensor | None, out: tuple[Tensor, Tensor] | 
     return y, (_fits(out[1], x.shape, x.dtype) if delta is not None else y)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None,
-             out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None, out: tuple[Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor | None]:
     """RMSNorm over the last dim of `x` (+ `delta`, when given: the residual sum, in x's dtype) ->
     (normed, the sum or None). fp32 statistics; the result and the sum in x's dtype. `out`: (normed, sum)
     buffers to write instead of allocating (contiguous, x's shape and dtype; neither may overlap x or
     delta); the sum's is unused without a delta."""
     fast = None
     if x.is_cuda and _plain_rows(x) and (delta is None or _plain_rows(delta)):  # the engine's calls: no views
-        fast = (x.shape, x.stride(0), x.dtype, None if delta is None else (delta.stride(0), delta.dtype),
-                weight.data_ptr() & 15, weight.dtype, eps, x.device.index)
+        fast = (
+            x.shape,
+            x.stride(0),
+            x.dtype,
+            None if delta is None else (delta.stride(0), delta.dtype),
+            weight.data_ptr() & 15,
+            weight.dtype,
+            eps,
+            x.device.index,
+        )
         plan = _RMS_FAST.get(fast)
         if plan is not None:
             y, s = _norm_outputs(x, delta, out)
@@ -241,12 +285,29 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None,
     inv_n = _inverse(n)
     key = None
     if x.is_cuda:
-        key = (x2.shape, x2.stride(), d2.stride(), d2.dtype, x.dtype, weight.dtype, float(eps), delta is not None,
-               x.device.index, *_aligned(x2, d2, s, y, weight))
-    _run(_RMS, key, _rms_norm_kernel, (x2.shape[0],),
-         (x2, d2, s, y, weight, n, x2.stride(0), d2.stride(0), s.stride(0), y.stride(0), inv_n, float(eps)),
-         dict(HAS_DELTA=delta is not None, BLOCK=block), (0, 1, 2, 3, 4), (x2, d2, s, y, weight),
-         x.device.index if x.is_cuda else 0)
+        key = (
+            x2.shape,
+            x2.stride(),
+            d2.stride(),
+            d2.dtype,
+            x.dtype,
+            weight.dtype,
+            float(eps),
+            delta is not None,
+            x.device.index,
+            *_aligned(x2, d2, s, y, weight),
+        )
+    _run(
+        _RMS,
+        key,
+        _rms_norm_kernel,
+        (x2.shape[0],),
+        (x2, d2, s, y, weight, n, x2.stride(0), d2.stride(0), s.stride(0), y.stride(0), inv_n, float(eps)),
+        dict(HAS_DELTA=delta is not None, BLOCK=block),
+        (0, 1, 2, 3, 4),
+        (x2, d2, s, y, weight),
+        x.device.index if x.is_cuda else 0,
+    )
     if fast is not None and key in _RMS and not (s.data_ptr() & 15 or y.data_ptr() & 15):
         _RMS_FAST[fast] = _RMS[key]  # (launch.MAX_PLANS bounds _RMS; this one follows the same keys)
         if len(_RMS_FAST) > launch.MAX_PLANS:
@@ -254,34 +315,91 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None,
     return y_out, (s_out if delta is not None else None)
 
 
-def rope_store(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-               slots: Tensor, batch: int, tokens: int, head_dim: int,
-               norms: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
+def rope_store(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    batch: int,
+    tokens: int,
+    head_dim: int,
+    norms: tuple[Tensor, Tensor, float] | None = None,
+) -> Tensor:
     """q[B*T, HQ*D], k / v[B*T, HKV*D] (rows unit-stride, any row stride: column slices of one fused
     projection), cos / sin[B, 1, T, D] -> rotated q as [B, HQ, T, D] contiguous; rotated k and v written
     to the flat caches' rows `slots` [B*T*HKV] (ordered (token, KV head)). `norms` = (q weight, k weight,
     eps): each head RMS-normed first (Qwen3's q_norm / k_norm), with `rms_norm`'s bits for rows of D."""
     d = head_dim
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return _rope(q, k, v, 0, 0, q.shape[1] // d, k.shape[1] // d, cos, sin, k_cache, v_cache, slots, batch, tokens,
-                 d, norms)
+    return _rope(
+        q, k, v, 0, 0, q.shape[1] // d, k.shape[1] // d, cos, sin, k_cache, v_cache, slots, batch, tokens, d, norms
+    )
 
 
-def rope_store_qkv(qkv: Tensor, hq: int, hkv: int, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   slots: Tensor, batch: int, tokens: int, head_dim: int,
-                   norms: tuple[Tensor, Tensor, float] | None = None, out: Tensor | None = None) -> Tensor:
+def rope_store_qkv(
+    qkv: Tensor,
+    hq: int,
+    hkv: int,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    batch: int,
+    tokens: int,
+    head_dim: int,
+    norms: tuple[Tensor, Tensor, float] | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
     """`rope_store` of q, k, v given side by side as the columns of one product qkv[B*T, (HQ + 2 HKV) * D]
     (unit-stride rows): the kernel reads each part at its column offset, so no slice views are made (the
     same loads, the same bits). `out`: the rotated q's buffer ([B, HQ, T, D] contiguous) instead of a new one."""
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    return _rope(qkv, qkv, qkv, hq * head_dim, (hq + hkv) * head_dim, hq, hkv, cos, sin, k_cache, v_cache, slots,
-                 batch, tokens, head_dim, norms, out)
+    return _rope(
+        qkv,
+        qkv,
+        qkv,
+        hq * head_dim,
+        (hq + hkv) * head_dim,
+        hq,
+        hkv,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slots,
+        batch,
+        tokens,
+        head_dim,
+        norms,
+        out,
+    )
 
 
-def _rope(q: Tensor, k: Tensor, v: Tensor, k_off: int, v_off: int, hq: int, hkv: int, cos: Tensor, sin: Tensor,
-          k_cache: Tensor, v_cache: Tensor, slots: Tensor, batch: int, tokens: int, d: int,
-          norms: tuple[Tensor, Tensor, float] | None, out: Tensor | None = None) -> Tensor:
+def _rope(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_off: int,
+    v_off: int,
+    hq: int,
+    hkv: int,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    batch: int,
+    tokens: int,
+    d: int,
+    norms: tuple[Tensor, Tensor, float] | None,
+    out: Tensor | None = None,
+) -> Tensor:
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rope_store writes rows of contiguous caches")  # (the kernel addresses slot * D)
     if not (cos.is_contiguous() and sin.is_contiguous()):
@@ -293,20 +411,65 @@ def _rope(q: Tensor, k: Tensor, v: Tensor, k_off: int, v_off: int, hq: int, hkv:
     qw, kw, eps = norms if norms is not None else (q, k, 0.0)
     key = None
     if q.is_cuda:
-        key = (batch, tokens, hq, hkv, d, q.stride(0), k.stride(0), v.stride(0), k_off, v_off, q.dtype, q.device.index,
-               norms is not None, float(eps), *_aligned(q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw))
-    _run(_ROPE, key, _rope_store_kernel, (batch * tokens, hq + hkv),
-         (q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw, tokens, hq, hkv, q.stride(0), k.stride(0), v.stride(0),
-          k_off, v_off, _inverse(d), float(eps)),
-         dict(D=d, HALF=d // 2, NORM=norms is not None), tuple(range(11)),
-         (q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw), q.device.index if q.is_cuda else 0)
+        key = (
+            batch,
+            tokens,
+            hq,
+            hkv,
+            d,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            k_off,
+            v_off,
+            q.dtype,
+            q.device.index,
+            norms is not None,
+            float(eps),
+            *_aligned(q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw),
+        )
+    _run(
+        _ROPE,
+        key,
+        _rope_store_kernel,
+        (batch * tokens, hq + hkv),
+        (
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            k_cache,
+            v_cache,
+            slots,
+            out,
+            qw,
+            kw,
+            tokens,
+            hq,
+            hkv,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            k_off,
+            v_off,
+            _inverse(d),
+            float(eps),
+        ),
+        dict(D=d, HALF=d // 2, NORM=norms is not None),
+        tuple(range(11)),
+        (q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw),
+        q.device.index if q.is_cuda else 0,
+    )
     return out
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up for gate / up[M, N] (rows unit-stride, any row stride: the halves of one fused
     gate_up projection) -> [M, N] contiguous, the bits of `F.silu(gate) * up`."""
-    gate, up = (t if t.dim() == 2 and t.stride(-1) == 1 else t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))
+    gate, up = (
+        t if t.dim() == 2 and t.stride(-1) == 1 else t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up)
+    )
     return _silu(gate, up, 0, gate.shape[1])
 
 
@@ -327,9 +490,22 @@ def _silu(gate: Tensor, up: Tensor, u_off: int, n: int, out: Tensor | None = Non
         _fits(out, (m, n), gate.dtype)
     if not out.numel():
         return out
-    key = (m, n, u_off, gate.stride(0), up.stride(0), gate.dtype, gate.device.index, *_aligned(gate, up, out)) if gate.is_cuda else None
-    _run(_SILU, key, _silu_mul_kernel, (m, triton.cdiv(n, SILU_BLOCK)), (gate, up, out, n, gate.stride(0), up.stride(0), u_off),
-         dict(BLOCK=SILU_BLOCK, EXPF=gate.is_cuda), (0, 1, 2), (gate, up, out), gate.device.index if gate.is_cuda else 0)
+    key = (
+        (m, n, u_off, gate.stride(0), up.stride(0), gate.dtype, gate.device.index, *_aligned(gate, up, out))
+        if gate.is_cuda
+        else None
+    )
+    _run(
+        _SILU,
+        key,
+        _silu_mul_kernel,
+        (m, triton.cdiv(n, SILU_BLOCK)),
+        (gate, up, out, n, gate.stride(0), up.stride(0), u_off),
+        dict(BLOCK=SILU_BLOCK, EXPF=gate.is_cuda),
+        (0, 1, 2),
+        (gate, up, out),
+        gate.device.index if gate.is_cuda else 0,
+    )
     return out
 
 

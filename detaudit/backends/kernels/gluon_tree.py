@@ -85,8 +85,23 @@ if gluon is not None:
         return gl.load(_tile_ptrs(ptr, pid_m, pid_n, LD, like))
 
     @gluon.jit
-    def _producer(x_desc, w_desc, x_bufs, w_bufs, ready, empty, pid, NP, num_pid_m, num_pid_n, total, KSTEPS,
-                  NB: gl.constexpr, W_KN: gl.constexpr, GROUP_M: gl.constexpr):
+    def _producer(
+        x_desc,
+        w_desc,
+        x_bufs,
+        w_bufs,
+        ready,
+        empty,
+        pid,
+        NP,
+        num_pid_m,
+        num_pid_n,
+        total,
+        KSTEPS,
+        NB: gl.constexpr,
+        W_KN: gl.constexpr,
+        GROUP_M: gl.constexpr,
+    ):
         """The load warp: flat step g (tile pid + (g // KSTEPS) * NP, K step g % KSTEPS) into buffer
         g % NB, once the MMA warps have released that buffer's previous step."""
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -118,14 +133,33 @@ if gluon is not None:
         return warpgroup_mma(x_bufs.index(idx), b, acc, use_acc=use_acc, is_async=True), cons + 1
 
     @gluon.jit
-    def _consumer(x_bufs, w_bufs, ready, empty, out_ptr, scratch_ptr, pid, NP, num_pid_m, num_pid_n, my_tiles,
-                  LEAF_STEPS, NUM_LEAVES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  LD: gl.constexpr, NB: gl.constexpr, W_KN: gl.constexpr, GROUP_M: gl.constexpr,
-                  num_warps: gl.constexpr):
+    def _consumer(
+        x_bufs,
+        w_bufs,
+        ready,
+        empty,
+        out_ptr,
+        scratch_ptr,
+        pid,
+        NP,
+        num_pid_m,
+        num_pid_n,
+        my_tiles,
+        LEAF_STEPS,
+        NUM_LEAVES: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        LD: gl.constexpr,
+        NB: gl.constexpr,
+        W_KN: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
         """The MMA warps: each leaf LEAF_STEPS wgmma steps from zero (one in flight while the next is
         issued), then carried up the tree in binary-counter order (leaf j is a compile-time constant)."""
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+        )
         cons = 0
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
         for ti in range(my_tiles):
@@ -136,9 +170,9 @@ if gluon is not None:
             for j in gl.static_range(NUM_LEAVES):
                 for kk in range(LEAF_STEPS):
                     acc, cons = _mma_step(acc, cons, kk > 0, x_bufs, w_bufs, ready, NB, W_KN)
-                    acc = warpgroup_mma_wait(1, deps=(acc, ))  # the previous step is done: release its buffer
+                    acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous step is done: release its buffer
                     mbarrier.arrive(empty.index((cons + NB - 2) % NB), pred=kk > 0)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index((cons + NB - 1) % NB))  # the leaf's last step
                 if j % 2 == 0:
                     s0 = acc
@@ -160,9 +194,23 @@ if gluon is not None:
             _store_tile(out_ptr, pid_m, pid_n, LD, node)
 
     @gluon.jit
-    def _tree_kernel(x_desc, w_desc, out_ptr, scratch_ptr, M, N, LEAF_STEPS, NP, LD: gl.constexpr,
-                     NUM_LEAVES: gl.constexpr, BLOCK_N: gl.constexpr, W_KN: gl.constexpr, NB: gl.constexpr,
-                     GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    def _tree_kernel(
+        x_desc,
+        w_desc,
+        out_ptr,
+        scratch_ptr,
+        M,
+        N,
+        LEAF_STEPS,
+        NP,
+        LD: gl.constexpr,
+        NUM_LEAVES: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        W_KN: gl.constexpr,
+        NB: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
         """Persistent: program pid computes output tiles pid, pid + NP, ..."""
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         gl.static_assert(BLOCK_M == 16 * num_warps)
@@ -179,12 +227,57 @@ if gluon is not None:
         for i in gl.static_range(NB):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        gl.warp_specialize([
-            (_consumer, (x_bufs, w_bufs, ready, empty, out_ptr, scratch_ptr, pid, NP, num_pid_m, num_pid_n, my_tiles,
-                         LEAF_STEPS, NUM_LEAVES, BLOCK_M, BLOCK_N, LD, NB, W_KN, GROUP_M, num_warps)),
-            (_producer, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, pid, NP, num_pid_m, num_pid_n,
-                         my_tiles * KSTEPS, KSTEPS, NB, W_KN, GROUP_M)),
-        ], [1], [24])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        x_bufs,
+                        w_bufs,
+                        ready,
+                        empty,
+                        out_ptr,
+                        scratch_ptr,
+                        pid,
+                        NP,
+                        num_pid_m,
+                        num_pid_n,
+                        my_tiles,
+                        LEAF_STEPS,
+                        NUM_LEAVES,
+                        BLOCK_M,
+                        BLOCK_N,
+                        LD,
+                        NB,
+                        W_KN,
+                        GROUP_M,
+                        num_warps,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        x_desc,
+                        w_desc,
+                        x_bufs,
+                        w_bufs,
+                        ready,
+                        empty,
+                        pid,
+                        NP,
+                        num_pid_m,
+                        num_pid_n,
+                        my_tiles * KSTEPS,
+                        KSTEPS,
+                        NB,
+                        W_KN,
+                        GROUP_M,
+                    ),
+                ),
+            ],
+            [1],
+            [24],
+        )
         for i in gl.static_range(NB):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
@@ -194,11 +287,22 @@ def supports(x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None) -> bool
     """This kernel can run x[M, K] @ w[N, K]^T: Hopper, bf16/fp16, whole BLOCK_K steps per leaf, TMA-ready
     operands (16-byte aligned, unit stride in one dimension)."""
     c = dict(CONFIG, **(cfg or {}))
-    if not (available(x) and x.dim() == 2 and w.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
-            and w.dtype == x.dtype and x.shape[1] % (leaves * c["BLOCK_K"]) == 0 and x.stride(1) == 1):
+    if not (
+        available(x)
+        and x.dim() == 2
+        and w.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and w.dtype == x.dtype
+        and x.shape[1] % (leaves * c["BLOCK_K"]) == 0
+        and x.stride(1) == 1
+    ):
         return False
-    return all(t.data_ptr() % 16 == 0 and 1 in t.stride() and all((s * t.element_size()) % 16 == 0
-               for s in t.stride() if s != 1) for t in (x, w))
+    return all(
+        t.data_ptr() % 16 == 0
+        and 1 in t.stride()
+        and all((s * t.element_size()) % 16 == 0 for s in t.stride() if s != 1)
+        for t in (x, w)
+    )
 
 
 def try_tree_mm(x: Tensor, w: Tensor, leaves: int) -> Tensor | None:
@@ -213,8 +317,11 @@ def try_tree_mm(x: Tensor, w: Tensor, leaves: int) -> Tensor | None:
         import warnings
 
         _disabled.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        warnings.warn(f"the Gluon tree kernel did not build ({_disabled[0]}); using the Triton tree kernel "
-                      "(the same bits)", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"the Gluon tree kernel did not build ({_disabled[0]}); using the Triton tree kernel (the same bits)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
 
 
@@ -225,21 +332,38 @@ class _Plan:
     __slots__ = ("launch", "xd", "wd", "out_shape", "m", "n", "scratch")
 
     def __init__(self, plan, xd, wd, out_shape, m, n, scratch) -> None:
-        self.launch, self.xd, self.wd, self.out_shape, self.m, self.n, self.scratch = plan, xd, wd, out_shape, m, n, scratch
+        self.launch, self.xd, self.wd, self.out_shape, self.m, self.n, self.scratch = (
+            plan,
+            xd,
+            wd,
+            out_shape,
+            m,
+            n,
+            scratch,
+        )
 
     def __call__(self, x: Tensor, w: Tensor) -> Tensor:
         out_full = torch.empty(self.out_shape, dtype=torch.float32, device=x.device)
         scratch = torch.empty(self.scratch, dtype=torch.float32, device=x.device)
         self.launch(x.device.index, launch.Desc(x, *self.xd), launch.Desc(w, *self.wd), out_full, scratch)
-        return out_full[:self.m, :self.n]
+        return out_full[: self.m, : self.n]
 
 
 _PLANS: dict[tuple, _Plan] = {}
 
 
 def _key(x: Tensor, w: Tensor, leaves: int) -> tuple:
-    return (x.shape, x.stride(), w.shape, w.stride(), x.dtype, leaves, x.device.index,
-            x.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0)
+    return (
+        x.shape,
+        x.stride(),
+        w.shape,
+        w.stride(),
+        x.dtype,
+        leaves,
+        x.device.index,
+        x.data_ptr() % 16 == 0,
+        w.data_ptr() % 16 == 0,
+    )
 
 
 def plan(x: Tensor, w: Tensor, leaves: int) -> _Plan | None:
@@ -247,8 +371,9 @@ def plan(x: Tensor, w: Tensor, leaves: int) -> _Plan | None:
     return _PLANS.get(_key(x, w, leaves))
 
 
-def tree_mm(x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None, num_programs: int | None = None,
-            warmup: bool = False):
+def tree_mm(
+    x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None, num_programs: int | None = None, warmup: bool = False
+):
     """fp32 x[M, K] @ w[N, K]^T (w may be a transposed [K, N] view) reduced along the fixed tree of
     `leaves` leaves (see `supports`). `warmup`: compile only and return the compiled kernel (with a
     mock driver this needs no GPU: tests/test_gluon_compile.py)."""
@@ -270,7 +395,11 @@ def tree_mm(x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None, num_prog
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     default_progs = num_programs is None
     if num_programs is None:
-        num_programs = _sm_count(x.device.index or 0) if x.is_cuda else torch.cuda.get_device_properties(x.device).multi_processor_count
+        num_programs = (
+            _sm_count(x.device.index or 0)
+            if x.is_cuda
+            else torch.cuda.get_device_properties(x.device).multi_processor_count
+        )
     progs = max(1, min(tiles, num_programs))
     scratch_n = progs * bm * bn if leaves == 8 else 1
     scratch = torch.empty(scratch_n, dtype=torch.float32, device=x.device)
@@ -280,10 +409,19 @@ def tree_mm(x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None, num_prog
         return _tree_kernel.warmup(*args, grid=(progs,), **kw)
     first = launch.Launch.first(_tree_kernel, (progs,), args, kw, slots=(0, 1, 2, 3))
     if first is not None and cfg is None and default_progs:
-        launch.cache_put(_PLANS, _key(x, w, leaves), _Plan(
-            first, (list(x_desc.shape), list(x_desc.strides), list(x_desc.block_shape), x_desc.layout),
-            (list(w_desc.shape), list(w_desc.strides), list(w_desc.block_shape), w_desc.layout),
-            tuple(out_full.shape), m, n, scratch_n))
+        launch.cache_put(
+            _PLANS,
+            _key(x, w, leaves),
+            _Plan(
+                first,
+                (list(x_desc.shape), list(x_desc.strides), list(x_desc.block_shape), x_desc.layout),
+                (list(w_desc.shape), list(w_desc.strides), list(w_desc.block_shape), w_desc.layout),
+                tuple(out_full.shape),
+                m,
+                n,
+                scratch_n,
+            ),
+        )
     return out_full[:m, :n]
 
 

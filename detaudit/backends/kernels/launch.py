@@ -70,7 +70,9 @@ class Launch:
         self.direct = Direct.of(self)
 
     @classmethod
-    def first(cls, jit_fn: Any, grid: tuple[int, ...], args: Sequence, kwargs: dict, slots: Sequence[int]) -> "Launch | None":
+    def first(
+        cls, jit_fn: Any, grid: tuple[int, ...], args: Sequence, kwargs: dict, slots: Sequence[int]
+    ) -> "Launch | None":
         """Launch `jit_fn[grid](*args, **kwargs)` through the JIT (compiling it if needed) and return the
         plan to launch it again, or None where there is nothing to keep (the interpreter, a launch hook
         such as a profiler's, an older Triton)."""
@@ -95,8 +97,18 @@ class Launch:
         s = stream(index)
         hook = _knobs.runtime.launch_enter_hook
         meta = self.kernel.launch_metadata(self.grid, s, *args) if hook is not None else None
-        self.run(self.grid[0], self.grid[1], self.grid[2], s, self.function, self.packed, meta, hook,
-                 _knobs.runtime.launch_exit_hook, *args)
+        self.run(
+            self.grid[0],
+            self.grid[1],
+            self.grid[2],
+            s,
+            self.function,
+            self.packed,
+            meta,
+            hook,
+            _knobs.runtime.launch_exit_hook,
+            *args,
+        )
 
 
 def hooks_idle() -> bool:
@@ -136,16 +148,31 @@ class Direct:
         except ImportError:  # pragma: no cover
             return None
         run = plan.run
-        if (getattr(nv, "_BASE_ARGS_FORMAT_LEN", None) != cls.BASE or type(run).__name__ != "CudaLauncher"
-                or run.global_scratch_size or run.profile_scratch_size):
+        if (
+            getattr(nv, "_BASE_ARGS_FORMAT_LEN", None) != cls.BASE
+            or type(run).__name__ != "CudaLauncher"
+            or run.global_scratch_size
+            or run.profile_scratch_size
+        ):
             return None
         raw = _raw_launch(run.launch)
         signature = list(getattr(plan.kernel.src, "signature", {}).values())
         metas = list(getattr(plan.kernel.metadata, "tensordesc_meta", None) or [])
         if raw is None or len(signature) != len(plan.args):
             return None
-        template = [*plan.grid, 0, plan.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                    plan.packed, None, None, None]
+        template = [
+            *plan.grid,
+            0,
+            plan.function,
+            run.launch_cooperative_grid,
+            run.launch_pdl,
+            None,
+            None,
+            plan.packed,
+            None,
+            None,
+            None,
+        ]
         where: dict[int, tuple[int, int, Any]] = {}
         for i, (sig, value) in enumerate(zip(signature, plan.args)):
             if isinstance(sig, str) and sig.startswith("tensordesc"):
@@ -197,7 +224,9 @@ class Desc:
 
     __slots__ = ("base", "shape", "strides", "block_shape", "layout", "padding")
 
-    def __init__(self, base: Any, shape: list[int], strides: list[int], block_shape: list[int], layout: Any = None) -> None:
+    def __init__(
+        self, base: Any, shape: list[int], strides: list[int], block_shape: list[int], layout: Any = None
+    ) -> None:
         self.base = base
         self.shape = shape
         self.strides = strides

@@ -16,7 +16,6 @@ bitwise identical for C = 1, 2, 4, 8.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from detaudit.backends.kernels import cpu_gemm, fixed, gluon_tree, triton_mm
@@ -34,7 +33,8 @@ def leaf_plan(k_local: int, tp_size: int, name: str = "") -> tuple[int, int]:
     if k == 0 or k % TP_MAX:
         raise DetauditError(
             f"{layer}: bio+tbik needs the reduction size K (here {k} = {k_local} x TP {tp_size}) to be a "
-            f"positive multiple of {TP_MAX}, so that K splits into {TP_MAX} equal tree blocks")
+            f"positive multiple of {TP_MAX}, so that K splits into {TP_MAX} equal tree blocks"
+        )
     return k // TP_MAX, TP_MAX // tp_size
 
 
@@ -50,8 +50,9 @@ def tree_sum(parts: list[Tensor]) -> Tensor:
 
 def _packed(w: Tensor, leaves: int, leaf: int) -> Tensor:
     """fp32 leaf-major copy [leaves, K/8, N] of w[N, K_local]."""
-    return fixed.derived(w, f"leaves{leaves}x{leaf}",
-                         lambda d: d.float().reshape(d.shape[0], leaves, leaf).permute(1, 2, 0).contiguous())
+    return fixed.derived(
+        w, f"leaves{leaves}x{leaf}", lambda d: d.float().reshape(d.shape[0], leaves, leaf).permute(1, 2, 0).contiguous()
+    )
 
 
 def tree_matmul(x: Tensor, w: Tensor, tp_size: int, name: str = "") -> Tensor:
@@ -63,8 +64,7 @@ def tree_matmul(x: Tensor, w: Tensor, tp_size: int, name: str = "") -> Tensor:
         leaves = _LEAVES.get((k_local, tp_size))
         if leaves is None:
             leaves = _LEAVES[(k_local, tp_size)] = leaf_plan(k_local, tp_size, name)[1]
-        return triton_mm.mm(x if x.is_contiguous() else x.contiguous(), w,
-                            leaves=leaves, tree=True)
+        return triton_mm.mm(x if x.is_contiguous() else x.contiguous(), w, leaves=leaves, tree=True)
     leaf, leaves = leaf_plan(k_local, tp_size, name)
     lead, n = x.shape[:-1], w.shape[0]
     x2 = x.reshape(-1, k_local)
@@ -95,12 +95,12 @@ def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
 def describe() -> dict[str, str]:
     return {
         "tree": f"K cut into {TP_MAX} equal blocks (top 3 levels, TP_max={TP_MAX}); leaves added pairwise "
-                "((l0+l1)+(l2+l3))+... in fp32; K % 8 != 0 is refused naming the layer",
+        "((l0+l1)+(l2+l3))+... in fp32; K % 8 != 0 is refused naming the layer",
         "tree_matmul_cpu": f"per leaf fp32 products on zero-padded blocks of R={fixed.ROWS} rows, fixed shapes "
-                           "[R, K/8] @ [K/8, N], one thread per block product",
+        "[R, K/8] @ [K/8, N], one thread per block product",
         "tree_matmul_gpu": "Triton persistent kernel, NUM_LEAVES=8/C unrolled leaves, each a pipelined K loop "
-                           "into an fp32 accumulator, compile-time binary-counter carries in registers, no split-K, "
-                           f"no autotune; {triton_mm.describe(tree=True)}; GLUON=1: on Hopper the warp-specialised "
-                           f"Gluon kernel (same leaves, same adds; {gluon_tree.CONFIG})",
+        "into an fp32 accumulator, compile-time binary-counter carries in registers, no split-K, "
+        f"no autotune; {triton_mm.describe(tree=True)}; GLUON=1: on Hopper the warp-specialised "
+        f"Gluon kernel (same leaves, same adds; {gluon_tree.CONFIG})",
         "tree_all_reduce": "fp32 subtrees combined pairwise along the top of the same tree, cast once",
     }

@@ -30,18 +30,41 @@ NO_WINDOW = 2**30  # a window no position reaches past (int32-safe: pos - NO_WIN
 
 def supported(q: Tensor) -> bool:
     d = q.shape[-1]
-    return triton is not None and q.is_cuda and d >= 16 and d & (d - 1) == 0 and q.dtype in (
-        torch.bfloat16, torch.float16, torch.float32)
+    return (
+        triton is not None
+        and q.is_cuda
+        and d >= 16
+        and d & (d - 1) == 0
+        and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
 
 
 if triton is not None:
 
     @triton.jit
     def _attn_kernel(
-        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
-        ROWS, L, scale, WINDOW,
-        sqg, sqr, skg, skl, svg, svl, spg, sog, sor,
-        D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        pos_ptr,
+        out_ptr,
+        ROWS,
+        L,
+        scale,
+        WINDOW,
+        sqg,
+        sqr,
+        skg,
+        skl,
+        svg,
+        svl,
+        spg,
+        sog,
+        sor,
+        D: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
         g = tl.program_id(0)
@@ -75,12 +98,14 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / l[:, None]
-        tl.store(out_ptr + g * sog + rows[:, None] * sor + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=live[:, None])
+        tl.store(
+            out_ptr + g * sog + rows[:, None] * sor + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None]
+        )
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, split: int,
-              window: int | None = None) -> Tensor:
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, split: int, window: int | None = None
+) -> Tensor:
     """q[G, R, D] (the group's query rows), k / v[G, L, D], pos[G, R] (each row's position: key j is
     visible iff j <= pos, and with a sliding window iff pos - window < j <= pos) -> [G, R, D] in q.dtype.
     A chunk wholly before a row's window leaves it as it was (m stays -inf, alpha is 1), as past it."""
@@ -94,20 +119,60 @@ def attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, split:
     win = NO_WINDOW if window is None else int(window)
     key = None
     if q.is_cuda:  # a kept launch per plan key (see `launch`): every integer argument and alignment
-        key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), pos.stride(), out.stride(), q.dtype,
-               float(scale), split, win, q.device.index, *(t.data_ptr() % 16 == 0 for t in (q, k, v, pos, out)))
+        key = (
+            q.shape,
+            q.stride(),
+            k.shape,
+            k.stride(),
+            v.stride(),
+            pos.stride(),
+            out.stride(),
+            q.dtype,
+            float(scale),
+            split,
+            win,
+            q.device.index,
+            *(t.data_ptr() % 16 == 0 for t in (q, k, v, pos, out)),
+        )
         plan = _PLANS.get(key)
         if plan is not None:
             plan(q.device.index, q, k, v, pos, out)
             return out
     grid = (g, triton.cdiv(rows, BLOCK_R))
     first = launch.Launch.first(
-        _attn_kernel, grid,
-        (q, k, v, pos, out, rows, k.shape[1], float(scale), win,
-         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-         pos.stride(0), out.stride(0), out.stride(1)),
-        dict(D=d, SPLIT=split, BLOCK_R=BLOCK_R, PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
-             UPCAST=not q.is_cuda, num_warps=4, num_stages=2), slots=(0, 1, 2, 3, 4))
+        _attn_kernel,
+        grid,
+        (
+            q,
+            k,
+            v,
+            pos,
+            out,
+            rows,
+            k.shape[1],
+            float(scale),
+            win,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            pos.stride(0),
+            out.stride(0),
+            out.stride(1),
+        ),
+        dict(
+            D=d,
+            SPLIT=split,
+            BLOCK_R=BLOCK_R,
+            PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
+            UPCAST=not q.is_cuda,
+            num_warps=4,
+            num_stages=2,
+        ),
+        slots=(0, 1, 2, 3, 4),
+    )
     if first is not None and key is not None:
         launch.cache_put(_PLANS, key, first)
     return out

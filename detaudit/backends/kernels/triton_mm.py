@@ -47,10 +47,17 @@ CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][2] for dt, t in TILINGS.
 # The tree kernel (TBIK): the same rules over its leaves; pointer loads at large M, or on Hopper
 # (GLUON=1) the warp-specialised Gluon kernel of `gluon_tree`, same bits (reports/gpu/triton-mm-tilings.md).
 _TREE_LARGE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, GLUON=1)
-_TREE_HALF: Tilings = ((64, 4096, dict(_SMALL_M, num_stages=6)), (64, 0, _NARROW), (256, 0, _MID_M),
-                       (None, 0, _TREE_LARGE))
-TREE_TILINGS: dict[torch.dtype, Tilings] = {torch.bfloat16: _TREE_HALF, torch.float16: _TREE_HALF,
-                                            torch.float32: TILINGS[torch.float32]}
+_TREE_HALF: Tilings = (
+    (64, 4096, dict(_SMALL_M, num_stages=6)),
+    (64, 0, _NARROW),
+    (256, 0, _MID_M),
+    (None, 0, _TREE_LARGE),
+)
+TREE_TILINGS: dict[torch.dtype, Tilings] = {
+    torch.bfloat16: _TREE_HALF,
+    torch.float16: _TREE_HALF,
+    torch.float32: TILINGS[torch.float32],
+}
 TREE_CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][2] for dt, t in TREE_TILINGS.items()}
 
 
@@ -94,9 +101,26 @@ if triton is not None:
         return bid, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
     @triton.jit
-    def _span(x_ptr, w_ptr, offs_m, M, cols, start, length, sxm, sxk, swn, swk,
-              EVEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASK_M: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _span(
+        x_ptr,
+        w_ptr,
+        offs_m,
+        M,
+        cols,
+        start,
+        length,
+        sxm,
+        sxk,
+        swn,
+        swk,
+        EVEN: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+        MASK_M: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """fp32 x[rows, start:start+length] @ w[cols, start:start+length]^T, accumulated sequentially in
         BLOCK_K steps from zero: the one reduction order of every output element (a leaf, or all of K).
         Rows past M are never stored, so what they hold does not matter: they re-read valid rows
@@ -136,20 +160,57 @@ if triton is not None:
 
     @triton.jit
     def _mm_kernel(
-        x_ptr, w_ptr, out_ptr,
-        BATCH, M, N, K,
-        sxb, sxm, sxk, swb, swn, swk, sob, som, son,
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        BATCH,
+        M,
+        N,
+        K,
+        sxb,
+        sxm,
+        sxk,
+        swb,
+        swn,
+        swk,
+        sob,
+        som,
+        son,
         NUM_PROGRAMS,
-        EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASK_M: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+        MASK_M: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
     ):
         total = BATCH * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
             bid, offs_m, offs_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             # out-of-range rows/cols read valid data and are never stored: an output element depends
             # only on its own row and column
-            acc = _span(x_ptr + bid * sxb, w_ptr + bid * swb, offs_m, M, offs_n % N, 0, K, sxm, sxk, swn, swk,
-                        EVEN_K, PRECISION, UPCAST, MASK_M, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = _span(
+                x_ptr + bid * sxb,
+                w_ptr + bid * swb,
+                offs_m,
+                M,
+                offs_n % N,
+                0,
+                K,
+                sxm,
+                sxk,
+                swn,
+                swk,
+                EVEN_K,
+                PRECISION,
+                UPCAST,
+                MASK_M,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+            )
             _store(out_ptr + bid * sob, offs_m, offs_n, M, N, som, son, acc)  # one rounding (RNE) to out's dtype
 
 
@@ -175,8 +236,18 @@ if triton is not None:
         return s0, s1, s2, node
 
     @triton.jit
-    def _span_desc(x_desc, w_desc, off_m, off_n, start, length, W_KN: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _span_desc(
+        x_desc,
+        w_desc,
+        off_m,
+        off_n,
+        start,
+        length,
+        W_KN: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """`_span` with TMA loads (Hopper+): the same sequential BLOCK_K steps from zero; the hardware
         zero-fills rows and columns past the tensor's edge, and zeros add nothing to a sum."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -192,9 +263,24 @@ if triton is not None:
 
     @triton.jit
     def _tma_kernel(
-        x_desc, w_desc, out_ptr, M, N, K, LEAF, som, son, NUM_PROGRAMS,
-        NUM_LEAVES: tl.constexpr, W_KN: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        x_desc,
+        w_desc,
+        out_ptr,
+        M,
+        N,
+        K,
+        LEAF,
+        som,
+        son,
+        NUM_PROGRAMS,
+        NUM_LEAVES: tl.constexpr,
+        W_KN: tl.constexpr,
+        FLATTEN: tl.constexpr,
+        WS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
     ):
         """Both kernels for one 2-D product on Hopper and later, with TMA loads: NUM_LEAVES == 1 is the
         plain bio matmul over all of K, more leaves the tree matmul (leaves of LEAF columns, LEAF a
@@ -216,16 +302,34 @@ if triton is not None:
                     s0, s1, s2, node = _carry(j, acc, s0, s1, s2, node)
             _store(out_ptr, off_m + tl.arange(0, BLOCK_M), off_n + tl.arange(0, BLOCK_N), M, N, som, son, node)
 
-
     @triton.jit
     def _tree_kernel(
-        x_ptr, w_ptr, out_ptr,
-        BATCH, M, N, LEAF,
-        sxb, sxm, sxk, swb, swn, swk, sob, som, son,
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        BATCH,
+        M,
+        N,
+        LEAF,
+        sxb,
+        sxm,
+        sxk,
+        swb,
+        swn,
+        swk,
+        sob,
+        som,
+        son,
         NUM_PROGRAMS,
-        NUM_LEAVES: tl.constexpr, EVEN_LEAF: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        NUM_LEAVES: tl.constexpr,
+        EVEN_LEAF: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
         MASK_M: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
     ):
         """The tree matmul with the leaves unrolled (static_range): each leaf is its own branch-free,
         software-pipelined K loop, and the binary-counter carries are chosen at compile time, so the
@@ -239,8 +343,26 @@ if triton is not None:
             s2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             node = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for j in tl.static_range(NUM_LEAVES):
-                acc = _span(x_ptr + bid * sxb, w_ptr + bid * swb, offs_m, M, offs_n % N, j * LEAF, LEAF,
-                            sxm, sxk, swn, swk, EVEN_LEAF, PRECISION, UPCAST, MASK_M, BLOCK_M, BLOCK_N, BLOCK_K)
+                acc = _span(
+                    x_ptr + bid * sxb,
+                    w_ptr + bid * swb,
+                    offs_m,
+                    M,
+                    offs_n % N,
+                    j * LEAF,
+                    LEAF,
+                    sxm,
+                    sxk,
+                    swn,
+                    swk,
+                    EVEN_LEAF,
+                    PRECISION,
+                    UPCAST,
+                    MASK_M,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
                 s0, s1, s2, node = _carry(j, acc, s0, s1, s2, node)
             _store(out_ptr + bid * sob, offs_m, offs_n, M, N, som, son, node)
 
@@ -267,14 +389,21 @@ def _tma_ready(t: Tensor) -> bool:
     """A TMA descriptor needs a 16-byte aligned base, unit stride in one dimension and 16-byte aligned
     strides in the other."""
     inner = 1 if t.stride(1) == 1 else 0
-    return (t.stride(inner) == 1 and t.data_ptr() % 16 == 0
-            and (t.stride(1 - inner) * t.element_size()) % 16 == 0)
+    return t.stride(inner) == 1 and t.data_ptr() % 16 == 0 and (t.stride(1 - inner) * t.element_size()) % 16 == 0
 
 
 def _use_tma(x3: Tensor, w3: Tensor, cfg: dict[str, int], leaf: int) -> bool:
-    return (bool(cfg.get("TMA")) and x3.is_cuda and x3.shape[0] == 1 and x3.dtype in (torch.bfloat16, torch.float16)
-            and _device_info(x3.device.index or 0)[1] >= 9 and leaf % cfg["BLOCK_K"] == 0
-            and x3[0].stride(1) == 1 and _tma_ready(x3[0]) and _tma_ready(w3[0]))
+    return (
+        bool(cfg.get("TMA"))
+        and x3.is_cuda
+        and x3.shape[0] == 1
+        and x3.dtype in (torch.bfloat16, torch.float16)
+        and _device_info(x3.device.index or 0)[1] >= 9
+        and leaf % cfg["BLOCK_K"] == 0
+        and x3[0].stride(1) == 1
+        and _tma_ready(x3[0])
+        and _tma_ready(w3[0])
+    )
 
 
 def _launch_tma(x: Tensor, w: Tensor, out: Tensor, leaves: int, leaf: int, cfg: dict[str, int]) -> launch.Launch | None:
@@ -288,9 +417,18 @@ def _launch_tma(x: Tensor, w: Tensor, out: Tensor, leaves: int, leaf: int, cfg: 
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     progs = _num_programs(x.device, tiles, per_sm=1)
     plan = launch.Launch.first(
-        _tma_kernel, (progs,), (x_desc, w_desc, out, m, n, x.shape[1], leaf, *out.stride(), progs),
-        dict(NUM_LEAVES=leaves, W_KN=w_kn, FLATTEN=bool(cfg.get("FLATTEN")) and leaves == 1,
-             WS=bool(cfg.get("WS")), **_launch_args(cfg)), slots=(0, 1, 2))
+        _tma_kernel,
+        (progs,),
+        (x_desc, w_desc, out, m, n, x.shape[1], leaf, *out.stride(), progs),
+        dict(
+            NUM_LEAVES=leaves,
+            W_KN=w_kn,
+            FLATTEN=bool(cfg.get("FLATTEN")) and leaves == 1,
+            WS=bool(cfg.get("WS")),
+            **_launch_args(cfg),
+        ),
+        slots=(0, 1, 2),
+    )
     if plan is None:
         return None
     xd = (list(x_desc.shape), list(x_desc.strides), list(x_desc.block_shape))
@@ -345,12 +483,30 @@ _PLANS: dict[tuple, _Plan | _TmaPlan | _GluonPlan] = {}
 
 
 def _plan_key(x: Tensor, w: Tensor, leaves: int, tree: bool, out_dtype: torch.dtype) -> tuple:
-    return (x.shape, x.stride(), w.shape, w.stride(), x.dtype, w.dtype, leaves, tree, out_dtype, x.device.index,
-            x.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0)
+    return (
+        x.shape,
+        x.stride(),
+        w.shape,
+        w.stride(),
+        x.dtype,
+        w.dtype,
+        leaves,
+        tree,
+        out_dtype,
+        x.device.index,
+        x.data_ptr() % 16 == 0,
+        w.data_ptr() % 16 == 0,
+    )
 
 
-def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = None, tree: bool = False,
-       out_dtype: torch.dtype = torch.float32) -> Tensor:
+def mm(
+    x: Tensor,
+    w: Tensor,
+    leaves: int = 1,
+    config: dict[str, int] | None = None,
+    tree: bool = False,
+    out_dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """x @ w^T for x[B?, M, K], w[B?, N, K] (w may be a strided view, e.g. a transpose), accumulated in
     fp32 and stored as `out_dtype` (the store rounds once, like a cast); with `leaves` > 1 the K reduction
     is the fixed tree of `leaves` equal leaves (tree results are always fp32).
@@ -367,8 +523,15 @@ def mm(x: Tensor, w: Tensor, leaves: int = 1, config: dict[str, int] | None = No
     return _mm(x, w, leaves, config, tree, out_dtype, None)
 
 
-def _mm(x: Tensor, w: Tensor, leaves: int, config: dict[str, int] | None, tree: bool, out_dtype: torch.dtype,
-        key: tuple | None) -> Tensor:
+def _mm(
+    x: Tensor,
+    w: Tensor,
+    leaves: int,
+    config: dict[str, int] | None,
+    tree: bool,
+    out_dtype: torch.dtype,
+    key: tuple | None,
+) -> Tensor:
     if triton is None:
         raise DetauditError("the GPU kernels need triton (pip install 'detaudit[triton]')")
     if x.dtype != w.dtype:
@@ -415,15 +578,28 @@ def _mm(x: Tensor, w: Tensor, leaves: int, config: dict[str, int] | None, tree: 
         tiles = batch * triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         progs = _num_programs(x.device, tiles)
         strides = (*x3.stride(), *w3.stride(), *out.stride())
-        common = dict(PRECISION="ieee" if (x.dtype == torch.float32 or interpret) else "tf32", UPCAST=interpret,
-                      MASK_M=mask_m, **cfg)
+        common = dict(
+            PRECISION="ieee" if (x.dtype == torch.float32 or interpret) else "tf32",
+            UPCAST=interpret,
+            MASK_M=mask_m,
+            **cfg,
+        )
         if tree:
-            first = launch.Launch.first(_tree_kernel, (progs,), (x3, w3, out, batch, m, n, leaf, *strides, progs),
-                                        dict(NUM_LEAVES=leaves, EVEN_LEAF=leaf % cfg["BLOCK_K"] == 0, **common),
-                                        slots=(0, 1, 2))
+            first = launch.Launch.first(
+                _tree_kernel,
+                (progs,),
+                (x3, w3, out, batch, m, n, leaf, *strides, progs),
+                dict(NUM_LEAVES=leaves, EVEN_LEAF=leaf % cfg["BLOCK_K"] == 0, **common),
+                slots=(0, 1, 2),
+            )
         else:
-            first = launch.Launch.first(_mm_kernel, (progs,), (x3, w3, out, batch, m, n, k, *strides, progs),
-                                        dict(EVEN_K=k % cfg["BLOCK_K"] == 0, **common), slots=(0, 1, 2))
+            first = launch.Launch.first(
+                _mm_kernel,
+                (progs,),
+                (x3, w3, out, batch, m, n, k, *strides, progs),
+                dict(EVEN_K=k % cfg["BLOCK_K"] == 0, **common),
+                slots=(0, 1, 2),
+            )
         if first is not None:
             # the kernel reads x, w and out through their pointers only (strides are arguments): the
             # plan passes the caller's tensors and allocates out in the shape it returns
@@ -440,5 +616,7 @@ def describe(tree: bool = False) -> str:
         when = ("larger M" if max_m is None else f"M<={max_m}") + (f", N>={min_n}" if min_n else "")
         return f"{when}: " + " ".join(f"{k}={v}" for k, v in c.items())
 
-    return "; ".join(f"{str(dt).removeprefix('torch.')}: " + " | ".join(rule(*r) for r in t)
-                     for dt, t in (TREE_TILINGS if tree else TILINGS).items())
+    return "; ".join(
+        f"{str(dt).removeprefix('torch.')}: " + " | ".join(rule(*r) for r in t)
+        for dt, t in (TREE_TILINGS if tree else TILINGS).items()
+    )

@@ -44,12 +44,16 @@ def row_sum(x2: Tensor) -> Tensor:
         if plan is not None:
             plan(x2.device.index, x2, out)
             return out
-    first = launch.Launch.first(_row_sum_kernel, (x2.shape[0],), (x2, out, x2.shape[1], x2.stride(0)),
-                                dict(BLOCK=BLOCK, num_warps=4), slots=(0, 1))
+    first = launch.Launch.first(
+        _row_sum_kernel,
+        (x2.shape[0],),
+        (x2, out, x2.shape[1], x2.stride(0)),
+        dict(BLOCK=BLOCK, num_warps=4),
+        slots=(0, 1),
+    )
     if first is not None and key is not None:
         launch.cache_put(_PLANS, key, first)
     return out
 
 
 _PLANS: dict[tuple, launch.Launch] = {}
-

@@ -1,6 +1,7 @@
 """Summarise a py-spy raw profile (`py-spy record -f raw`) of `detaudit bench e2e`: samples inside the
 eager decode step (graphs.py's step), by the innermost detaudit frame (the library call a sample's time
 went to is attributed to the detaudit line that made it). Usage: pyspy_top.py PROFILE [N]."""
+
 import sys
 from collections import Counter
 

@@ -1,6 +1,12 @@
 """cProfile of eager decode (qwen3-8b-shaped, batch 8, 24 greedy tokens): where the host time goes."""
-import cProfile, pstats, sys, io, time
+
+import cProfile
+import io
+import pstats
+import sys
+
 import torch
+
 from detaudit.bench.e2e import random_prompts
 from detaudit.config import DecodingParams
 from detaudit.engine.local import LocalEngine
