@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from detaudit.config import DecodingParams
+from detaudit.config import DecodingParams, ModelRef
 from detaudit.errors import DetauditError
 
 
@@ -27,10 +27,11 @@ class Side:
             raise DetauditError(f"{option} {text!r}: expected ENGINE:TP, e.g. builtin:4")
         from detaudit.engines import ENGINES, get_engine
 
-        if engine not in ("builtin", "vllm"):
+        local = [name for name, info in ENGINES.items() if not info.server]
+        if engine not in local:
             raise DetauditError(
-                f"{option} {text!r}: unknown engine {engine!r} (align runs: builtin, vllm; "
-                f"registered: {', '.join(ENGINES)})"
+                f"{option} {text[:60]!r}: unknown engine {engine[:40]!r} (align runs the engines that load the "
+                f"model themselves: {', '.join(local)})"
             )
         get_engine(engine)  # an engine whose extra is not installed fails here, naming it
         if int(tp) not in (1, 2, 4, 8):
@@ -99,6 +100,9 @@ class AlignConfig:
             raise DetauditError("--batch-size must be >= 1")
         if self.tp_mode not in ("real", "emulated"):
             raise DetauditError(f"--tp-mode {self.tp_mode}: must be real or emulated")
+        from detaudit.config import EngineSettings
+
+        EngineSettings(dtype=self.dtype, device=self.device)  # refused here, before any model work
 
 
 def align(
@@ -118,7 +122,7 @@ def align(
     ps = tokenize(suite, tok)
     for side in (cfg.rollout, cfg.trainer):
         info = get_engine(side.engine)
-        check_model(ref.path, [side.tp], info.checks_architecture, [ps], cfg.decoding.max_new_tokens, info.max_context)
+        check_model(ref, [side.tp], info.checks_architecture, [ps], cfg.decoding.max_new_tokens, info.max_context)
     with Progress(console=console) as prog:  # rollout tokens sampled, over all backends
         task = prog.add_task(
             f"rollouts {cfg.rollout} -> trainer {cfg.trainer}",
@@ -126,11 +130,10 @@ def align(
         )
         df = run_align(
             cfg,
-            ref.path,
-            ref.name,
+            ref,
             ps.token_ids,
             ps.ids,
-            tuple(eos_ids(ref.path, tok)),
+            tuple(eos_ids(ref, tok)),
             progress=lambda n: prog.advance(task, n),
         )
     summary = summarize(df)
@@ -154,34 +157,24 @@ def align(
 
 def run_align(
     cfg: AlignConfig,
-    model_path: Path,
-    model_name: str,
+    model: ModelRef,
     prompts: list[list[int]],
     prompt_ids: list[str],
     eos: tuple[int, ...],
     progress=None,
 ) -> pd.DataFrame:
     """One row per (backend, prompt, position)."""
-    from detaudit.engines import EngineOptions, open_engine
+    from detaudit.config import EngineOptions, EngineSettings
+    from detaudit.engines import get_engine, open_engine
 
     rows = []
     for backend in cfg.backends:
 
         def _open(side: Side):
-            tp_mode = cfg.tp_mode if side.engine == "builtin" else "real"
-            return open_engine(
-                side.engine,
-                EngineOptions(
-                    model_path,
-                    backend,
-                    side.tp,
-                    tp_mode,
-                    dtype=cfg.dtype,
-                    device=cfg.device,
-                    eos_ids=eos,
-                    max_batch_size=cfg.batch_size,
-                ),
-            )
+            tp_mode = cfg.tp_mode if cfg.tp_mode in get_engine(side.engine).tp_modes else "real"
+            settings = EngineSettings(name=side.engine, dtype=cfg.dtype, device=cfg.device)
+            options = EngineOptions(settings, model, backend, side.tp, tp_mode, eos, max_batch_size=cfg.batch_size)
+            return open_engine(options)
 
         eng = _open(cfg.rollout)
         try:
@@ -199,7 +192,7 @@ def run_align(
             for i, (tok, lr, lt) in enumerate(zip(g.token_ids, g.token_logprobs, s)):
                 rows.append(
                     {
-                        "model": model_name,
+                        "model": model.name,
                         "backend": backend,
                         "rollout": str(cfg.rollout),
                         "trainer": str(cfg.trainer),

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from detaudit.errors import DetauditError
 
 TP_SIZES = (1, 2, 4, 8)
 TP_MODES = ("real", "emulated")
 DTYPES = ("bfloat16", "float32")
+MAX_BATCH = 100_000  # batch sizes, loads and repeats past this are typos, not audits
 
 
 def check_tp_size(tp: int) -> None:
@@ -71,6 +74,98 @@ class Cell:
         return f"{self.suite}__{safe_backend}__tp{self.tp}__bs{self.batch_size}{bg}"
 
 
+SERVER_APIS = ("completions", "chat")
+PROMPT_FORMATS = ("ids", "text")
+SERVER_KINDS = ("auto", "vllm", "sglang", "generic")
+BACKGROUND_PROMPTS = ("suite", "random")
+DEVICE_RE = re.compile(r"cpu|cuda(:[0-9]{1,2})?")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The server engines' options as given on the command line. No secret: the API key is read, at
+    request time, from the environment variable `api_key_env` names."""
+
+    base_url: str | None = None
+    api: str = "completions"
+    prompt_format: str = "ids"
+    api_key_env: str | None = None
+    server_model: str | None = None  # the id to request; default: the one matching --model
+    server_kind: str = "auto"
+    background_prompts: str = "suite"
+    request_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        for option, value, allowed in (
+            ("--api", self.api, SERVER_APIS),
+            ("--prompt-format", self.prompt_format, PROMPT_FORMATS),
+            ("--server-kind", self.server_kind, SERVER_KINDS),
+            ("--background-prompts", self.background_prompts, BACKGROUND_PROMPTS),
+        ):
+            if value not in allowed:
+                raise DetauditError(f"{option} {value}: must be one of {', '.join(allowed)}")
+        if not (math.isfinite(self.request_timeout) and self.request_timeout > 0):
+            raise DetauditError(f"--request-timeout must be > 0 seconds (got {self.request_timeout})")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The run-wide engine knobs, carried whole from the command line to the engine (into every worker
+    process): a new knob is one field here and its one consumer."""
+
+    name: str = "builtin"
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    cuda_graphs: bool = True  # built-in engine on a GPU: decode steps replayed from CUDA graphs
+    hang_timeout: float = 300.0  # seconds without progress before a worker is declared hung
+    server: ServerConfig | None = None  # server engines only
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise DetauditError(f"--dtype {self.dtype}: must be one of {', '.join(DTYPES)}")
+        if not isinstance(self.device, str) or not DEVICE_RE.fullmatch(self.device):
+            raise DetauditError(f"--device {str(self.device)[:40]!r}: must be cpu or cuda (or cuda:N)")
+        if not (math.isfinite(self.hang_timeout) and self.hang_timeout > 0):
+            raise DetauditError(f"--hang-timeout must be > 0 seconds (got {self.hang_timeout})")
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A resolved checkpoint (`models.resolve_model`): its config.json is read there, once."""
+
+    name: str
+    path: Path
+    architecture: str
+    checksum: str  # sha256 over the per-file sha256s
+    config: dict = field(default_factory=dict, compare=False, hash=False)  # config.json as read
+    spec: str = ""  # --model as given (a server engine matches the served model id against it)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What opening one (backend, TP) group's engine needs, in one piece: built once by the driver,
+    passed whole to the engine (and pickled to its worker processes)."""
+
+    settings: EngineSettings
+    model: ModelRef
+    backend: str
+    tp: int = 1
+    tp_mode: str = "real"  # how this group runs TP (TP 1 is always real)
+    eos_ids: tuple[int, ...] = ()
+    max_batch_size: int = 0  # the group's largest batch (engines that size themselves once)
+    max_background: int = 0  # server engines: the largest background load of the grid
+    log_dir: Path | None = None  # where an engine keeps logs of processes it starts
+    multi_node: bool = False  # the engine places its own TP ranks on a Ray cluster (set by the executor)
+
+    @property
+    def emulated(self) -> bool:
+        return self.tp_mode == "emulated" and self.tp > 1
+
+
 @dataclass(frozen=True)
 class SweepConfig:
     model: str
@@ -80,16 +175,11 @@ class SweepConfig:
     batch_sizes: tuple[int, ...] = (8, 16, 32)
     decoding: DecodingParams = field(default_factory=DecodingParams)
     limit: int | None = None
-    dtype: str = "bfloat16"
     tp_mode: str = "real"
-    engine: str = "builtin"
-    device: str = "cpu"
-    cuda_graphs: bool = True  # built-in engine on a GPU: decode steps replayed from CUDA graphs
-    hang_timeout: float = 300.0  # seconds without progress before a TP worker is declared hung
+    engine: EngineSettings = field(default_factory=EngineSettings)
     executor: str = "local"
     background_load: tuple[int, ...] = (0,)  # server engines: background requests per cell (a grid axis)
     repeats: int = 1  # server engines: every prompt is sent this many times per cell
-    server: dict = field(default_factory=dict)  # server engines' options (no secrets: the API key's env var name only)
 
     def __post_init__(self) -> None:
         if not self.suites:
@@ -99,19 +189,15 @@ class SweepConfig:
         for tp in self.tp:
             check_tp_size(tp)
         for bs in self.batch_sizes:
-            if bs < 1:
-                raise DetauditError(f"--batch-sizes {bs}: batch size must be >= 1")
+            if not 1 <= bs <= MAX_BATCH:
+                raise DetauditError(f"--batch-sizes {bs}: batch size must be between 1 and {MAX_BATCH}")
         if self.limit is not None and self.limit < 1:
             raise DetauditError(f"--limit must be >= 1 (got {self.limit})")
-        if self.dtype not in DTYPES:
-            raise DetauditError(f"--dtype {self.dtype}: must be one of {', '.join(DTYPES)}")
-        if not self.hang_timeout > 0:
-            raise DetauditError(f"--hang-timeout must be > 0 seconds (got {self.hang_timeout})")
-        if self.repeats < 1:
-            raise DetauditError(f"--repeats must be >= 1 (got {self.repeats})")
+        if not 1 <= self.repeats <= MAX_BATCH:
+            raise DetauditError(f"--repeats must be between 1 and {MAX_BATCH} (got {self.repeats})")
         for bg in self.background_load:
-            if bg < 0:
-                raise DetauditError(f"--background-load {bg}: must be >= 0")
+            if not 0 <= bg <= MAX_BATCH:
+                raise DetauditError(f"--background-load {bg}: must be between 0 and {MAX_BATCH}")
         if self.tp_mode not in TP_MODES:
             raise DetauditError(f"--tp-mode {self.tp_mode}: must be one of {', '.join(TP_MODES)}")
         for name, values in (
@@ -119,6 +205,7 @@ class SweepConfig:
             ("--tp", self.tp),
             ("--batch-sizes", self.batch_sizes),
             ("--suites", self.suites),
+            ("--background-load", self.background_load),
         ):
             if len(set(values)) != len(values):
                 raise DetauditError(f"{name} lists a value twice: {', '.join(map(str, values))}")
@@ -136,7 +223,12 @@ class SweepConfig:
         ]
 
     def to_dict(self) -> dict:
+        """The manifest's `config`: the engine settings flattened to the keys runs have always recorded
+        (`engine` is the engine's name)."""
         d = asdict(self)
+        engine = d.pop("engine")
+        d.update(engine=engine.pop("name"), **engine)
+        d["server"] = d["server"] or {}
         d["decoding"] = self.decoding.to_dict()
         return d
 

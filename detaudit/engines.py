@@ -2,21 +2,20 @@
 
 An engine turns token-id prompts into `Generation`s (`records.py`) and, where it can, scores fixed
 continuations (teacher forcing). The sweep, align and the executors open engines only through
-`open_engine(name, options)`; engines register here with what the orchestration must know about them
-(which TP modes they run, whether detaudit's own architecture check applies, what the batch axis
-means). A new engine (a server, a Ray-placed engine) registers here without touching the sweep.
+`open_engine(options)`; each engine registers here with what the orchestration must know about it
+(`EngineInfo`: its TP modes, its checks, its identity in the manifest, ...), so the driver and the
+executors never compare engine names. A new engine registers here without touching the sweep.
 
-Layer contract: this module sits above the engine packages (`engine/`, `vllm/`, `server/`), which it
-imports lazily inside the factories; they never import it.
+Layer contract: this module sits above the engine packages (`builtin/`, `vllm/`, `server/`), which it
+imports lazily inside the hooks; they never import it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from detaudit.config import DecodingParams
+from detaudit.config import DecodingParams, EngineOptions, SweepConfig
 from detaudit.errors import DetauditError
 from detaudit.records import Generation, ProgressFn
 from detaudit.vllm import MAX_MODEL_LEN as VLLM_MAX_MODEL_LEN
@@ -30,7 +29,12 @@ class Engine(Protocol):
         decoding: DecodingParams,
         batch_size: int,
         progress: ProgressFn | None = None,
-    ) -> list[Generation]: ...
+        *,
+        background: int = 0,
+        texts: Sequence[str] | None = None,
+    ) -> list[Generation]:
+        """`background` (requests kept in flight beside the audited ones) and `texts` (the prompts' user
+        messages, for a chat API) concern server engines; the others ignore them."""
 
     def score(
         self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], batch_size: int
@@ -42,35 +46,21 @@ class Engine(Protocol):
 
 
 @dataclass(frozen=True)
-class EngineOptions:
-    """What opening an engine for one (backend, TP) group needs."""
-
-    model_path: Path
-    backend: str
-    tp: int
-    tp_mode: str = "real"
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    eos_ids: tuple[int, ...] = ()
-    hang_timeout: float = 300.0
-    max_batch_size: int = 0
-    cuda_graphs: bool = True
-    extra: dict = field(default_factory=dict)  # engine-specific options
-
-
-@dataclass(frozen=True)
 class EngineInfo:
     name: str
     open: Callable[[EngineOptions], Engine]
     description: str
     tp_modes: tuple[str, ...] = ("real",)
-    checks_architecture: bool = False  # detaudit's own model code runs the checkpoint
+    checks_architecture: bool = False  # detaudit's own model code runs the checkpoint (its config is checked)
     requires: Callable[[], None] | None = None  # raises DetauditError naming the missing extra
     max_context: int | None = None  # the engine's own cap on prompt + generation (vLLM's max_model_len)
-    server: bool = False  # the batch axis is load (requests in flight); options come from `server.hooks`
-    identity: Callable[[EngineOptions], dict] | None = (
-        None  # the run identity of what it audits (replaces the local checksum)
-    )
+    server: bool = False  # the batch axis is load (requests in flight); --repeats, --background-load apply
+    check: Callable[[SweepConfig], None] | None = None  # refuses, before any work, what it cannot honour
+    defaults: dict[str, str] = field(default_factory=dict)  # CLI grid defaults of its own (--backends, --tp)
+    identity: Callable[[EngineOptions], dict] | None = None  # what it audits, replacing the local checksum
+    numerics: Callable[[str], dict] | None = None  # a backend's description, known before the engine opens
+    describes_per_cell: bool = False  # its facts depend on the cell's batch size and load (recorded per cell)
+    spans_nodes: bool = False  # on GPUs it can place its own TP ranks across a Ray cluster
 
 
 ENGINES: dict[str, EngineInfo] = {}
@@ -84,7 +74,7 @@ def register_engine(info: EngineInfo) -> EngineInfo:
 def get_engine(name: str) -> EngineInfo:
     info = ENGINES.get(name)
     if info is None:
-        raise DetauditError(f"unknown engine {name!r} (available: {', '.join(ENGINES)})")
+        raise DetauditError(f"unknown engine {str(name)[:40]!r} (available: {', '.join(ENGINES)})")
     if info.requires is not None:
         info.requires()
     return info
@@ -97,41 +87,31 @@ def check_tp_mode(info: EngineInfo, tp_mode: str) -> None:
         )
 
 
-def open_engine(name: str, options: EngineOptions) -> Engine:
-    info = get_engine(name)
+def open_engine(options: EngineOptions) -> Engine:
+    info = get_engine(options.settings.name)
     check_tp_mode(info, options.tp_mode)
     return info.open(options)
 
 
-def _open_builtin(o: EngineOptions) -> Engine:
-    from detaudit.engine import open_engine as open_builtin
+# ---- the registered engines (each hook imports its engine package lazily) --------------------------
 
-    return open_builtin(
-        o.model_path,
-        o.backend,
-        o.tp,
-        o.tp_mode,
-        dtype=o.dtype,
-        device=o.device,
-        eos_ids=o.eos_ids,
-        hang_timeout=o.hang_timeout,
-        cuda_graphs=o.cuda_graphs,
-    )
+
+def _open_builtin(o: EngineOptions) -> Engine:
+    from detaudit.builtin import start
+
+    return start(o)
+
+
+def _builtin_numerics(backend: str) -> dict:
+    from detaudit.backends import get_backend
+
+    return {"backend": get_backend(backend).describe()}
 
 
 def _open_vllm(o: EngineOptions) -> Engine:
     from detaudit.vllm import open_vllm
 
-    return open_vllm(
-        o.model_path,
-        o.backend,
-        o.tp,
-        dtype=o.dtype,
-        device=o.device,
-        eos_ids=o.eos_ids,
-        hang_timeout=o.hang_timeout,
-        max_batch_size=o.max_batch_size,
-    )
+    return open_vllm(o)
 
 
 def _require_vllm() -> None:
@@ -141,9 +121,9 @@ def _require_vllm() -> None:
 
 
 def _open_openai(o: EngineOptions) -> Engine:
-    from detaudit.server.client import OpenAIEngine, ServerOptions
+    from detaudit.server.client import OpenAIEngine
 
-    return OpenAIEngine(ServerOptions.from_extra(o.extra))
+    return OpenAIEngine.open(o)
 
 
 def _open_vllm_server(o: EngineOptions) -> Engine:
@@ -156,6 +136,18 @@ def _openai_identity(o: EngineOptions) -> dict:
     from detaudit.server.hooks import openai_identity
 
     return openai_identity(o)
+
+
+def _check_openai(cfg: SweepConfig) -> None:
+    from detaudit.server.hooks import check_openai
+
+    check_openai(cfg)
+
+
+def _check_vllm_server(cfg: SweepConfig) -> None:
+    from detaudit.server.hooks import check_started_server
+
+    check_started_server(cfg)
 
 
 def _require_httpx() -> None:
@@ -182,6 +174,7 @@ register_engine(
         "detaudit's own engine (every reduction through the backend)",
         tp_modes=("real", "emulated"),
         checks_architecture=True,
+        numerics=_builtin_numerics,
     )
 )
 register_engine(
@@ -191,16 +184,21 @@ register_engine(
         "vLLM's offline engine (LLM), one child process per (backend, TP)",
         requires=_require_vllm,
         max_context=VLLM_MAX_MODEL_LEN,
+        describes_per_cell=True,
+        spans_nodes=True,
     )
 )
 register_engine(
     EngineInfo(
         "openai",
         _open_openai,
-        "a running OpenAI-compatible server (--base-url); the batch axis is requests in flight",
+        "a running OpenAI-compatible server (vLLM, SGLang, ...; --base-url); the batch axis is requests in flight",
         requires=_require_httpx,
         server=True,
+        check=_check_openai,
+        defaults={"backends": "bf16", "tp": "1"},  # one deployment: its backend and TP are labels
         identity=_openai_identity,
+        describes_per_cell=True,
     )
 )
 register_engine(
@@ -210,5 +208,7 @@ register_engine(
         "vLLM's OpenAI server, started by detaudit per (backend, TP) on 127.0.0.1",
         requires=_require_vllm_server,
         server=True,
+        check=_check_vllm_server,
+        describes_per_cell=True,
     )
 )

@@ -4,10 +4,11 @@ and end-of-sequence ids, the suites and their prompts as chat-templated token id
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from detaudit.config import ModelRef
 from detaudit.errors import DetauditError
 from detaudit.models import eos_ids, tokenizer_for  # noqa: F401  (re-exported: what every workflow prepares)
 
@@ -21,6 +22,7 @@ class PromptSet:
     answers: list[str | None]
     checksum: str
     source: str
+    texts: list[str] = field(default_factory=list)  # the user messages, before the chat template
     ungraded: tuple[str, ...] = ()
     ignored_keys: tuple[str, ...] = ()
 
@@ -53,13 +55,14 @@ def tokenize(suite, tokenizer) -> PromptSet:
         answers=[p.answer for p in suite.prompts],
         checksum=suite.checksum,
         source=suite.source,
+        texts=[p.text for p in suite.prompts],
         ungraded=tuple(getattr(suite, "ungraded", ()) or ()),
         ignored_keys=tuple(getattr(suite, "ignored_keys", ()) or ()),
     )
 
 
 def check_model(
-    model_path: Path,
+    model: ModelRef,
     tps: Sequence[int],
     own_architecture: bool,
     prompts: Sequence[PromptSet] = (),
@@ -73,14 +76,14 @@ def check_model(
     from detaudit.prompt_limits import check_prompt_lengths, model_context_len
 
     if prompts:
-        context = model_context_len(model_path, cap=context_cap)
+        context = model_context_len(model, cap=context_cap)
         for ps in prompts:
             check_prompt_lengths(ps.suite, ps.ids, ps.token_ids, max_new_tokens, context)
     if not own_architecture:
         return
-    from detaudit.engine.model import ModelConfig
+    from detaudit.builtin.arch import ModelConfig
 
-    mcfg = ModelConfig.from_dir(model_path)
+    mcfg = ModelConfig.of(model)
     for tp in tps:
         mcfg.check_tp(tp)
     if prompts:

@@ -223,28 +223,34 @@ class Manifest:
 
 
 def _config(c: dict, where: str) -> dict:
-    """Every SweepConfig field present is checked against its declared type (lists for tuples; a
-    null list reads as empty); keys of other versions are kept as they are."""
+    """Every recorded SweepConfig field present is checked against its declared type (lists for tuples;
+    a null list reads as empty; the engine settings flattened as `SweepConfig.to_dict` writes them);
+    keys of other versions are kept as they are."""
+    import dataclasses
     import typing
 
-    from detaudit.config import SweepConfig
+    from detaudit.config import EngineSettings, SweepConfig
 
     w = f"{where}: config"
     c = dict(c)
-    hints = typing.get_type_hints(SweepConfig)
-    for f in fields(SweepConfig):
-        t = hints[f.name]
+    hints = {k: v for k, v in typing.get_type_hints(SweepConfig).items() if k != "engine"}
+    hints.update((k, v) for k, v in typing.get_type_hints(EngineSettings).items() if k != "name")
+    hints["engine"] = str
+    for name, t in hints.items():
+        args = [a for a in typing.get_args(t) if a is not type(None)]
         if typing.get_origin(t) is tuple:
-            if f.name in c:
-                c[f.name] = _list_of(c, f.name, typing.get_args(t)[0], w)
+            if name in c:
+                c[name] = _list_of(c, name, typing.get_args(t)[0], w)
         elif t is float:
-            _get(c, f.name, (int, float), w)
+            _get(c, name, (int, float), w)
         elif t in (str, bool, int, dict):
-            _get(c, f.name, t, w)
-        elif typing.get_args(t) and type(None) in typing.get_args(t):  # X | None
-            _get(c, f.name, tuple(a for a in typing.get_args(t) if a is not type(None)), w)
-        else:  # nested dataclasses (decoding) are stored as mappings
-            _get(c, f.name, dict, w)
+            _get(c, name, t, w)
+        elif dataclasses.is_dataclass(t) or any(dataclasses.is_dataclass(a) for a in args):
+            _get(c, name, dict, w)  # nested dataclasses (decoding, server) are stored as mappings
+        elif args:  # X | None
+            _get(c, name, tuple(args), w)
+        else:
+            _get(c, name, dict, w)
     shard = _get(c, "shard", list, w)
     if shard is not None and (
         len(shard) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)

@@ -4,7 +4,7 @@
 hub id (`org/name`, optionally `@revision`) resolved with `huggingface_hub.snapshot_download`: the local
 cache first (`HF_HUB_CACHE` / `HF_HOME`), then the hub unless `HF_HUB_OFFLINE=1` (a hub that cannot be
 reached falls back to the cache); only config, tokenizer and safetensors files are fetched. Which
-architectures the built-in engine runs is not decided here (`detaudit.engine.model.ModelConfig.from_dir`
+architectures the built-in engine runs is not decided here (`detaudit.builtin.arch.ModelConfig.of`
 does, and `--engine vllm` leaves it to vLLM).
 
 The embedded default, `smollm2-135m`, is SmolLM2-135M-Instruct shipped as a GGUF inside the PyPI
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from detaudit import synthetic
+from detaudit.config import ModelRef
 from detaudit.errors import DetauditError
 from detaudit.paths import models_dir
 
@@ -56,14 +57,6 @@ NAMED = {
         heads=(24, 8),
     ),
 }
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    name: str
-    path: Path
-    architecture: str
-    checksum: str  # sha256 over the per-file sha256s
 
 
 # ------------------------------------------------------------------ checksums
@@ -108,18 +101,25 @@ def list_models() -> list[dict]:
     return rows
 
 
-def _architecture(path: Path) -> str:
-    """The checkpoint's declared architecture (recorded, not checked: see the module docstring)."""
+def read_config(path: Path) -> dict:
+    """A checkpoint's config.json: the one place it is read (`ModelRef.config` carries it on)."""
     try:
         cfg = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DetauditError(f"{path}: cannot read config.json ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise DetauditError(f"{path}: cannot read config.json ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(cfg, dict):
         raise DetauditError(f"{path}: config.json is not a JSON object")
+    return cfg
+
+
+def _ref(spec: str, name: str, path: Path, checksum) -> ModelRef:
+    """The resolved model, its config read once; `checksum` is called after the config check (a
+    directory that is no checkpoint fails before its files are hashed)."""
+    cfg = read_config(path)
     arch = (cfg.get("architectures") or [cfg.get("model_type") or "?"])[0]
     if not any(path.glob("*.safetensors")) and not synthetic.is_synthetic(path):
         raise DetauditError(f"{path}: no *.safetensors weights (save the checkpoint with safe_serialization)")
-    return str(arch)
+    return ModelRef(name, path, str(arch), checksum(), cfg, spec)
 
 
 def checkpoint_checksum(path: Path) -> str:
@@ -162,10 +162,10 @@ def resolve_model(spec: str, auto_prepare: bool = False, console=None) -> ModelR
             if not auto_prepare:
                 raise DetauditError(f"model {spec} is not prepared; run `detaudit models prepare {spec}`")
             path = prepare(spec, console=console)
-        return ModelRef(spec, path, _architecture(path), verify(path))
+        return _ref(spec, spec, path, lambda: verify(path))
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").exists():
-        return ModelRef(path.name, path.resolve(), _architecture(path), checkpoint_checksum(path))
+        return _ref(spec, path.name, path.resolve(), lambda: checkpoint_checksum(path))
     if path.exists():
         raise DetauditError(f"{spec}: not a Hugging Face checkpoint directory (no config.json)")
     unknown = (
@@ -174,7 +174,7 @@ def resolve_model(spec: str, auto_prepare: bool = False, console=None) -> ModelR
     if not _HUB_ID.fullmatch(spec):
         raise DetauditError(f"{unknown}, and not a Hugging Face hub id")
     snapshot = hub_snapshot(spec, unknown)
-    return ModelRef(spec, snapshot, _architecture(snapshot), checkpoint_checksum(snapshot))
+    return _ref(spec, spec, snapshot, lambda: checkpoint_checksum(snapshot))
 
 
 def hf_cache_dir() -> Path:
@@ -427,16 +427,25 @@ def tokenizer_for(model_path: Path):
         ) from None
 
 
-def eos_ids(model_path: Path, tokenizer) -> list[int]:
+def eos_ids(model: ModelRef, tokenizer) -> list[int]:
+    """The ids that end a generation: generation_config.json's and config.json's `eos_token_id` (one id
+    or a list) and the tokenizer's."""
+    found = [model.config.get("eos_token_id")]
+    gen = model.path / "generation_config.json"
+    if gen.exists():
+        try:
+            gen_cfg = json.loads(gen.read_text())
+        except (OSError, ValueError, RecursionError):
+            raise DetauditError(f"{gen} is not valid JSON") from None
+        found.append(gen_cfg.get("eos_token_id") if isinstance(gen_cfg, dict) else None)
     ids: set[int] = set()
-    for fname in ("generation_config.json", "config.json"):
-        f = Path(model_path) / fname
-        if f.exists():
-            try:
-                v = json.loads(f.read_text()).get("eos_token_id")
-            except (ValueError, AttributeError):
-                raise DetauditError(f"{f} is not valid JSON") from None
-            ids.update(v if isinstance(v, list) else [v] if v is not None else [])
+    for v in found:
+        for i in v if isinstance(v, list) else [v]:
+            if i is None:
+                continue
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**31:
+                raise DetauditError(f"{model.path}: eos_token_id {str(i)[:40]!r} is not a token id")
+            ids.add(i)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(int(i) for i in ids)

@@ -1,4 +1,4 @@
-"""Prompts that do not fit the model's context are refused before any model work (issue 24, defect 8).
+"""Prompts that do not fit the model's context are refused before any model work.
 
 A prompt of P tokens generating up to N new tokens needs P + N positions; past the model's context
 (`max_position_embeddings`, or vLLM's `max_model_len` when that is smaller) the positions are
@@ -9,28 +9,23 @@ for): the sweep stops with one line naming the suite, the row and the lengths, a
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Sequence
 
+from detaudit.config import ModelRef
 from detaudit.errors import DetauditError
 
 
-def model_context_len(model_path: Path | str, cap: int | None = None) -> int:
-    """The number of positions the checkpoint supports (`max_position_embeddings` of its config.json,
-    or of its `text_config`), capped at `cap` (vLLM's `max_model_len`) when given."""
-    path = Path(model_path) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise DetauditError(f"{path}: cannot read the model config ({type(e).__name__}: {e})") from None
-    if not isinstance(cfg, dict):
-        raise DetauditError(f"{path}: the model config is not a JSON object")
+def model_context_len(model: ModelRef, cap: int | None = None) -> int:
+    """The number of positions the checkpoint supports (`max_position_embeddings` of its config, or of
+    its `text_config`), capped at `cap` (vLLM's `max_model_len`) when given."""
+    cfg = model.config
     n = cfg.get("max_position_embeddings")
     if n is None and isinstance(cfg.get("text_config"), dict):
         n = cfg["text_config"].get("max_position_embeddings")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise DetauditError(f"{path}: max_position_embeddings must be a positive integer (got {n!r})")
+        raise DetauditError(
+            f"{model.path}/config.json: max_position_embeddings must be a positive integer (got {str(n)[:40]!r})"
+        )
     return min(n, cap) if cap else n
 
 

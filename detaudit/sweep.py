@@ -16,11 +16,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from detaudit import fingerprint
-from detaudit.backends import get_backend
-from detaudit.config import Cell, SweepConfig
-from detaudit.engines import EngineOptions, check_tp_mode, get_engine
+from detaudit.config import Cell, EngineOptions, ModelRef, SweepConfig
+from detaudit.engines import EngineInfo, check_tp_mode, get_engine
 from detaudit.errors import DetauditError
-from detaudit.executors import CellJob, CellOutput, Group, get_executor
+from detaudit.executors import CellGroup, CellJob, CellOutput, get_executor
 from detaudit.inputs import PromptSet, check_model, eos_ids, load_suites, tokenize, tokenizer_for
 from detaudit.manifest import CellMeta, Manifest, numerics_conflicts
 from detaudit.progress import CellProgress
@@ -37,7 +36,7 @@ class SweepResult:
 
 
 def validate_devices(cfg: SweepConfig) -> None:
-    if cfg.device.startswith("cuda") and cfg.executor == "local":  # on Ray the cluster's nodes hold the GPUs
+    if cfg.engine.cuda and cfg.executor == "local":  # on Ray the cluster's nodes hold the GPUs
         import torch
 
         n = torch.cuda.device_count()
@@ -50,15 +49,25 @@ def validate_devices(cfg: SweepConfig) -> None:
             )
 
 
-def validate(cfg: SweepConfig) -> None:
+def validate(cfg: SweepConfig) -> EngineInfo:
+    """Everything about the grid that can be refused before any work; the engine's registry entry."""
     from detaudit.backends import available
 
     known = available()
     for b in cfg.backends:
         if b not in known:
-            raise DetauditError(f"unknown backend {b!r}; known backends: {', '.join(known)}")
-    check_tp_mode(get_engine(cfg.engine), cfg.tp_mode)
+            raise DetauditError(f"unknown backend {b[:40]!r}; known backends: {', '.join(known)}")
+    info = get_engine(cfg.engine.name)
+    check_tp_mode(info, cfg.tp_mode)
+    if not info.server and (cfg.repeats != 1 or any(cfg.background_load) or cfg.engine.server):
+        raise DetauditError(
+            f"--repeats, --background-load and the server options (--base-url, --api, ...) apply to server "
+            f"engines (openai, vllm-server), not --engine {info.name}"
+        )
+    if info.check is not None:
+        info.check(cfg)
     validate_devices(cfg)
+    return info
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -99,12 +108,12 @@ def build_manifest(
         "suites": {s: p.checksum for s, p in prompts.items()},
         "prompt_hashes": {s: p.digest() for s, p in prompts.items()},
         "decoding": cfg.decoding.to_dict(),
-        "dtype": cfg.dtype,
+        "dtype": cfg.engine.dtype,
         "limit": cfg.limit,
-        "engine": cfg.engine,
+        "engine": cfg.engine.name,
     }
-    if cfg.device.startswith("cuda"):  # graphs change bf16's attention shapes (not bio's bits)
-        identity["cuda_graphs"] = cfg.cuda_graphs
+    if cfg.engine.cuda:  # graphs change bf16's attention shapes (not bio's bits)
+        identity["cuda_graphs"] = cfg.engine.cuda_graphs
     return Manifest(
         command=command,
         config={**cfg.to_dict(), "shard": list(shard) if shard else None},
@@ -136,7 +145,7 @@ def build_manifest(
                 c.batch_size,
                 c.suite,
                 tp_mode=cfg.tp_mode_of(c.tp),
-                engine=cfg.engine,
+                engine=cfg.engine.name,
                 prompts=len(prompts[c.suite].ids),
             )
             for c in cells
@@ -152,9 +161,9 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
     model = resolve_model(cfg.model, auto_prepare=True, console=console)
     tokenizer = tokenizer_for(model.path)
     prompts = {s.name: tokenize(s, tokenizer) for s in suites}
-    info = get_engine(cfg.engine)
+    info = get_engine(cfg.engine.name)
     check_model(
-        model.path,
+        model,
         cfg.tp,
         info.checks_architecture,
         list(prompts.values()),
@@ -187,10 +196,9 @@ def run_sweep(
     executor_options: dict | None = None,
 ) -> SweepResult:
     console = console or Console(stderr=True)
-    validate(cfg)
+    info = validate(cfg)
     executor = get_executor(cfg.executor, **(executor_options or {}))  # a missing extra fails before any work
     suites, model, tokenizer, prompts = prepare(cfg, data_dir, console)
-    extra = _server_extra(cfg, model, tokenizer, suites, prompts, output_path)  # {} unless a server engine
     cfg = replace(cfg, suites=tuple(prompts))  # YAML paths -> task names: cells are named by the task
     env = fingerprint.collect()
     run = RunDir(output_path)
@@ -199,20 +207,17 @@ def run_sweep(
         cells = shard_cells(cfg, shard)
         manifest = build_manifest(cfg, model, prompts, env, command, cells, shard)
         manifest.executor = executor.describe()
-        _server_identity(cfg, manifest, model, extra)
+        _engine_identity(info, cfg, manifest, model)
         done = set(run.init_or_check(manifest))
         result.skipped = [c.id for c in cells if c.id in done]
         todo = [c for c in cells if c.id not in done]
         if result.skipped:
             console.print(f"[dim]{len(result.skipped)} completed cell(s) found in {run.path}; skipping them[/]")
-        if cfg.engine == "builtin":  # its description is the backend's: known before any engine opens
-            check_numerics(
-                run,
-                {f"{b}@tp{tp}": {"backend": get_backend(b).describe()} for b, tp in {(c.backend, c.tp) for c in todo}},
-            )
-        eos = tuple(eos_ids(model.path, tokenizer))
+        if info.numerics is not None:  # numerics known before any engine opens: refuse a mixed run early
+            check_numerics(run, {f"{b}@tp{tp}": info.numerics(b) for b, tp in {(c.backend, c.tp) for c in todo}})
+        eos = tuple(eos_ids(model, tokenizer))
         groups = [
-            _group(cfg, model.path, eos, prompts, backend, tp, list(g), extra)
+            _group(cfg, model, eos, prompts, backend, tp, list(g), run.path / "logs")
             for (backend, tp), g in groupby(todo, key=lambda c: (c.backend, c.tp))
         ]
         by_id = {c.id: c for c in cells}
@@ -224,17 +229,8 @@ def run_sweep(
         ) as progress:
 
             def on_output(out: CellOutput) -> None:
-                _record(
-                    cfg,
-                    run,
-                    model,
-                    tokenizer,
-                    prompts[by_id[out.cell_id].suite],
-                    by_id[out.cell_id],
-                    out,
-                    result,
-                    progress,
-                )
+                cell = by_id[out.cell_id]
+                _record(info, run, model, tokenizer, prompts[cell.suite], cfg, cell, out, result, progress)
 
             executor.run(groups, lambda ref_id: _reference_outputs(run, ref_id), on_output, progress.event)
     return result
@@ -242,26 +238,24 @@ def run_sweep(
 
 def _group(
     cfg: SweepConfig,
-    model_path: Path,
+    model: ModelRef,
     eos: tuple[int, ...],
     prompts: dict[str, PromptSet],
     backend: str,
     tp: int,
     cells: list[Cell],
-    extra: dict | None = None,
-) -> Group:
+    log_dir: Path,
+) -> CellGroup:
     options = EngineOptions(
-        model_path=model_path,
+        settings=cfg.engine,
+        model=model,
         backend=backend,
         tp=tp,
-        tp_mode=cfg.tp_mode,
-        dtype=cfg.dtype,
-        device=cfg.device,
+        tp_mode=cfg.tp_mode_of(tp),
         eos_ids=eos,
-        hang_timeout=cfg.hang_timeout,
         max_batch_size=max(c.batch_size for c in cells),
-        cuda_graphs=cfg.cuda_graphs,
-        extra=dict(extra or {}),
+        max_background=max(cfg.background_load),
+        log_dir=log_dir,
     )
     r = cfg.repeats  # server engines: every prompt sent r times (rows: repeat-major)
     jobs = [
@@ -271,19 +265,21 @@ def _group(
             prompts[c.suite].ids * r,
             prompts[c.suite].token_ids * r,
             cfg.reference(c).id,
-            load={"background": c.background} if c.background else {},
+            texts=prompts[c.suite].texts * r,
+            background=c.background,
         )
         for c in cells
     ]
-    return Group(cfg.engine, options, cfg.decoding, jobs)
+    return CellGroup(options, cfg.decoding, jobs)
 
 
 def _record(
-    cfg: SweepConfig,
+    info: EngineInfo,
     run: RunDir,
     model,
     tokenizer,
     ps: PromptSet,
+    cfg: SweepConfig,
     cell: Cell,
     out: CellOutput,
     result: SweepResult,
@@ -297,7 +293,7 @@ def _record(
         return
     check_numerics(run, {f"{cell.backend}@tp{cell.tp}": out.describe})  # (any engine: before the cell is written)
     run.manifest.backends[f"{cell.backend}@tp{cell.tp}"] = out.describe
-    if cfg.engine != "builtin":  # vLLM: knobs of the engine that ran this batch size (servers: and load)
+    if info.describes_per_cell:  # vLLM: knobs of the engine that ran this batch size (servers: and load)
         bg = f"@bg{cell.background}" if cell.background else ""
         run.manifest.backends[f"{cell.backend}@tp{cell.tp}@bs{cell.batch_size}{bg}"] = out.describe
     rows = _rows(cfg, cell, model, tokenizer, ps, out)
@@ -322,36 +318,12 @@ def check_numerics(run: RunDir, describes: dict[str, dict]) -> None:
         )
 
 
-def _server_extra(
-    cfg: SweepConfig, model, tokenizer, suites: list, prompts: dict[str, PromptSet], output_path: Path
-) -> dict:
-    """Server engines' `EngineOptions.extra` (`detaudit.server.hooks`); other engines refuse load options."""
-    info = get_engine(cfg.engine)
-    if not info.server:
-        if cfg.repeats != 1 or any(cfg.background_load) or cfg.server.get("base_url"):
-            raise DetauditError(
-                f"--repeats, --background-load and --base-url apply to server engines (openai, "
-                f"vllm-server), not --engine {cfg.engine}"
-            )
-        return {}
-    from detaudit.server.hooks import check_config, engine_extra
-
-    check_config(cfg)
-    texts = {}  # --api chat sends the user message, found by the prompt's token-id hash
-    if cfg.server.get("api") == "chat":
-        texts = {h: p.text for s in suites for h, p in zip(prompts[s.name].hashes, s.prompts)}
-    return engine_extra(
-        cfg.server, cfg.model, model, tokenizer, texts, Path(output_path) / "logs", max(cfg.background_load)
-    )
-
-
-def _server_identity(cfg: SweepConfig, manifest: Manifest, model, extra: dict) -> None:
-    """A running server is identified by its model id and URL, not a local checksum; load options that
-    change what a cell holds (repeats) join the identity."""
-    info = get_engine(cfg.engine)
+def _engine_identity(info: EngineInfo, cfg: SweepConfig, manifest: Manifest, model: ModelRef) -> None:
+    """An engine that audits something other than the local checkpoint (a running server) identifies it
+    its own way; load options that change what a cell holds (repeats) join the identity."""
     if info.identity is not None:
         manifest.identity.pop("model_checksum", None)
-        manifest.identity.update(info.identity(EngineOptions(model_path=model.path, backend="", tp=1, extra=extra)))
+        manifest.identity.update(info.identity(EngineOptions(settings=cfg.engine, model=model, backend="")))
     if info.server and cfg.repeats > 1:
         manifest.identity["repeats"] = cfg.repeats
 
@@ -385,7 +357,7 @@ def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: Ce
                 "tp": cell.tp,
                 "batch_size": cell.batch_size,
                 "tp_mode": cfg.tp_mode_of(cell.tp),
-                "engine": cfg.engine,
+                "engine": cfg.engine.name,
                 "prompt_index": i,
                 "prompt_id": ps.ids[i],
                 "prompt_hash": ps.hashes[i],

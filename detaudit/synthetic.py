@@ -118,10 +118,10 @@ def _shape(cfg: dict, name: str) -> tuple[int, ...]:
 class RandomWeights:
     """The `ShardLoader` interface over seeded random weights (see the module docstring)."""
 
-    def __init__(self, path: Path, ctx, device: torch.device) -> None:
+    def __init__(self, path: Path, config: dict, ctx, device: torch.device) -> None:
         self.path = Path(path)
         self.ctx, self.device = ctx, device
-        self.cfg = json.loads((self.path / "config.json").read_text())
+        self.cfg = config
         spec = json.loads((self.path / MANIFEST).read_text())["synthetic"]
         self.seed, self.std = int(spec["seed"]), float(spec["std"])
 
@@ -141,6 +141,12 @@ class RandomWeights:
 
     def full(self, name: str) -> Tensor:
         return self._make(name)
+
+    def skip(self, name: str) -> None:
+        """(Nothing is stored: every parameter is made when it is asked for.)"""
+
+    def unused(self) -> list[str]:
+        return []
 
     def shards(self, name: str, dim: int) -> list[Tensor]:
         full = self._make(name)

@@ -17,3 +17,39 @@ def one_line_error(result, message: str, code: int = 2) -> None:
     assert message in result.output, result.output
     assert "Traceback" not in result.output
     assert len([line for line in result.output.splitlines() if line.strip()]) <= 2, result.output
+
+
+def engine_options(
+    model,
+    backend: str,
+    tp: int = 1,
+    tp_mode: str = "real",
+    *,
+    engine: str = "builtin",
+    eos_ids=(),
+    max_batch_size: int = 0,
+    **settings,
+):
+    """`EngineOptions` for a test: `model` a ModelRef (a fixture's) or a checkpoint directory; `settings`
+    the `EngineSettings` fields (dtype, device, cuda_graphs, hang_timeout)."""
+    from detaudit.config import EngineOptions, EngineSettings, ModelRef
+    from detaudit.models import resolve_model
+
+    ref = model if isinstance(model, ModelRef) else resolve_model(str(model))
+    return EngineOptions(
+        EngineSettings(name=engine, **settings), ref, backend, tp, tp_mode, tuple(eos_ids), max_batch_size
+    )
+
+
+def local_engine(model, backend: str, tp: int = 1, *, emulated: bool = False, **kw):
+    """The built-in engine in this process (TP 1, or emulated TP)."""
+    from detaudit.builtin.local import LocalEngine
+
+    return LocalEngine(engine_options(model, backend, tp, "emulated" if emulated else "real", **kw))
+
+
+def builtin_engine(model, backend: str, tp: int = 1, tp_mode: str = "real", **kw):
+    """The built-in engine as the sweep opens it (worker processes for real TP > 1)."""
+    from detaudit.builtin import start
+
+    return start(engine_options(model, backend, tp, tp_mode, **kw))

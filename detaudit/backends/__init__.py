@@ -8,7 +8,7 @@ import os
 from importlib import metadata
 from typing import Callable
 
-from detaudit.backends.base import Backend, Group
+from detaudit.backends.base import Backend, ProcessGroup
 from detaudit.errors import DetauditError
 
 BACKENDS: dict[str, Callable[[], Backend]] = {}
@@ -57,4 +57,4 @@ def get_backend(name: str) -> Backend:
     return BACKENDS[name]()
 
 
-__all__ = ["Backend", "Group", "BACKENDS", "register_backend", "get_backend", "available"]
+__all__ = ["Backend", "ProcessGroup", "BACKENDS", "register_backend", "get_backend", "available"]

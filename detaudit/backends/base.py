@@ -10,7 +10,9 @@ Shapes and conventions:
   x[..., K/C], w[N, K/C]; `name` is the layer's name, for error messages. The dtype of the partial is the
   backend's choice (tbik keeps fp32).
 - `combine(partials, dtype)`: the fixed-order reduction of all C partials, given in rank order.
-  Used by emulated TP directly and, after an all-gather, by the default `all_reduce`.
+  Used by emulated TP directly and, after an all-gather, by the default `all_reduce`. The combine of
+  one partial must be the partial cast to `dtype`, bit for bit: the engine leaves that cast to the
+  residual add at TP 1.
 - `all_reduce(partial, group, dtype)`: the single TP seam in real TP mode.
 - `attention(q, k, v, q_pos, scale, window=None)`: q[B, Hq, T, D]; k, v[B, Hkv, L, D] are the KV cache, already
   holding the new tokens; q_pos[B, T] are the queries' absolute positions; key j is visible to a query
@@ -29,8 +31,8 @@ from torch import Tensor
 
 
 @runtime_checkable
-class Group(Protocol):
-    """A TP process group. Implementations live in detaudit.engine.dist (the only place that talks
+class ProcessGroup(Protocol):
+    """A TP process group. Implementations live in detaudit.builtin.dist (the only place that talks
     to torch.distributed)."""
 
     rank: int
@@ -49,12 +51,11 @@ class Backend(Protocol):
     def linear(self, x: Tensor, weight: Tensor) -> Tensor: ...
     def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor: ...
     def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor: ...
-    def all_reduce(self, partial: Tensor, group: Group, dtype: torch.dtype) -> Tensor: ...
+    def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor: ...
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
-    # optional flags: `FUSED_RMS_NORM = True` where `rms_norm` on GPU is `kernels.fused.rms_norm` (the
-    # engine then adds the residual inside that kernel and norms Qwen3's q / k heads inside its rotary
-    # kernel, with those bits); `ONE_PARTIAL_IS_A_CAST = True` where `combine([p], dtype)` is
-    # `p.to(dtype)` bitwise (the engine then hands a TP-1 partial to the fused add, which rounds it)
+    # optional flag: `FUSED_ROW_OPS = True` where `rms_norm` on GPU is `kernels.fused.rms_norm`: the
+    # engine's GPU fast path (`builtin.ops.FusedOps`) then adds the residual inside that kernel and norms
+    # Qwen3's q / k heads inside its rotary kernel, with those bits
     def attention(
         self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None
     ) -> Tensor: ...

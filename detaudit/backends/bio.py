@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from detaudit.backends import register_backend
-from detaudit.backends.base import Group, TorchFlags, library_versions, sequential_sum
+from detaudit.backends.base import ProcessGroup, TorchFlags, library_versions, sequential_sum
 from detaudit.backends.kernels import fixed, fused, triton_mm
 
 SPLIT = 64  # keys per attention chunk
@@ -28,8 +28,7 @@ SPLIT = 64  # keys per attention chunk
 @register_backend("bio")
 class BioBackend:
     name = "bio"
-    ONE_PARTIAL_IS_A_CAST = True  # combine([p], dtype) is p cast to dtype (see backends/base.py)
-    FUSED_RMS_NORM = True  # rms_norm on GPU is kernels.fused.rms_norm
+    FUSED_ROW_OPS = True  # rms_norm on GPU is kernels.fused.rms_norm (see backends/base.py)
 
     def __init__(self) -> None:
         self._flags = TorchFlags()
@@ -48,7 +47,7 @@ class BioBackend:
             return partials[0].float().to(dtype)
         return sequential_sum([p.float() for p in partials], dtype)
 
-    def all_reduce(self, partial: Tensor, group: Group, dtype: torch.dtype) -> Tensor:
+    def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor:
         return self.combine(group.all_gather(partial.float().contiguous()), dtype)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -12,15 +12,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from detaudit.backends import register_backend
-from detaudit.backends.base import Group, TorchFlags, library_versions, sequential_sum
+from detaudit.backends.base import ProcessGroup, TorchFlags, library_versions, sequential_sum
 from detaudit.backends.kernels import fused
 
 
 @register_backend("bf16", "native")
 class NativeBackend:
     name = "bf16"
-    ONE_PARTIAL_IS_A_CAST = True  # combine([p], dtype) is p cast to dtype (see backends/base.py)
-    FUSED_RMS_NORM = True  # rms_norm on GPU is kernels.fused.rms_norm
+    FUSED_ROW_OPS = True  # rms_norm on GPU is kernels.fused.rms_norm (see backends/base.py)
 
     def __init__(self) -> None:
         self._flags = TorchFlags()
@@ -30,8 +29,8 @@ class NativeBackend:
         """`F.linear(x, weight)` without a bias. For a 2-D CUDA input, the `torch.mm(x, weight.t())` it
         runs there (the same call, so the same cuBLAS problem and bits), with the transposed view made
         once per weight: eager decode is host-bound, and F.linear's extra dispatch layer and the
-        per-call view cost about 5 of its 18-21 us per call on the GPU machines' hosts
-        (reports/gpu/eager-host-cost-h100.md, fifth pass). The entry holds the weight itself, so its id
+        per-call view cost about 5 of its 18-21 us per call on the GPU machines' hosts. The entry holds
+        the weight itself, so its id
         cannot be reused while it is kept; the cache lives as long as this backend (one engine)."""
         if x.dim() != 2 or not x.is_cuda:
             return F.linear(x, weight)
@@ -56,7 +55,7 @@ class NativeBackend:
             return partials[0].to(dtype)
         return sequential_sum(partials, dtype)
 
-    def all_reduce(self, partial: Tensor, group: Group, dtype: torch.dtype) -> Tensor:
+    def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor:
         return group.all_reduce_sum(partial).to(dtype)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -95,8 +94,8 @@ class NativeBackend:
             if q.is_cuda:
                 # on GPU the additive form (0 / -inf in the model dtype), built once per step: SDPA's call
                 # costs half the host time with it (35 vs 70 us on the H100 host, where the boolean mask is
-                # converted on every call; reports/gpu/eager-host-cost-h100.md); a choice of bf16's, not an
-                # invariant (it gives other bits than the boolean form at some shapes)
+                # converted on every call); a choice of bf16's, not an invariant (it gives other bits than
+                # the boolean form at some shapes)
                 mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
             if plan is not None:
                 plan["mask"] = mask
@@ -122,7 +121,7 @@ class NativeBackend:
 
 def sdpa_backends() -> str:
     """Which CUDA attention kernels PyTorch may pick for SDPA: on an H100 the default pick for decode
-    shapes was not run-to-run deterministic (reports/gpu/bf16-run-to-run-h100.md), math-only was."""
+    shapes was not run-to-run deterministic, math-only was."""
     b = torch.backends.cuda
     flags = {
         "flash": b.flash_sdp_enabled(),

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from detaudit.backends import register_backend
-from detaudit.backends.base import Group
+from detaudit.backends.base import ProcessGroup
 from detaudit.backends.bio import BioBackend
 from detaudit.backends.kernels import tree
 from detaudit.errors import DetauditError
@@ -43,7 +43,7 @@ class TbikBackend(BioBackend):
     def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
         return tree.tree_sum([p.float() for p in partials]).to(dtype)
 
-    def all_reduce(self, partial: Tensor, group: Group, dtype: torch.dtype) -> Tensor:
+    def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor:
         partial = partial.float().contiguous()
         if self.allreduce == "gather":
             return self.combine(group.all_gather(partial), dtype)
@@ -53,7 +53,7 @@ class TbikBackend(BioBackend):
         return {**super().describe(), "backend": self.name, **tree.describe(), "tree_all_reduce_impl": self.allreduce}
 
 
-def tree_all_reduce_a2a(partial: Tensor, group: Group) -> Tensor:
+def tree_all_reduce_a2a(partial: Tensor, group: ProcessGroup) -> Tensor:
     """Reduce-scatter by all-to-all (rank i gets slice i of every subtree), tree sum of the slice,
     all-gather of the summed slices. Elementwise the same additions as the gather version."""
     c = group.size

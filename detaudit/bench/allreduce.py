@@ -16,7 +16,7 @@ SIZES = (32 * 1024, 2 * 1024 * 1024, 32 * 1024 * 1024)
 
 def _rank(rank: int, world: int, port: int, device: str, sizes, reps: int, out_path: str) -> None:
     from detaudit.backends.tbik import TbikBackend
-    from detaudit.engine import dist
+    from detaudit.builtin import dist
 
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
     if device == "cuda":
@@ -61,7 +61,7 @@ def _rank(rank: int, world: int, port: int, device: str, sizes, reps: int, out_p
 def bench_allreduce(
     world: int, device: str = "cuda", sizes=SIZES, reps: int = 20, tmp_dir: str = "/tmp"
 ) -> pd.DataFrame:
-    from detaudit.engine.dist import free_port
+    from detaudit.builtin.dist import free_port
 
     out_path = os.path.join(tmp_dir, f"detaudit-allreduce-{os.getpid()}.json")
     mp.spawn(_rank, args=(world, free_port(), device, tuple(sizes), reps, out_path), nprocs=world, join=True)

@@ -18,13 +18,12 @@ With `DETAUDIT_TP1_GROUP=1`, real TP 1 runs in a one-rank process group (NCCL on
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable, Sequence
 
 import pandas as pd
 import torch
 
-from detaudit.config import DecodingParams
+from detaudit.config import DecodingParams, EngineOptions, EngineSettings, ModelRef
 
 
 def _release(device: str) -> None:
@@ -42,7 +41,7 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[l
 
 
 def bench_e2e(
-    models: Sequence[tuple[str, Path]],
+    models: Sequence[ModelRef],
     backends: Sequence[str],
     tps: Sequence[int],
     batch_sizes: Sequence[int],
@@ -58,18 +57,19 @@ def bench_e2e(
     on the same device, one row each, plus `graphed_speedup` (eager ms per step over graphed)."""
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
-    from detaudit.engine import open_engine
-    from detaudit.engine.model import ModelConfig
+    from detaudit.builtin import start
+    from detaudit.builtin.arch import ModelConfig
 
     rows = []
     timed = DecodingParams(greedy=True, max_new_tokens=new_tokens)
     warm = DecodingParams(greedy=True, max_new_tokens=min(4, new_tokens))
     modes = (False, True) if cuda_graphs == "both" else (bool(cuda_graphs),)
-    for name, path in models:
-        vocab = ModelConfig.from_dir(path).vocab_size
+    for model in models:
+        name, vocab = model.name, ModelConfig.of(model).vocab_size
         for tp in tps:
             for backend, graphs in ((b, g) for b in backends for g in modes):
-                eng = open_engine(path, backend, tp, tp_mode, device=device, eos_ids=(), cuda_graphs=graphs)
+                settings = EngineSettings(device=device, cuda_graphs=graphs)
+                eng = start(EngineOptions(settings, model, backend, tp, tp_mode))
                 try:
                     for bs in batch_sizes:
                         prompts = random_prompts(bs, prompt_tokens, vocab)

@@ -4,12 +4,11 @@ on the same prompts, batch size, dtype and thread count."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pandas as pd
 import torch
 
-from detaudit.config import DecodingParams
+from detaudit.config import DecodingParams, EngineOptions, EngineSettings, ModelRef
 
 
 def time_generate(
@@ -29,7 +28,7 @@ def time_generate(
 
 
 def bench_engine(
-    model_path: Path,
+    model: ModelRef,
     prompts: list[list[int]],
     batch_size: int = 8,
     max_new_tokens: int = 32,
@@ -39,7 +38,7 @@ def bench_engine(
 ) -> pd.DataFrame:
     from transformers import AutoModelForCausalLM
 
-    from detaudit.engine.local import DTYPES, LocalEngine
+    from detaudit.builtin.local import LocalEngine
 
     prompts = prompts[:batch_size]
     ids = [str(i) for i in range(len(prompts))]
@@ -47,12 +46,12 @@ def bench_engine(
     decoding = DecodingParams(greedy=True, max_new_tokens=max_new_tokens)
     rows = []
     for backend in backends:
-        eng = LocalEngine(model_path, backend, 1, dtype=dtype, eos_ids=())
+        eng = LocalEngine(EngineOptions(EngineSettings(dtype=dtype), model, backend))
         _, best, gens = time_generate(eng, prompts, ids, decoding, batch_size, repeats)
         ntok = sum(len(g.token_ids) for g in gens)
         rows.append({"engine": f"detaudit ({backend})", "tokens": ntok, "seconds": best, "tokens_per_s": ntok / best})
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=DTYPES[dtype]).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=getattr(torch, dtype)).eval()
     width = max(len(p) for p in prompts)
     inp = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros_like(inp)

@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pandas as pd
 
-from detaudit.config import DecodingParams
+from detaudit.config import DecodingParams, EngineOptions, EngineSettings, ModelRef
 
 
 def bench_vllm(
-    model_path: Path,
+    model: ModelRef,
     prompts: list[list[int]],
     *,
     backends: tuple[str, ...],
@@ -25,7 +24,7 @@ def bench_vllm(
     progress=None,
 ) -> pd.DataFrame:
     from detaudit.bench.engine import time_generate
-    from detaudit.engines import EngineOptions, open_engine
+    from detaudit.engines import open_engine
 
     prompts = prompts[:batch_size]
     ids = [str(i) for i in range(len(prompts))]
@@ -34,9 +33,8 @@ def bench_vllm(
     for tp in tps:
         for backend in backends:
             t0 = time.perf_counter()
-            eng = open_engine(
-                "vllm", EngineOptions(model_path, backend, tp, dtype=dtype, device=device, max_batch_size=batch_size)
-            )
+            settings = EngineSettings(name="vllm", dtype=dtype, device=device)
+            eng = open_engine(EngineOptions(settings, model, backend, tp, max_batch_size=batch_size))
             open_s = time.perf_counter() - t0
             try:
                 warm_s, best, gens = time_generate(eng, prompts, ids, decoding, batch_size, repeats)

@@ -96,7 +96,7 @@ def bench_engine_cmd(
 
     ref, prompts = _bench_prompts(model, suite, data_dir)
     df = bench_engine(
-        ref.path,
+        ref,
         prompts,
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
@@ -134,7 +134,7 @@ def bench_vllm_cmd(
     with Progress(console=err) as prog:
         task = prog.add_task("vLLM engines", total=len(bl) * len(tps))
         df = bench_vllm(
-            ref.path,
+            ref,
             prompts,
             backends=bl,
             tps=tps,
@@ -182,7 +182,7 @@ def bench_e2e_cmd(
 ):
     """End to end: prefill and decode throughput of bf16, bio and bio+tbik, ratios to bf16 in the same run."""
     from detaudit.bench.e2e import bench_e2e
-    from detaudit.config import SweepConfig, parse_int_list, parse_str_list
+    from detaudit.config import EngineSettings, SweepConfig, parse_int_list, parse_str_list
     from detaudit.models import resolve_model
     from detaudit.sweep import validate_devices
 
@@ -193,14 +193,20 @@ def bench_e2e_cmd(
     tps, bss = parse_int_list(tp, "--tp"), parse_int_list(batch_sizes, "--batch-sizes")
     bl = parse_str_list(backends, "--backends")
     cfg = SweepConfig(
-        model="-", suites=("-",), backends=bl, tp=tps, batch_sizes=bss, tp_mode=tp_mode.value, device=device
+        model="-",
+        suites=("-",),
+        backends=bl,
+        tp=tps,
+        batch_sizes=bss,
+        tp_mode=tp_mode.value,
+        engine=EngineSettings(device=device),
     )
     validate_devices(cfg)  # TP sizes, batch sizes, modes and GPU count checked as a sweep's are
     refs = [resolve_model(m, auto_prepare=True, console=err) for m in parse_str_list(models, "--models")]
     with Progress(console=err) as prog:
         task = prog.add_task("e2e", total=len(refs) * len(tps) * len(bl) * len(bss) * (2 if compare_graphs else 1))
         df = bench_e2e(
-            [(r.name, r.path) for r in refs],
+            refs,
             bl,
             tps,
             bss,
@@ -230,7 +236,6 @@ def bench_kernels_cmd(
 
     from detaudit.bench.kernels import bench_kernels
     from detaudit.config import parse_int_list
-    from detaudit.engine.local import DTYPES
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise DetauditError("--device cuda: no CUDA device is visible (use --device cpu)")
@@ -242,7 +247,7 @@ def bench_kernels_cmd(
     ms = parse_int_list(m, "--m")
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("kernels", total=len(ms) * len(shapes))
-        df = bench_kernels(device, DTYPES[dtype.value], ms, shapes, progress=lambda: progress.advance(task))
+        df = bench_kernels(device, getattr(torch, dtype.value), ms, shapes, progress=lambda: progress.advance(task))
     _print_bench(df, f"kernels ({device}, {dtype.value})", json_, save)
 
 

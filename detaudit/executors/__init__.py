@@ -1,6 +1,6 @@
 """The executor seam: where a (engine, backend, TP) group of cells runs.
 
-The sweep hands an executor `Group`s; the executor opens the group's engine (through
+The sweep hands an executor `CellGroup`s; the executor opens the group's engine (through
 `detaudit.engines`), runs its cells in order and hands each finished cell back as a `CellOutput` to
 the driver's `on_output`, which alone writes the run directory. Executors: `local` (this machine: the
 engine's own worker processes) and `ray` (an actor per group on a Ray cluster; optional extra).
@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from detaudit.config import DecodingParams
-from detaudit.engines import EngineOptions
+from detaudit.config import DecodingParams, EngineOptions
 from detaudit.errors import DetauditError
 from detaudit.records import Generation
 
@@ -28,12 +27,12 @@ class CellJob:
     prompt_ids: list[str]
     token_ids: list[list[int]]
     reference_id: str  # the cell whose outputs this one scores (itself for a reference cell)
-    load: dict = field(default_factory=dict)  # server engines: {"background": N} (passed to generate as load=)
+    texts: list[str] = field(default_factory=list)  # the prompts' user messages (server engines' chat API)
+    background: int = 0  # server engines: background requests in flight while the cell runs
 
 
 @dataclass
-class Group:
-    engine: str
+class CellGroup:
     options: EngineOptions
     decoding: DecodingParams
     jobs: list[CellJob]
@@ -58,13 +57,13 @@ class CellOutput:
 
 ReferenceFn = Callable[[str], "list[list[int]] | None"]
 OutputFn = Callable[[CellOutput], None]
-ProgressFn = Callable[[str, str, int], None]  # (cell id, event "start" | "tokens" | "end", tokens)
+EventFn = Callable[[str, str, int], None]  # (cell id, event "start" | "engine" | "tokens" | "end", tokens)
 
 
 class Executor(Protocol):
     name: str
 
-    def run(self, groups: list[Group], reference: ReferenceFn, on_output: OutputFn, progress: ProgressFn) -> None: ...
+    def run(self, groups: list[CellGroup], reference: ReferenceFn, on_output: OutputFn, events: EventFn) -> None: ...
 
     def describe(self) -> dict: ...
 

@@ -7,22 +7,22 @@ import time
 
 from detaudit.engines import Engine, open_engine
 from detaudit.errors import CellFailed
-from detaudit.executors import CellJob, CellOutput, Group, OutputFn, ProgressFn, ReferenceFn
+from detaudit.executors import CellGroup, CellJob, CellOutput, EventFn, OutputFn, ReferenceFn
 
 
 def run_job(
-    engine: Engine, group: Group, job: CellJob, reference: ReferenceFn, progress: ProgressFn, load_s: float
+    engine: Engine, group: CellGroup, job: CellJob, reference: ReferenceFn, events: EventFn, load_s: float
 ) -> CellOutput:
     """Generate one cell, then score its reference's outputs (teacher forcing) where they exist."""
     t0 = time.monotonic()
-    load = {"load": job.load} if job.load else {}  # server engines: background requests during the cell
     gens = engine.generate(
         job.token_ids,
         job.prompt_ids,
         group.decoding,
         job.batch_size,
-        progress=lambda n: progress(job.cell_id, "tokens", n),
-        **load,
+        progress=lambda n: events(job.cell_id, "tokens", n),
+        background=job.background,
+        texts=job.texts,
     )
     gen_s = time.monotonic() - t0
     continuations = [g.token_ids for g in gens] if job.reference_id == job.cell_id else reference(job.reference_id)
@@ -39,7 +39,7 @@ def run_job(
         job.reference_id if scores is not None else None,
         timing,
         describe=engine.describe(),
-        emulated=bool(getattr(engine, "emulated", False)) and group.options.tp > 1,
+        emulated=group.options.emulated,
     )
 
 
@@ -47,19 +47,19 @@ class GroupEngine:
     """One group's engine: opened on its first cell, closed after a failed cell (the next cell reopens
     it). Both executors run cells through it: the local one here, the Ray one inside its actor."""
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: CellGroup) -> None:
         self.group = group
         self.engine: Engine | None = None
 
-    def run(self, job: CellJob, reference: ReferenceFn, progress: ProgressFn) -> CellOutput:
+    def run(self, job: CellJob, reference: ReferenceFn, events: EventFn) -> CellOutput:
         load_s = 0.0
         try:
             if self.engine is None:
-                progress(job.cell_id, "engine", 0)
+                events(job.cell_id, "engine", 0)
                 t0 = time.monotonic()
-                self.engine = open_engine(self.group.engine, self.group.options)
+                self.engine = open_engine(self.group.options)
                 load_s = time.monotonic() - t0
-            return run_job(self.engine, self.group, job, reference, progress, load_s)
+            return run_job(self.engine, self.group, job, reference, events, load_s)
         except CellFailed as e:
             self.close()
             return CellOutput(job.cell_id, error=str(e))
@@ -70,17 +70,17 @@ class GroupEngine:
             engine.close()
 
 
-def run_group(group: Group, reference: ReferenceFn, on_output: OutputFn, progress: ProgressFn) -> None:
+def run_group(group: CellGroup, reference: ReferenceFn, on_output: OutputFn, events: EventFn) -> None:
     """One engine serves the group's cells; a failed cell closes it and the next cell reopens it."""
     runner = GroupEngine(group)
     try:
         for job in group.jobs:
-            progress(job.cell_id, "start", 0)
-            out = runner.run(job, reference, progress)
+            events(job.cell_id, "start", 0)
+            out = runner.run(job, reference, events)
             try:
                 on_output(out)
             finally:
-                progress(job.cell_id, "end", 0)
+                events(job.cell_id, "end", 0)
     finally:
         runner.close()
 
@@ -88,9 +88,9 @@ def run_group(group: Group, reference: ReferenceFn, on_output: OutputFn, progres
 class LocalExecutor:
     name = "local"
 
-    def run(self, groups: list[Group], reference: ReferenceFn, on_output: OutputFn, progress: ProgressFn) -> None:
+    def run(self, groups: list[CellGroup], reference: ReferenceFn, on_output: OutputFn, events: EventFn) -> None:
         for group in groups:
-            run_group(group, reference, on_output, progress)
+            run_group(group, reference, on_output, events)
 
     def describe(self) -> dict:
         return {"name": self.name}

@@ -37,10 +37,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from detaudit.errors import DetauditError
-from detaudit.executors import CellJob, CellOutput, Group, OutputFn, ProgressFn, ReferenceFn
+from detaudit.executors import CellGroup, CellJob, CellOutput, EventFn, OutputFn, ReferenceFn
 
 FAULT_ENV = "DETAUDIT_RAY_FAULT"  # tests: "kill:<cell id>"
-VLLM_EXECUTOR_ENV = "DETAUDIT_VLLM_EXECUTOR"  # read by detaudit.vllm.host: "mp" or "ray"
 
 
 def require_ray():
@@ -65,11 +64,10 @@ def safe_address(address: str | None) -> str | None:
 class GroupActor:
     """Holds one group's engine; runs one cell per call."""
 
-    def __init__(self, group: Group, cuda_visible_devices: str | None, env: dict[str, str]) -> None:
+    def __init__(self, group: CellGroup, cuda_visible_devices: str | None) -> None:
         if cuda_visible_devices is not None:  # before any CUDA initialisation in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
-        os.environ.update(env)
-        if env.get(VLLM_EXECUTOR_ENV) == "ray":  # vLLM's Ray executor (in the engine's child) joins this cluster
+        if group.options.multi_node:  # the engine's own Ray executor (in its child process) joins this cluster
             import ray
 
             os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
@@ -144,7 +142,7 @@ class _Slot:
     """One group's state on the driver."""
 
     index: int
-    group: Group
+    group: CellGroup
     pending: deque = field(default_factory=deque)  # CellJobs not yet landed (the first one may be in flight)
     actor: Any = None
     pg: Any = None
@@ -243,8 +241,18 @@ class RayExecutor:
     # -- placement
 
     @staticmethod
-    def _resource(group: Group) -> str:
-        return "GPU" if group.options.device.startswith("cuda") else "CPU"
+    def _resource(group: CellGroup) -> str:
+        return "GPU" if group.options.settings.cuda else "CPU"
+
+    def _spans_nodes(self, group: CellGroup) -> bool:
+        """A GPU group larger than any node, whose engine can place its own ranks across nodes."""
+        from detaudit.engines import get_engine
+
+        return (
+            get_engine(group.options.settings.name).spans_nodes
+            and self._resource(group) == "GPU"
+            and group.options.tp > self._largest_node("GPU")
+        )
 
     def _largest_node(self, resource: str) -> float:
         return max((n.get("Resources", {}).get(resource, 0.0) for n in self.ray.nodes() if n.get("Alive")), default=0.0)
@@ -257,11 +265,10 @@ class RayExecutor:
 
         group, tp = slot.group, slot.group.options.tp
         resource = self._resource(group)
-        env: dict[str, str] = {}
         pg = None
         visible = None
-        if group.engine == "vllm" and resource == "GPU" and tp > self._largest_node("GPU"):
-            env[VLLM_EXECUTOR_ENV] = "ray"  # vLLM places its own ranks across nodes (its Ray executor)
+        if self._spans_nodes(group):  # the engine places its own ranks across nodes (vLLM's Ray executor)
+            group = replace(group, options=replace(group.options, multi_node=True))
             strategy: Any = "DEFAULT"
         else:
             pg = placement_group([{resource: 1}] * tp, strategy="STRICT_PACK", name=f"detaudit-{group.label}")
@@ -278,9 +285,7 @@ class RayExecutor:
             self._actor_cls = ray.remote(num_cpus=0, num_gpus=0, max_restarts=0, max_task_retries=0)(GroupActor)
         actor_cls = self._actor_cls
         slot.pg = pg
-        slot.actor = actor_cls.options(scheduling_strategy=strategy, name=None).remote(
-            replace(group, jobs=[]), visible, env
-        )
+        slot.actor = actor_cls.options(scheduling_strategy=strategy, name=None).remote(replace(group, jobs=[]), visible)
         slot.started = True
 
     def _stop(self, slot: _Slot, graceful: bool) -> None:
@@ -308,7 +313,7 @@ class RayExecutor:
 
     # -- scheduling
 
-    def run(self, groups: list[Group], reference: ReferenceFn, on_output: OutputFn, progress: ProgressFn) -> None:
+    def run(self, groups: list[CellGroup], reference: ReferenceFn, on_output: OutputFn, progress: EventFn) -> None:
         if not groups:
             return
         self._connect()
@@ -324,7 +329,7 @@ class RayExecutor:
         finally:
             self._shutdown()
 
-    def _loop(self, slots: list[_Slot], reference: ReferenceFn, on_output: OutputFn, progress: ProgressFn) -> None:
+    def _loop(self, slots: list[_Slot], reference: ReferenceFn, on_output: OutputFn, progress: EventFn) -> None:
         ray = self.ray
         from ray.exceptions import RayTaskError
 
@@ -385,10 +390,7 @@ class RayExecutor:
             begin(job.cell_id)
             if slot.actor is None:
                 need = self._resource(slot.group)
-                if (
-                    not (slot.group.engine == "vllm" and need == "GPU")
-                    and self._largest_node(need) < slot.group.options.tp
-                ):
+                if not self._spans_nodes(slot.group) and self._largest_node(need) < slot.group.options.tp:
                     give_up(
                         slot,
                         f"no Ray node has {slot.group.options.tp} {need}(s) for {slot.group.label} "

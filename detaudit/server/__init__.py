@@ -5,7 +5,7 @@ For a server the batch axis is load: a cell's batch size is the number of audite
 `--background-load N` adds N concurrent requests of other prompts for the whole time the audited ones
 run, and `--repeats R` sends every prompt R times. Results are ordinary cell files.
 
-Layer contract: nothing here imports vLLM, nor `detaudit.engine` internals; `detaudit.engines`
+Layer contract: nothing here imports vLLM, nor `detaudit.builtin` internals; `detaudit.engines`
 imports these modules lazily.
 
 - `urls.py`: base URL checks and its credential-free form

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from detaudit.config import DecodingParams
+from detaudit.config import DecodingParams, EngineOptions, ServerConfig
 from detaudit.errors import DetauditError
 from detaudit.records import Generation, ProgressFn
 from detaudit.server import wire
@@ -22,48 +22,41 @@ from detaudit.server.http import Http, RetryPolicy, get_json_sync
 from detaudit.server.load import LoadStats, random_prompts, run_background
 from detaudit.server.urls import check_base_url, public_url, server_root
 
-APIS = ("completions", "chat")
-PROMPT_FORMATS = ("ids", "text")
-BACKGROUND_PROMPTS = ("suite", "random")
-KINDS = ("auto", "vllm", "sglang", "generic")
-
 
 @dataclass
 class ServerOptions:
-    """`EngineOptions.extra` of the server engines (built by `hooks.engine_extra`)."""
+    """What the client of one server needs: the user's `ServerConfig`, where the server is, and what it
+    knows of --model (to match the served model id; its tokenizer for text prompts and token strings)."""
 
-    base_url: str = ""
+    base_url: str
     api: str = "completions"
     api_key_env: str | None = None
     prompt_format: str = "ids"
     server_model: str | None = None  # the id to request; default: the one matching --model
     model_candidates: tuple[str, ...] = ()  # --model as given, its name, path and directory name
-    model_path: str = ""  # tokenizer (token-string mapping, text prompts, chat prompt texts)
+    model_path: str = ""  # tokenizer (token-string mapping, text prompts, random background prompts)
     request_timeout: float = 300.0
     retries: int = 6
     retry_total_s: float = 120.0
     background_prompts: str = "suite"
-    vocab_size: int = 32000
-    prompt_texts: dict = field(default_factory=dict)  # prompt hash -> user message (for --api chat)
     server_kind: str = "auto"
 
     @classmethod
-    def from_extra(cls, extra: dict) -> "ServerOptions":
-        known = {k: v for k, v in extra.items() if k in cls.__dataclass_fields__}
-        o = cls(**known)
-        if o.api not in APIS:
-            raise DetauditError(f"--api {o.api}: must be one of {', '.join(APIS)}")
-        if o.prompt_format not in PROMPT_FORMATS:
-            raise DetauditError(f"--prompt-format {o.prompt_format}: must be one of {', '.join(PROMPT_FORMATS)}")
-        if o.background_prompts not in BACKGROUND_PROMPTS:
-            raise DetauditError(
-                f"--background-prompts {o.background_prompts}: must be one of {', '.join(BACKGROUND_PROMPTS)}"
-            )
-        if o.server_kind not in KINDS:
-            raise DetauditError(f"--server-kind {o.server_kind}: must be one of {', '.join(KINDS)}")
-        if not o.request_timeout > 0:
-            raise DetauditError(f"--request-timeout must be > 0 seconds (got {o.request_timeout})")
-        return o
+    def of(cls, o: EngineOptions, **override: Any) -> "ServerOptions":
+        s = o.settings.server or ServerConfig()
+        fields = dict(
+            base_url=s.base_url or "",
+            api=s.api,
+            api_key_env=s.api_key_env,
+            prompt_format=s.prompt_format,
+            server_model=s.server_model,
+            model_candidates=(o.model.spec, o.model.name, str(o.model.path)),
+            model_path=str(o.model.path),
+            request_timeout=s.request_timeout,
+            background_prompts=s.background_prompts,
+            server_kind=s.server_kind,
+        )
+        return cls(**{**fields, **override})
 
     def api_key(self) -> str | None:
         if not self.api_key_env:
@@ -140,6 +133,10 @@ class OpenAIEngine:
 
     engine_name = "openai"
 
+    @classmethod
+    def open(cls, o: EngineOptions) -> "OpenAIEngine":
+        return cls(ServerOptions.of(o))
+
     def __init__(self, o: ServerOptions, info: ServerInfo | None = None, extra_describe: dict | None = None) -> None:
         self.o = o
         self.key = o.api_key()
@@ -157,6 +154,11 @@ class OpenAIEngine:
         self.load: dict[str, Any] = {}
         self.retried = 0
         self.extra_describe = extra_describe or {}
+        self._texts: dict[tuple[int, ...], str] = {}  # prompt token ids -> user message (--api chat)
+
+    def _vocab_size(self) -> int:
+        """Random background prompts draw ids below --model's vocabulary size."""
+        return len(self._tokenizer()) if self.o.model_path else 32000
 
     def _tokenizer(self):
         if self._tok is None:
@@ -169,9 +171,7 @@ class OpenAIEngine:
 
     def _prompt(self, ids: Sequence[int]):
         if self.o.api == "chat":
-            from detaudit.suites import prompt_hash
-
-            text = self.o.prompt_texts.get(prompt_hash(list(ids)))
+            text = self._texts.get(tuple(ids))
             if text is None:
                 raise DetauditError("--api chat: no user message known for a prompt (chat needs suite prompts)")
             return text
@@ -199,12 +199,14 @@ class OpenAIEngine:
         decoding: DecodingParams,
         batch_size: int,
         progress: ProgressFn | None = None,
-        load: dict | None = None,
+        *,
+        background: int = 0,
+        texts: Sequence[str] | None = None,
     ) -> list[Generation]:
-        return asyncio.run(self._generate(prompts, prompt_ids, decoding, batch_size, progress, load or {}))
+        self._texts = {tuple(map(int, p)): t for p, t in zip(prompts, texts or ())}
+        return asyncio.run(self._generate(prompts, prompt_ids, decoding, batch_size, progress, background))
 
-    async def _generate(self, prompts, prompt_ids, decoding, batch_size, progress, load) -> list[Generation]:
-        n_bg = int(load.get("background", 0))
+    async def _generate(self, prompts, prompt_ids, decoding, batch_size, progress, n_bg: int) -> list[Generation]:
         stats = LoadStats()
         self.load = {
             "concurrency": batch_size,
@@ -237,7 +239,7 @@ class OpenAIEngine:
             bg = None
             if n_bg:
                 if self.o.background_prompts == "random":
-                    rnd = random_prompts(max(8, n_bg), [len(p) for p in prompts], self.o.vocab_size)
+                    rnd = random_prompts(max(8, n_bg), [len(p) for p in prompts], self._vocab_size())
                     pool = [(p if not chat else "x " * len(p), f"random{k}") for k, p in enumerate(rnd)]
                 else:
                     pool = [(self._prompt(p), pid) for p, pid in zip(prompts, prompt_ids)]

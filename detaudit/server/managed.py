@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from detaudit.config import EngineOptions
 from detaudit.errors import DetauditError
 from detaudit.server.client import OpenAIEngine, ServerOptions, probe
 from detaudit.server.launch import VllmServer
@@ -14,26 +15,20 @@ from detaudit.server.launch import VllmServer
 class VllmServerEngine:
     engine_name = "vllm-server"
 
-    def __init__(self, eo) -> None:
-        o = ServerOptions.from_extra(eo.extra)
-        log_dir = Path(eo.extra.get("log_dir") or ".")
-        seqs = max(eo.max_batch_size, 1) + int(eo.extra.get("max_background", 0))
+    def __init__(self, eo: EngineOptions) -> None:
+        s = eo.settings
         self.server = VllmServer(
-            eo.model_path,
+            eo.model.path,
             eo.backend,
             eo.tp,
-            dtype=eo.dtype,
-            device=eo.device,
-            max_num_seqs=seqs,
-            log_dir=log_dir,
-            startup_timeout=float(eo.extra.get("startup_timeout", 600.0)),
+            dtype=s.dtype,
+            device=s.device,
+            max_num_seqs=max(eo.max_batch_size, 1) + eo.max_background,
+            log_dir=eo.log_dir or Path("."),
         )
         try:
-            o.base_url, o.api_key_env, o.server_model, o.server_kind = (
-                self.server.base_url,
-                None,
-                str(eo.model_path),
-                "vllm",
+            o = ServerOptions.of(
+                eo, base_url=self.server.base_url, api_key_env=None, server_model=str(eo.model.path), server_kind="vllm"
             )
             self.client = OpenAIEngine(o, probe(o))
             self.client.engine_name = self.engine_name

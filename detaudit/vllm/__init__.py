@@ -20,22 +20,22 @@ def require_vllm() -> None:
         raise DetauditError(f"--engine vllm needs vLLM, which is not installed: {INSTALL_HINT}")
 
 
-def open_vllm(
-    model_path, backend: str, tp: int, *, dtype: str, device: str, eos_ids, hang_timeout: float, max_batch_size: int
-):
+def open_vllm(options):
     """One child process per (backend, TP) hosting vLLM's offline engine (`host.VllmHost`), driven over
     the same pipe protocol as the built-in TP workers (crashes, hangs and Ctrl-C handled the same way)."""
     require_vllm()
-    from detaudit.engine.worker import DistEngine
-    from detaudit.vllm.host import engine_env, marker_dir
+    from detaudit.vllm import host
+    from detaudit.workers import WorkerPool
 
-    mdir = marker_dir()
-    host = {
-        "host": "detaudit.vllm.host:from_spec",
-        "env": engine_env(backend, tp, device, mdir),
-        "log": f"{mdir}/vllm.log",
-        "max_batch_size": max_batch_size,
-    }
-    return DistEngine(
-        model_path, backend, tp, dtype=dtype, device=device, eos_ids=eos_ids, hang_timeout=hang_timeout, host=host
+    mdir = host.marker_dir()
+    return WorkerPool(
+        host.__name__,
+        options,
+        1,
+        hang_timeout=options.settings.hang_timeout,
+        env=host.engine_env(options.backend, options.tp, options.settings.device, mdir),
+        log=f"{mdir}/vllm.log",
+        remove_on_close=mdir,
+        hosted=True,
+        label="vLLM engine process",
     )

@@ -1,6 +1,6 @@
 """The vLLM side of `--engine vllm`: one child process per (backend, TP) hosts vLLM's offline engine
 (`LLM`, in-process engine core) and serves `generate` / `score` over the same pipe protocol as the
-built-in TP workers (`detaudit.engine.worker`), so crashes, hangs and Ctrl-C are handled the same way.
+built-in TP workers (`detaudit.builtin.worker`), so crashes, hangs and Ctrl-C are handled the same way.
 
 The suite is submitted in chunks of the batch size and each chunk runs as one batch: vLLM's
 `max_num_seqs` is the largest batch size of the sweep's (backend, TP) group, so one engine serves every
@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from detaudit.builtin.local import chunks, cpu_core_ids
 from detaudit.config import DecodingParams, request_seed
-from detaudit.engine.local import chunks, cpu_core_ids
 from detaudit.records import Generation, ProgressFn
 from detaudit.vllm import MAX_MODEL_LEN
 
@@ -88,31 +88,15 @@ def recorded_env() -> dict[str, str]:
     return knob_env()
 
 
-def from_spec(spec: dict) -> "VllmHost":
-    """The hosted-engine factory `detaudit.engine.worker` calls in the child process."""
-    return VllmHost(
-        Path(spec["model_path"]),
-        spec["backend"],
-        spec["tp"],
-        dtype=spec["dtype"],
-        device=spec["device"],
-        eos_ids=spec["eos_ids"],
-        max_batch_size=spec.get("max_batch_size", 0),
-    )
-
-
-EXECUTOR_ENV = "DETAUDIT_VLLM_EXECUTOR"  # "mp" or "ray" (set by detaudit.executors.ray for multi-node TP)
-
-
-def executor_backend(tp: int, device: str) -> str | None:
-    """vLLM's distributed executor: none for TP 1; `mp` (ranks on this machine) unless DETAUDIT_VLLM_EXECUTOR
-    says otherwise or TP exceeds this machine's GPUs, then `ray` (vLLM places the ranks on the Ray
-    cluster this process is connected to, across nodes)."""
+def executor_backend(tp: int, device: str, multi_node: bool) -> str | None:
+    """vLLM's distributed executor: none for TP 1; `ray` where the Ray executor asks this engine to place
+    its own ranks on the cluster (`EngineOptions.multi_node`: TP exceeds one node's GPUs; this process is
+    connected to that cluster), or where TP exceeds this machine's GPUs; `mp` (ranks on this machine)
+    otherwise."""
     if tp == 1:
         return None
-    chosen = os.environ.get(EXECUTOR_ENV, "")
-    if chosen in ("mp", "ray"):
-        return chosen
+    if multi_node:
+        return "ray"
     if device.startswith("cuda"):
         import torch
 
@@ -122,24 +106,16 @@ def executor_backend(tp: int, device: str) -> str | None:
 
 
 class VllmHost:
-    def __init__(
-        self,
-        model_path: Path,
-        backend: str,
-        tp: int,
-        *,
-        dtype: str,
-        device: str,
-        eos_ids: Sequence[int],
-        max_batch_size: int = 0,
-    ) -> None:
+    def __init__(self, options) -> None:
         import vllm
 
-        self.model_path, self.backend, self.tp = Path(model_path), backend, tp
-        self.dtype, self.device, self.eos = dtype, device, list(eos_ids)
+        s = options.settings
+        self.model_path, self.backend, self.tp = Path(options.model.path), options.backend, options.tp
+        self.dtype, self.device, self.eos = s.dtype, s.device, list(options.eos_ids)
+        self.executor = executor_backend(options.tp, s.device, options.multi_node)
         self.version = vllm.__version__
         self.llm: Any = None
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = options.max_batch_size
         self.max_num_seqs = 0
         self.knobs: dict[str, Any] = {}
 
@@ -167,7 +143,7 @@ class VllmHost:
             enable_prefix_caching=False,
             enable_chunked_prefill=False,
             disable_custom_all_reduce=True,
-            distributed_executor_backend=executor_backend(self.tp, self.device),
+            distributed_executor_backend=self.executor,
             seed=0,
         )
         self.max_num_seqs = seqs
@@ -182,11 +158,11 @@ class VllmHost:
             "enforce_eager": True,
             "disable_custom_all_reduce": True,
             "env": recorded_env(),
-            "distributed_executor_backend": executor_backend(self.tp, self.device),
+            "distributed_executor_backend": self.executor,
         }
 
     def generate(
-        self, prompts, prompt_ids, decoding: DecodingParams, batch_size: int, progress: ProgressFn | None = None
+        self, prompts, prompt_ids, decoding: DecodingParams, batch_size: int, progress: ProgressFn | None = None, **load
     ) -> list[Generation]:
         from vllm import SamplingParams
 
@@ -278,3 +254,15 @@ def _generation(c, k: int) -> Generation:
     return Generation(
         list(c.token_ids), token_logprobs, topk_ids, topk_lps, "stop" if c.finish_reason == "stop" else "length"
     )
+
+
+def main() -> None:
+    """The vLLM engine process (`detaudit.workers.WorkerPool` runs `python -m detaudit.vllm.host`)."""
+    from detaudit.workers import serve, worker_args
+
+    rank, _, _, conn, _ = worker_args()
+    serve(rank, conn, lambda options, extra: VllmHost(options))
+
+
+if __name__ == "__main__":
+    main()

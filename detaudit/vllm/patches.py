@@ -115,7 +115,7 @@ def vllm_tp_group():
     backends need."""
     from vllm.distributed.parallel_state import get_tp_group
 
-    from detaudit.engine.dist import TorchGroup
+    from detaudit.builtin.dist import TorchGroup
 
     g = get_tp_group()
     return TorchGroup(g.rank_in_group, g.world_size, g.device_group)

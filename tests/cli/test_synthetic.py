@@ -9,13 +9,13 @@ import shutil
 
 import pytest
 import torch
+from helpers import local_engine
 from typer.testing import CliRunner
 
 from detaudit import models, synthetic
+from detaudit.builtin.layers import TPContext
 from detaudit.cli import app
 from detaudit.config import DecodingParams
-from detaudit.engine.layers import TPContext
-from detaudit.engine.local import LocalEngine
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,8 @@ def test_prepared_preset(qwen3_shaped):
 
 def test_weights_are_seeded_and_shards_are_slices_of_the_same_tensor(small_copy):
     def loader(size, emulated=True):
-        return synthetic.RandomWeights(small_copy, TPContext(None, size, 0, emulated), torch.device("cpu"))
+        cfg = json.loads((small_copy / "config.json").read_text())
+        return synthetic.RandomWeights(small_copy, cfg, TPContext(None, size, 0, emulated), torch.device("cpu"))
 
     one, four = loader(1), loader(4)
     name = "model.layers.1.mlp.down_proj.weight"
@@ -74,6 +75,6 @@ def test_weights_are_seeded_and_shards_are_slices_of_the_same_tensor(small_copy)
 def test_engine_runs_the_synthetic_architecture_tp_invariant_under_tbik(small_copy):
     dec = DecodingParams(greedy=True, max_new_tokens=4)
     prompts, ids = [[5, 6, 7, 8, 9], [11, 12, 13]], ["a", "b"]
-    ref = LocalEngine(small_copy, "bio+tbik", 1).generate(prompts, ids, dec, 2)
-    got = LocalEngine(small_copy, "bio+tbik", 4, emulated=True).generate(prompts, ids, dec, 1)
+    ref = local_engine(small_copy, "bio+tbik", 1).generate(prompts, ids, dec, 2)
+    got = local_engine(small_copy, "bio+tbik", 4, emulated=True).generate(prompts, ids, dec, 1)
     assert [(g.token_ids, g.token_logprobs) for g in got] == [(g.token_ids, g.token_logprobs) for g in ref]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from detaudit.backends import get_backend
 from detaudit.backends.kernels import fused
-from detaudit.engine.layers import Rotary, apply_rotary
+from detaudit.builtin.layers import Rotary, apply_rotary
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 pytest.importorskip("triton")
@@ -34,14 +34,13 @@ def test_rope_store_gives_the_op_by_op_bits(b, t, hq, hkv, d, dtype):
     kr = apply_rotary(k.view(b, t, hkv, d).transpose(1, 2), cos, sin)
     want_k.view(-1, d).index_copy_(0, slots, kr.transpose(1, 2).reshape(-1, d))
     want_v.view(-1, d).index_copy_(0, slots, v.view(-1, d))
-    qkv = torch.cat([q, k, v], 1)  # the engine's form: one product, read at column offsets
+    # the engine's form on GPU: column slices of one q/k/v product
+    qs, ks, vs = torch.cat([q, k, v], 1).split([hq * d, hkv * d, hkv * d], dim=1)
     for _ in range(2):  # the JIT launch, then the kept plan
-        got_k, got_v = (c.clone() for c in caches)
-        got_q = fused.rope_store(q, k, v, cos, sin, got_k, got_v, slots, b, t, d)
-        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-        got_k, got_v = (c.clone() for c in caches)
-        got_q = fused.rope_store_qkv(qkv, hq, hkv, cos, sin, got_k, got_v, slots, b, t, d)
-        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        for args in ((q, k, v), (qs, ks, vs)):
+            got_k, got_v = (c.clone() for c in caches)
+            got_q = fused.rope_store(*args, cos, sin, got_k, got_v, slots, b, t, d)
+            assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -50,10 +49,10 @@ def test_silu_mul_gives_the_op_by_op_bits(dtype):
     gate = (torch.randn(37, 12288, device="cuda", generator=g) * 6).to(dtype)
     gate[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
     up = torch.randn(37, 12288, device="cuda", generator=g).to(dtype)
-    gu = torch.cat([gate, up], 1)
+    halves = torch.cat([gate, up], 1).split(12288, dim=1)  # the engine's form: one gate/up product
     for _ in range(2):
         assert torch.equal(fused.silu_mul(gate, up), F.silu(gate) * up)
-        assert torch.equal(fused.silu_mul_halves(gu), F.silu(gate) * up)
+        assert torch.equal(fused.silu_mul(*halves), F.silu(gate) * up)
 
 
 @pytest.mark.parametrize("n", [128, 576, 4096, 5120])
@@ -131,9 +130,6 @@ def test_merged_projections_and_in_kernel_qk_norm_give_the_separate_bits(dtype):
     ).reshape(-1)
     caches = [torch.zeros(b, hkv, length, d, device="cuda", dtype=dtype) for _ in range(4)]
     got = fused.rope_store(q, k, v, cos, sin, caches[0], caches[1], slots, b, t, d, (qw, kw, 1e-6))
-    kc, vc = torch.zeros_like(caches[0]), torch.zeros_like(caches[1])
-    assert torch.equal(fused.rope_store_qkv(qkv, hq, hkv, cos, sin, kc, vc, slots, b, t, d, (qw, kw, 1e-6)), got)
-    assert torch.equal(kc, caches[0]) and torch.equal(vc, caches[1])
     qn = bio.rms_norm(q.reshape(-1, d), qw, 1e-6).view(b * t, -1)
     kn = bio.rms_norm(k.reshape(-1, d), kw, 1e-6).view(b * t, -1)
     want = fused.rope_store(qn, kn, v, cos, sin, caches[2], caches[3], slots, b, t, d)

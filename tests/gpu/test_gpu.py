@@ -176,22 +176,23 @@ def _out(gens):
 
 
 def test_engine_bio_batch_and_tbik_tp_invariant_on_gpu(smollm_gpu):
+    from helpers import builtin_engine
+
     from detaudit.config import DecodingParams
-    from detaudit.engine import open_engine
 
     ids, pids = _smoke(smollm_gpu)
     dec = DecodingParams(max_new_tokens=32)
-    ref = open_engine(smollm_gpu.path, "bio", 1, "real", device="cuda").generate(ids[:8], pids[:8], dec, 1)
+    ref = builtin_engine(smollm_gpu, "bio", 1, "real", device="cuda").generate(ids[:8], pids[:8], dec, 1)
     for bs in (8, 16, 32):
-        eng = open_engine(smollm_gpu.path, "bio", 1, "real", device="cuda")
+        eng = builtin_engine(smollm_gpu, "bio", 1, "real", device="cuda")
         assert _out(eng.generate(ids, pids, dec, bs)[:8]) == _out(ref), bs
-    tref = open_engine(smollm_gpu.path, "bio+tbik", 1, "real", device="cuda").generate(ids, pids, dec, 32)
+    tref = builtin_engine(smollm_gpu, "bio+tbik", 1, "real", device="cuda").generate(ids, pids, dec, 32)
     for tp in (2, 4, 8):
-        got = open_engine(smollm_gpu.path, "bio+tbik", tp, "emulated", device="cuda").generate(ids, pids, dec, 8)
+        got = builtin_engine(smollm_gpu, "bio+tbik", tp, "emulated", device="cuda").generate(ids, pids, dec, 8)
         assert _out(got) == _out(tref), tp
     if torch.cuda.device_count() >= 2:
         for tp in [t for t in (2, 4) if t <= torch.cuda.device_count()]:
-            eng = open_engine(smollm_gpu.path, "bio+tbik", tp, "real", device="cuda")
+            eng = builtin_engine(smollm_gpu, "bio+tbik", tp, "real", device="cuda")
             try:
                 assert _out(eng.generate(ids, pids, dec, 16)) == _out(tref), f"real NCCL TP {tp}"
             finally:
@@ -201,17 +202,18 @@ def test_engine_bio_batch_and_tbik_tp_invariant_on_gpu(smollm_gpu):
 def test_cuda_graph_decode_matches_eager(smollm_gpu, capsys):
     """Decode replayed from a CUDA graph (whole cache attended, masked) gives the same bits as eager decode
     under bio and bio+tbik; the graph is reused across batches of one size. bf16 is reported."""
+    from helpers import local_engine
+
     from detaudit.config import DecodingParams
-    from detaudit.engine.local import LocalEngine
 
     ids, pids = _smoke(smollm_gpu)
     dec = DecodingParams(max_new_tokens=24)
     report = {}
     for backend in ("bio", "bio+tbik", "bf16"):
-        eager = LocalEngine(smollm_gpu.path, backend, 1, device="cuda", cuda_graphs=False).generate(
+        eager = local_engine(smollm_gpu, backend, 1, device="cuda", cuda_graphs=False).generate(
             ids[:16], pids[:16], dec, 8
         )
-        eng = LocalEngine(smollm_gpu.path, backend, 1, device="cuda", cuda_graphs=True)
+        eng = local_engine(smollm_gpu, backend, 1, device="cuda", cuda_graphs=True)
         assert eng.describe()["cuda_graphs"]
         graphed = eng.generate(ids[:16], pids[:16], dec, 8)  # two batches of 8: one capture, two replays
         assert eng.last_timings["cuda_graphs"] and len(eng.generator._graphs) == 1
@@ -228,9 +230,10 @@ def test_qwen3_8b_shaped_model_on_gpu():
     equals TP 1 (greedy, 8 tokens, random prompts)."""
     import gc
 
+    from helpers import local_engine
+
     from detaudit.bench.e2e import random_prompts
     from detaudit.config import DecodingParams
-    from detaudit.engine.local import LocalEngine
     from detaudit.errors import DetauditError
     from detaudit.models import resolve_model
 
@@ -243,7 +246,7 @@ def test_qwen3_8b_shaped_model_on_gpu():
     dec = DecodingParams(greedy=True, max_new_tokens=8)
 
     def run(backend, tp, bs):
-        eng = LocalEngine(ref.path, backend, tp, emulated=tp > 1, device="cuda")
+        eng = local_engine(ref, backend, tp, emulated=tp > 1, device="cuda")
         try:
             return _out(eng.generate(prompts, pids, dec, bs))
         finally:
@@ -293,42 +296,30 @@ def test_kept_launch_plans_give_the_jit_bits():
     pos = torch.randint(0, 300, (64, 4), device="cuda", generator=g)
     outs = [triton_attn.attention(q, k, k, pos, 0.08, 64) for _ in range(3)]
     assert all(torch.equal(outs[0], o) for o in outs[1:]) and triton_attn._PLANS
-    kept = [getattr(p, "launch", None) for p in triton_mm._PLANS.values()]
-    kept += [p.launch for p in gluon_tree._PLANS.values()] + list(triton_rows._PLANS.values())
-    kept += list(triton_attn._PLANS.values())
-    if triton.__version__.startswith("3.6."):  # the direct C launch is taken for every kept plan
-        missing = [p.kernel.name for p in kept if p is not None and p.direct is None]
-        assert not missing and any(p is not None and any(w[2] is not None for w in p.direct.where) for p in kept), (
-            missing
-        )
 
 
-def test_direct_launch_gives_the_launcher_bits():
-    """A kept plan launched through the compiled C launcher directly (`launch.Direct`, Triton 3.6) writes
-    bitwise what the same plan writes through Triton's launcher (direct path switched off), for a pointer
-    kernel and a TMA-descriptor kernel, with new tensors at new addresses each call."""
-    from detaudit.backends.kernels import launch, triton_mm
+def test_gpu_fast_path_gives_the_reference_bits(smollm_gpu, monkeypatch):
+    """The engine's GPU fast path (`ops.FusedOps`: merged q/k/v and gate/up products, the fused add + norm,
+    rotary and silu kernels) against its reference path (`ops.TorchOps`: separate products, PyTorch ops
+    around the backend's reductions), end to end on the embedded model, eager and graphed, bitwise for the
+    invariant backends."""
+    from helpers import local_engine
 
-    if not triton.__version__.startswith("3.6."):
-        pytest.skip(f"the direct launch is taken on Triton 3.6 only (this is {triton.__version__})")
-    g = torch.Generator(device="cuda").manual_seed(9)
-    w = torch.randn(3072, 4096, device="cuda", generator=g).bfloat16()
-    triton_mm._PLANS.clear()
-    for m in (8, 1500):  # pointer kernel, TMA kernel
-        triton_mm.mm(torch.randn(m, 4096, device="cuda", generator=g).bfloat16(), w)
-        plan = next(p for p in triton_mm._PLANS.values() if isinstance(p, (triton_mm._Plan, triton_mm._TmaPlan)))
-        assert plan.launch.direct is not None and launch.hooks_idle()
-        for _ in range(3):
-            x = torch.randn(m, 4096, device="cuda", generator=g).bfloat16()
-            direct = triton_mm.mm(x, w)
-            keep, plan.launch.direct = plan.launch.direct, None
-            try:
-                through_launcher = triton_mm.mm(x, w)
-            finally:
-                plan.launch.direct = keep
-            assert torch.equal(direct, through_launcher), m
-            assert torch.equal(direct, triton_mm.mm(x, w, config=triton_mm.tiling(torch.bfloat16, m, n=3072)))
-        triton_mm._PLANS.clear()
+    from detaudit.builtin import model, ops
+    from detaudit.config import DecodingParams
+
+    ids, pids = _smoke(smollm_gpu)
+    dec = DecodingParams(max_new_tokens=16)
+    for backend in ("bio", "bio+tbik"):
+        fast = local_engine(smollm_gpu, backend, 1, device="cuda")
+        assert isinstance(fast.model.ops, ops.FusedOps)
+        want = _out(fast.generate(ids[:8], pids[:8], dec, 8))
+        with monkeypatch.context() as m:
+            m.setattr(model, "choose", lambda backend, device, head_dim: ops.TorchOps(backend))
+            for graphs in (False, True):
+                ref = local_engine(smollm_gpu, backend, 1, device="cuda", cuda_graphs=graphs)
+                assert isinstance(ref.model.ops, ops.TorchOps)
+                assert _out(ref.generate(ids[:8], pids[:8], dec, 8)) == want, (backend, graphs)
 
 
 @pytest.fixture(scope="module")
@@ -342,9 +333,11 @@ def test_real_tp1_process_group_graphed_equals_in_process(qwen3_shaped, monkeypa
     emulated TP 2 result; real TP 2 (graphed, NCCL) too where two GPUs exist."""
     import gc
 
+    from helpers import builtin_engine
+
     from detaudit.bench.e2e import random_prompts
+    from detaudit.builtin import TP1_GROUP_ENV
     from detaudit.config import DecodingParams
-    from detaudit.engine import TP1_GROUP_ENV, open_engine
 
     prompts = random_prompts(4, 80, 151936, seed=2)
     pids = [str(i) for i in range(4)]
@@ -352,7 +345,7 @@ def test_real_tp1_process_group_graphed_equals_in_process(qwen3_shaped, monkeypa
 
     def run(backend, tp, mode, graphs, group=False):
         monkeypatch.setenv(TP1_GROUP_ENV, "1" if group else "0")
-        eng = open_engine(qwen3_shaped.path, backend, tp, mode, device="cuda", cuda_graphs=graphs)
+        eng = builtin_engine(qwen3_shaped, backend, tp, mode, device="cuda", cuda_graphs=graphs)
         try:
             d = eng.describe()
             assert d["cuda_graphs"] == graphs and (d.get("workers") == tp) == (group or (tp > 1 and mode == "real"))

@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli_json
+from helpers import builtin_engine, cli_json, local_engine
 
 from detaudit.config import DecodingParams
-from detaudit.engine import open_engine
-from detaudit.engine.local import LocalEngine
 from detaudit.errors import DetauditError
 
 ATOL = 1e-4
@@ -106,7 +104,7 @@ def hf_logits(path: Path, ids: torch.Tensor, config_edit=None, zero_biases: bool
 
 
 def engine_logits(path: Path, backend: str, tp: int, ids: torch.Tensor) -> torch.Tensor:
-    eng = LocalEngine(path, backend, tp, emulated=tp > 1, dtype="float32")
+    eng = local_engine(path, backend, tp, emulated=tp > 1, dtype="float32")
     m = eng.model
     B, T = ids.shape
     with eng.backend.activate(), torch.inference_mode():
@@ -182,7 +180,7 @@ def test_llama_attention_bias_is_no_longer_ignored(tmp_path):
     path = build("llama", tmp_path / "llama-bias", attention_bias=True)
     prompts = [token_ids(batch=1, length=n, seed=n)[0].tolist() for n in (5, 11, 17)]
     dec = DecodingParams(greedy=True, max_new_tokens=6)
-    gens = LocalEngine(path, "bf16", 1, dtype="float32").generate(prompts, ["a", "b", "c"], dec, batch_size=3)
+    gens = local_engine(path, "bf16", 1, dtype="float32").generate(prompts, ["a", "b", "c"], dec, batch_size=3)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     for p, g in zip(prompts, gens):
         with torch.no_grad():
@@ -200,7 +198,7 @@ def test_unused_checkpoint_parameters_are_refused(tmp_path):
     cfg["attention_bias"] = False
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DetauditError, match=r"does not use \(model.layers.0.self_attn.k_proj.bias"):
-        LocalEngine(path, "bf16", 1, dtype="float32")
+        local_engine(path, "bf16", 1, dtype="float32")
 
 
 @pytest.mark.parametrize("backend", ["bio", "bio+tbik"])
@@ -214,7 +212,7 @@ def test_sliding_window_decode_equals_prefill_and_transformers(ckpts, backend):
     prompts = [token_ids(batch=1, length=n, seed=n)[0].tolist() for n in (70, 66, 75)]
     ids = ["a", "b", "c"]
     dec = DecodingParams(greedy=True, max_new_tokens=6)
-    eng = LocalEngine(path, backend, 1, dtype="float32")
+    eng = local_engine(path, backend, 1, dtype="float32")
     gens = eng.generate(prompts, ids, dec, batch_size=3)
     alone = eng.generate(prompts[1:2], ids[1:2], dec, batch_size=1)
     assert torch.equal(torch.tensor(alone[0].token_logprobs), torch.tensor(gens[1].token_logprobs))
@@ -254,7 +252,7 @@ def test_dynamic_rope_beyond_max_positions_is_refused(tmp_path):
         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
         max_position_embeddings=96,
     )
-    eng = LocalEngine(path, "bf16", 1, dtype="float32")
+    eng = local_engine(path, "bf16", 1, dtype="float32")
     with pytest.raises(DetauditError, match="rope_type 'dynamic' beyond max_position_embeddings \\(96"):
         eng.generate(
             [token_ids(batch=1, length=90)[0].tolist()], ["a"], DecodingParams(greedy=True, max_new_tokens=10), 1
@@ -271,8 +269,8 @@ def test_real_tp2_gloo(ckpts, arch):
     ids = ["a", "b", "c"]
     dec = DecodingParams(greedy=True, max_new_tokens=5)
     for backend in ("bio+tbik", "bf16"):
-        ref = LocalEngine(ckpts[arch], backend, 1, dtype="float32").generate(prompts, ids, dec, 3)
-        eng = open_engine(ckpts[arch], backend, 2, "real", dtype="float32")
+        ref = local_engine(ckpts[arch], backend, 1, dtype="float32").generate(prompts, ids, dec, 3)
+        eng = builtin_engine(ckpts[arch], backend, 2, "real", dtype="float32")
         try:
             got = eng.generate(prompts, ids, dec, 3)
         finally:

@@ -1,4 +1,4 @@
-"""A user's own lm-eval task file through `detaudit sweep` (issue 20): a json `data_files` task runs,
+"""A user's own lm-eval task file through `detaudit sweep`: a json `data_files` task runs,
 cells are named by the task, an ungraded row is kept, counted in the manifest and named in one warning
 line, and a non-interactive log gets one line per finished cell."""
 

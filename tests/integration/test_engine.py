@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import builtin_engine, local_engine
 
 from detaudit.config import DecodingParams
-from detaudit.engine import open_engine
-from detaudit.engine.local import LocalEngine
 
 GREEDY = DecodingParams(greedy=True, max_new_tokens=8)
 
@@ -42,14 +41,14 @@ def _hf_check(path, prompts, gens, atol):
 def test_matches_transformers_fp32(arch, request):
     path = request.getfixturevalue(arch)
     prompts = _prompts()
-    eng = LocalEngine(path, "bf16", 1, dtype="float32")
+    eng = local_engine(path, "bf16", 1, dtype="float32")
     gens = eng.generate(prompts, [str(i) for i in range(len(prompts))], GREEDY, batch_size=2)
     _hf_check(path, prompts, gens, atol=1e-4)
 
 
 def test_teacher_forced_score_matches_generation(tiny_qwen3):
     prompts = _prompts()
-    eng = LocalEngine(tiny_qwen3, "bf16", 1, dtype="float32")
+    eng = local_engine(tiny_qwen3, "bf16", 1, dtype="float32")
     gens = eng.generate(prompts, [str(i) for i in range(len(prompts))], GREEDY, batch_size=3)
     scores = eng.score(prompts, [g.token_ids for g in gens], batch_size=3)
     for s, g in zip(scores, gens):
@@ -62,7 +61,7 @@ def test_seeded_sampling_is_per_request(tiny_llama):
     prompts = _prompts(6)
     ids = [f"p{i}" for i in range(6)]
     dec = DecodingParams(temperature=1.0, top_p=0.9, top_k=50, max_new_tokens=10, seed=7)
-    eng = LocalEngine(tiny_llama, "bio", 1, dtype="float32")
+    eng = local_engine(tiny_llama, "bio", 1, dtype="float32")
     a = eng.generate(prompts, ids, dec, batch_size=6)
     b = eng.generate(prompts[3:], ids[3:], dec, batch_size=1)
     assert [g.token_ids for g in a[3:]] == [g.token_ids for g in b]
@@ -73,9 +72,9 @@ def test_seeded_sampling_is_per_request(tiny_llama):
 def test_emulated_tp_matches_tp1_fp32(tiny_llama):
     prompts = _prompts()
     ids = [str(i) for i in range(len(prompts))]
-    ref = LocalEngine(tiny_llama, "bf16", 1, dtype="float32").generate(prompts, ids, GREEDY, 5)
+    ref = local_engine(tiny_llama, "bf16", 1, dtype="float32").generate(prompts, ids, GREEDY, 5)
     for tp in (2, 4, 8):
-        got = LocalEngine(tiny_llama, "bf16", tp, emulated=True, dtype="float32").generate(prompts, ids, GREEDY, 5)
+        got = local_engine(tiny_llama, "bf16", tp, emulated=True, dtype="float32").generate(prompts, ids, GREEDY, 5)
         assert [g.token_ids for g in got] == [g.token_ids for g in ref]
         for x, y in zip(got, ref):
             assert torch.allclose(torch.tensor(x.token_logprobs), torch.tensor(y.token_logprobs), atol=1e-5)
@@ -88,9 +87,9 @@ def test_eos_ends_its_request_and_nothing_else(tiny_llama):
     prompts = _prompts(6)
     ids = [str(i) for i in range(6)]
     dec = DecodingParams(greedy=True, max_new_tokens=10)
-    free = LocalEngine(tiny_llama, "bio", 1, dtype="float32").generate(prompts, ids, dec, 6)
+    free = local_engine(tiny_llama, "bio", 1, dtype="float32").generate(prompts, ids, dec, 6)
     eos = free[0].token_ids[2]
-    got = LocalEngine(tiny_llama, "bio", 1, dtype="float32", eos_ids=(eos,)).generate(prompts, ids, dec, 6)
+    got = local_engine(tiny_llama, "bio", 1, dtype="float32", eos_ids=(eos,)).generate(prompts, ids, dec, 6)
     stopped = 0
     for f, g in zip(free, got):
         cut = f.token_ids.index(eos) + 1 if eos in f.token_ids else len(f.token_ids)
@@ -100,7 +99,7 @@ def test_eos_ends_its_request_and_nothing_else(tiny_llama):
         stopped += g.finish_reason == "stop"
     assert 0 < stopped < len(prompts)  # (the test needs both kinds of request)
     firsts = {f.token_ids[0] for f in free}
-    eng = LocalEngine(tiny_llama, "bio", 1, dtype="float32", eos_ids=tuple(firsts))
+    eng = local_engine(tiny_llama, "bio", 1, dtype="float32", eos_ids=tuple(firsts))
     every = eng.generate(prompts, ids, dec, 6)
     assert all(g.token_ids == f.token_ids[:1] and g.finish_reason == "stop" for f, g in zip(free, every))
     assert eng.last_timings["decode_steps"] == 1  # the one step issued ahead, never read
@@ -110,9 +109,9 @@ def test_eos_ends_its_request_and_nothing_else(tiny_llama):
 def test_real_tp_matches_tp1_fp32(tiny_llama):
     prompts = _prompts()
     ids = [str(i) for i in range(len(prompts))]
-    ref = LocalEngine(tiny_llama, "bf16", 1, dtype="float32").generate(prompts, ids, GREEDY, 5)
+    ref = local_engine(tiny_llama, "bf16", 1, dtype="float32").generate(prompts, ids, GREEDY, 5)
     for tp in (2, 4):
-        eng = open_engine(tiny_llama, "bf16", tp, "real", dtype="float32")
+        eng = builtin_engine(tiny_llama, "bf16", tp, "real", dtype="float32")
         try:
             got = eng.generate(prompts, ids, GREEDY, 5)
             assert eng.describe()["threads_per_rank"] >= 1
@@ -129,7 +128,7 @@ def test_gpu_cache_lengths_are_rounded_within_the_position_limit():
     limit (that would refuse a request that fits)."""
     from types import SimpleNamespace
 
-    from detaudit.engine.generate import Generator
+    from detaudit.builtin.generate import Generator
 
     def slots(limit, needed):
         gen = Generator.__new__(Generator)

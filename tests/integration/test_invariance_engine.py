@@ -12,9 +12,9 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from helpers import local_engine
 
 from detaudit.config import DecodingParams
-from detaudit.engine.local import LocalEngine
 from detaudit.inputs import tokenizer_for
 from detaudit.suites import load_suite, prompt_token_ids
 
@@ -47,7 +47,7 @@ def _diverging(a, b) -> int:
 @pytest.mark.parametrize("decoding", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_bio_batch_invariant(smollm, prompts, decoding):
     ids, pids = prompts
-    eng = LocalEngine(smollm.path, "bio", 1)
+    eng = local_engine(smollm, "bio", 1)
     ref = eng.generate(ids[:8], pids[:8], decoding, batch_size=1)
     for bs in (8, 16, 32):  # the first 8 requests share a batch with the next bs - 8
         got = eng.generate(ids[:bs], pids[:bs], decoding, batch_size=bs)[:8]
@@ -56,9 +56,9 @@ def test_bio_batch_invariant(smollm, prompts, decoding):
 
 def test_tbik_tp_and_batch_invariant(smollm, prompts):
     ids, pids = prompts
-    ref = LocalEngine(smollm.path, "bio+tbik", 1).generate(ids[:4], pids[:4], GREEDY, batch_size=1)
+    ref = local_engine(smollm, "bio+tbik", 1).generate(ids[:4], pids[:4], GREEDY, batch_size=1)
     for tp, bs in ((2, 16), (4, 8), (8, 32)):
-        eng = LocalEngine(smollm.path, "bio+tbik", tp, emulated=True)
+        eng = local_engine(smollm, "bio+tbik", tp, emulated=True)
         got = eng.generate(ids[:bs], pids[:bs], GREEDY, batch_size=bs)[:4]
         assert _outputs(got) == _outputs(ref), f"bio+tbik diverged at TP {tp}, batch size {bs}"
 
@@ -69,10 +69,10 @@ def test_bio_is_not_tp_invariant(smollm, prompts, capsys):
     K = 1536 in chunks of 384, exactly TP 4's rank-order sum, so TP 4 happened to agree with TP 1 there
     while TP 2 and 8 did not. The counts are reported; at least one TP size must diverge."""
     ids, pids = prompts
-    one = LocalEngine(smollm.path, "bio", 1).generate(ids[:4], pids[:4], GREEDY, batch_size=4)
+    one = local_engine(smollm, "bio", 1).generate(ids[:4], pids[:4], GREEDY, batch_size=4)
     report = {
         tp: _diverging(
-            one, LocalEngine(smollm.path, "bio", tp, emulated=True).generate(ids[:4], pids[:4], GREEDY, batch_size=4)
+            one, local_engine(smollm, "bio", tp, emulated=True).generate(ids[:4], pids[:4], GREEDY, batch_size=4)
         )
         for tp in (2, 4, 8)
     }
@@ -88,7 +88,7 @@ def test_bf16_negative_control(smollm, prompts, capsys):
     """bf16 at batch sizes 1 vs 8/16/32: reports how many prompts diverge (measured on the 2-core AVX2 CI
     CPU: 7 of 8 at each batch size: oneDNN's bf16 GEMM and SDPA change with the batch shape)."""
     ids, pids = prompts
-    eng = LocalEngine(smollm.path, "bf16", 1)
+    eng = local_engine(smollm, "bf16", 1)
     ref = eng.generate(ids[:8], pids[:8], GREEDY, batch_size=1)
     report = {bs: _diverging(eng.generate(ids[:bs], pids[:bs], GREEDY, batch_size=bs)[:8], ref) for bs in (8, 16, 32)}
     msg = "bf16 negative control, prompts (of 8) whose greedy tokens/logprobs differ from batch size 1: " + ", ".join(

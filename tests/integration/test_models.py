@@ -103,10 +103,10 @@ def test_local_checkpoint_and_errors(tiny_qwen3, tmp_path):
     (tmp_path / "gpt").mkdir()
     (tmp_path / "gpt" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     # the built-in engine's architecture check (vLLM decides for itself): not resolve_model's
-    from detaudit.engine.model import ModelConfig
+    from detaudit.builtin.arch import ModelConfig
 
     with pytest.raises(DetauditError, match="not supported"):
-        ModelConfig.from_dir(tmp_path / "gpt")
+        ModelConfig.from_dict(models.read_config(tmp_path / "gpt"))
 
 
 def test_corrupt_prepared_model_is_refused(smollm, tmp_path, monkeypatch):
@@ -128,15 +128,15 @@ def test_engine_matches_transformers_on_the_real_model(smollm):
     """The built-in engine in fp32 against transformers on the embedded model: transformers scores the
     engine's greedy continuation; log-probabilities agree to fp32 accuracy and every greedy choice is
     transformers' argmax (or within fp32 noise of a tie)."""
+    from helpers import local_engine
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from detaudit.config import DecodingParams
-    from detaudit.engine.local import LocalEngine
 
     tok = AutoTokenizer.from_pretrained(smollm.path)
     enc = tok.apply_chat_template([{"role": "user", "content": "What is 7 times 8?"}], add_generation_prompt=True)
     ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-    gen = LocalEngine(smollm.path, "bf16", 1, dtype="float32").generate(
+    gen = local_engine(smollm, "bf16", 1, dtype="float32").generate(
         [ids], ["p"], DecodingParams(greedy=True, max_new_tokens=40), 1
     )[0]
     hf = AutoModelForCausalLM.from_pretrained(smollm.path, dtype=torch.float32).eval()

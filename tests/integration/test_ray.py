@@ -161,16 +161,15 @@ def test_ctrl_c_kills_actors_removes_placement_groups_and_stops_ray(smollm):
     """KeyboardInterrupt in the driver once a group's actor and placement group exist: both are gone before
     the executor shuts down the Ray runtime it started, and no Ray process is left."""
     ray = pytest.importorskip("ray")
+    from helpers import engine_options
+
     from detaudit.config import DecodingParams
-    from detaudit.engines import EngineOptions
-    from detaudit.executors import CellJob, Group
+    from detaudit.executors import CellGroup, CellJob
     from detaudit.executors.ray import RayExecutor
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    opts = EngineOptions(model_path=smollm.path, backend="bio+tbik", tp=2)
-    groups = [
-        Group("builtin", opts, DecodingParams(greedy=True, max_new_tokens=2), [CellJob("c1", 1, ["p"], [[1, 2]], "c1")])
-    ]
+    opts = engine_options(smollm, "bio+tbik", 2)
+    groups = [CellGroup(opts, DecodingParams(greedy=True, max_new_tokens=2), [CellJob("c1", 1, ["p"], [[1, 2]], "c1")])]
     ex = RayExecutor(num_cpus=2)
     seen: dict = {}
     real_shutdown = ex._shutdown

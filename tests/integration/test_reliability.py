@@ -42,7 +42,7 @@ def _workers() -> list[psutil.Process]:
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if any("detaudit.engine.worker" in part for part in p.cmdline()):
+            if any("detaudit.builtin.rank" in part for part in p.cmdline()):
                 out.append(p)
         except psutil.Error:
             pass

@@ -1,5 +1,6 @@
 """End to end on the embedded model, through the CLI: real TP over gloo on 2 cores, the backends,
-analysis. Small settings (2 smoke prompts, a few new tokens) keep CI fast; the full grids are in reports/."""
+analysis. Small settings (2 smoke prompts, a few new tokens) keep CI fast; the full grids are `make audit`
+and reports/cpu-smoke."""
 
 from __future__ import annotations
 
@@ -7,13 +8,12 @@ import json
 
 import pytest
 import torch
-from helpers import cli_json
+from helpers import builtin_engine, cli_json
 from typer.testing import CliRunner
 
+from detaudit.builtin.local import cpu_cores
 from detaudit.cli import app
 from detaudit.config import DecodingParams
-from detaudit.engine import open_engine
-from detaudit.engine.local import cpu_cores
 from detaudit.inputs import tokenizer_for
 from detaudit.suites import load_suite, prompt_token_ids
 
@@ -30,9 +30,9 @@ def test_real_tp_matches_tp1_on_the_real_model_fp32(smollm):
     ids = [prompt_token_ids(tok, p) for p in suite.prompts]
     pids = [p.id for p in suite.prompts]
     dec = DecodingParams(greedy=True, max_new_tokens=8)
-    ref = open_engine(smollm.path, "bf16", 1, dtype="float32").generate(ids, pids, dec, 3)
+    ref = builtin_engine(smollm, "bf16", 1, dtype="float32").generate(ids, pids, dec, 3)
     for tp in (2, 4, 8):
-        eng = open_engine(smollm.path, "bf16", tp, "real", dtype="float32")
+        eng = builtin_engine(smollm, "bf16", tp, "real", dtype="float32")
         try:
             got = eng.generate(ids, pids, dec, 3)
             assert eng.describe()["threads_per_rank"] == max(1, cpu_cores() // tp)  # cores split over ranks

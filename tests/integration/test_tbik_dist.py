@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from detaudit.engine import dist
+from detaudit.builtin import dist
 
 pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
 

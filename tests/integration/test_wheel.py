@@ -1,5 +1,5 @@
 """detaudit installed from its wheel, outside this repository, finds its built-in suites and runs a
-sweep (issue 20, point 1): the suites are package data found through importlib.resources, not files
+sweep: the suites are package data found through importlib.resources, not files
 beside the source tree.
 
 The wheel goes into a fresh venv. To avoid reinstalling torch & co. (no network is needed), the new

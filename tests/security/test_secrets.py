@@ -1,4 +1,4 @@
-"""Issue 24, defect 4: no secret from the environment lands in a run directory.
+"""No secret from the environment lands in a run directory.
 
 Manifests are committed and shared; they used to record every VLLM_* / NCCL_* / TORCH_* / CUDA_* /
 DETAUDIT_* variable verbatim (`VLLM_API_KEY` included). Now one function, `fingerprint.knob_env`,

@@ -1,6 +1,6 @@
 """Suite templates are untrusted input (task files are downloaded and shared like data): they render
 in Jinja2's immutable sandbox, and a template that reaches for Python internals fails with one line and
-exit 2 through `suites show` and `sweep`, before it can do anything (issue 24, point 1)."""
+exit 2 through `suites show` and `sweep`, before it can do anything."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-"""The built-in engine's reading of config.json (`detaudit.engine.arch`): transformers' defaults and
+"""The built-in engine's reading of config.json (`detaudit.builtin.arch`): transformers' defaults and
 spellings, and every field it does not implement refused by name."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from detaudit.engine.arch import ModelConfig
+from detaudit.builtin.arch import ModelConfig
 from detaudit.errors import DetauditError
 
 BASE = {
@@ -64,15 +62,22 @@ def test_unimplemented_fields_are_refused_by_name(model_type, over, field):
     assert field in str(e.value) and "\n" not in str(e.value)
 
 
-def test_from_dir_errors_are_one_line(tmp_path):
-    with pytest.raises(DetauditError, match="no config.json"):
-        ModelConfig.from_dir(tmp_path)
+def test_config_errors_are_one_line(tmp_path):
+    from detaudit.config import ModelRef
+    from detaudit.models import read_config
+
+    with pytest.raises(DetauditError, match="cannot read config.json"):
+        read_config(tmp_path)
     (tmp_path / "config.json").write_text("{")
-    with pytest.raises(DetauditError, match="malformed"):
-        ModelConfig.from_dir(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    with pytest.raises(DetauditError, match="missing or malformed field 'num_attention_heads'"):
-        ModelConfig.from_dir(tmp_path)
+    with pytest.raises(DetauditError, match="cannot read config.json"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(DetauditError, match="not a JSON object"):
+        read_config(tmp_path)
+    ref = ModelRef("m", tmp_path, "llama", "", {"model_type": "llama", "hidden_size": 64})
+    with pytest.raises(DetauditError, match="missing or malformed field 'num_attention_heads'") as e:
+        ModelConfig.of(ref)
+    assert "\n" not in str(e.value)
 
 
 def test_both_rope_spellings_read_alike():

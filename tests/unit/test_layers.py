@@ -11,17 +11,17 @@ def test_the_package_respects_its_layers():
 
 def test_an_upward_import_and_a_cycle_are_found(tmp_path):
     pkg = tmp_path / "detaudit"
-    (pkg / "engine").mkdir(parents=True)
+    (pkg / "builtin").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "errors.py").write_text("from detaudit.cli import app\n")  # layer 0 importing the CLI
     (pkg / "cli.py").write_text("from detaudit import errors\n")
-    (pkg / "engine" / "__init__.py").write_text("")
-    (pkg / "engine" / "a.py").write_text("from detaudit.engine import b\n")
-    (pkg / "engine" / "b.py").write_text("def f():\n    from .a import x\n")
+    (pkg / "builtin" / "__init__.py").write_text("")
+    (pkg / "builtin" / "a.py").write_text("from detaudit.builtin import b\n")
+    (pkg / "builtin" / "b.py").write_text("def f():\n    from .a import x\n")
     problems = check(pkg)
     assert "detaudit.errors (layer 0: errors) imports detaudit.cli (layer 9: cli)" in problems
     assert "import cycle: detaudit.cli -> detaudit.errors -> detaudit.cli" in problems
-    assert "import cycle: detaudit.engine.a -> detaudit.engine.b -> detaudit.engine.a" in problems
+    assert "import cycle: detaudit.builtin.a -> detaudit.builtin.b -> detaudit.builtin.a" in problems
 
 
 def test_cycles_reports_each_once():

@@ -16,7 +16,7 @@ from detaudit import metrics
 from detaudit.errors import DetauditError
 from detaudit.gate import load_policy, parse_policy
 from detaudit.metrics import MetricSpec, default_tolerances, gateable, shown, spec, summary_columns
-from detaudit.report import summary_rows
+from detaudit.render import summary_rows
 
 from .test_analyze import diverging_bf16, invariant_cells, make_run
 

@@ -62,9 +62,9 @@ def test_cached_hub_id_resolves_offline(tiny_qwen3, hf_home):
     # the blob names stand in for hashing the weights: the same checksum as the same files in a directory
     assert ref.checksum == models.resolve_model(str(tiny_qwen3)).checksum
     # and the built-in engine runs it
-    from detaudit.engine.local import LocalEngine
+    from helpers import local_engine
 
-    assert LocalEngine(ref.path, "bf16", 1, dtype="float32").model.cfg.model_type == "qwen3"
+    assert local_engine(ref, "bf16", 1, dtype="float32").model.cfg.model_type == "qwen3"
 
 
 def test_hf_hub_cache_and_revision(tiny_qwen3, tmp_path, monkeypatch):
@@ -122,8 +122,8 @@ def test_not_a_hub_id(spec, hf_home):
 
 def test_resolution_does_not_judge_the_architecture(tiny_qwen3, tmp_path, hf_home):
     """Which architectures run is the engine's call (`--engine vllm` runs what vLLM runs): a checkpoint of an
-    architecture the built-in engine lacks still resolves, and `ModelConfig.from_dir` refuses it by name."""
-    from detaudit.engine.model import ModelConfig
+    architecture the built-in engine lacks still resolves, and `ModelConfig.of` refuses it by name."""
+    from detaudit.builtin.arch import ModelConfig
 
     gpt = tmp_path / "gpt"
     gpt.mkdir()
@@ -132,7 +132,7 @@ def test_resolution_does_not_judge_the_architecture(tiny_qwen3, tmp_path, hf_hom
     fake_hub_cache(hf_home / "hub", "org/gpt", gpt)
     assert models.resolve_model("org/gpt").architecture == "GPT2LMHeadModel"
     with pytest.raises(DetauditError, match="model_type 'gpt2' is not supported by the built-in engine"):
-        ModelConfig.from_dir(models.resolve_model("org/gpt").path)
+        ModelConfig.of(models.resolve_model("org/gpt"))
 
 
 def test_cli_missing_hub_id_exits_2_with_one_line(hf_home, tmp_path):

@@ -12,9 +12,9 @@ from rich.console import Console
 from detaudit.analyze import analyze
 from detaudit.errors import DetauditError
 from detaudit.metrics import fmt_div, fmt_unique
-from detaudit.report import command, render_summary, summary_rows, summary_table, write_reports
-from detaudit.report.html import agreement_figure, divergence_figure
-from detaudit.report.markdown import render_markdown
+from detaudit.render import command, render_summary, summary_rows, summary_table, write_reports
+from detaudit.render.html import agreement_figure, divergence_figure
+from detaudit.render.markdown import render_markdown
 
 from .test_analyze import BF16, TBIK, diverging_bf16, invariant_cells, make_run, p32
 

@@ -1,6 +1,5 @@
 """One-launch GPU kernels for the decoder's per-token ops, which eager PyTorch runs as dozens of small
-kernels per layer (reports/gpu/eager-host-cost-h100.md: about 60 ops per layer at 18-30 us of host
-time each, the eager decode step's cost):
+kernels per layer (the engine's GPU fast path, `builtin.ops.FusedOps`):
 
 - `rms_norm`: residual add (optional) and RMSNorm of each row, one program per row. Both GPU
   backends' RMSNorm *is* this kernel (a definition, not a copy of the op-by-op bits): a row's sum of
@@ -127,8 +126,6 @@ if triton is not None:
         sq,
         sk,
         sv,
-        k_off,
-        v_off,
         inv_d,
         eps,
         D: tl.constexpr,
@@ -152,19 +149,19 @@ if triton is not None:
         else:
             j = h - HQ
             slot = tl.load(slot_ptr + row * HKV + j)
-            x1, x2 = _head(k_ptr + k_off + row * sk + j * D, kw_ptr, lo, inv_d, eps, NORM, D, HALF, DT)
+            x1, x2 = _head(k_ptr + row * sk + j * D, kw_ptr, lo, inv_d, eps, NORM, D, HALF, DT)
             tl.store(kc_ptr + slot * D + lo, _rot(x1, c1, -x2, s1, DT))
             tl.store(kc_ptr + slot * D + HALF + lo, _rot(x2, c2, x1, s2, DT))
             full = tl.arange(0, D)
-            tl.store(vc_ptr + slot * D + full, tl.load(v_ptr + v_off + row * sv + j * D + full))
+            tl.store(vc_ptr + slot * D + full, tl.load(v_ptr + row * sv + j * D + full))
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, sg, su, u_off, BLOCK: tl.constexpr, EXPF: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, sg, su, BLOCK: tl.constexpr, EXPF: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
         g = tl.load(g_ptr + row * sg + offs, mask=inside, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + u_off + row * su + offs, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * su + offs, mask=inside, other=0.0).to(tl.float32)
         DT: tl.constexpr = o_ptr.dtype.element_ty
         if EXPF:  # CUDA's accurate expf, as PyTorch's silu calls it
             e = libdevice.exp(-g)
@@ -226,93 +223,41 @@ def _inverse(n: int) -> float:
     return float(torch.tensor(1.0, dtype=torch.float32) / n)
 
 
-def _fits(out: Tensor, shape: tuple, dtype: torch.dtype) -> Tensor:
-    """`out` as a kernel's output buffer: contiguous, of `shape` and `dtype` (the layout the launch plans
-    were made for), or ValueError."""
-    if not (out.is_contiguous() and out.shape == shape and out.dtype == dtype):
-        raise ValueError(
-            f"output buffer {tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()}) "
-            f"does not fit a {tuple(shape)} {dtype} result"
-        )
-    return out
-
-
-def _norm_outputs(x: Tensor, delta: Tensor | None, out: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
-    """`rms_norm`'s (normed, sum) buffers, of x's shape and dtype: `out`'s, checked, or new ones (without a
-    delta the sum is not written: the normed buffer stands in for it)."""
-    if out is None:
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        return y, (torch.empty(x.shape, dtype=x.dtype, device=x.device) if delta is not None else y)
-    y = _fits(out[0], x.shape, x.dtype)
-    return y, (_fits(out[1], x.shape, x.dtype) if delta is not None else y)
-
-
-def rms_norm(
-    x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None, out: tuple[Tensor, Tensor] | None = None
-) -> tuple[Tensor, Tensor | None]:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """RMSNorm over the last dim of `x` (+ `delta`, when given: the residual sum, in x's dtype) ->
-    (normed, the sum or None). fp32 statistics; the result and the sum in x's dtype. `out`: (normed, sum)
-    buffers to write instead of allocating (contiguous, x's shape and dtype; neither may overlap x or
-    delta); the sum's is unused without a delta."""
-    fast = None
-    if x.is_cuda and _plain_rows(x) and (delta is None or _plain_rows(delta)):  # the engine's calls: no views
-        fast = (
-            x.shape,
-            x.stride(0),
-            x.dtype,
-            None if delta is None else (delta.stride(0), delta.dtype),
-            weight.data_ptr() & 15,
-            weight.dtype,
-            eps,
-            x.device.index,
-        )
-        plan = _RMS_FAST.get(fast)
-        if plan is not None:
-            y, s = _norm_outputs(x, delta, out)
-            if delta is None:
-                plan(x.device.index, x, x, y, y, weight)
-                return y, None
-            plan(x.device.index, x, delta, s, y, weight)
-            return y, s
+    (normed, the sum or None). fp32 statistics; the result and the sum in x's dtype."""
     x2 = _rows(x)
     n = x2.shape[1]
     d2 = _rows(delta) if delta is not None else x2
-    y_out, s_out = _norm_outputs(x, delta, out)  # x's shape; the kernel writes them as [rows, N]
-    y, s = y_out.view(x2.shape), s_out.view(x2.shape)
-    if not x2.shape[0]:
-        return y_out, (s_out if delta is not None else None)
-    block = min(MAX_BLOCK, triton.next_power_of_2(n))
-    inv_n = _inverse(n)
-    key = None
-    if x.is_cuda:
-        key = (
-            x2.shape,
-            x2.stride(),
-            d2.stride(),
-            d2.dtype,
-            x.dtype,
-            weight.dtype,
-            float(eps),
-            delta is not None,
-            x.device.index,
-            *_aligned(x2, d2, s, y, weight),
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty_like(y) if delta is not None else y  # (without a delta the sum is not written)
+    if x2.shape[0]:
+        key = None
+        if x.is_cuda:
+            key = (
+                x2.shape,
+                x2.stride(),
+                d2.stride(),
+                d2.dtype,
+                x.dtype,
+                weight.dtype,
+                float(eps),
+                delta is not None,
+                x.device.index,
+                *_aligned(x2, d2, s, y, weight),
+            )
+        _run(
+            _RMS,
+            key,
+            _rms_norm_kernel,
+            (x2.shape[0],),
+            (x2, d2, s, y, weight, n, x2.stride(0), d2.stride(0), s.stride(0), y.stride(0), _inverse(n), float(eps)),
+            dict(HAS_DELTA=delta is not None, BLOCK=min(MAX_BLOCK, triton.next_power_of_2(n))),
+            (0, 1, 2, 3, 4),
+            (x2, d2, s, y, weight),
+            x.device.index if x.is_cuda else 0,
         )
-    _run(
-        _RMS,
-        key,
-        _rms_norm_kernel,
-        (x2.shape[0],),
-        (x2, d2, s, y, weight, n, x2.stride(0), d2.stride(0), s.stride(0), y.stride(0), inv_n, float(eps)),
-        dict(HAS_DELTA=delta is not None, BLOCK=block),
-        (0, 1, 2, 3, 4),
-        (x2, d2, s, y, weight),
-        x.device.index if x.is_cuda else 0,
-    )
-    if fast is not None and key in _RMS and not (s.data_ptr() & 15 or y.data_ptr() & 15):
-        _RMS_FAST[fast] = _RMS[key]  # (launch.MAX_PLANS bounds _RMS; this one follows the same keys)
-        if len(_RMS_FAST) > launch.MAX_PLANS:
-            _RMS_FAST.clear()
-    return y_out, (s_out if delta is not None else None)
+    return y.view(x.shape), (s.view(x.shape) if delta is not None else None)
 
 
 def rope_store(
@@ -335,132 +280,23 @@ def rope_store(
     eps): each head RMS-normed first (Qwen3's q_norm / k_norm), with `rms_norm`'s bits for rows of D."""
     d = head_dim
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return _rope(
-        q, k, v, 0, 0, q.shape[1] // d, k.shape[1] // d, cos, sin, k_cache, v_cache, slots, batch, tokens, d, norms
-    )
-
-
-def rope_store_qkv(
-    qkv: Tensor,
-    hq: int,
-    hkv: int,
-    cos: Tensor,
-    sin: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slots: Tensor,
-    batch: int,
-    tokens: int,
-    head_dim: int,
-    norms: tuple[Tensor, Tensor, float] | None = None,
-    out: Tensor | None = None,
-) -> Tensor:
-    """`rope_store` of q, k, v given side by side as the columns of one product qkv[B*T, (HQ + 2 HKV) * D]
-    (unit-stride rows): the kernel reads each part at its column offset, so no slice views are made (the
-    same loads, the same bits). `out`: the rotated q's buffer ([B, HQ, T, D] contiguous) instead of a new one."""
-    if qkv.stride(-1) != 1:
-        qkv = qkv.contiguous()
-    return _rope(
-        qkv,
-        qkv,
-        qkv,
-        hq * head_dim,
-        (hq + hkv) * head_dim,
-        hq,
-        hkv,
-        cos,
-        sin,
-        k_cache,
-        v_cache,
-        slots,
-        batch,
-        tokens,
-        head_dim,
-        norms,
-        out,
-    )
-
-
-def _rope(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    k_off: int,
-    v_off: int,
-    hq: int,
-    hkv: int,
-    cos: Tensor,
-    sin: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slots: Tensor,
-    batch: int,
-    tokens: int,
-    d: int,
-    norms: tuple[Tensor, Tensor, float] | None,
-    out: Tensor | None = None,
-) -> Tensor:
+    hq, hkv = q.shape[1] // d, k.shape[1] // d
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rope_store writes rows of contiguous caches")  # (the kernel addresses slot * D)
     if not (cos.is_contiguous() and sin.is_contiguous()):
         cos, sin = cos.contiguous(), sin.contiguous()
-    if out is None:
-        out = torch.empty((batch, hq, tokens, d), dtype=q.dtype, device=q.device)
-    else:
-        _fits(out, (batch, hq, tokens, d), q.dtype)
+    out = torch.empty((batch, hq, tokens, d), dtype=q.dtype, device=q.device)
     qw, kw, eps = norms if norms is not None else (q, k, 0.0)
+    tensors = (q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw)
     key = None
     if q.is_cuda:
-        key = (
-            batch,
-            tokens,
-            hq,
-            hkv,
-            d,
-            q.stride(0),
-            k.stride(0),
-            v.stride(0),
-            k_off,
-            v_off,
-            q.dtype,
-            q.device.index,
-            norms is not None,
-            float(eps),
-            *_aligned(q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw),
-        )
-    _run(
-        _ROPE,
-        key,
-        _rope_store_kernel,
-        (batch * tokens, hq + hkv),
-        (
-            q,
-            k,
-            v,
-            cos,
-            sin,
-            k_cache,
-            v_cache,
-            slots,
-            out,
-            qw,
-            kw,
-            tokens,
-            hq,
-            hkv,
-            q.stride(0),
-            k.stride(0),
-            v.stride(0),
-            k_off,
-            v_off,
-            _inverse(d),
-            float(eps),
-        ),
-        dict(D=d, HALF=d // 2, NORM=norms is not None),
-        tuple(range(11)),
-        (q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw),
-        q.device.index if q.is_cuda else 0,
-    )
+        strides = (q.stride(0), k.stride(0), v.stride(0))
+        key = (batch, tokens, hq, hkv, d, *strides, q.dtype, q.device.index, norms is not None, float(eps))
+        key += _aligned(*tensors)
+    args = (*tensors, tokens, hq, hkv, q.stride(0), k.stride(0), v.stride(0), _inverse(d), float(eps))
+    grid = (batch * tokens, hq + hkv)
+    meta = dict(D=d, HALF=d // 2, NORM=norms is not None)
+    _run(_ROPE, key, _rope_store_kernel, grid, args, meta, tuple(range(11)), tensors, q.device.index or 0)
     return out
 
 
@@ -470,46 +306,29 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     gate, up = (
         t if t.dim() == 2 and t.stride(-1) == 1 else t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up)
     )
-    return _silu(gate, up, 0, gate.shape[1])
-
-
-def silu_mul_halves(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
-    """`silu_mul` of the two halves of gate_up[M, 2N] (unit-stride rows), read at their column offsets
-    without slice views: the same loads, the same bits. `out`: an [M, N] contiguous buffer to write."""
-    if gate_up.dim() != 2 or gate_up.stride(-1) != 1:
-        gate_up = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
-    n = gate_up.shape[1] // 2
-    return _silu(gate_up, gate_up, n, n, out)
-
-
-def _silu(gate: Tensor, up: Tensor, u_off: int, n: int, out: Tensor | None = None) -> Tensor:
-    m = gate.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
-    else:
-        _fits(out, (m, n), gate.dtype)
+    m, n = gate.shape
+    out = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
     if not out.numel():
         return out
-    key = (
-        (m, n, u_off, gate.stride(0), up.stride(0), gate.dtype, gate.device.index, *_aligned(gate, up, out))
-        if gate.is_cuda
-        else None
-    )
+    key = None
+    if gate.is_cuda:
+        key = (m, n, gate.stride(0), up.stride(0), gate.dtype, gate.device.index, *_aligned(gate, up, out))
+    args = (gate, up, out, n, gate.stride(0), up.stride(0))
+    meta = dict(BLOCK=SILU_BLOCK, EXPF=gate.is_cuda)
     _run(
         _SILU,
         key,
         _silu_mul_kernel,
         (m, triton.cdiv(n, SILU_BLOCK)),
-        (gate, up, out, n, gate.stride(0), up.stride(0), u_off),
-        dict(BLOCK=SILU_BLOCK, EXPF=gate.is_cuda),
+        args,
+        meta,
         (0, 1, 2),
         (gate, up, out),
-        gate.device.index if gate.is_cuda else 0,
+        gate.device.index or 0,
     )
     return out
 
 
 _RMS: dict[tuple, launch.Launch] = {}
-_RMS_FAST: dict[tuple, launch.Launch] = {}
 _ROPE: dict[tuple, launch.Launch] = {}
 _SILU: dict[tuple, launch.Launch] = {}

@@ -35,7 +35,7 @@ try:  # Gluon is experimental in Triton; where it is missing the Triton kernels 
 except ImportError:  # pragma: no cover - depends on the install
     gluon = None
 
-# Measured on an H100 (reports/gpu/gluon-tree-h100.md): BLOCK_K = 64 with 6 buffers (192 KB of shared
+# Measured on an H100: BLOCK_K = 64 with 6 buffers (192 KB of shared
 # memory) beat BLOCK_K = 128 with 3; 128 x 256 tiles do not fit the tree's registers.
 CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NB=6, GROUP_M=8, num_warps=8)
 

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from detaudit.analyze import Analysis
 from detaudit.metrics import definitions
-from detaudit.report import (
+from detaudit.render import (
     EMULATED_NOTE,
     cell_rows,
     command,

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import gc
 import os
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from detaudit.backends import get_backend
-from detaudit.backends.base import Group
-from detaudit.config import DecodingParams
-from detaudit.engine.generate import Generator
-from detaudit.engine.layers import TPContext
-from detaudit.engine.model import Decoder
+from detaudit.backends.base import ProcessGroup
+from detaudit.builtin.generate import Generator
+from detaudit.builtin.layers import TPContext
+from detaudit.builtin.model import Decoder
+from detaudit.config import DecodingParams, EngineOptions
 from detaudit.records import Generation, ProgressFn
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def cpu_core_ids() -> list[int]:
@@ -37,34 +34,32 @@ def chunks(n: int, size: int) -> list[range]:
 
 
 class LocalEngine:
+    """The built-in engine in this process: TP 1, emulated TP (every rank's shards here), or one rank of
+    real TP (`group`: its process group; `device`: its GPU)."""
+
     def __init__(
         self,
-        model_path: Path,
-        backend: str,
-        tp: int = 1,
+        options: EngineOptions,
         *,
-        emulated: bool = False,
         rank: int = 0,
-        group: Group | None = None,
-        dtype: str = "bfloat16",
-        device: str = "cpu",
-        eos_ids: Sequence[int] = (),
+        group: ProcessGroup | None = None,
+        device: str | None = None,
         threads: int | None = None,
-        cuda_graphs: bool = True,
     ) -> None:
+        s = options.settings
         self.threads = threads or cpu_cores()
-        if not device.startswith("cuda"):
+        if not s.cuda:
             torch.set_num_threads(self.threads)
-        self.backend = get_backend(backend)
-        self.tp, self.emulated, self.rank = tp, emulated, rank
-        self.device = torch.device(device)
-        self.ctx = TPContext(self.backend, tp, rank, emulated, group, DTYPES[dtype])
+        self.backend = get_backend(options.backend)
+        self.tp, self.emulated, self.rank = options.tp, options.emulated, rank
+        self.device = torch.device(device or s.device)
+        self.ctx = TPContext(self.backend, options.tp, rank, self.emulated, group, getattr(torch, s.dtype))
         with self.backend.activate():
-            self.model = Decoder(Path(model_path), self.ctx, self.device)
-        # decode from CUDA graphs on a GPU: TP 1, emulated TP, and every rank of real TP (the all-reduce,
-        # NCCL's all-gather for bio / bio+tbik, is captured into each rank's graph)
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.generator = Generator(self.model, eos_ids, cuda_graphs=self.cuda_graphs)
+            self.model = Decoder(options.model, self.ctx, self.device)
+        # decode from CUDA graphs on a GPU: TP 1, emulated TP, and every rank of real TP (the all-reduce is
+        # captured into each rank's graph)
+        self.cuda_graphs = s.cuda_graphs and self.device.type == "cuda"
+        self.generator = Generator(self.model, options.eos_ids, cuda_graphs=self.cuda_graphs)
         self.last_timings: dict = {}  # summed over the chunks of the last generate call
 
     def generate(
@@ -74,7 +69,9 @@ class LocalEngine:
         decoding: DecodingParams,
         batch_size: int,
         progress: ProgressFn | None = None,
+        **load,
     ) -> list[Generation]:
+        """`load` (a server engine's background load and prompt texts) means nothing here."""
         out: list[Generation] = []
         totals: dict = {}
         with self.backend.activate():
@@ -97,6 +94,7 @@ class LocalEngine:
     def describe(self) -> dict:
         return {
             "engine": "builtin",
+            "ops": type(self.model.ops).__name__,
             "tp": self.tp,
             "tp_mode": "emulated" if self.emulated else "real",
             "threads_per_rank": self.threads if self.device.type == "cpu" else None,

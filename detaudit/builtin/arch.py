@@ -18,10 +18,9 @@ Nothing here imports torch: the sweep can run the check before any model work.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from detaudit.config import ModelRef
 from detaudit.errors import DetauditError
 
 ARCHITECTURES = {  # model_type -> the transformers class whose computation the engine reproduces
@@ -74,21 +73,14 @@ class ModelConfig:
     windows: tuple[int | None, ...] = ()  # per layer: sliding-window size, or None for full attention
 
     @classmethod
-    def from_dir(cls, path: Path) -> "ModelConfig":
-        """The built-in engine's reading of `path/config.json`; DetauditError (one line, naming the field)
-        for anything it does not compute exactly as transformers does."""
+    def of(cls, model: ModelRef) -> "ModelConfig":
+        """The built-in engine's reading of the checkpoint's config.json (`model.config`); DetauditError
+        (one line, naming the field) for anything it does not compute exactly as transformers does."""
+        where = f"{model.path}/config.json"
         try:
-            raw = json.loads((Path(path) / "config.json").read_text())
-        except FileNotFoundError:
-            raise DetauditError(f"model directory {path} has no config.json") from None
-        except (OSError, json.JSONDecodeError) as e:
-            raise DetauditError(f"{path}/config.json is malformed: {e}") from None
-        if not isinstance(raw, dict):
-            raise DetauditError(f"{path}/config.json is malformed: not a JSON object")
-        try:
-            return cls.from_dict(raw, f"{path}/config.json")
-        except (KeyError, TypeError, ValueError) as e:
-            raise DetauditError(f"{path}/config.json: missing or malformed field {e}") from None
+            return cls.from_dict(model.config, where)
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise DetauditError(f"{where}: missing or malformed field {str(e)[:80]}") from None
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json") -> "ModelConfig":

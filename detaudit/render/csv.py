@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from detaudit.analyze import Analysis
-from detaudit.report import published_frame, write_file
+from detaudit.render import published_frame, write_file
 
 
 def agreement_long(analysis: Analysis) -> pd.DataFrame:

@@ -14,9 +14,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from detaudit.builtin.graphs import DecodeStep, eager_step, graphed_step
+from detaudit.builtin.model import Decoder
 from detaudit.config import DecodingParams, request_seed
-from detaudit.engine.graphs import Step, eager_step, graphed_step
-from detaudit.engine.model import Decoder
 from detaudit.records import Generation, ProgressFn
 
 
@@ -39,10 +39,9 @@ class _Clock:
 
 def settle_gc() -> None:
     """Collect, then move every object alive now out of the cyclic collector's reach (`gc.freeze`, as vLLM
-    does once start-up is done). Eager decode on a GPU is host-bound, and a full collection in the decode
-    loop walks every object torch, transformers and Triton keep (200k+): on the H100 host, bf16 eager
-    decode at batch 8 went from 13.0 to 8.9 ms per step with the objects frozen (reports/gpu/eager-host-cost-h100.md).
-    Objects frozen stay freed by reference counting; `LocalEngine.close` unfreezes."""
+    does once start-up is done): a full collection inside the decode loop would walk every object torch,
+    transformers and Triton keep (200k+), a pause of milliseconds in a loop that issues a step every few
+    milliseconds. Frozen objects are still freed by reference counting; `LocalEngine.close` unfreezes."""
     gc.collect()
     gc.freeze()
 
@@ -72,9 +71,9 @@ class Generator:
         self.device = model.device
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         self.timings: dict[str, float] = {}  # of the last generate call: prefill_s, capture_s, decode_s, ...
-        self._graphs: dict[int, tuple[list[tuple[Tensor, Tensor]], Step]] = {}  # batch -> (cache, graphed step)
+        self._graphs: dict[int, tuple[list[tuple[Tensor, Tensor]], DecodeStep]] = {}  # batch -> (cache, graphed step)
 
-    def _decode_setup(self, batch: int, needed: int) -> tuple[list[tuple[Tensor, Tensor]], Step | None]:
+    def _decode_setup(self, batch: int, needed: int) -> tuple[list[tuple[Tensor, Tensor]], DecodeStep | None]:
         """A KV cache of at least `needed` slots and, with CUDA graphs, the graphed step over it. A batch
         size's cache and graph are reused while they are long enough (slots another batch left behind sit
         past every query's position: masked), and replaced by a longer pair (`_slots`) when not. Eager

@@ -185,15 +185,15 @@ def write_reports(analysis: Analysis, out_dir: str | Path, formats: Sequence[str
         raise DetauditError(f"cannot create report directory {out}: {e.strerror}") from None
     written: list[Path] = []
     if "md" in formats:
-        from detaudit.report.markdown import write_markdown
+        from detaudit.render.markdown import write_markdown
 
         written.append(write_markdown(analysis, out / "report.md"))
     if "csv" in formats:
-        from detaudit.report.csv import write_csv
+        from detaudit.render.csv import write_csv
 
         written += write_csv(analysis, out)
     if "html" in formats:
-        from detaudit.report.html import write_html
+        from detaudit.render.html import write_html
 
         written.append(write_html(analysis, out / "report.html"))
     return written

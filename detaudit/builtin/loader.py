@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from detaudit.engine.layers import TPContext
+from detaudit.builtin.layers import TPContext
+from detaudit.config import ModelRef
 from detaudit.errors import DetauditError
 
 
@@ -76,10 +77,10 @@ class ShardLoader:
         return out
 
 
-def open_weights(path: Path, ctx: TPContext, device: torch.device):
+def open_weights(model: ModelRef, ctx: TPContext, device: torch.device):
     """The checkpoint's safetensors, or a synthetic model's seeded random weights (`detaudit.synthetic`)."""
     from detaudit import synthetic
 
-    if synthetic.is_synthetic(path):
-        return synthetic.RandomWeights(path, ctx, device)
-    return ShardLoader(path, ctx, device)
+    if synthetic.is_synthetic(model.path):
+        return synthetic.RandomWeights(model.path, model.config, ctx, device)
+    return ShardLoader(model.path, ctx, device)

@@ -16,26 +16,24 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from detaudit.engine.model import Decoder
+from detaudit.builtin.model import Decoder
 
 # (tokens [B], positions [B], kv_len) -> (logits, logprobs); kv_len: the caller's host-side furthest
 # position + 1 (the CPU eager step attends that many slots; GPU steps attend the whole cache)
-Step = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
+DecodeStep = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
 
 
-def eager_step(model: Decoder, cache: list[tuple[Tensor, Tensor]]) -> Step:
+def eager_step(model: Decoder, cache: list[tuple[Tensor, Tensor]]) -> DecodeStep:
     whole = cache[0][0].shape[2] if model.device.type == "cuda" else None
 
     def step(tokens: Tensor, positions: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-        logits = model.logits(
-            model.hidden(tokens[:, None], positions[:, None], cache, whole or kv_len, keep_buffers=True)
-        )[:, 0]
+        logits = model.logits(model.hidden(tokens[:, None], positions[:, None], cache, whole or kv_len))[:, 0]
         return logits, model.ctx.backend.log_softmax(logits)
 
     return step
 
 
-def graphed_step(model: Decoder, cache: list[tuple[Tensor, Tensor]], batch: int, pad_id: int) -> Step:
+def graphed_step(model: Decoder, cache: list[tuple[Tensor, Tensor]], batch: int, pad_id: int) -> DecodeStep:
     """Capture one decode step of `batch` requests over `cache` (every slot attended, masked past each
     query's position) into a CUDA graph. Warm-up and capture write a pad token's K/V into the last cache
     slot, which no earlier position can see and a real token overwrites before it is read."""

@@ -1,16 +1,19 @@
-"""Real TP: the tool launches one worker process per rank (gloo on CPU, NCCL on GPU, one GPU per
-rank) and drives them over pipes. Workers start once per (backend, TP) and serve every cell of it.
+"""Engines in worker processes, driven over pipes: the built-in engine's real-TP ranks (one process per
+rank) and vLLM's offline engine (one process hosting it, which runs its own ranks).
+
+The controller (`WorkerPool`) starts N processes running `python -m ENTRY RANK SIZE PORT FD LISTEN_FD`,
+where ENTRY is the engine's own worker module (`detaudit.builtin.rank`, `detaudit.vllm.host`), and sends
+each one the group's `EngineOptions` whole (pickled over the pipe). The worker module calls `serve`,
+which builds its engine from those options and answers generate / score / describe / timings calls.
 
 Failure handling: a worker that dies fails the command at once; a worker that sends no progress for
-`hang_timeout` seconds fails it too. Either way every worker is killed (no orphans: workers also
-die with their parent through PR_SET_PDEATHSIG) and the next command restarts the pool.
+`hang_timeout` seconds fails it too. Either way every worker is killed (no orphans: workers also die
+with their parent through PR_SET_PDEATHSIG) and the next call reopens the engine.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib
-import json
 import os
 import shutil
 import signal
@@ -20,15 +23,15 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable
 
-from detaudit.config import DecodingParams
-from detaudit.engine.local import cpu_cores
 from detaudit.errors import CellFailed
 from detaudit.records import Generation, ProgressFn
 
 FAULT_ENV = "DETAUDIT_FAULT_INJECT"  # tests: "crash:RANK" or "hang:RANK" (at the first generate)
+
+
+# ---- the worker side -------------------------------------------------------------------------------
 
 
 def _die_with_parent() -> None:
@@ -52,46 +55,24 @@ def _inject_fault(rank: int) -> None:
             time.sleep(60)
 
 
-def _entry() -> None:
-    """`python -c 'from detaudit.engine.worker import _entry; _entry()' RANK SIZE PORT FD LISTEN_FD SPEC`.
+def worker_args() -> tuple[int, int, int, Connection, int]:
+    """(rank, size, port, pipe, listen fd) of this worker, from the command line `WorkerPool` gave it.
     LISTEN_FD: rank 0's inherited store socket, listening on 127.0.0.1:PORT (-1 on other ranks)."""
     rank, size, port, fd, listen_fd = (int(a) for a in sys.argv[1:6])
-    _worker_main(rank, size, port, Connection(fd), json.loads(sys.argv[6]), listen_fd)
+    return rank, size, port, Connection(fd), listen_fd
 
 
-def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict, listen_fd: int = -1) -> None:
+def serve(rank: int, conn: Connection, open_engine: Callable[[Any, dict], Any]) -> None:
+    """A worker's life: receive ("open", (options, extra)), build the engine with `open_engine(options,
+    extra)`, answer calls until "close". Errors are reported to the controller (first line + a short
+    traceback) and end the process with a non-zero code."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller handles Ctrl-C and kills us
-    os.environ["OMP_NUM_THREADS"] = str(spec["threads"])
-    group = None  # the process group this rank joins (none where the process hosts another engine)
+    engine = None
     try:
-        import torch
-
-        from detaudit.engine import dist
-        from detaudit.engine.local import LocalEngine
-
-        device = f"cuda:{rank}" if spec["device"].startswith("cuda") else "cpu"
-        if spec.get("host"):  # one process hosting another engine (e.g. vLLM), which runs its own TP workers
-            os.environ.update(spec.get("env", {}))
-            module, _, factory = spec["host"].partition(":")
-            engine: Any = getattr(importlib.import_module(module), factory)(spec)
-        else:
-            if device != "cpu":
-                torch.cuda.set_device(rank)
-            torch.set_num_interop_threads(1)
-            group = dist.init(rank, size, port, device, listen_fd=listen_fd)
-            engine = LocalEngine(
-                Path(spec["model_path"]),
-                spec["backend"],
-                size,
-                rank=rank,
-                group=group,
-                dtype=spec["dtype"],
-                device=device,
-                eos_ids=spec["eos_ids"],
-                threads=spec["threads"],
-                cuda_graphs=spec.get("cuda_graphs", True),
-            )
+        cmd, (options, extra) = conn.recv()
+        assert cmd == "open", cmd
+        engine = open_engine(options, extra)
         conn.send(("ready", engine.describe()))
         while True:
             cmd, payload = conn.recv()
@@ -100,7 +81,8 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict, 
             if cmd == "generate":
                 _inject_fault(rank)
                 progress = (lambda n: conn.send(("progress", n))) if rank == 0 else None
-                res: Any = engine.generate(*payload, progress=progress)
+                args, kwargs = payload
+                res: Any = engine.generate(*args, progress=progress, **kwargs)
             elif cmd == "score":
                 res = engine.score(*payload)
             elif cmd == "describe":
@@ -111,7 +93,6 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict, 
                 raise ValueError(f"unknown command {cmd}")
             conn.send(("result", res if rank == 0 else None))
         engine.close()
-        dist.shutdown(group)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass
     except BaseException as e:  # report, then exit non-zero
@@ -122,93 +103,86 @@ def _worker_main(rank: int, size: int, port: int, conn: Connection, spec: dict, 
         os._exit(1)
 
 
-class DistEngine:
-    """Controller for C worker processes; same interface as LocalEngine."""
+# ---- the controller --------------------------------------------------------------------------------
+
+
+class WorkerPool:
+    """N worker processes serving one engine; the Engine interface.
+
+    `entry`: the worker module (run with -m); `extra`: what each worker gets beside the options (threads,
+    ...); `rank0_socket`: a listening socket rank 0 inherits (the process group's store); `log`: a file
+    for the workers' own output (default: this process's); `remove_on_close`: a directory of the engine's
+    (logs, markers) removed on a clean close and kept after a failure, whose message names it;
+    `hosted`: one process hosting an engine whose description changes per call (vLLM's knobs); `label`:
+    what the workers are called in failure messages."""
 
     def __init__(
         self,
-        model_path: Path,
-        backend: str,
-        tp: int,
+        entry: str,
+        options: Any,
+        nprocs: int,
         *,
-        dtype: str = "bfloat16",
-        device: str = "cpu",
-        eos_ids: Sequence[int] = (),
-        hang_timeout: float = 300.0,
+        hang_timeout: float,
+        extra: dict | None = None,
+        env: dict[str, str] | None = None,
+        rank0_socket: socket.socket | None = None,
+        log: str | None = None,
+        remove_on_close: str | None = None,
+        hosted: bool = False,
+        label: str = "TP worker",
         start_timeout: float = 600.0,
-        host: dict | None = None,
-        cuda_graphs: bool = True,
     ) -> None:
-        """`host`: instead of one worker per rank, start one process that hosts another engine, which
-        runs its own TP workers: `{"host": "module:factory", "env": {...}, "log": FILE, ...}`; the worker
-        calls `factory(spec)` with this engine's spec merged with `host`."""
-        from detaudit.engine.dist import listen_socket
-
-        self.tp = tp
-        self.hang_timeout = hang_timeout
-        self.hosted = host is not None
-        self.keep_log = False  # set when a failure's message names the host's log file
-        threads = max(1, cpu_cores() // tp) if not device.startswith("cuda") else 1
-        self.spec = dict(
-            model_path=str(model_path),
-            backend=backend,
-            dtype=dtype,
-            device=device,
-            eos_ids=list(eos_ids),
-            threads=threads,
-            tp=tp,
-            cuda_graphs=cuda_graphs,
-            **(host or {}),
-        )
-        nprocs = 1 if self.hosted else tp
-        # rank 0's store socket: bound to 127.0.0.1 here, before any worker starts, and inherited by
-        # rank 0 only (no free-port race, nothing listens on another interface)
-        store_sock = None if self.hosted else listen_socket()
-        port = store_sock.getsockname()[1] if store_sock else 0
+        self.hang_timeout, self.label = hang_timeout, label
+        self.log, self.remove_on_close, self.hosted = log, remove_on_close, hosted
+        self.keep_log = False  # set when a failure's message names the log
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        port = rank0_socket.getsockname()[1] if rank0_socket is not None else 0
         try:
             for r in range(nprocs):
                 parent, child = socket.socketpair()
-                fds = (child.fileno(),) + ((store_sock.fileno(),) if store_sock and r == 0 else ())
+                fds = (child.fileno(),) + ((rank0_socket.fileno(),) if rank0_socket is not None and r == 0 else ())
                 listen_fd = fds[1] if len(fds) > 1 else -1
-                code = "from detaudit.engine.worker import _entry; _entry()"
                 argv = [
                     sys.executable,
-                    "-c",
-                    code,
+                    "-m",
+                    entry,
                     str(r),
                     str(nprocs),
                     str(port),
                     str(child.fileno()),
                     str(listen_fd),
-                    json.dumps(self.spec),
                 ]
-                log = open(host["log"], "ab") if host and host.get("log") else None  # vLLM's own chatter
-                p = subprocess.Popen(argv, pass_fds=fds, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-                if log is not None:
-                    log.close()
+                out = open(log, "ab") if log else None
+                p = subprocess.Popen(
+                    argv,
+                    pass_fds=fds,
+                    env={**os.environ, **(env or {})},
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                )
+                if out is not None:
+                    out.close()
                 child.close()
                 self.procs.append(p)
-                self.conns.append(Connection(parent.detach()))
-            if store_sock is not None:
-                store_sock.close()  # rank 0 holds it now
-                store_sock = None
+                conn = Connection(parent.detach())
+                self.conns.append(conn)
+                conn.send(("open", (options, extra or {})))
+            if rank0_socket is not None:
+                rank0_socket.close()  # rank 0 holds it now
+                rank0_socket = None
             self._describe = self._collect("ready", start_timeout)[0]
         except BaseException:
-            if store_sock is not None:
-                store_sock.close()
+            if rank0_socket is not None:
+                rank0_socket.close()
             self.keep_log = True
             self.close()
             raise
 
     def _who(self, r: int) -> str:
-        if self.hosted:
-            return f"vLLM engine process (log: {self.spec.get('log')})"
-        return f"TP worker rank {r}"
+        return f"{self.label} (log: {self.log})" if self.hosted else f"{self.label} rank {r}"
 
-    # ---- protocol
     def _collect(self, expect: str, timeout: float, progress: ProgressFn | None = None) -> list[Any]:
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
@@ -216,7 +190,7 @@ class DistEngine:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise CellFailed(f"TP worker hung: no progress for {timeout:.0f} s (workers killed)")
+                raise CellFailed(f"{self.label} hung: no progress for {timeout:.0f} s (workers killed)")
             ready = wait(list(pending.values()), timeout=min(0.5, left))
             for r, p in enumerate(self.procs):
                 if p.poll() is not None and not (r in pending and pending[r].poll()):
@@ -243,9 +217,9 @@ class DistEngine:
                     del pending[r]
         return [results[r] for r in range(len(self.conns))]
 
-    def _call(self, cmd: str, payload: tuple, progress: ProgressFn | None = None) -> Any:
+    def _call(self, cmd: str, payload: Any, progress: ProgressFn | None = None) -> Any:
         if not self.procs:
-            raise CellFailed("TP workers are not running")
+            raise CellFailed("the engine's worker processes are not running")
         try:
             for c in self.conns:
                 c.send((cmd, payload))
@@ -255,23 +229,23 @@ class DistEngine:
             self.close()
             raise
 
-    def generate(
-        self, prompts, prompt_ids, decoding: DecodingParams, batch_size: int, progress: ProgressFn | None = None
-    ) -> list[Generation]:
-        return self._call("generate", (list(map(list, prompts)), list(prompt_ids), decoding, batch_size), progress)
+    def generate(self, prompts, prompt_ids, decoding, batch_size: int, progress: ProgressFn | None = None, **load):
+        args = (list(map(list, prompts)), list(prompt_ids), decoding, batch_size)
+        out: list[Generation] = self._call("generate", (args, load), progress)
+        return out
 
     def score(self, prompts, continuations, batch_size: int) -> list[list[float]]:
         return self._call("score", (list(map(list, prompts)), list(map(list, continuations)), batch_size))
 
     @property
     def last_timings(self) -> dict:
-        """Rank 0's timings of the last generate call (empty for a hosted engine)."""
+        """Rank 0's timings of the last generate call."""
         return self._call("timings", ())
 
     def describe(self) -> dict:
-        if self.hosted:  # knobs are known once vLLM is built for a batch size
+        if self.hosted:
             return self._call("describe", ())
-        return {**self._describe, "workers": self.tp}
+        return {**self._describe, "workers": len(self.procs)}
 
     def close(self) -> None:
         for c in self.conns:
@@ -292,6 +266,5 @@ class DistEngine:
         for c in self.conns:
             c.close()
         self.procs, self.conns = [], []
-        log = self.spec.get("log")
-        if log and not self.keep_log:  # the vLLM host's marker + log directory
-            shutil.rmtree(os.path.dirname(log), ignore_errors=True)
+        if self.remove_on_close and not self.keep_log:
+            shutil.rmtree(self.remove_on_close, ignore_errors=True)

@@ -16,7 +16,7 @@ from matplotlib.ticker import MaxNLocator
 from detaudit import __version__
 from detaudit.analyze import Analysis
 from detaudit.metrics import MIN_CELLS, definitions, spec
-from detaudit.report import (
+from detaudit.render import (
     EMULATED_NOTE,
     cell_label,
     cell_rows,

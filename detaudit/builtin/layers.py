@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from detaudit.backends.base import Backend, Group
-from detaudit.backends.kernels import fused
+from detaudit.backends.base import Backend, ProcessGroup
 
 
 @dataclass
@@ -26,7 +25,7 @@ class TPContext:
     size: int  # C, the TP size
     rank: int  # this process's rank (0 in emulated mode)
     emulated: bool
-    group: Group | None = None
+    group: ProcessGroup | None = None
     dtype: torch.dtype = torch.bfloat16
 
     @property
@@ -36,88 +35,86 @@ class TPContext:
 
 
 class ColumnParallelLinear:
-    """A bias, when the layer has one, is sharded with the weight's output dim and added to each shard's
-    output (elementwise: batch and TP invariant)."""
+    """Several column-parallel projections that read the same input (q / k / v, gate / up), returned
+    as a tuple. `parts[p][r]` is part p's weight shard for the r-th rank this process holds; a bias,
+    where the layer has one, is sharded with the weight's output dim and added to each shard's output
+    (elementwise: batch and TP invariant).
 
-    def __init__(self, shards: list[Tensor], ctx: TPContext, bias: list[Tensor] | None = None) -> None:
-        self.shards = shards
+    With `merge`, each rank's parts are one product (as serving engines' QKVParallelLinear /
+    MergedColumnParallelLinear) and the parts are column slices of it: a column's bits do not depend on
+    how many columns share the product under the invariant backends (their reduction never follows the
+    tiling), so merging changes only bf16's library GEMM problem, as it does in a serving engine."""
+
+    def __init__(self, parts: list[list[Tensor]], ctx: TPContext, biases: list[list[Tensor]] | None, merge: bool):
         self.ctx = ctx
-        self.bias = bias
+        self.widths = [shards[0].shape[0] for shards in parts]
+        ranks = range(len(parts[0]))
+        if merge:  # one [sum of widths, K] weight (and bias) per rank
+            self.weights = [[torch.cat([shards[r] for shards in parts])] for r in ranks]
+            self.biases = None if biases is None else [[torch.cat([b[r] for b in biases])] for r in ranks]
+        else:  # per rank, one weight per part
+            self.weights = [[shards[r] for shards in parts] for r in ranks]
+            self.biases = None if biases is None else [[b[r] for b in biases] for r in ranks]
 
-    def __call__(self, x: Tensor) -> Tensor:
-        outs = [self.ctx.backend.linear(x, w) for w in self.shards]
-        if self.bias is not None:
-            outs = [o + b for o, b in zip(outs, self.bias)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    def _rank(self, x: Tensor, r: int) -> list[Tensor]:
+        """Rank r's outputs, one per part (column slices of one product where merged)."""
+        linear = self.ctx.backend.linear
+        outs = [linear(x, w) for w in self.weights[r]]
+        if self.biases is not None:
+            outs = [o + b for o, b in zip(outs, self.biases[r])]
+        if len(outs) == len(self.widths):
+            return outs
+        return list(outs[0].split(self.widths, dim=-1))
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
+        per_rank = [self._rank(x, r) for r in range(len(self.weights))]
+        if len(per_rank) == 1:
+            return tuple(per_rank[0])
+        return tuple(torch.cat(shards, dim=-1) for shards in zip(*per_rank))
 
 
 class RowParallelLinear:
     """A bias (replicated, whole) is added exactly once, to the reduced output: after the combine /
     all-reduce, the same elementwise add on every rank and at every TP size, so a TP-invariant reduction
-    (bio+tbik) stays TP invariant."""
+    (bio+tbik) stays TP invariant.
+
+    The output is the layer's residual `delta`, which the next add + RMSNorm rounds to the model dtype
+    before adding (`ops`). At TP 1 in process without a bias that rounding *is* the combine (a backend's
+    combine of one partial is the partial cast to the model dtype: `backends/base.py`), so the partial
+    itself is returned: one cast kernel fewer per layer, the same bits."""
 
     def __init__(self, shards: list[Tensor], ctx: TPContext, name: str, bias: Tensor | None = None) -> None:
         self.shards = shards
         self.ctx = ctx
         self.name = name
         self.bias = bias
-        # where `rounded=False` may return the partial itself (see __call__), decided once
-        self._partial_is_delta = (
-            bias is None
-            and ctx.group is None
-            and ctx.size == 1
-            and fused.usable(shards[0])
-            and getattr(ctx.backend, "ONE_PARTIAL_IS_A_CAST", False)
-        )
 
-    def __call__(self, x: Tensor, rounded: bool = True) -> Tensor:
-        """The layer's output in the model dtype. With `rounded=False` the caller takes the output as a
-        residual `delta` to a fused add + RMSNorm (`kernels.fused.rms_norm`), which rounds it to the model
-        dtype before adding; at TP 1 in process on GPU, without a bias, where the backend's combine of one
-        partial is that rounding (`ONE_PARTIAL_IS_A_CAST`), the partial is returned as it is: one cast
-        kernel fewer per layer, the same bits."""
-        if not rounded and self._partial_is_delta:
-            return self.ctx.backend.row_partial(x, self.shards[0], 1, name=self.name)
-        out = self._reduced(x)
-        return out if self.bias is None else out + self.bias
-
-    def _reduced(self, x: Tensor) -> Tensor:
-        ctx = self.ctx
-        b = ctx.backend
+    def __call__(self, x: Tensor) -> Tensor:
+        ctx, b = self.ctx, self.ctx.backend
         if ctx.emulated:
             k = self.shards[0].shape[1]
             partials = [
                 b.row_partial(x[..., i * k : (i + 1) * k], w, ctx.size, name=self.name)
                 for i, w in enumerate(self.shards)
             ]
-            return b.combine(partials, ctx.dtype)
-        partial = b.row_partial(x, self.shards[0], ctx.size, name=self.name)
-        if ctx.group is None:  # TP 1 in process; a TP-1 process group (DETAUDIT_TP1_GROUP) all-reduces
-            assert ctx.size == 1
-            return b.combine([partial], ctx.dtype)
-        return b.all_reduce(partial, ctx.group, ctx.dtype)
+            out = b.combine(partials, ctx.dtype)
+        else:
+            partial = b.row_partial(x, self.shards[0], ctx.size, name=self.name)
+            if ctx.group is None:  # TP 1 in process (a TP-1 process group, DETAUDIT_TP1_GROUP, all-reduces)
+                if self.bias is None:
+                    return partial
+                out = b.combine([partial], ctx.dtype)
+            else:
+                out = b.all_reduce(partial, ctx.group, ctx.dtype)
+        return out if self.bias is None else out + self.bias
 
 
 class RMSNorm:
-    def __init__(self, weight: Tensor, eps: float, backend: Backend) -> None:
+    """The weight and epsilon of one RMSNorm; how it runs (with the residual add) is `ops`' choice."""
+
+    def __init__(self, weight: Tensor, eps: float) -> None:
         self.weight = weight
         self.eps = eps
-        self.backend = backend
-        self._fused = getattr(backend, "FUSED_RMS_NORM", False) and fused.usable(weight)  # (x is on weight's device)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return self.backend.rms_norm(x, self.weight, self.eps)
-
-    def add(self, x: Tensor, delta: Tensor | None, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """The residual sum s = x + delta (x itself when delta is None; delta rounded to x's dtype first)
-        and the normed s: (normed, s). On GPU, where the backend's RMSNorm is the fused kernel
-        (`FUSED_RMS_NORM`), that kernel computes both (into `out`'s (normed, s) buffers where given: the
-        engine's kept decode buffers); otherwise the add, then the backend's RMSNorm (`out` unused)."""
-        if self._fused:
-            y, s = fused.rms_norm(x, self.weight, self.eps, delta, out)
-            return y, (x if s is None else s)
-        s = x if delta is None else x + delta.to(x.dtype)
-        return self.backend.rms_norm(s, self.weight, self.eps), s
 
 
 class Rotary:

@@ -1,0 +1,84 @@
+"""How the decoder's per-token steps run: `TorchOps`, the reference (PyTorch ops around the backend's
+reductions), or `FusedOps`, the GPU fast path (one Triton kernel per step). One of the two is chosen
+once, when the model loads (`choose`); the decoder's code is the same for both, and so are the bits
+(tests/gpu and the interpreter checks compare the kernels with the PyTorch ops they replace).
+
+The steps:
+- `add_norm(x, delta, norm)`: the residual sum s = x + delta (delta rounded to x's dtype first; x
+  itself before the first layer) and its RMSNorm: (normed, s);
+- `rope_store(q, k, v, step, cache, qk_norm)`: Qwen3's per-head q / k RMSNorm (`qk_norm`), the rotary
+  embedding of q and k, and the writes of k and v into the cache rows `step.slots`; returns q as
+  [B, Hq, T, D];
+- `silu_mul(gate, up)`: silu(gate) * up.
+
+With `merge_projections` the column-parallel layers compute q / k / v (and gate / up) as one product
+per rank, as serving engines do on GPUs.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from detaudit.backends.base import Backend
+from detaudit.backends.kernels import fused
+from detaudit.builtin.layers import RMSNorm, apply_rotary
+
+
+class TorchOps:
+    merge_projections = False
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def add_norm(self, x: Tensor, delta: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Tensor]:
+        s = x if delta is None else x + delta.to(x.dtype)
+        return self.backend.rms_norm(s, norm.weight, norm.eps), s
+
+    def rope_store(self, q: Tensor, k: Tensor, v: Tensor, step, cache, qk_norm: tuple | None) -> Tensor:
+        B, T, d = step.B, step.T, step.head_dim
+        q, k = q.reshape(B, T, -1, d), k.reshape(B, T, -1, d)
+        if qk_norm is not None:
+            qw, kw, eps = qk_norm
+            q, k = self.backend.rms_norm(q, qw, eps), self.backend.rms_norm(k, kw, eps)
+        q = apply_rotary(q.transpose(1, 2), step.cos, step.sin)
+        k = apply_rotary(k.transpose(1, 2), step.cos, step.sin)
+        k_cache, v_cache = cache
+        k_cache.view(-1, d).index_copy_(0, step.slots, k.transpose(1, 2).reshape(-1, d))
+        v_cache.view(-1, d).index_copy_(0, step.slots, v.reshape(-1, d))
+        return q
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        return F.silu(gate) * up
+
+
+class FusedOps(TorchOps):
+    """The same steps as one Triton kernel each (`backends/kernels/fused.py`): the add + RMSNorm is the
+    backend's own GPU RMSNorm kernel (`FUSED_ROW_OPS`), the rotary and silu kernels round where the
+    PyTorch ops round."""
+
+    merge_projections = True
+
+    def add_norm(self, x: Tensor, delta: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Tensor]:
+        y, s = fused.rms_norm(x, norm.weight, norm.eps, delta)
+        return y, (x if s is None else s)
+
+    def rope_store(self, q: Tensor, k: Tensor, v: Tensor, step, cache, qk_norm: tuple | None) -> Tensor:
+        k_cache, v_cache = cache
+        return fused.rope_store(
+            q, k, v, step.cos, step.sin, k_cache, v_cache, step.slots, step.B, step.T, step.head_dim, qk_norm
+        )
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        return fused.silu_mul(gate, up)
+
+
+def choose(backend: Backend, device, head_dim: int) -> TorchOps:
+    """`FusedOps` where its kernels run (a CUDA device, Triton installed, a head size the rotary kernel
+    takes) and the backend's GPU row ops are those kernels; `TorchOps` otherwise."""
+    import torch
+
+    probe = torch.empty(0, device=device)
+    if getattr(backend, "FUSED_ROW_OPS", False) and fused.rope_usable(probe, head_dim):
+        return FusedOps(backend)
+    return TorchOps(backend)
