@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("suites", "models", "backends", "runs"),
     ("engine",),
     ("vllm", "server"),
-    ("engines", "analyze"),
+    ("engines", "analyze", "diff"),
     ("executors", "inputs", "report"),
     ("gate",),
     ("sweep", "align", "merge", "bench"),
