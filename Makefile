@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make audit   set up, then run the default sweep on the embedded model and print the table
-#   make test    set up, then run the test suite (what CI runs)
+#   make test    set up, then ruff (lint and format check) and the test suite (what CI runs)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.detaudit-installed
@@ -30,6 +30,8 @@ audit: setup
 	$(VENV)/bin/detaudit sweep --output-path runs/default
 
 test: setup-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 clean:

@@ -19,11 +19,16 @@ def models_dir() -> Path:
 
 
 def builtin_suites_dir() -> Path:
-    """The built-in suite YAML files: package data (`detaudit/data/suites/`), found through
-    `importlib.resources` so that editable and wheel installs find them the same way."""
+    """The built-in suite YAML files. They live in the repository's `suites/`; a wheel ships that folder
+    as `detaudit/builtin_suites/` (setup.py maps it), found through `importlib.resources`. A source
+    checkout (editable install, PYTHONPATH) has no such folder inside the package and reads `suites/`
+    beside it."""
     from importlib.resources import files
 
-    return Path(str(files("detaudit") / "data" / "suites"))
+    packaged = files("detaudit").joinpath("builtin_suites")
+    if packaged.is_dir():
+        return Path(str(packaged))
+    return Path(__file__).resolve().parent.parent / "suites"
 
 
 def data_dir(explicit: str | os.PathLike | None = None) -> Path | None:

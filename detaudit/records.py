@@ -9,9 +9,12 @@ from. Log-probabilities are of the model's raw distribution (temperature 1), in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
+import numpy as np
 import pyarrow as pa
+
+from detaudit.errors import DetauditError
 
 ProgressFn = Callable[[int], None]  # an engine calls it with the number of tokens just produced
 
@@ -62,3 +65,111 @@ SCHEMA = pa.schema(
 
 OPTIONAL_COLUMNS = ("repeat",)  # newer than some cell files: not required when reading
 COLUMNS = [f.name for f in SCHEMA if f.name not in OPTIONAL_COLUMNS]
+
+
+# ---------------------------------------------------------------- bitwise comparison of two cells' records
+
+# Every numeric field of a record, in the order differences at one position are reported.
+NUMERIC_FIELDS = ("output_token_ids", "token_logprobs", "topk_ids", "topk_logprobs", "tf_token_logprobs")
+
+
+@dataclass(frozen=True)
+class RecordDifference:
+    """Where two records first differ. `field` is a NUMERIC_FIELDS name, or "record" when the prompt
+    (and repeat) is in one cell only (`position` None). `position` is the output position (for
+    tf_token_logprobs: the position in the reference continuation)."""
+
+    field: str
+    prompt_id: str
+    position: int | None
+    repeat: int = 0
+
+
+def _bits(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(the values as integers, floats by their bit patterns: a NaN equals the same NaN, 0.0 differs
+    from -0.0; their validity). Null entries read as 0 and are told apart by the validity."""
+    a = values.to_numpy(zero_copy_only=False)
+    if a.dtype.kind == "f":
+        a = a.view(np.dtype(f"u{a.dtype.itemsize}"))
+    if values.null_count == 0:
+        return a, np.ones(len(a), dtype=bool)
+    valid = values.is_valid().to_numpy(zero_copy_only=False)
+    return np.where(valid, a, 0), valid
+
+
+def _layout(value: pa.Scalar) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A list value as (number of values at each position, flat values, their validity): one per
+    position for a list of numbers, the inner list's length for top-k (-1 for a null inner list)."""
+    inner = value.values
+    if isinstance(inner, pa.ListArray):
+        valid = inner.is_valid().to_numpy(zero_copy_only=False)
+        widths = np.where(valid, inner.value_lengths().fill_null(0).to_numpy(), -1).astype(np.int64)
+        return (widths, *_bits(inner.flatten()))
+    return (np.ones(len(inner), dtype=np.int64), *_bits(inner))
+
+
+def first_position(a: pa.Scalar, b: pa.Scalar) -> int | None:
+    """The first position at which two values of one list field differ bitwise (a null value differs
+    from any list at position 0; a strict prefix where it ends), or None when they are equal."""
+    if not a.is_valid or not b.is_valid:
+        return None if a.is_valid == b.is_valid else 0
+    (wa, va, ma), (wb, vb, mb) = _layout(a), _layout(b)
+    n = min(len(wa), len(wb))
+    split = np.flatnonzero(wa[:n] != wb[:n])
+    same_shape = int(split[0]) if split.size else n  # positions before it hold as many values on both sides
+    offsets = np.concatenate([[0], np.cumsum(np.maximum(wa[:same_shape], 0))])
+    end = int(offsets[-1])
+    diff = np.flatnonzero((va[:end] != vb[:end]) | (ma[:end] != mb[:end]))
+    if diff.size:
+        return int(np.searchsorted(offsets, diff[0], side="right") - 1)
+    return same_shape if same_shape < n or len(wa) != len(wb) else None
+
+
+def record_key(prompt_id: object, prompt_index: object, repeat: object) -> tuple[str, int]:
+    """How the records of two cells are matched: prompt id (`#index` without one) and repeat."""
+    return (f"#{prompt_index}" if prompt_id is None else str(prompt_id)), int(repeat or 0)
+
+
+def records_by_key(table: pa.Table) -> dict[tuple[str, int], int]:
+    """Record key -> row number, in (prompt index, repeat) order. Two records with one key make a
+    corrupt cell: matching them to another cell's would hide one of them."""
+    get = lambda c: table.column(c).to_pylist() if c in table.column_names else [None] * table.num_rows  # noqa: E731
+    ids, index, repeat = get("prompt_id"), get("prompt_index"), get("repeat")
+    keys = [record_key(*k) for k in zip(ids, index, repeat)]
+    rows: dict[tuple[str, int], int] = {}
+    for i in sorted(range(len(keys)), key=lambda i: (index[i] if index[i] is not None else -1, keys[i][1], i)):
+        if keys[i] in rows:
+            raise DetauditError(f"a cell holds two records of prompt {keys[i][0]} (repeat {keys[i][1]})")
+        rows[keys[i]] = i
+    return rows
+
+
+def record_differences(
+    a: pa.Table, b: pa.Table, fields: tuple[str, ...] = NUMERIC_FIELDS
+) -> Iterator[RecordDifference]:
+    """Each record that differs between two cells, bitwise in `fields`, with its first difference: the
+    earliest position, the first of `fields` at that position. Records in `a`'s prompt order, then the
+    ones only `b` holds."""
+    rows_a, rows_b = records_by_key(a), records_by_key(b)
+    cols = {f: (a.column(f), b.column(f)) for f in fields if f in a.column_names and f in b.column_names}
+    missing = [f for f in fields if f not in cols and (f in a.column_names or f in b.column_names)]
+    for key, i in rows_a.items():
+        j = rows_b.get(key)
+        if j is None:
+            yield RecordDifference("record", key[0], None, key[1])
+            continue
+        found = [(0, f) for f in missing]  # a field one cell records and the other does not
+        for f, (ca, cb) in cols.items():
+            pos = first_position(ca[i], cb[j])
+            if pos is not None:
+                found.append((pos, f))
+        if found:
+            pos, f = min(found, key=lambda pf: (pf[0], fields.index(pf[1])))
+            yield RecordDifference(f, key[0], pos, key[1])
+    for key in (k for k in rows_b if k not in rows_a):
+        yield RecordDifference("record", key[0], None, key[1])
+
+
+def first_difference(a: pa.Table, b: pa.Table, fields: tuple[str, ...] = NUMERIC_FIELDS) -> RecordDifference | None:
+    """The first place two cells' records differ bitwise (see `record_differences`), or None: equal."""
+    return next(record_differences(a, b, fields), None)

@@ -2,7 +2,8 @@
 
 A suite is an lm-evaluation-harness task file, read as lm-eval reads it (`detaudit.suite_yaml` parses
 it and says which keys are used, ignored or refused). The built-in suites (`smoke`, `aime24`, `amc23`)
-are package data in `detaudit/data/suites/`; any other YAML is passed by path.
+live in the repository's `suites/` (shipped in the wheel as package data); any other YAML is passed
+by path.
 
     task: aime24                       # the suite name (also used in cell ids and file names)
     dataset_path: HuggingFaceH4/aime_2024   # or json / csv / parquet with dataset_kwargs.data_files

@@ -66,7 +66,7 @@ _ls(
     suites_app,
     _suites,
     ["name", "source", "dataset_path", "needs_data_dir", "description"],
-    "List the built-in suites (package data: detaudit/data/suites).",
+    "List the built-in suites (suites/ of the repository, package data in a wheel).",
 )
 _ls(
     backends_app,

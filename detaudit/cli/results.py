@@ -1,7 +1,9 @@
-"""`detaudit analyze`, `report`, `gate`, `merge`: reading and combining run directories."""
+"""`detaudit analyze`, `report`, `gate`, `merge`, `diff`: reading, combining and comparing run directories."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -112,3 +114,72 @@ def merge(
     out.print(f"merged {len(run_dirs)} run(s): {len(merged.cells)} cells ({done} done) -> {output_path}")
     if merged.mixed_hardware:
         err.print("[yellow]warning:[/] mixed hardware: " + " / ".join(merged.hardware_keys))
+
+
+@handle_errors
+def diff(
+    run_a: Annotated[Path, typer.Argument(metavar="RUN_A", help="Run directory A (e.g. before an upgrade).")],
+    run_b: Annotated[Path, typer.Argument(metavar="RUN_B", help="Run directory B (e.g. after it).")],
+    json_: JsonOpt = False,
+):
+    """Compare two runs cell by cell, bitwise: exit 0 when every cell completed in both is equal, 1 when
+    any differs (first differing field, prompt and position listed), 2 on bad input."""
+    from detaudit.diff import diff_runs
+
+    result = diff_runs(run_a, run_b)
+    if json_:
+        print_json(result.to_dict())
+    else:
+        sys.stdout.write(render_diff(result))
+    raise typer.Exit(0 if result.equal else 1)
+
+
+def render_diff(result) -> str:
+    """The comparison as markdown: manifest differences, then one row per cell, then the verdict."""
+    from detaudit.metrics import DASH, fmt_div, fmt_num
+    from detaudit.render.markdown import md_table
+
+    def value(v) -> str:
+        s = v if isinstance(v, str) else json.dumps(v, default=str)
+        return s if len(s) <= 80 else s[:77] + "..."
+
+    def where(d) -> str:
+        if d is None:
+            return DASH
+        if d.field == "record":
+            return f"prompt {d.prompt_id} in one cell only"
+        return f"{d.field}, prompt {d.prompt_id}{f' repeat {d.repeat}' if d.repeat else ''}, position {d.position}"
+
+    lines = [f"A: {result.a}", f"B: {result.b}", "", "## Manifest differences", ""]
+    if result.manifest:
+        rows = [[f, value(a), value(b)] for f, a, b in result.manifest]
+        lines.append(md_table(["field", "A", "B"], rows, text={"field", "A", "B"}))
+    else:
+        lines.append("None in the compared fields.")
+    header = [
+        "cell",
+        "status",
+        "prompts",
+        "records differing",
+        "outputs differing",
+        "first divergence",
+        "max-prob div ×1e-3",
+        "first difference",
+    ]
+    rows = [
+        [c.cell, c.status]
+        + (
+            [str(c.prompts), str(c.records_differ), str(c.outputs_differ), fmt_num(c.first_divergence)]
+            + [fmt_div(c.maxprob_div), where(c.first_difference)]
+            if c.status in ("equal", "differs")
+            else [DASH] * 6
+        )
+        for c in result.cells
+    ]
+    lines += ["", "## Cells", "", md_table(header, rows, text={"status", "first difference"}), ""]
+    compared, differ = result.compared, [c for c in result.compared if c.status == "differs"]
+    single = len(result.cells) - len(compared)
+    verdict = f"{len(compared) - len(differ)} of {len(compared)} cells completed in both runs are bitwise equal"
+    verdict += f", {len(differ)} differ{'s' if len(differ) == 1 else ''}" if differ else ""
+    verdict += f"; {single} cell(s) completed in one run only" if single else ""
+    return "\n".join(lines + [verdict + ".", ""])

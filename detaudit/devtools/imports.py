@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("suites", "models", "backends", "runs"),
     ("builtin",),
     ("vllm", "server"),
-    ("engines", "analyze"),
+    ("engines", "analyze", "diff"),
     ("executors", "inputs", "render"),
     ("gate",),
     ("sweep", "align", "merge", "bench"),

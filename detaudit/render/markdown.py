@@ -4,7 +4,7 @@ the full summary, the cells, and how the run was made."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 from detaudit.analyze import Analysis
 from detaudit.metrics import definitions
@@ -36,10 +36,10 @@ PUBLISHED = (  # the published tables: (title, what it shows, summary column)
 )
 
 
-def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub table; text columns left-aligned, numbers right-aligned."""
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]], text: Collection[str] = ()) -> str:
+    """A GitHub table; text columns (the report's, and `text`) left-aligned, numbers right-aligned."""
     esc = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    align = ["---" if is_text(h) else "---:" for h in header]
+    align = ["---" if is_text(h) or h in text else "---:" for h in header]
     lines = ["| " + " | ".join(esc(h) for h in header) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)

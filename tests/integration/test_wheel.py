@@ -1,6 +1,6 @@
 """detaudit installed from its wheel, outside this repository, finds its built-in suites and runs a
-sweep: the suites are package data found through importlib.resources, not files
-beside the source tree.
+sweep: the repository's suites/ ships inside the wheel as package data, found through
+importlib.resources, not as files beside the source tree.
 
 The wheel goes into a fresh venv. To avoid reinstalling torch & co. (no network is needed), the new
 venv sees the test venv's site-packages through a `.pth` line; a plain path line does not process the
@@ -36,9 +36,10 @@ def wheel_venv(tmp_path_factory) -> tuple[Path, dict, Path, Path]:
     # build from a copy of the project files, so the build leaves no build/ or egg-info in the tree
     src = tmp / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(REPO / name, src / name)
-    shutil.copytree(REPO / "detaudit", src / "detaudit", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("detaudit", "suites"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     _run(

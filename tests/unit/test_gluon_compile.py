@@ -2,7 +2,7 @@
 the ptxas it bundles run on CPU; only the driver that asks the GPU for its target is replaced (a mock,
 because there is no GPU here). Checks that the kernel builds against the installed Triton's Gluon API
 for every leaf count and both weight layouts, without register spills (the tree holds up to three
-fp32 tiles of 64 registers per thread; a spill costs it half its speed, reports/gpu/gluon-tree-h100.md)
+fp32 tiles of 64 registers per thread; a spill costs it half its speed, reports/gpu/kernels/README.md)
 and within Hopper's 227 KB of shared memory. Its bits and speed are checked on a GPU (tests/gpu)."""
 
 from __future__ import annotations
