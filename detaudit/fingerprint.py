@@ -88,7 +88,7 @@ KNOB_ENV = frozenset(
         "VLLM_USE_DEEP_GEMM",
         "VLLM_FUSED_MOE_CHUNK_SIZE",
         # detaudit's own switches
-        "DETAUDIT_TBIK_ALLREDUCE",
+        "DETAUDIT_ALLREDUCE",
         "DETAUDIT_VLLM_BACKEND",
         "DETAUDIT_FAULT_INJECT",
     }

@@ -260,9 +260,9 @@ def _config(c: dict, where: str) -> dict:
 
 
 # Keys of a backend's description that do not decide its bits: the environment (library versions, the
-# GPU), which the manifest's environment and hardware keys already track, and bio+tbik's all-reduce
-# implementation (gather or all-to-all: the same additions). Every other key describes how it computes.
-ENVIRONMENT_KEYS = frozenset({"torch", "cuda", "gpu", "triton", "tree_all_reduce_impl"})
+# GPU), which the manifest's environment and hardware keys already track, and how the all-reduce moves
+# the partials (all-gather or all-to-all: the same additions). Every other key describes how it computes.
+ENVIRONMENT_KEYS = frozenset({"torch", "cuda", "gpu", "triton", "all_reduce_impl", "tree_all_reduce_impl"})
 
 
 def numerics(describe: dict | None) -> dict:

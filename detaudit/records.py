@@ -28,6 +28,12 @@ class Generation:
     topk_ids: list[list[int]]
     topk_logprobs: list[list[float]]
     finish_reason: str
+    # MoE models in the built-in engine: per position, the routing of the forward that gave its
+    # distribution, layer-major: expert ids and gates (L*k), and the margin between the k-th and the
+    # (k+1)-th router probability (L)
+    route_experts: list[list[int]] | None = None
+    route_gates: list[list[float]] | None = None
+    route_margins: list[list[float]] | None = None
 
 
 SCHEMA = pa.schema(
@@ -60,17 +66,33 @@ SCHEMA = pa.schema(
         # server engines with --repeats R: which of the R sends of the prompt (0-based); null / absent
         # (files written before it) reads as repeat 0
         ("repeat", pa.int32()),
+        # MoE models (null otherwise): the routing of each position (Generation.route_*), and of each
+        # position of the reference continuation under teacher forcing
+        ("route_experts", pa.list_(pa.list_(pa.int16()))),
+        ("route_gates", pa.list_(pa.list_(pa.float32()))),
+        ("route_margins", pa.list_(pa.list_(pa.float32()))),
+        ("tf_route_experts", pa.list_(pa.list_(pa.int16()))),
+        ("tf_route_gates", pa.list_(pa.list_(pa.float32()))),
+        ("tf_route_margins", pa.list_(pa.list_(pa.float32()))),
     ]
 )
 
-OPTIONAL_COLUMNS = ("repeat",)  # newer than some cell files: not required when reading
+ROUTING_COLUMNS = tuple(f"{p}route_{x}" for p in ("", "tf_") for x in ("experts", "gates", "margins"))
+OPTIONAL_COLUMNS = ("repeat", *ROUTING_COLUMNS)  # newer than some cell files: not required when reading
 COLUMNS = [f.name for f in SCHEMA if f.name not in OPTIONAL_COLUMNS]
 
 
 # ---------------------------------------------------------------- bitwise comparison of two cells' records
 
 # Every numeric field of a record, in the order differences at one position are reported.
-NUMERIC_FIELDS = ("output_token_ids", "token_logprobs", "topk_ids", "topk_logprobs", "tf_token_logprobs")
+NUMERIC_FIELDS = (
+    "output_token_ids",
+    "token_logprobs",
+    "topk_ids",
+    "topk_logprobs",
+    "tf_token_logprobs",
+    *ROUTING_COLUMNS,
+)
 
 
 @dataclass(frozen=True)

@@ -337,6 +337,12 @@ def _reference_outputs(run: RunDir, ref_id: str) -> list[list[int]] | None:
     return [list(map(int, x)) for x in table.column("output_token_ids").to_pylist()]
 
 
+def _tf_routing(routes: list | None, k: int) -> dict:
+    """The teacher-forced routing columns of record k (null for dense models and engines without it)."""
+    experts, gates, margins = routes[k] if routes else (None, None, None)
+    return {"tf_route_experts": experts, "tf_route_gates": gates, "tf_route_margins": margins}
+
+
 def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: CellOutput) -> list[dict]:
     from detaudit.grading import extract_answer, is_correct
 

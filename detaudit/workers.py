@@ -89,6 +89,8 @@ def serve(rank: int, conn: Connection, open_engine: Callable[[Any, dict], Any]) 
                 res = engine.describe()
             elif cmd == "timings":
                 res = getattr(engine, "last_timings", {})
+            elif cmd == "score_routing":
+                res = getattr(engine, "last_score_routing", None)
             else:
                 raise ValueError(f"unknown command {cmd}")
             conn.send(("result", res if rank == 0 else None))
@@ -241,6 +243,11 @@ class WorkerPool:
     def last_timings(self) -> dict:
         """Rank 0's timings of the last generate call."""
         return self._call("timings", ())
+
+    @property
+    def last_score_routing(self) -> list | None:
+        """Rank 0's routing of the last score call (MoE models), or None."""
+        return self._call("score_routing", ())
 
     def describe(self) -> dict:
         if self.hosted:

@@ -14,6 +14,13 @@ Shapes and conventions:
   one partial must be the partial cast to `dtype`, bit for bit: the engine leaves that cast to the
   residual add at TP 1.
 - `all_reduce(partial, group, dtype)`: the single TP seam in real TP mode.
+- `expert_linear(x3, w3)` / `expert_down(x3, w3, index, gates, tp_size, name)` (mixture-of-experts
+  layers; a backend without them cannot run MoE models): x3[E, R, K] holds the rows routed to each of E
+  experts (zero rows pad them), w3[E, N, K] the experts' weights. `expert_linear` is the column-parallel
+  products (gate / up) in x's dtype; `expert_down` the row-parallel down projection of every expert's
+  rows and each token's weighted sum of its experts' outputs: `index[t, j]` is the row (in E * R) of
+  token t's j-th expert and `gates[t, j]` its fp32 weight; it returns this rank's partial [T, N], which
+  `combine` / `all_reduce` reduce like a row-parallel layer's.
 - `attention(q, k, v, q_pos, scale, window=None)`: q[B, Hq, T, D]; k, v[B, Hkv, L, D] are the KV cache, already
   holding the new tokens; q_pos[B, T] are the queries' absolute positions; key j is visible to a query
   at position p iff j <= p; with `window` (sliding-window attention, passed only for layers that have
@@ -23,6 +30,7 @@ Shapes and conventions:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Iterator, Protocol, Sequence, runtime_checkable
 
@@ -38,9 +46,9 @@ class ProcessGroup(Protocol):
     rank: int
     size: int
 
-    def all_gather(self, t: Tensor) -> list[Tensor]: ...
+    def all_gather(self, t: Tensor) -> Tensor: ...  # [C, *t.shape], rank order
     def all_reduce_sum(self, t: Tensor) -> Tensor: ...
-    def all_to_all(self, chunks: list[Tensor]) -> list[Tensor]: ...
+    def all_to_all(self, t: Tensor) -> Tensor: ...  # t[C, ...]: row j to rank j; rows received, rank order
 
 
 @runtime_checkable
@@ -117,6 +125,46 @@ def _write_flags(flags: dict[str, object]) -> None:
     torch.backends.cudnn.allow_tf32 = bool(flags["cudnn_tf32"])
     m.allow_bf16_reduced_precision_reduction = bool(flags["bf16_reduced"])
     m.allow_fp16_reduced_precision_reduction = bool(flags["fp16_reduced"])
+
+
+ALLREDUCE_ENV = "DETAUDIT_ALLREDUCE"  # auto (default), gather or scatter: how fixed-order all-reduces move data
+ALLREDUCE_MODES = ("auto", "gather", "scatter")
+GATHER_MAX_BYTES = 1 << 20  # auto: below this many fp32 bytes per rank, one all-gather (latency-bound)
+
+
+def allreduce_mode() -> str:
+    from detaudit.errors import DetauditError
+
+    mode = os.environ.get(ALLREDUCE_ENV, "auto")
+    if mode not in ALLREDUCE_MODES:
+        raise DetauditError(f"{ALLREDUCE_ENV} must be one of {', '.join(ALLREDUCE_MODES)}, got {mode[:20]!r}")
+    return mode
+
+
+def fixed_order_all_reduce(
+    partial: Tensor, group: ProcessGroup, dtype: torch.dtype, reduce, mode: str = "auto"
+) -> Tensor:
+    """The ranks' fp32 partials summed by `reduce` (a fixed order over the C partials given in rank
+    order: every element gets the same additions whatever the transport), cast once to `dtype`.
+
+    - `gather`: all-gather every partial, reduce locally: one collective, C - 1 partials received
+      (fp32) per rank: the latency-bound choice for small messages (decode);
+    - `scatter`: reduce-scatter by all-to-all (rank r receives slice r of every partial), reduce the
+      slice and cast it, all-gather the cast slices: (C-1)/C of the partial in fp32 plus (C-1)/C in
+      `dtype` per rank, 1.5x the bytes of a bf16 ring all-reduce, C / 1.5 times fewer than `gather`;
+    - `auto`: `gather` below GATHER_MAX_BYTES of partial per rank, else `scatter`."""
+    p = partial.float().contiguous()
+    c = group.size
+    if mode == "gather" or (mode == "auto" and p.numel() * 4 < GATHER_MAX_BYTES) or p.numel() < c:
+        return reduce(list(group.all_gather(p).unbind(0))).to(dtype)
+    flat = p.view(-1)
+    n = flat.numel()
+    per = -(-n // c)
+    if per * c != n:
+        flat = torch.nn.functional.pad(flat, (0, per * c - n))
+    mine = group.all_to_all(flat.view(c, per))  # [C, per]: slice `rank` of every rank's partial
+    reduced = reduce(list(mine.unbind(0))).to(dtype)
+    return group.all_gather(reduced).view(-1)[:n].view(partial.shape)
 
 
 def sequential_sum(partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:

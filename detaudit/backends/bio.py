@@ -7,8 +7,10 @@ not depend on how many other requests share its batch (see `kernels/fixed.py`):
   one program per row (GPU; RMSNorm with the residual add in one kernel, `kernels/fused.py`);
 - attention: KV cache updated before attention (the engine), KV split into chunks of a fixed size
   (`SPLIT` keys, never a fixed number of chunks), fp32 online softmax, unseen chunks are exact no-ops;
-- TP all-reduce: all-gather of fp32 partials, then a rank-order sum (deterministic, but the K split
-  still depends on C: `bio` is batch invariant, not TP invariant; that is `bio+tbik`).
+- TP all-reduce: the fp32 partials summed in rank order, cast once (deterministic, but the K split still
+  depends on C: `bio` is batch invariant, not TP invariant; that is `bio+tbik`); moved by an all-gather
+  (small messages) or a reduce-scatter by all-to-all then an all-gather of the cast slices
+  (`base.fixed_order_all_reduce`): the same additions either way.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ import torch
 from torch import Tensor
 
 from detaudit.backends import register_backend
-from detaudit.backends.base import ProcessGroup, TorchFlags, library_versions, sequential_sum
+from detaudit.backends.base import (
+    GATHER_MAX_BYTES,
+    ProcessGroup,
+    TorchFlags,
+    allreduce_mode,
+    fixed_order_all_reduce,
+    library_versions,
+    sequential_sum,
+)
 from detaudit.backends.kernels import fixed, fused, triton_mm
 
 SPLIT = 64  # keys per attention chunk
@@ -32,6 +42,7 @@ class BioBackend:
 
     def __init__(self) -> None:
         self._flags = TorchFlags()
+        self.allreduce = allreduce_mode()
 
     def activate(self):
         return self._flags.activate()
@@ -48,7 +59,19 @@ class BioBackend:
         return sequential_sum([p.float() for p in partials], dtype)
 
     def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor:
-        return self.combine(group.all_gather(partial.float().contiguous()), dtype)
+        return fixed_order_all_reduce(partial, group, dtype, self._reduce, self.allreduce)
+
+    def _reduce(self, partials: Sequence[Tensor]) -> Tensor:
+        """The cross-rank sum of fp32 partials, in fp32 (cast by the caller): rank order."""
+        return sequential_sum(partials, torch.float32)
+
+    def expert_linear(self, x3: Tensor, w3: Tensor) -> Tensor:
+        return fixed.expert_matmul(x3, w3).to(x3.dtype)
+
+    def expert_down(self, x3: Tensor, w3: Tensor, index: Tensor, gates: Tensor, tp_size: int, name: str = "") -> Tensor:
+        """Every expert's fp32 partial product of its rows (a row's bits do not depend on how many rows
+        the expert received), then each token's experts weighted and summed in top-k order in fp32."""
+        return weighted_experts(fixed.expert_matmul(x3, w3), index, gates)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if fused.usable(x):  # GPU: one program per row, the row's sum of squares in one fixed order
@@ -88,10 +111,23 @@ class BioBackend:
             "log_softmax": "fp32; row max, then the row sum of exp as for rms_norm",
             "attention": f"KV chunks of {SPLIT} keys, fp32 online softmax, masked chunks exact no-ops "
             "(CPU: PyTorch ops; GPU: one Triton kernel, BLOCK_R=16 rows per program)",
-            "all_reduce": "all-gather fp32 partials, rank-order sum, cast once",
+            "all_reduce": "fp32 partials summed in rank order, cast once",
+            "experts": "per expert, its routed rows' batch-invariant products (fp32 accumulate); each token's "
+            "experts weighted and summed in top-k order in fp32",
+            "all_reduce_impl": f"{self.allreduce}: all-gather below {GATHER_MAX_BYTES} bytes per rank, else "
+            "reduce-scatter by all-to-all + all-gather of the cast slices",
             "tf32": "off",
             **library_versions(),
         }
+
+
+def weighted_experts(y: Tensor, index: Tensor, gates: Tensor) -> Tensor:
+    """sum_j gates[t, j] * y[index[t, j]] for every token t, in j order, in fp32: y[E, R, N] (fp32) -> [T, N]."""
+    picked = y.reshape(-1, y.shape[-1])[index]  # [T, k, N]
+    out = picked[:, 0] * gates[:, :1]
+    for j in range(1, gates.shape[1]):
+        out = out + picked[:, j] * gates[:, j : j + 1]
+    return out
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

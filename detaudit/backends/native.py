@@ -58,6 +58,16 @@ class NativeBackend:
     def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor:
         return group.all_reduce_sum(partial).to(dtype)
 
+    def expert_linear(self, x3: Tensor, w3: Tensor) -> Tensor:
+        return torch.bmm(x3, w3.transpose(1, 2))
+
+    def expert_down(self, x3: Tensor, w3: Tensor, index: Tensor, gates: Tensor, tp_size: int, name: str = "") -> Tensor:
+        """As serving engines combine experts natively: one batched GEMM in the model dtype, each output
+        weighted and the token's experts summed by the library's reduction in the model dtype."""
+        y = torch.bmm(x3, w3.transpose(1, 2))
+        picked = y.reshape(-1, y.shape[-1])[index]  # [T, k, N]
+        return (picked * gates[..., None]).to(y.dtype).sum(dim=1)
+
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if fused.usable(x):  # GPU: one program per row, as serving engines' fused RMSNorm kernels
             return fused.rms_norm(x, weight, eps)[0]
@@ -113,6 +123,8 @@ class NativeBackend:
             "rms_norm": "fp32; CPU: torch mean over hidden; GPU: one Triton program per row, residual add fused "
             "(as serving engines' fused add + RMSNorm kernels)",
             "all_reduce": "library all-reduce (NCCL / gloo) in model dtype; emulated: rank-order sum",
+            "experts": "batched GEMM (torch.bmm) per expert, outputs weighted and summed over the top-k by "
+            "torch.sum in the model dtype",
             "sdpa_backends": sdpa_backends(),
             "tf32": "off",
             **library_versions(),

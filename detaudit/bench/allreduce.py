@@ -1,5 +1,14 @@
-"""`detaudit bench allreduce`: tree all-reduce (gather and a2a) latency as a ratio of the library
-all-reduce (NCCL on GPU, gloo on CPU), one process per rank, fp32 payloads."""
+"""`detaudit bench allreduce`: the invariant backends' all-reduce against the library's, as the engine
+calls them: a row-parallel layer's partial of `tokens` rows of `hidden` columns, one process per rank.
+
+- `library`: the bf16 backend's all-reduce of its bf16 partial (NCCL on GPU, gloo on CPU);
+- `bio` / `bio+tbik`: the backend's all-reduce of its fp32 partial into bf16, with each transport of
+  `base.fixed_order_all_reduce`: `gather` (how they moved partials before reduce-scatter existed),
+  `scatter` and `auto` (what the engine uses). Every transport's output is checked bitwise against
+  `gather`'s.
+Times are medians of `reps` calls, each synchronised; on GPU the calls replay from a CUDA graph captured
+per configuration (as the engine's graphed decode runs them), after a warm-up.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +20,39 @@ import pandas as pd
 import torch
 import torch.multiprocessing as mp
 
-SIZES = (32 * 1024, 2 * 1024 * 1024, 32 * 1024 * 1024)
+TOKENS = (8, 32, 512, 4096, 16384)  # decode batches and prefill chunks of the engine
+HIDDEN = 4096
+MODES = ("gather", "scatter", "auto")
 
 
-def _rank(rank: int, world: int, port: int, device: str, sizes, reps: int, out_path: str) -> None:
-    from detaudit.backends.tbik import TbikBackend
+def _time(fn, device: str, reps: int, group) -> float:
+    """Median seconds per call (GPU: replayed from a CUDA graph of one call)."""
+    for _ in range(3):
+        fn()
+    group.barrier()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            fn()
+        call = graph.replay
+    else:
+        call = fn
+    times = []
+    for _ in range(reps):
+        group.barrier()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def _rank(rank: int, world: int, port: int, device: str, tokens, hidden: int, reps: int, out_path: str) -> None:
+    from detaudit.backends import base, get_backend
     from detaudit.builtin import dist
 
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
@@ -26,30 +63,23 @@ def _rank(rank: int, world: int, port: int, device: str, sizes, reps: int, out_p
     group = dist.init(rank, world, port, dev)
     try:
         results = []
-        for n in sizes:
-            x = torch.randn(n, device=dev)
-            row = {"elements": n}
-            for name, fn in (
-                ("library", lambda: group.all_reduce_sum(x)),
-                ("tree_gather", lambda: TbikBackend("gather").all_reduce(x, group, torch.float32)),
-                ("tree_a2a", lambda: TbikBackend("a2a").all_reduce(x, group, torch.float32)),
-            ):
-                for _ in range(3):
-                    fn()
-                group.barrier()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                times = []
-                for _ in range(reps):
-                    t = time.perf_counter()
-                    fn()
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t)
-                row[f"{name}_us"] = sorted(times)[len(times) // 2] * 1e6
-            a = TbikBackend("gather").all_reduce(x, group, torch.float32)
-            b = TbikBackend("a2a").all_reduce(x, group, torch.float32)
-            row["gather_equals_a2a"] = bool(torch.equal(a, b))
+        g = torch.Generator(device=dev).manual_seed(rank)
+        for t in tokens:
+            partial = torch.randn(t, hidden, device=dev, generator=g)
+            bf16 = partial.bfloat16()
+            row = {"tokens": t, "hidden": hidden, "partial_mb": round(partial.numel() * 4 / 2**20, 3)}
+            row["library_us"] = 1e6 * _time(lambda: group.all_reduce_sum(bf16), device, reps, group)
+            for name in ("bio", "bio+tbik"):
+                b = get_backend(name)
+                outs = {}
+                for mode in MODES:
+
+                    def call(b=b, mode=mode):
+                        return base.fixed_order_all_reduce(partial, group, torch.bfloat16, b._reduce, mode)
+
+                    outs[mode] = call()
+                    row[f"{name}_{mode}_us"] = 1e6 * _time(call, device, reps, group)
+                row[f"{name}_same_bits"] = all(torch.equal(outs["gather"], o) for o in outs.values())
             results.append(row)
         if rank == 0:
             with open(out_path, "w") as f:
@@ -59,17 +89,18 @@ def _rank(rank: int, world: int, port: int, device: str, sizes, reps: int, out_p
 
 
 def bench_allreduce(
-    world: int, device: str = "cuda", sizes=SIZES, reps: int = 20, tmp_dir: str = "/tmp"
+    world: int, device: str = "cuda", tokens=TOKENS, hidden: int = HIDDEN, reps: int = 20, tmp_dir: str = "/tmp"
 ) -> pd.DataFrame:
     from detaudit.builtin.dist import free_port
 
     out_path = os.path.join(tmp_dir, f"detaudit-allreduce-{os.getpid()}.json")
-    mp.spawn(_rank, args=(world, free_port(), device, tuple(sizes), reps, out_path), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, free_port(), device, tuple(tokens), hidden, reps, out_path), nprocs=world, join=True)
     with open(out_path) as f:
         df = pd.DataFrame(json.load(f))
     os.unlink(out_path)
     df.insert(0, "ranks", world)
     df.insert(1, "device", device)
-    df["gather_ratio"] = df["tree_gather_us"] / df["library_us"]
-    df["a2a_ratio"] = df["tree_a2a_us"] / df["library_us"]
+    for name in ("bio", "bio+tbik"):
+        for mode in MODES:
+            df[f"{name}_{mode}_x"] = df[f"{name}_{mode}_us"] / df["library_us"]
     return df

@@ -8,7 +8,16 @@ Supported (transformers' own classes are the reference, defaults included):
   `max_window_layers` / `layer_types` as Qwen2Config resolves them;
 - `qwen3` (Qwen3ForCausalLM): QK-norm, `attention_bias`, sliding-window semantics as Qwen2;
 - `mistral` (MistralForCausalLM): `sliding_window` on every layer (4096 when the key is absent, as
-  MistralConfig's default).
+  MistralConfig's default);
+- `qwen3_moe` (Qwen3MoeForCausalLM): Qwen3's attention, mixture-of-experts MLPs (`num_experts` /
+  `num_local_experts`, `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`) on the layers
+  `decoder_sparse_step` and `mlp_only_layers` select, dense MLPs (`intermediate_size`) on the others;
+- `mixtral` (MixtralForCausalLM): Mistral's attention (`sliding_window` where set), mixture-of-experts
+  MLPs on every layer with the top-k gates renormalised; `router_jitter_noise` is a training-time
+  perturbation (transformers applies it only in training mode), so inference ignores it as transformers
+  does.
+Mixture-of-experts fields the engine does not implement are refused by name: shared experts, expert
+capacity / token dropping, other router scoring functions or grouped top-k.
 RoPE (`rope_parameters`, or the older `rope_scaling` + `rope_theta`): `default`, `linear`, `llama3`, and
 `dynamic` up to `max_position_embeddings` positions (beyond that transformers rescales by the longest
 sequence of the current forward call, which the engine refuses rather than imitates).
@@ -28,6 +37,8 @@ ARCHITECTURES = {  # model_type -> the transformers class whose computation the 
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 SUPPORTED = tuple(ARCHITECTURES)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
@@ -38,7 +49,41 @@ _DEFAULTS = {
     "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
     "mistral": {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 4096 * 32},
+    "qwen3_moe": {"num_key_value_heads": 4, "head_dim": None, "max_position_embeddings": 32768},
+    "mixtral": {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 4096 * 32},
 }
+# mixture-of-experts keys of other architectures (or other routers) the engine does not compute
+_MOE_REFUSED = (
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+    "moe_layer_freq",
+    "first_k_dense_replace",
+    "n_group",
+    "topk_group",
+    "scoring_func",
+    "topk_method",
+    "routed_scaling_factor",
+    "capacity_factor",
+    "expert_capacity",
+    "moe_capacity_factor",
+    "drop_tokens",
+)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP: `num_experts` experts of `intermediate_size`, the top `top_k` by router
+    probability per token, their gates renormalised to sum to 1 where `norm_topk_prob`; `layers[i]`:
+    whether layer i has it (else a dense MLP); `style`: the checkpoint's parameter names."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    layers: tuple[bool, ...]
+    style: (
+        str  # "qwen3_moe": mlp.gate, mlp.experts.E.{gate,up,down}_proj; "mixtral": block_sparse_moe.gate, .w1/.w3/.w2
+    )
 
 
 @dataclass(frozen=True)
@@ -71,6 +116,7 @@ class ModelConfig:
     qk_norm: bool = False
     rope: RopeSpec = field(default_factory=RopeSpec)
     windows: tuple[int | None, ...] = ()  # per layer: sliding-window size, or None for full attention
+    moe: MoESpec | None = None
 
     @classmethod
     def of(cls, model: ModelRef) -> "ModelConfig":
@@ -122,11 +168,12 @@ class ModelConfig:
         qkv_bias = attention_bias or mtype == "qwen2"
         o_bias = attention_bias
         rope = _rope(raw, max_pos, refuse)
+        moe = _moe(raw, mtype, layers, refuse)
 
         return cls(
             model_type=mtype,
             hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
+            intermediate_size=int(raw.get("intermediate_size") or 0),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(kv),
@@ -138,17 +185,19 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=mtype == "qwen3",
+            qk_norm=mtype in ("qwen3", "qwen3_moe"),
             rope=rope,
             windows=_windows(raw, mtype, layers, refuse),
+            moe=moe,
         )
 
     def check_tp(self, tp: int) -> None:
-        for what, n in (
-            ("query heads", self.num_heads),
-            ("KV heads", self.num_kv_heads),
-            ("intermediate size", self.intermediate_size),
-        ):
+        sizes = [("query heads", self.num_heads), ("KV heads", self.num_kv_heads)]
+        if self.moe is None or not all(self.moe.layers):
+            sizes.append(("intermediate size", self.intermediate_size))
+        if self.moe is not None:
+            sizes.append(("expert intermediate size", self.moe.intermediate_size))
+        for what, n in sizes:
             if n % tp:
                 raise DetauditError(f"TP {tp} does not divide the model's {what} ({n})")
 
@@ -202,10 +251,10 @@ def _windows(raw: dict, mtype: str, layers: int, refuse) -> tuple[int | None, ..
     p - window < j <= p) or None, as transformers' config resolves it."""
     if mtype == "llama":  # LlamaConfig has no sliding window (a stray key is ignored by transformers too)
         return (None,) * layers
-    if mtype == "mistral":
+    if mtype in ("mistral", "mixtral"):
         if "layer_types" in raw:
             raise refuse("layer_types", "alternating attention, as in Ministral")
-        window = raw.get("sliding_window", 4096)
+        window = raw.get("sliding_window", 4096 if mtype == "mistral" else None)
         return (_window_size(window, refuse),) * layers
     # qwen2 / qwen3: the window only when use_sliding_window, on the layers layer_types marks sliding
     # (by default the layers from max_window_layers on)
@@ -213,11 +262,32 @@ def _windows(raw: dict, mtype: str, layers: int, refuse) -> tuple[int | None, ..
     window = _window_size(window, refuse)
     types = raw.get("layer_types")
     if types is None:
-        first = int(raw.get("max_window_layers", 28))
+        first = int(raw.get("max_window_layers") or 28) if window is not None else layers
         types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
     if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
         raise refuse(f"layer_types {types}", f"expected {layers} of 'full_attention' / 'sliding_attention'")
     return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _moe(raw: dict, mtype: str, layers: int, refuse) -> MoESpec | None:
+    for key in _MOE_REFUSED:
+        value = raw.get(key)
+        if value in (None, 0, False, []) or (key == "scoring_func" and value == "softmax"):
+            continue  # absent, or the plain router's value
+        raise refuse(f"{key} {str(value)[:40]!r}", "the engine implements plain top-k softmax routing")
+    if mtype not in ("qwen3_moe", "mixtral"):
+        return None
+    experts = raw.get("num_experts") or raw.get("num_local_experts")
+    top_k = raw.get("num_experts_per_tok")
+    if not isinstance(experts, int) or experts < 1 or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise refuse(f"num_experts {experts!r} / num_experts_per_tok {top_k!r}")
+    if mtype == "mixtral":
+        return MoESpec(experts, top_k, int(raw["intermediate_size"]), True, (True,) * layers, "mixtral")
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    which = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    size = int(raw.get("moe_intermediate_size") or 768)
+    return MoESpec(experts, top_k, size, bool(raw.get("norm_topk_prob", False)), which, "qwen3_moe")
 
 
 def _window_size(window, refuse) -> int | None:

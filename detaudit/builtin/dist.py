@@ -26,17 +26,16 @@ class TorchGroup:
         self.pg = pg
         self.store = store  # the default group's TCPStore (served by rank 0), where `init` made it
 
-    def all_gather(self, t: Tensor) -> list[Tensor]:
-        """Every rank's `t`, in rank order. On NCCL gathered into one [C, ...] tensor (one collective, no
-        per-rank copies: the list form copies each rank's slice out of such a buffer); gloo has no
-        gather-into-tensor, so the list form there. A gather copies: the same values either way."""
+    def all_gather(self, t: Tensor) -> Tensor:
+        """Every rank's `t`, stacked in rank order: [C, *t.shape]. On NCCL gathered straight into that
+        tensor (one collective, no per-rank copies); gloo has no gather-into-tensor, so its list form,
+        stacked. A gather copies: the same values either way."""
         t = t.contiguous()
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
         if t.is_cuda and dist.get_backend(self.pg) == "nccl":
-            out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
             dist.all_gather_into_tensor(out, t, group=self.pg)
-            return list(out.unbind(0))
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t, group=self.pg)
+        else:
+            dist.all_gather(list(out.unbind(0)), t, group=self.pg)
         return out
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
@@ -44,14 +43,13 @@ class TorchGroup:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg)
         return t
 
-    def all_to_all(self, chunks: list[Tensor]) -> list[Tensor]:
-        """chunks[j] goes to rank j; returns the chunks received, in source-rank order. All chunks
-        must have the same shape (all_to_all_single works on gloo and NCCL)."""
-        assert len(chunks) == self.size
-        inp = torch.stack([c.contiguous() for c in chunks])
-        out = torch.empty_like(inp)
-        dist.all_to_all_single(out, inp, group=self.pg)
-        return list(out.unbind(0))
+    def all_to_all(self, t: Tensor) -> Tensor:
+        """t[C, ...]: row j goes to rank j; returns the rows received, [C, ...] in source-rank order."""
+        assert t.shape[0] == self.size
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t, group=self.pg)
+        return out
 
     def barrier(self) -> None:
         dist.barrier(group=self.pg)

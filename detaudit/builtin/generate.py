@@ -16,6 +16,7 @@ from torch import Tensor
 
 from detaudit.builtin.graphs import DecodeStep, eager_step, graphed_step
 from detaudit.builtin.model import Decoder
+from detaudit.builtin.moe import Routing
 from detaudit.config import DecodingParams, request_seed
 from detaudit.records import Generation, ProgressFn
 
@@ -136,12 +137,18 @@ class Generator:
         if self.device.type == "cuda":
             settle_gc()
         capture_s = clock.lap()
-        h = m.hidden(ids, pos, cache, kv_len=T)
-        h_last = h[torch.arange(B, device=self.device), lens - 1][:, None]  # [B, 1, H]
+        routing = Routing()
+        h = m.hidden(ids, pos, cache, kv_len=T, routing=routing)
+        last_rows = torch.arange(B, device=self.device) * T + lens - 1
+        h_last = h.view(B * T, -1)[last_rows][:, None]  # [B, 1, H]
         logits = m.logits(h_last)[:, 0]  # [B, V] fp32
         logprobs = m.ctx.backend.log_softmax(logits)
+        route = routing.rows(last_rows)  # the routing of the forward that gave these logits
         prefill_s = clock.lap()
         outs = [Generation([], [], [], [], "length") for _ in range(B)]
+        if route is not None:
+            for g in outs:
+                g.route_experts, g.route_gates, g.route_margins = [], [], []
         active = [True] * B
         still = torch.ones(B, dtype=torch.bool, device=self.device)  # `active` on the device, one step ahead
         eos = torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device) if self.eos else None
@@ -152,7 +159,7 @@ class Generator:
             top_lp, top_id = torch.topk(logprobs, decoding.logprobs, dim=-1)
             nxt = self._choose(logits, decoding, gens)
             chosen_lp = logprobs.gather(1, nxt[:, None])[:, 0]
-            picked = _to_host(nxt, top_id, top_lp, chosen_lp)
+            picked = _to_host(nxt, top_id, top_lp, chosen_lp, *(route or ()))
             last = step == decoding.max_new_tokens - 1
             if not last:
                 # the next step is launched before this one's tokens reach the host (pipelined, as serving
@@ -168,7 +175,7 @@ class Generator:
                 issue_s += time.perf_counter() - issued
                 steps += 1
                 cur = cur + 1
-            nxt_l, top_id_l, top_lp_l, chosen_l = picked()
+            nxt_l, top_id_l, top_lp_l, chosen_l, *route_l = picked()
             produced = 0
             for i in range(B):
                 if not active[i]:
@@ -178,6 +185,10 @@ class Generator:
                 g.token_logprobs.append(chosen_l[i])
                 g.topk_ids.append(top_id_l[i])
                 g.topk_logprobs.append(top_lp_l[i])
+                if route_l:
+                    g.route_experts.append(route_l[0][i])
+                    g.route_gates.append(route_l[1][i])
+                    g.route_margins.append(route_l[2][i])
                 produced += 1
                 if nxt_l[i] in self.eos:
                     g.finish_reason = "stop"
@@ -186,7 +197,7 @@ class Generator:
                 progress(produced)
             if not any(active) or last:
                 break
-            logits, logprobs = following
+            logits, logprobs, route = following
         self.timings = {
             "prefill_s": prefill_s,
             "capture_s": capture_s,
@@ -200,9 +211,11 @@ class Generator:
         return outs
 
     @torch.inference_mode()
-    def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]) -> list[list[float]]:
-        """Teacher forcing: log-probabilities of each continuation's tokens given its prompt, from
-        one full-sequence forward per sequence (a fresh cache, as a training step computes it)."""
+    def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]):
+        """Teacher forcing: log-probabilities of each continuation's tokens given its prompt, from one
+        full-sequence forward per sequence (a fresh cache, as a training step computes it); and, for MoE
+        models, the routing of each position that predicts a continuation token (else None):
+        (logprobs per sequence, routing per sequence as (experts, gates, margins) lists)."""
         m = self.model
         B = len(prompts)
         seqs = [list(p) + list(c) for p, c in zip(prompts, continuations)]
@@ -211,13 +224,16 @@ class Generator:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         pos = torch.arange(T, device=self.device).expand(B, T)
-        h = m.hidden(ids, pos, m.new_cache(B, T))
-        out = []
+        routing = Routing()
+        h = m.hidden(ids, pos, m.new_cache(B, T), routing=routing)
+        out, routes = [], []
         for i, (p, c) in enumerate(zip(prompts, continuations)):
+            rows = torch.arange(len(p) - 1, len(p) - 1 + len(c), device=self.device)  # predict c[0..]
+            route = routing.rows(i * T + rows)
+            routes.append(None if route is None else tuple(t.tolist() for t in route))
             if not c:
                 out.append([])
                 continue
-            rows = h[i : i + 1, len(p) - 1 : len(p) - 1 + len(c)]  # predicts c[0..]
-            lp = m.ctx.backend.log_softmax(m.logits(rows)[0])
+            lp = m.ctx.backend.log_softmax(m.logits(h[i, rows]))
             out.append(lp.gather(1, torch.tensor(c, device=self.device)[:, None])[:, 0].tolist())
-        return out
+        return out, (routes if m.routes else None)

@@ -17,18 +17,22 @@ import torch
 from torch import Tensor
 
 from detaudit.builtin.model import Decoder
+from detaudit.builtin.moe import Routing
 
-# (tokens [B], positions [B], kv_len) -> (logits, logprobs); kv_len: the caller's host-side furthest
-# position + 1 (the CPU eager step attends that many slots; GPU steps attend the whole cache)
-DecodeStep = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
+# (tokens [B], positions [B], kv_len) -> (logits, logprobs, routing of the B tokens or None: see
+# moe.Routing.rows); kv_len: the caller's host-side furthest position + 1 (the CPU eager step attends that
+# many slots; GPU steps attend the whole cache)
+DecodeStep = Callable[[Tensor, Tensor, int], tuple]
 
 
 def eager_step(model: Decoder, cache: list[tuple[Tensor, Tensor]]) -> DecodeStep:
     whole = cache[0][0].shape[2] if model.device.type == "cuda" else None
 
-    def step(tokens: Tensor, positions: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-        logits = model.logits(model.hidden(tokens[:, None], positions[:, None], cache, whole or kv_len))[:, 0]
-        return logits, model.ctx.backend.log_softmax(logits)
+    def step(tokens: Tensor, positions: Tensor, kv_len: int) -> tuple:
+        routing = Routing()
+        h = model.hidden(tokens[:, None], positions[:, None], cache, whole or kv_len, routing=routing)
+        logits = model.logits(h)[:, 0]
+        return logits, model.ctx.backend.log_softmax(logits), routing.rows(torch.arange(len(tokens), device=h.device))
 
     return step
 
@@ -42,9 +46,11 @@ def graphed_step(model: Decoder, cache: list[tuple[Tensor, Tensor]], batch: int,
     tokens = torch.full((batch,), pad_id, dtype=torch.long, device=device)
     positions = torch.full((batch,), length - 1, dtype=torch.long, device=device)
 
-    def forward() -> tuple[Tensor, Tensor]:
-        logits = model.logits(model.hidden(tokens[:, None], positions[:, None], cache, kv_len=length))[:, 0]
-        return logits, model.ctx.backend.log_softmax(logits)
+    def forward() -> tuple:
+        routing = Routing()
+        h = model.hidden(tokens[:, None], positions[:, None], cache, kv_len=length, routing=routing)
+        logits = model.logits(h)[:, 0]
+        return logits, model.ctx.backend.log_softmax(logits), routing.rows(torch.arange(batch, device=device))
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -62,7 +68,7 @@ def graphed_step(model: Decoder, cache: list[tuple[Tensor, Tensor]], batch: int,
     with torch.cuda.graph(graph, capture_error_mode=mode):
         out = forward()
 
-    def step(new_tokens: Tensor, new_positions: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+    def step(new_tokens: Tensor, new_positions: Tensor, kv_len: int) -> tuple:
         tokens.copy_(new_tokens)
         positions.copy_(new_positions)
         graph.replay()

@@ -61,6 +61,7 @@ class LocalEngine:
         self.cuda_graphs = s.cuda_graphs and self.device.type == "cuda"
         self.generator = Generator(self.model, options.eos_ids, cuda_graphs=self.cuda_graphs)
         self.last_timings: dict = {}  # summed over the chunks of the last generate call
+        self.last_score_routing: list | None = None
 
     def generate(
         self,
@@ -85,10 +86,16 @@ class LocalEngine:
     def score(
         self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], batch_size: int
     ) -> list[list[float]]:
+        """Teacher-forced log-probabilities; an MoE model's routing of the same positions is kept in
+        `last_score_routing` (per sequence: (experts, gates, margins) per position, as Generation's)."""
         out: list[list[float]] = []
+        routes: list = []
         with self.backend.activate():
             for r in chunks(len(prompts), batch_size):
-                out += self.generator.score([prompts[i] for i in r], [continuations[i] for i in r])
+                lps, rts = self.generator.score([prompts[i] for i in r], [continuations[i] for i in r])
+                out += lps
+                routes += rts or []
+        self.last_score_routing = routes if self.model.routes else None
         return out
 
     def describe(self) -> dict:
@@ -99,6 +106,7 @@ class LocalEngine:
             "tp_mode": "emulated" if self.emulated else "real",
             "threads_per_rank": self.threads if self.device.type == "cpu" else None,
             "cuda_graphs": self.cuda_graphs,
+            "routing": self.model.routes,
             "device": str(self.device),
             "backend": self.backend.describe(),
         }

@@ -12,6 +12,7 @@ from torch import Tensor
 from detaudit.builtin.arch import ModelConfig
 from detaudit.builtin.layers import ColumnParallelLinear, RMSNorm, Rotary, RowParallelLinear, TPContext
 from detaudit.builtin.loader import open_weights
+from detaudit.builtin.moe import MoE, Routing
 from detaudit.builtin.ops import TorchOps, choose
 from detaudit.config import ModelRef
 from detaudit.errors import DetauditError
@@ -48,8 +49,10 @@ class Block:
             self.qk_norm = (q_norm.weight, k_norm.weight, cfg.rms_norm_eps)
         self.o_proj = row("self_attn.o_proj", cfg.o_bias)
         self.post_attention_layernorm = norm("post_attention_layernorm")
-        self.gate_up_proj = column(["mlp.gate_proj", "mlp.up_proj"], cfg.mlp_bias)
-        self.down_proj = row("mlp.down_proj", cfg.mlp_bias)
+        self.moe = MoE(i, cfg, load, ctx, ops) if cfg.moe is not None and cfg.moe.layers[i] else None
+        if self.moe is None:
+            self.gate_up_proj = column(["mlp.gate_proj", "mlp.up_proj"], cfg.mlp_bias)
+            self.down_proj = row("mlp.down_proj", cfg.mlp_bias)
 
     def __call__(self, x: Tensor, delta: Tensor | None, step: StepPlan, cache: tuple[Tensor, Tensor]):
         """x: the residual stream of the step's tokens, [B*T, H]; delta: what the previous layer adds to
@@ -65,6 +68,8 @@ class Block:
         )
         delta = self.o_proj(attn.transpose(1, 2).reshape(step.B * step.T, -1))
         h, x = self.ops.add_norm(x, delta, self.post_attention_layernorm)
+        if self.moe is not None:
+            return x, self.moe(h, step.routing, decode=step.T == 1)
         gate, up = self.gate_up_proj(h)
         return x, self.down_proj(self.ops.silu_mul(gate, up))
 
@@ -72,12 +77,16 @@ class Block:
 class StepPlan:
     """What every layer of one forward step shares, computed once per step: rotary cos / sin, the
     cache rows the step's keys and values go to, how many cache slots attention reads, and the
-    backend's per-step attention inputs (`backend.attention_plan`, where it has one: bf16's mask)."""
+    backend's per-step attention inputs (`backend.attention_plan`, where it has one: bf16's mask), and the
+    routing the MoE layers record."""
 
-    __slots__ = ("B", "T", "head_dim", "pos", "cos", "sin", "kv_len", "slots", "_backend", "_plans")
+    __slots__ = ("B", "T", "head_dim", "pos", "cos", "sin", "kv_len", "slots", "routing", "_backend", "_plans")
 
-    def __init__(self, model: Decoder, pos: Tensor, cache: list[tuple[Tensor, Tensor]], kv_len: int) -> None:
+    def __init__(
+        self, model: Decoder, pos: Tensor, cache: list[tuple[Tensor, Tensor]], kv_len: int, routing: Routing
+    ) -> None:
         B, T = pos.shape
+        self.routing = routing
         self.B, self.T, self.head_dim, self.pos, self.kv_len = B, T, model.cfg.head_dim, pos, kv_len
         self.cos, self.sin = model.rotary.cos_sin(pos, model.ctx.dtype)
         n_kv, length = cache[0][0].shape[1], cache[0][0].shape[2]
@@ -134,6 +143,7 @@ class Decoder:
                     f"({', '.join(unused[:3])}{more}): its config does not describe them"
                 )
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, device, cfg.rope)
+        self.routes = any(layer.moe is not None for layer in self.layers)  # it records routing
         self.n_kv_local = cfg.num_kv_heads // ctx.size * len(ctx.local_ranks)
 
     def new_cache(self, batch: int, length: int) -> list[tuple[Tensor, Tensor]]:
@@ -147,15 +157,23 @@ class Decoder:
             for _ in self.layers
         ]
 
-    def hidden(self, ids: Tensor, pos: Tensor, cache: list[tuple[Tensor, Tensor]], kv_len: int | None = None) -> Tensor:
+    def hidden(
+        self,
+        ids: Tensor,
+        pos: Tensor,
+        cache: list[tuple[Tensor, Tensor]],
+        kv_len: int | None = None,
+        routing: Routing | None = None,
+    ) -> Tensor:
         """Final-normed hidden states [B, T, H] of tokens `ids` at positions `pos` (both [B, T]).
         Attention reads the first `kv_len` cache slots (default: up to the furthest position, which needs
-        a host sync; decode on GPU passes the whole cache: slots past a query's position are masked)."""
+        a host sync; decode on GPU passes the whole cache: slots past a query's position are masked).
+        `routing` receives the MoE layers' routing of the B*T tokens (row-major)."""
         B, T = ids.shape
         x = F.embedding(ids.reshape(-1), self.embed_tokens)  # [B*T, H]
         if kv_len is None:
             kv_len = int(pos.max()) + 1
-        step = StepPlan(self, pos, cache, kv_len)
+        step = StepPlan(self, pos, cache, kv_len, routing if routing is not None else Routing())
         delta = None
         for layer, c in zip(self.layers, cache):
             x, delta = layer(x, delta, step, c)

@@ -256,14 +256,16 @@ def bench_kernels_cmd(
 def bench_allreduce_cmd(
     ranks: Annotated[str, typer.Option("--ranks", help="Comma-separated rank counts (one process per rank).")] = "2",
     device: Annotated[str, typer.Option("--device", help="cuda (NCCL) or cpu (gloo).")] = "cuda",
-    sizes: Annotated[
-        str, typer.Option("--sizes", help="Comma-separated fp32 element counts.")
-    ] = "32768,2097152,33554432",
+    tokens: Annotated[
+        str,
+        typer.Option("--tokens", help="Comma-separated row counts of the partial (decode batches, prefill chunks)."),
+    ] = "8,32,512,4096,16384",
+    hidden: Annotated[int, typer.Option("--hidden", help="Columns of the partial (the model's hidden size).")] = 4096,
     reps: Annotated[int, typer.Option("--reps")] = 20,
     json_: JsonOpt = False,
     save: SaveOpt = None,
 ):
-    """Tree all-reduce (gather and all-to-all versions) latency vs the library all-reduce."""
+    """bio / bio+tbik all-reduce (fp32 partials in, bf16 out; each transport) vs the bf16 library all-reduce."""
     import pandas as pd
     import torch
 
@@ -275,7 +277,9 @@ def bench_allreduce_cmd(
         raise DetauditError(f"--ranks {max(worlds)} needs {max(worlds)} GPUs; {torch.cuda.device_count()} visible")
     df = pd.concat(
         [
-            bench_allreduce(w, "cuda" if device.startswith("cuda") else "cpu", parse_int_list(sizes, "--sizes"), reps)
+            bench_allreduce(
+                w, "cuda" if device.startswith("cuda") else "cpu", parse_int_list(tokens, "--tokens"), hidden, reps
+            )
             for w in worlds
         ]
     )

@@ -53,6 +53,7 @@ class CellOutput:
     emulated: bool = False
     error: str | None = None  # the cell failed (worker crash, hang, ...); the sweep goes on
     placement: dict = field(default_factory=dict)  # where it ran (node, devices) when the executor knows
+    score_routing: list | None = None  # MoE models: the routing of the scored positions, per record
 
 
 ReferenceFn = Callable[[str], "list[list[int]] | None"]

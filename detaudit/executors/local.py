@@ -27,6 +27,7 @@ def run_job(
     gen_s = time.monotonic() - t0
     continuations = [g.token_ids for g in gens] if job.reference_id == job.cell_id else reference(job.reference_id)
     scores = engine.score(job.token_ids, continuations, job.batch_size) if continuations is not None else None
+    score_routing = getattr(engine, "last_score_routing", None) if scores is not None else None
     timing = {
         "wall_s": round(time.monotonic() - t0 + load_s, 3),
         "engine_start_s": round(load_s, 3),
@@ -40,6 +41,7 @@ def run_job(
         timing,
         describe=engine.describe(),
         emulated=group.options.emulated,
+        score_routing=score_routing,
     )
 
 

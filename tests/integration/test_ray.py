@@ -196,3 +196,63 @@ def test_ctrl_c_kills_actors_removes_placement_groups_and_stops_ray(smollm):
         time.sleep(0.5)
         leftover = _ray_children(before)
     assert leftover == []
+
+
+def _ray_sweep_in_subprocess(out, model_path, timeout_s: float, hang_timeout: float = 300.0, env=None):
+    """A Ray sweep through the library (`run_sweep`) in a child process bounded by `timeout_s`: a sweep
+    that hangs fails the test instead of hanging it. bf16 and bio+tbik at TP 1 and 2 (one batch size):
+    four groups, the TP-2 ones waiting for their TP-1 reference cells. Every group is placed on GPU
+    bundles of two logical Ray GPUs (`accelerator="GPU"`: the GPU scheduling path, probes included,
+    with the engines on the CPU)."""
+    import os
+    import subprocess
+
+    code = f"""
+import json
+from pathlib import Path
+from detaudit.config import DecodingParams, EngineSettings, SweepConfig
+from detaudit.sweep import run_sweep
+cfg = SweepConfig(model={str(model_path)!r}, suites=("smoke",), backends=("bf16", "bio+tbik"), tp=(1, 2),
+                  batch_sizes=(2,), decoding=DecodingParams(greedy=True, max_new_tokens=3), limit=2,
+                  executor="ray", engine=EngineSettings(hang_timeout={hang_timeout}))
+res = run_sweep(cfg, Path({str(out)!r}),
+                executor_options=dict(accelerator="GPU", num_gpus=2, num_cpus=2, max_retries=1))
+print("RESULT", json.dumps(dict(done=sorted(res.done), failed=res.failed)))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.mark.slow
+def test_tp1_and_tp2_groups_share_gpus_without_deadlock(tmp_path, smollm):
+    """Two logical GPUs, TP-1 groups holding them while a TP-2 group waits for both: every cell lands.
+    (The executor used to wait for the TP-2 group's GPU probes while blocking the loop that would collect
+    the TP-1 groups' finished cells and free their GPUs: this sweep never ended.)"""
+    pytest.importorskip("ray")
+    res = _ray_sweep_in_subprocess(tmp_path / "r", smollm.path, timeout_s=600)
+    assert res["failed"] == {} and len(res["done"]) == 4, res
+    cells = json.loads((tmp_path / "r" / "manifest.json").read_text())["cells"]
+    gpus = {cid: c["placement"]["gpu_ids"] for cid, c in cells.items()}
+    assert all(len(ids) == (2 if "__tp2__" in cid else 1) for cid, ids in gpus.items()), gpus
+
+
+@pytest.mark.slow
+def test_a_hung_actor_is_killed_and_its_cell_retried(tmp_path, smollm):
+    """An actor that stops producing tokens (DETAUDIT_RAY_FAULT=hang:CELL on the cell's first attempt)
+    is killed once the hang timeout passes without a token, and the cell lands on a new actor."""
+    pytest.importorskip("ray")
+    cell = "smoke__bio-tbik__tp1__bs2"
+    res = _ray_sweep_in_subprocess(
+        tmp_path / "r", smollm.path, timeout_s=600, hang_timeout=20, env={FAULT_ENV: f"hang:{cell}"}
+    )
+    assert res["failed"] == {} and cell in res["done"], res
+    placement = json.loads((tmp_path / "r" / "manifest.json").read_text())["cells"][cell]["placement"]
+    assert placement["attempt"] == 2 and placement["group_actor_restarts"] == 1, placement

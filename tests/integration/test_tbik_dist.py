@@ -1,5 +1,6 @@
-"""Real TP over gloo: each rank computes its tree subtree and the backend's all-reduce combines them.
-Both implementations (gather, a2a) must equal emulated TP and TP 1 bitwise."""
+"""Real TP over gloo: each rank computes its partial (bio+tbik: its tree subtree) and the backend's
+all-reduce combines them. Both transports (gather, scatter) must give the bits of the in-process combine:
+TP 1 for bio+tbik, emulated TP for bio."""
 
 from __future__ import annotations
 
@@ -12,16 +13,16 @@ from detaudit.builtin import dist
 pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
 
 
-def _rank(rank, size, port, mode, x, w, out_dir):
+def _rank(rank, size, port, backend, mode, x, w, out_dir):
     import os
 
-    os.environ["DETAUDIT_TBIK_ALLREDUCE"] = mode
+    os.environ["DETAUDIT_ALLREDUCE"] = mode
     torch.set_num_threads(1)
     from detaudit.backends import get_backend
 
     group = dist.init(rank, size, port, "cpu")
     try:
-        b = get_backend("bio+tbik")
+        b = get_backend(backend)
         k = w.shape[1] // size
         part = b.row_partial(x[:, rank * k : (rank + 1) * k], w[:, rank * k : (rank + 1) * k], size, name="t")
         torch.save(b.all_reduce(part, group, torch.bfloat16), f"{out_dir}/{rank}.pt")
@@ -29,19 +30,25 @@ def _rank(rank, size, port, mode, x, w, out_dir):
         dist.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["gather", "a2a"])
+@pytest.mark.parametrize("backend", ["bio+tbik", "bio"])
+@pytest.mark.parametrize("mode", ["gather", "scatter"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_gloo_equals_emulated(tmp_path, mode, size):
+def test_gloo_equals_emulated(tmp_path, backend, mode, size):
     from detaudit.backends import get_backend
 
     g = torch.Generator().manual_seed(size)
     x = torch.randn(19, 1536, generator=g).bfloat16()
-    w = torch.randn(577, 1536, generator=g).bfloat16()  # odd N: the a2a slices need padding
-    b = get_backend("bio+tbik")
-    ref = b.combine([b.row_partial(x, w, 1)], torch.bfloat16)
-    mp.spawn(_rank, args=(size, dist.free_port(), mode, x, w, str(tmp_path)), nprocs=size, join=True)
+    w = torch.randn(577, 1536, generator=g).bfloat16()  # odd N: the scatter slices need padding
+    b = get_backend(backend)
+    k = w.shape[1] // size
+    if backend == "bio+tbik":  # TP invariant: TP 1's bits
+        ref = b.combine([b.row_partial(x, w, 1)], torch.bfloat16)
+    else:  # batch invariant: emulated TP's bits at this TP size
+        parts = [b.row_partial(x[:, r * k : (r + 1) * k], w[:, r * k : (r + 1) * k], size) for r in range(size)]
+        ref = b.combine(parts, torch.bfloat16)
+    mp.spawn(_rank, args=(size, dist.free_port(), backend, mode, x, w, str(tmp_path)), nprocs=size, join=True)
     for r in range(size):
-        assert torch.equal(torch.load(tmp_path / f"{r}.pt"), ref), (mode, size, r)
+        assert torch.equal(torch.load(tmp_path / f"{r}.pt"), ref), (backend, mode, size, r)
 
 
 def _leave(rank, size, port, delay, wait, out_dir):

@@ -39,7 +39,7 @@ def test_knob_env_allow_list_and_redaction():
         "VLLM_BATCH_INVARIANT": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "0|1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "DETAUDIT_TBIK_ALLREDUCE": "a2a",
+        "DETAUDIT_ALLREDUCE": "scatter",
         "CUDA_VISIBLE_DEVICES": "0,1",
         # not knobs: left out entirely (value and name)
         "HOME": "/home/u",
@@ -55,7 +55,7 @@ def test_knob_env_allow_list_and_redaction():
     assert got == {
         "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
         "CUDA_VISIBLE_DEVICES": "0,1",
-        "DETAUDIT_TBIK_ALLREDUCE": "a2a",
+        "DETAUDIT_ALLREDUCE": "scatter",
         "MKL_NUM_THREADS": "1",
         "NCCL_ALGO": "Ring",
         "NCCL_PROTO": "Simple",

@@ -134,3 +134,29 @@ def test_dynamic_rope_length_limit():
     with pytest.raises(DetauditError, match=r"beyond max_position_embeddings \(128 positions; this run needs 129\)"):
         c.check_length(129)
     cfg("llama").check_length(10**6)  # no limit without dynamic scaling
+
+
+def test_unimplemented_moe_fields_are_refused_by_name():
+    base = {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "vocab_size": 300,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    }
+    assert ModelConfig.from_dict(base).moe.num_experts == 8
+    for key, value in (
+        ("shared_expert_intermediate_size", 128),
+        ("scoring_func", "sigmoid"),
+        ("n_group", 4),
+        ("capacity_factor", 1.25),
+    ):
+        with pytest.raises(DetauditError, match=key) as e:
+            ModelConfig.from_dict({**base, key: value})
+        assert "\n" not in str(e.value)
+    with pytest.raises(DetauditError, match="num_experts_per_tok"):
+        ModelConfig.from_dict({**base, "num_experts_per_tok": 9})

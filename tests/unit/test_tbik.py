@@ -89,7 +89,8 @@ def test_tree_sum_order():
         tree.tree_sum(parts[:3])
 
 
-def test_bad_allreduce_mode(monkeypatch):
-    monkeypatch.setenv("DETAUDIT_TBIK_ALLREDUCE", "ring")
-    with pytest.raises(DetauditError, match="gather, a2a"):
-        get_backend("bio+tbik")
+@pytest.mark.parametrize("name", ["bio", "bio+tbik"])
+def test_bad_allreduce_mode(monkeypatch, name):
+    monkeypatch.setenv("DETAUDIT_ALLREDUCE", "ring")
+    with pytest.raises(DetauditError, match="auto, gather, scatter"):
+        get_backend(name)

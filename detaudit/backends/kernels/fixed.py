@@ -118,6 +118,15 @@ def batched(a: Tensor, b_t: Tensor) -> Tensor:
     return bmm_fixed(a.float(), b_t.float().transpose(1, 2))
 
 
+def expert_matmul(x3: Tensor, w3: Tensor) -> Tensor:
+    """fp32 x3[E, R, K] @ w3[E, N, K]^T per expert, batch invariant in R (a row's bits do not depend on
+    the other rows): on GPU the Triton kernel over the expert batch (the model dtype's inputs, fp32
+    accumulation), on CPU the fixed-shape fp32 block products."""
+    if x3.is_cuda:
+        return triton_mm.mm(x3, w3)
+    return bmm_fixed(x3.float(), w3.float().transpose(1, 2))
+
+
 def attention(
     q: Tensor,
     k: Tensor,

@@ -102,5 +102,4 @@ def describe() -> dict[str, str]:
         "into an fp32 accumulator, compile-time binary-counter carries in registers, no split-K, "
         f"no autotune; {triton_mm.describe(tree=True)}; GLUON=1: on Hopper the warp-specialised "
         f"Gluon kernel (same leaves, same adds; {gluon_tree.CONFIG})",
-        "tree_all_reduce": "fp32 subtrees combined pairwise along the top of the same tree, cast once",
     }
