@@ -84,7 +84,8 @@ def serve(rank: int, conn: Connection, open_engine: Callable[[Any, dict], Any]) 
                 args, kwargs = payload
                 res: Any = engine.generate(*args, progress=progress, **kwargs)
             elif cmd == "score":
-                res = engine.score(*payload)
+                args, kwargs = payload
+                res = engine.score(*args, **kwargs)
             elif cmd == "describe":
                 res = engine.describe()
             elif cmd == "timings":
@@ -236,8 +237,9 @@ class WorkerPool:
         out: list[Generation] = self._call("generate", (args, load), progress)
         return out
 
-    def score(self, prompts, continuations, batch_size: int) -> list[list[float]]:
-        return self._call("score", (list(map(list, prompts)), list(map(list, continuations)), batch_size))
+    def score(self, prompts, continuations, batch_size: int, **kwargs) -> list[list[float]]:
+        args = (list(map(list, prompts)), list(map(list, continuations)), batch_size)
+        return self._call("score", (args, kwargs))
 
     @property
     def last_timings(self) -> dict:

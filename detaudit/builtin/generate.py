@@ -18,6 +18,7 @@ from detaudit.builtin.graphs import DecodeStep, eager_step, graphed_step
 from detaudit.builtin.model import Decoder
 from detaudit.builtin.moe import Routing
 from detaudit.config import DecodingParams, request_seed
+from detaudit.errors import DetauditError
 from detaudit.records import Generation, ProgressFn
 
 
@@ -211,11 +212,18 @@ class Generator:
         return outs
 
     @torch.inference_mode()
-    def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]):
+    def score(
+        self,
+        prompts: Sequence[Sequence[int]],
+        continuations: Sequence[Sequence[int]],
+        forced: Sequence[Sequence[Sequence[int]]] | None = None,
+    ):
         """Teacher forcing: log-probabilities of each continuation's tokens given its prompt, from one
         full-sequence forward per sequence (a fresh cache, as a training step computes it); and, for MoE
         models, the routing of each position that predicts a continuation token (else None):
-        (logprobs per sequence, routing per sequence as (experts, gates, margins) lists)."""
+        (logprobs per sequence, routing per sequence as (experts, gates, margins) lists). `forced`
+        (routing replay): per sequence and predicting position, the expert ids (layer-major, L*k, as
+        recorded) its MoE layers use instead of their own top k."""
         m = self.model
         B = len(prompts)
         seqs = [list(p) + list(c) for p, c in zip(prompts, continuations)]
@@ -224,7 +232,7 @@ class Generator:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         pos = torch.arange(T, device=self.device).expand(B, T)
-        routing = Routing()
+        routing = Routing(self._forced(forced, prompts, B, T) if forced is not None else None)
         h = m.hidden(ids, pos, m.new_cache(B, T), routing=routing)
         out, routes = [], []
         for i, (p, c) in enumerate(zip(prompts, continuations)):
@@ -237,3 +245,21 @@ class Generator:
             lp = m.ctx.backend.log_softmax(m.logits(h[i, rows]))
             out.append(lp.gather(1, torch.tensor(c, device=self.device)[:, None])[:, 0].tolist())
         return out, (routes if m.routes else None)
+
+    def _forced(self, forced, prompts, batch: int, length: int) -> Tensor:
+        """[L, B*T, k] expert ids, -1 where a row routes itself: each sequence's replayed positions are
+        the ones that predict its continuation tokens."""
+        spec = self.model.cfg.moe
+        layers = sum(spec.layers) if spec is not None else 0
+        if not layers:
+            raise DetauditError("routing replay needs a mixture-of-experts model")
+        out = torch.full((layers, batch * length, spec.top_k), -1, dtype=torch.long)
+        for i, (p, routes) in enumerate(zip(prompts, forced)):
+            for j, experts in enumerate(routes):
+                ids = torch.tensor(experts, dtype=torch.long)
+                if ids.numel() != layers * spec.top_k or ids.min() < 0 or ids.max() >= spec.num_experts:
+                    raise DetauditError(
+                        f"replayed routing of sequence {i}, position {j}: not {layers} x {spec.top_k} expert ids"
+                    )
+                out[:, i * length + len(p) - 1 + j] = ids.view(layers, spec.top_k)
+        return out.to(self.device)

@@ -84,15 +84,21 @@ class LocalEngine:
         return out
 
     def score(
-        self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], batch_size: int
+        self,
+        prompts: Sequence[Sequence[int]],
+        continuations: Sequence[Sequence[int]],
+        batch_size: int,
+        forced_routing: Sequence | None = None,
     ) -> list[list[float]]:
         """Teacher-forced log-probabilities; an MoE model's routing of the same positions is kept in
-        `last_score_routing` (per sequence: (experts, gates, margins) per position, as Generation's)."""
+        `last_score_routing` (per sequence: (experts, gates, margins) per position, as Generation's).
+        `forced_routing`: routing replay (per sequence, per position, the expert ids to use)."""
         out: list[list[float]] = []
         routes: list = []
         with self.backend.activate():
             for r in chunks(len(prompts), batch_size):
-                lps, rts = self.generator.score([prompts[i] for i in r], [continuations[i] for i in r])
+                forced = [forced_routing[i] for i in r] if forced_routing is not None else None
+                lps, rts = self.generator.score([prompts[i] for i in r], [continuations[i] for i in r], forced)
                 out += lps
                 routes += rts or []
         self.last_score_routing = routes if self.model.routes else None

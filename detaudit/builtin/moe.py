@@ -34,12 +34,19 @@ _NAMES = {  # style -> (module prefix, gate, up, down)
 
 class Routing:
     """The routing of the tokens of one forward step, one entry per MoE layer in layer order: expert ids
-    [T, k] (int64), gates [T, k] (fp32), margin [T] (fp32)."""
+    [T, k] (int64), gates [T, k] (fp32), margin [T] (fp32). `forced` [L, T, k] (routing replay): rows
+    holding expert ids (not -1) use those experts instead of the router's top k, with the router's own
+    probabilities as gates."""
 
-    def __init__(self) -> None:
+    def __init__(self, forced: Tensor | None = None) -> None:
         self.experts: list[Tensor] = []
         self.gates: list[Tensor] = []
         self.margins: list[Tensor] = []
+        self.forced = forced
+
+    def forced_for_next(self) -> Tensor | None:
+        """The forced experts of the next MoE layer to route, or None."""
+        return None if self.forced is None else self.forced[len(self.experts)]
 
     def add(self, experts: Tensor, gates: Tensor, margin: Tensor) -> None:
         self.experts.append(experts)
@@ -78,13 +85,18 @@ class MoE:
         self.gate_up = [torch.stack(w) for w in gate_up]
         self.down = [torch.stack(w) for w in down]
 
-    def route(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(expert ids [T, k], gates [T, k] fp32, margin [T] fp32) of each row of h."""
+    def route(self, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(expert ids [T, k], gates [T, k] fp32, margin [T] fp32) of each row of h; rows of `forced`
+        holding expert ids take those experts (gates: the router's probabilities of them)."""
         b, k = self.ctx.backend, self.spec.top_k
         probs = b.log_softmax(b.linear(h, self.router)).exp()  # [T, E] fp32
         ranked, experts = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties: lower index first
         top = ranked[:, :k]
         margin = top[:, -1] - ranked[:, k] if k < ranked.shape[1] else top[:, -1]
+        if forced is not None:
+            replay = forced[:, :1] >= 0
+            experts = torch.where(replay, forced, experts[:, :k])
+            top = torch.where(replay, probs.gather(1, experts.clamp(min=0)), top)
         if self.spec.norm_topk_prob:
             total = top[:, :1]
             for j in range(1, k):  # a fixed order of additions
@@ -96,7 +108,7 @@ class MoE:
         """This layer's residual delta for h[T, H] (a partial where the residual add rounds it, as
         `RowParallelLinear` returns). `decode`: one token per request (the dense layout, whatever T)."""
         ctx, b = self.ctx, self.ctx.backend
-        experts, gates, margin = self.route(h)
+        experts, gates, margin = self.route(h, routing.forced_for_next())
         routing.add(experts, gates, margin)
         x3, index = self._layout(h, experts, dense=decode or h.shape[0] <= DENSE_TOKENS)
         partials = []

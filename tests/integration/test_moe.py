@@ -166,3 +166,18 @@ def test_real_tp2_over_gloo_equals_tp1(ckpts, name):
         assert eng.describe()["routing"] is True
     finally:
         eng.close()
+
+
+def test_routing_replay(ckpts):
+    """Teacher forcing with the rollout's expert choices forced (routing replay): replaying a sequence's
+    own routing changes no bit; replaying other choices uses exactly those experts."""
+    eng = local_engine(ckpts["qwen3_moe"], "bio")
+    prompts = [token_ids(batch=1, length=10, seed=3)[0].tolist()]
+    gens = eng.generate(prompts, ["a"], DecodingParams(max_new_tokens=5, seed=4), 1)
+    conts = [gens[0].token_ids]
+    plain = eng.score(prompts, conts, 1)
+    own = [gens[0].route_experts]
+    assert eng.score(prompts, conts, 1, forced_routing=own) == plain
+    other = [[[(e + 1) % 8 for e in experts] for experts in gens[0].route_experts]]
+    replayed = eng.score(prompts, conts, 1, forced_routing=other)
+    assert eng.last_score_routing[0][0] == other[0] and replayed != plain
