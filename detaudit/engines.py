@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from detaudit.config import DecodingParams, EngineOptions, SweepConfig
+from detaudit.config import DecodingParams, EngineOptions, ModelRef, SweepConfig
 from detaudit.errors import DetauditError
 from detaudit.records import Generation, ProgressFn
 from detaudit.vllm import MAX_MODEL_LEN as VLLM_MAX_MODEL_LEN
@@ -61,6 +61,7 @@ class EngineInfo:
     numerics: Callable[[str], dict] | None = None  # a backend's description, known before the engine opens
     describes_per_cell: bool = False  # its facts depend on the cell's batch size and load (recorded per cell)
     spans_nodes: bool = False  # on GPUs it can place its own TP ranks across a Ray cluster
+    check_model: Callable[[ModelRef, SweepConfig], None] | None = None  # refuses a model it cannot run as asked
 
 
 ENGINES: dict[str, EngineInfo] = {}
@@ -118,6 +119,18 @@ def _require_vllm() -> None:
     from detaudit.vllm import require_vllm
 
     require_vllm()
+
+
+def _vllm_model_check(model: ModelRef, cfg: SweepConfig) -> None:
+    """The detaudit plugin covers vLLM's dense layers, not its fused MoE layer."""
+    is_moe = any(model.config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    invariant = [b for b in cfg.backends if b != "bf16"]
+    if is_moe and invariant:
+        raise DetauditError(
+            f"--engine {cfg.engine.name} with --backends {','.join(invariant)}: {model.name} is a mixture-of-experts "
+            "model and the detaudit plugin does not cover vLLM's fused MoE layer (use --engine builtin, or "
+            "--backends bf16 for vLLM's own kernels)"
+        )
 
 
 def _open_openai(o: EngineOptions) -> Engine:
@@ -186,6 +199,7 @@ register_engine(
         max_context=VLLM_MAX_MODEL_LEN,
         describes_per_cell=True,
         spans_nodes=True,
+        check_model=_vllm_model_check,
     )
 )
 register_engine(
@@ -210,5 +224,6 @@ register_engine(
         server=True,
         check=_check_vllm_server,
         describes_per_cell=True,
+        check_model=_vllm_model_check,
     )
 )

@@ -159,9 +159,11 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
 
     suites = load_suites(cfg.suites, data_dir, cfg.limit)
     model = resolve_model(cfg.model, auto_prepare=True, console=console)
+    info = get_engine(cfg.engine.name)
+    if info.check_model is not None:
+        info.check_model(model, cfg)
     tokenizer = tokenizer_for(model.path)
     prompts = {s.name: tokenize(s, tokenizer) for s in suites}
-    info = get_engine(cfg.engine.name)
     check_model(
         model,
         cfg.tp,

@@ -61,6 +61,35 @@ PRESETS = {
 }
 
 
+PRESETS["qwen3-30b-a3b-shaped"] = Preset(
+    name="qwen3-30b-a3b-shaped",
+    description="Qwen3-30B-A3B's architecture (MoE: 128 experts, top 8) with random weights (seeded, on the device)",
+    config={
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "eos_token_id": 2,
+    },
+)
+
+
 def is_synthetic(path: Path) -> bool:
     try:
         return "synthetic" in json.loads((Path(path) / MANIFEST).read_text())
@@ -97,6 +126,13 @@ def _shape(cfg: dict, name: str) -> tuple[int, ...]:
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
     if m is None or int(m.group(1)) >= cfg["num_hidden_layers"]:
         raise DetauditError(f"synthetic model has no parameter {name}")
+    if cfg.get("num_experts"):  # mixture of experts: the router and the experts' MLPs
+        e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+        expert = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)", m.group(2))
+        if m.group(2) == "mlp.gate":
+            return (e, h)
+        if expert is not None and int(expert.group(1)) < e:
+            return (h, mi) if expert.group(2) == "down_proj" else (mi, h)
     shapes = {
         "input_layernorm": (h,),
         "post_attention_layernorm": (h,),

@@ -26,7 +26,31 @@ def install(backend_name: str, marker_cls) -> None:
 
             cpu_ops.install(backend, marker, _tp_rank)
     _install_row_parallel(backend, marker, "tree_row_parallel" if backend_name == "bio+tbik" else "row_parallel")
+    _refuse_moe(backend_name)
     _installed = backend_name
+
+
+def _refuse_moe(backend_name: str) -> None:
+    """vLLM's fused mixture-of-experts layer is not routed through the backend: building one under a
+    detaudit backend fails, naming it, instead of running the experts on vLLM's own kernels unseen."""
+    import importlib
+
+    def refuse(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"detaudit {backend_name}: vLLM's fused MoE layer is not covered by the detaudit plugin "
+            "(mixture-of-experts models run under --engine builtin, or under vLLM with --backends bf16)"
+        )
+
+    # the class every MoE model builds, by vLLM version: the runner (0.32), the layer (earlier releases)
+    for module, name in (
+        ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner"),
+        ("vllm.model_executor.layers.fused_moe.layer", "FusedMoE"),
+    ):
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        cls.__init__ = refuse
 
 
 def _tp_rank() -> int | None:

@@ -78,3 +78,36 @@ def test_engine_runs_the_synthetic_architecture_tp_invariant_under_tbik(small_co
     ref = local_engine(small_copy, "bio+tbik", 1).generate(prompts, ids, dec, 2)
     got = local_engine(small_copy, "bio+tbik", 4, emulated=True).generate(prompts, ids, dec, 1)
     assert [(g.token_ids, g.token_logprobs) for g in got] == [(g.token_ids, g.token_logprobs) for g in ref]
+
+
+def test_moe_preset_runs_its_architecture_tp_invariant_under_tbik(smollm, tmp_path):
+    """`qwen3-30b-a3b-shaped` prepared, then a copy shrunk to a few layers and experts (the same
+    parameter names and routing): the engine runs it, and bio+tbik at emulated TP 4 equals TP 1 bitwise,
+    routing records included."""
+    ref = models.resolve_model("qwen3-30b-a3b-shaped", auto_prepare=True)
+    assert ref.architecture == "Qwen3MoeForCausalLM" and synthetic.is_synthetic(ref.path)
+    d = tmp_path / "m"
+    shutil.copytree(ref.path, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(
+        hidden_size=128,
+        moe_intermediate_size=64,
+        num_experts=16,
+        num_experts_per_tok=4,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        vocab_size=1000,
+    )
+    (d / "config.json").write_text(json.dumps(cfg))
+    dec = DecodingParams(greedy=True, max_new_tokens=4)
+    prompts, ids = [[5, 6, 7, 8, 9], [11, 12, 13]], ["a", "b"]
+
+    def run(tp):
+        gens = local_engine(d, "bio+tbik", tp, emulated=tp > 1).generate(prompts, ids, dec, 2)
+        return [(g.token_ids, g.token_logprobs, g.route_experts, g.route_gates) for g in gens]
+
+    one = run(1)
+    assert all(len(g[2][0]) == 2 * 4 for g in one)  # 2 MoE layers x top 4
+    assert run(4) == one

