@@ -14,13 +14,14 @@ Shapes and conventions:
   one partial must be the partial cast to `dtype`, bit for bit: the engine leaves that cast to the
   residual add at TP 1.
 - `all_reduce(partial, group, dtype)`: the single TP seam in real TP mode.
-- `expert_linear(x3, w3)` / `expert_down(x3, w3, index, gates, tp_size, name)` (mixture-of-experts
-  layers; a backend without them cannot run MoE models): x3[E, R, K] holds the rows routed to each of E
-  experts (zero rows pad them), w3[E, N, K] the experts' weights. `expert_linear` is the column-parallel
-  products (gate / up) in x's dtype; `expert_down` the row-parallel down projection of every expert's
-  rows and each token's weighted sum of its experts' outputs: `index[t, j]` is the row (in E * R) of
-  token t's j-th expert and `gates[t, j]` its fp32 weight; it returns this rank's partial [T, N], which
-  `combine` / `all_reduce` reduce like a row-parallel layer's.
+- mixture-of-experts layers (a backend without these cannot run MoE models): `expert_linear(x, w)` is an
+  expert's column-parallel product (gate / up) of its rows, x[R, K] @ w[N, K]^T, or of every expert at
+  once, x[E, R, K] @ w[E, N, K]^T, in x's dtype; `expert_matmul(x, w)` the same shapes for the down
+  projection, in the backend's partial dtype; `expert_down(product, gates, tp_size, k_local, name)` the
+  row-parallel down projection and each token's weighted sum of its experts' outputs: the engine's
+  `product(cols)` returns, for this rank's K columns `cols`, every (token, slot) output [T, k, N]
+  (`expert_matmul` of the rows routed to each expert), and `gates[T, k]` are fp32. It returns this rank's
+  partial [T, N], which `combine` / `all_reduce` reduce like a row-parallel layer's.
 - `attention(q, k, v, q_pos, scale, window=None)`: q[B, Hq, T, D]; k, v[B, Hkv, L, D] are the KV cache, already
   holding the new tokens; q_pos[B, T] are the queries' absolute positions; key j is visible to a query
   at position p iff j <= p; with `window` (sliding-window attention, passed only for layers that have

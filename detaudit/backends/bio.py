@@ -65,13 +65,17 @@ class BioBackend:
         """The cross-rank sum of fp32 partials, in fp32 (cast by the caller): rank order."""
         return sequential_sum(partials, torch.float32)
 
-    def expert_linear(self, x3: Tensor, w3: Tensor) -> Tensor:
-        return fixed.expert_matmul(x3, w3).to(x3.dtype)
+    def expert_linear(self, x: Tensor, w: Tensor) -> Tensor:
+        return self.expert_matmul(x, w).to(x.dtype)
 
-    def expert_down(self, x3: Tensor, w3: Tensor, index: Tensor, gates: Tensor, tp_size: int, name: str = "") -> Tensor:
-        """Every expert's fp32 partial product of its rows (a row's bits do not depend on how many rows
-        the expert received), then each token's experts weighted and summed in top-k order in fp32."""
-        return weighted_experts(fixed.expert_matmul(x3, w3), index, gates)
+    def expert_matmul(self, x: Tensor, w: Tensor) -> Tensor:
+        """fp32 products whose row bits do not depend on the other rows (however many the expert got)."""
+        return fixed.expert_matmul(x, w) if x.dim() == 3 else fixed.matmul(x, w)
+
+    def expert_down(self, product, gates: Tensor, tp_size: int, k_local: int, name: str = "") -> Tensor:
+        """Every expert's fp32 partial product of its rows, then each token's experts weighted and summed in
+        top-k order in fp32."""
+        return weighted_experts(product(slice(None)), gates)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if fused.usable(x):  # GPU: one program per row, the row's sum of squares in one fixed order
@@ -121,12 +125,11 @@ class BioBackend:
         }
 
 
-def weighted_experts(y: Tensor, index: Tensor, gates: Tensor) -> Tensor:
-    """sum_j gates[t, j] * y[index[t, j]] for every token t, in j order, in fp32: y[E, R, N] (fp32) -> [T, N]."""
-    picked = y.reshape(-1, y.shape[-1])[index]  # [T, k, N]
-    out = picked[:, 0] * gates[:, :1]
+def weighted_experts(y: Tensor, gates: Tensor) -> Tensor:
+    """sum_j gates[t, j] * y[t, j] for every token t, in j order, in fp32: y[T, k, N] (fp32) -> [T, N]."""
+    out = y[:, 0] * gates[:, :1]
     for j in range(1, gates.shape[1]):
-        out = out + picked[:, j] * gates[:, j : j + 1]
+        out = out + y[:, j] * gates[:, j : j + 1]
     return out
 
 

@@ -58,15 +58,17 @@ class NativeBackend:
     def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor:
         return group.all_reduce_sum(partial).to(dtype)
 
-    def expert_linear(self, x3: Tensor, w3: Tensor) -> Tensor:
-        return torch.bmm(x3, w3.transpose(1, 2))
+    def expert_linear(self, x: Tensor, w: Tensor) -> Tensor:
+        # (not `_product`: an expert's weight is a fresh view of the stacked experts at every call)
+        return torch.bmm(x, w.transpose(1, 2)) if x.dim() == 3 else F.linear(x, w)
 
-    def expert_down(self, x3: Tensor, w3: Tensor, index: Tensor, gates: Tensor, tp_size: int, name: str = "") -> Tensor:
-        """As serving engines combine experts natively: one batched GEMM in the model dtype, each output
-        weighted and the token's experts summed by the library's reduction in the model dtype."""
-        y = torch.bmm(x3, w3.transpose(1, 2))
-        picked = y.reshape(-1, y.shape[-1])[index]  # [T, k, N]
-        return (picked * gates[..., None]).to(y.dtype).sum(dim=1)
+    expert_matmul = expert_linear  # the down projection's products: in the model dtype too
+
+    def expert_down(self, product, gates: Tensor, tp_size: int, k_local: int, name: str = "") -> Tensor:
+        """As serving engines combine experts natively: the outputs in the model dtype, each weighted and
+        the token's experts summed by the library's reduction."""
+        y = product(slice(None))  # [T, k, N]
+        return (y * gates[..., None]).to(y.dtype).sum(dim=1)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if fused.usable(x):  # GPU: one program per row, as serving engines' fused RMSNorm kernels

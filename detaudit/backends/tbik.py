@@ -14,7 +14,7 @@ from torch import Tensor
 
 from detaudit.backends import register_backend
 from detaudit.backends.bio import BioBackend, weighted_experts
-from detaudit.backends.kernels import fixed, tree
+from detaudit.backends.kernels import tree
 
 
 @register_backend("bio+tbik", "tbik")
@@ -27,16 +27,15 @@ class TbikBackend(BioBackend):
     def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
         return tree.tree_sum([p.float() for p in partials]).to(dtype)
 
-    def expert_down(self, x3: Tensor, w3: Tensor, index: Tensor, gates: Tensor, tp_size: int, name: str = "") -> Tensor:
+    def expert_down(self, product, gates: Tensor, tp_size: int, k_local: int, name: str = "") -> Tensor:
         """The down projection's K is the tree's: each leaf's expert products are weighted and summed
         over the token's experts (as bio does over the whole K), and the leaves' sums are added along
         this rank's subtree; the all-reduce adds the ranks' subtrees along the top. Each leaf is computed
         and weighted the same way at every TP size, so the layer is TP invariant."""
-        leaf, leaves = tree.leaf_plan(x3.shape[-1], tp_size, name)
+        leaf, leaves = tree.leaf_plan(k_local, tp_size, name)
         stack: list[Tensor] = []  # binary-counter carries, as tree.tree_matmul_cpu adds its leaves
         for j in range(leaves):
-            cols = slice(j * leaf, (j + 1) * leaf)
-            node = weighted_experts(fixed.expert_matmul(x3[..., cols], w3[..., cols]), index, gates)
+            node = weighted_experts(product(slice(j * leaf, (j + 1) * leaf)), gates)
             level = 0
             while (j >> level) & 1:
                 node = stack.pop() + node

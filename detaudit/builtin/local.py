@@ -118,5 +118,11 @@ class LocalEngine:
         }
 
     def close(self) -> None:
+        """Free the model now: on a GPU the next group's engine needs its memory (a reference cycle
+        would keep the weights until the next collection)."""
         if self.device.type == "cuda":
             gc.unfreeze()  # (generate froze what was alive for its decode loop: `generate.settle_gc`)
+        self.generator = self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

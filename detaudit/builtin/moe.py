@@ -3,14 +3,15 @@
 Per token: the router's logits (`backend.linear`, replicated), fp32 probabilities
 (`backend.log_softmax`), the top k experts with ties broken by expert index (a stable descending sort:
 row-local, exact), their gates (renormalised to sum to 1 where the model says so, summed in a fixed
-order). The tokens routed to each expert are laid out as one batch per expert, x3[E, R, H]: in decode
-steps and with few tokens every token goes to every expert (R = T: static shapes, so a CUDA graph can
-capture the step; the rows nobody chose are computed and dropped), otherwise the chosen rows only (R =
-the busiest expert's count, zero rows padding the others). The experts' gate / up products are column-parallel
-(each rank holds its slice of every expert's intermediate dimension); the down projection and each
-token's weighted sum of its experts' outputs are one row-parallel step (`backend.expert_down`), reduced
-across ranks like any row-parallel layer. Under the invariant backends a row's products do not depend on
-R or on the other rows, so the two layouts give the same bits.
+order). The experts then run in one of two layouts: in decode steps (one token per request) and with
+few tokens, every expert computes every token (one batched product per projection: static shapes, so a
+CUDA graph can capture the step; the rows nobody chose are computed and dropped); otherwise each expert
+computes only the rows routed to it (one product per expert, the rows sorted by expert). The experts'
+gate / up products are column-parallel (each rank holds its slice of every expert's intermediate
+dimension); the down projection and each token's weighted sum of its experts' outputs are one
+row-parallel step (`backend.expert_down`), reduced across ranks like any row-parallel layer. Under the
+invariant backends a row's products do not depend on the other rows, so the two layouts give the same
+bits (tested).
 
 The routing of every token (expert ids, gates, and the margin between the k-th and the (k+1)-th router
 probability) is handed back with the layer's output for the run's routing records.
@@ -106,40 +107,67 @@ class MoE:
 
     def __call__(self, h: Tensor, routing: Routing, decode: bool = False) -> Tensor:
         """This layer's residual delta for h[T, H] (a partial where the residual add rounds it, as
-        `RowParallelLinear` returns). `decode`: one token per request (the dense layout, whatever T)."""
+        `RowParallelLinear` returns). `decode`: one token per request (the every-expert layout)."""
         ctx, b = self.ctx, self.ctx.backend
         experts, gates, margin = self.route(h, routing.forced_for_next())
         routing.add(experts, gates, margin)
-        x3, index = self._layout(h, experts, dense=decode or h.shape[0] <= DENSE_TOKENS)
-        partials = []
-        for r, (w_gate_up, w_down) in enumerate(zip(self.gate_up, self.down)):
-            gu = b.expert_linear(x3, w_gate_up)  # [E, R, 2 I/C]
-            half = gu.shape[-1] // 2
-            flat = gu.reshape(-1, gu.shape[-1])
-            act = self.ops.silu_mul(flat[:, :half], flat[:, half:]).view(gu.shape[0], gu.shape[1], half)
-            partials.append(b.expert_down(act, w_down, index, gates, ctx.size, self.name))
+        layout = Dense if decode or h.shape[0] <= DENSE_TOKENS else Sorted
+        partials = [layout(self, h, experts, r).down(gates) for r in range(len(self.gate_up))]
         if ctx.emulated:
             return b.combine(partials, ctx.dtype)
         if ctx.group is None:  # TP 1 in process: the residual add rounds the partial (the combine of one)
             return partials[0]
         return b.all_reduce(partials[0], ctx.group, ctx.dtype)
 
-    def _layout(self, h: Tensor, experts: Tensor, dense: bool) -> tuple[Tensor, Tensor]:
-        """x3[E, R, H], the rows each expert computes, and index[T, k]: the row (in E * R) holding
-        token t's j-th expert's output."""
-        n_exp = self.spec.num_experts
+
+class Dense:
+    """Every expert computes every token: x[E, T, H] (a broadcast view), one batched product each."""
+
+    def __init__(self, moe: MoE, h: Tensor, experts: Tensor, rank: int) -> None:
+        self.b, self.down_w, self.moe = moe.ctx.backend, moe.down[rank], moe
+        t = h.shape[0]
+        x = h.unsqueeze(0).expand(moe.spec.num_experts, t, h.shape[1])
+        self.act = _silu(moe, self.b.expert_linear(x, moe.gate_up[rank]))  # [E, T, I/C]
+        self.index = experts * t + torch.arange(t, device=h.device)[:, None]  # token t's j-th expert's row
+
+    def down(self, gates: Tensor) -> Tensor:
+        def product(cols: slice) -> Tensor:
+            y = self.b.expert_matmul(self.act[..., cols], self.down_w[..., cols])  # [E, T, N]
+            return y.reshape(-1, y.shape[-1])[self.index]  # [T, k, N]
+
+        return self.b.expert_down(product, gates, self.moe.ctx.size, self.act.shape[-1], self.moe.name)
+
+
+class Sorted:
+    """Each expert computes the rows routed to it: the T*k (token, slot) rows sorted by expert, one
+    product per expert over its contiguous run."""
+
+    def __init__(self, moe: MoE, h: Tensor, experts: Tensor, rank: int) -> None:
+        self.b, self.moe, self.rank = moe.ctx.backend, moe, rank
         t, k = experts.shape
-        if dense:  # every expert sees every token: static shapes
-            x3 = h.unsqueeze(0).expand(n_exp, t, h.shape[1])
-            index = experts * t + torch.arange(t, device=h.device)[:, None]
-            return x3, index
-        flat = experts.reshape(-1)  # [T*k], row-major: token t's choices at t*k .. t*k + k - 1
-        order = torch.sort(flat, stable=True).indices  # grouped by expert, tokens in order within one
-        counts = torch.bincount(flat, minlength=n_exp)
-        rows = int(counts.max())  # (a host sync: prefill only)
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.empty_like(flat)
-        slot[order] = torch.arange(flat.numel(), device=h.device) - starts[flat[order]]
-        x3 = torch.zeros((n_exp, rows, h.shape[1]), dtype=h.dtype, device=h.device)
-        x3[flat, slot] = h.repeat_interleave(k, dim=0)
-        return x3, (flat * rows + slot).view(t, k)
+        flat = experts.reshape(-1)  # row t*k + j: token t's j-th expert
+        self.order = torch.sort(flat, stable=True).indices  # by expert, tokens in order within one
+        counts = torch.bincount(flat, minlength=moe.spec.num_experts).tolist()  # (a host sync: prefill only)
+        self.runs = [(e, sum(counts[:e]), c) for e, c in enumerate(counts) if c]  # (expert, start, rows)
+        x = h[self.order // k]
+        w = moe.gate_up[rank]
+        self.act = _silu(moe, torch.cat([self.b.expert_linear(x[s : s + n], w[e]) for e, s, n in self.runs]))
+        self.shape = (t, k)
+
+    def down(self, gates: Tensor) -> Tensor:
+        w = self.moe.down[self.rank]
+
+        def product(cols: slice) -> Tensor:
+            y = torch.cat([self.b.expert_matmul(self.act[s : s + n, cols], w[e][:, cols]) for e, s, n in self.runs])
+            out = torch.empty_like(y)
+            out[self.order] = y  # back to (token, slot) order
+            return out.view(*self.shape, -1)
+
+        return self.b.expert_down(product, gates, self.moe.ctx.size, self.act.shape[-1], self.moe.name)
+
+
+def _silu(moe: MoE, gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of an expert product whose last dim holds the gate half, then the up half."""
+    half = gate_up.shape[-1] // 2
+    flat = gate_up.reshape(-1, gate_up.shape[-1])
+    return moe.ops.silu_mul(flat[:, :half], flat[:, half:]).view(*gate_up.shape[:-1], half)
