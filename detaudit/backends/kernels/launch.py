@@ -51,8 +51,10 @@ class Launch:
     def __init__(self, kernel: Any, grid: tuple[int, int, int], args: list, slots: Sequence[int]) -> None:
         self.kernel = kernel
         self.grid = grid
-        self.args = args
         self.slots = tuple(slots)
+        # the per-call arguments are put in at every launch: the plan keeps none of the first call's tensors
+        # (a kept plan holding them would keep their memory, a whole weight or activation, alive for good)
+        self.args = [None if i in self.slots else a for i, a in enumerate(args)]
         self.run = kernel.run  # initialises the module handles once
         self.function = kernel.function
         self.packed = kernel.packed_metadata
