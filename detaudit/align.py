@@ -1,6 +1,12 @@
 """Rollout-vs-trainer alignment: sample rollouts on one engine/TP (incremental decode with a KV cache,
 batched), re-score exactly those tokens on another (one full-sequence forward per sequence, as a
-training step computes it), and compare the probabilities of the sampled tokens."""
+training step computes it), and compare the probabilities of the sampled tokens.
+
+Mixture-of-experts models, where both sides record routing (the built-in engine): per sampled token,
+the MoE layers whose expert set differs between the rollout's forward and the trainer's, and routing
+replay: the trainer re-scores the same tokens with the rollout's expert choices forced, and the replayed
+log-probabilities are compared with the rollout's like the plain trainer's. What replay leaves is the
+mismatch that routing does not explain."""
 
 from __future__ import annotations
 
@@ -11,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from detaudit.analyze import routers_differ
 from detaudit.config import DecodingParams, ModelRef
 from detaudit.errors import DetauditError
+from detaudit.metrics import ALIGN_ROUTING_COLUMNS, specs
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,27 @@ def metrics(rollout_lp: np.ndarray, trainer_lp: np.ndarray) -> dict[str, float]:
         "pearson": pearson,
         "kl": float(np.mean(r - t)),
     }
+
+
+def routing_metrics(g: pd.DataFrame) -> dict[str, float]:
+    """The routing columns of one backend's summary row (NaN where no token has routing on both sides):
+    routers (token x MoE layer) and tokens with a differing expert set, and the replayed trainer's
+    log-probabilities against the rollout's."""
+    out = dict.fromkeys(ALIGN_ROUTING_COLUMNS, math.nan)
+    routed = g[g["routers"].notna()] if "routers" in g else g.iloc[:0]
+    if len(routed) and routed["routers"].sum():
+        out["router_disagree_frac"] = float(routed["routers_disagree"].sum() / routed["routers"].sum())
+        out["tokens_router_disagree_frac"] = float((routed["routers_disagree"] > 0).mean())
+    replayed = g[g["replay_logprob"].notna()] if "replay_logprob" in g else g.iloc[:0]
+    if len(replayed):
+        m = metrics(replayed["rollout_logprob"].to_numpy(np.float32), replayed["replay_logprob"].to_numpy(np.float32))
+        out.update({f"replay_{k}": m[k] for k in ("bitwise_equal_frac", "dp_max", "dp_mean", "kl")})
+    return out
+
+
+def shown_columns(summary: pd.DataFrame) -> list[str]:
+    """The summary's columns less the routing ones no backend has (dense models, engines without routing)."""
+    return [c for c in summary.columns if c not in ALIGN_ROUTING_COLUMNS or summary[c].notna().any()]
 
 
 @dataclass(frozen=True)
@@ -163,7 +192,10 @@ def run_align(
     eos: tuple[int, ...],
     progress=None,
 ) -> pd.DataFrame:
-    """One row per (backend, prompt, position)."""
+    """One row per (backend, prompt, position). MoE models with routing on both sides: the rollout's and
+    the trainer's expert ids (layer-major), the MoE layers (`routers`) and how many of them chose another
+    expert set (`routers_disagree`), and the trainer's log-probability under routing replay; empty
+    (None / NaN) otherwise."""
     from detaudit.config import EngineOptions, EngineSettings
     from detaudit.engines import get_engine, open_engine
 
@@ -182,13 +214,20 @@ def run_align(
         finally:
             eng.close()
         eng = _open(cfg.trainer)
+        replay = None
         try:
-            scores = eng.score(prompts, [g.token_ids for g in gens], 1)  # one forward per sequence
+            conts = [g.token_ids for g in gens]
+            scores = eng.score(prompts, conts, 1)  # one forward per sequence
+            routes = getattr(eng, "last_score_routing", None) if scores is not None else None
+            routed = routes is not None and all(g.route_experts is not None for g in gens)
+            if routed:  # routing replay: the same forwards with the rollout's expert choices
+                replay = eng.score(prompts, conts, 1, forced_routing=[g.route_experts for g in gens])
         finally:
             eng.close()
         if scores is None:
             raise DetauditError(f"--trainer {cfg.trainer}: this engine cannot score given tokens")
-        for pid, g, s in zip(prompt_ids, gens, scores):
+        for k, (pid, g, s) in enumerate(zip(prompt_ids, gens, scores)):
+            routing = _token_routing(g, routes[k]) if routed else None
             for i, (tok, lr, lt) in enumerate(zip(g.token_ids, g.token_logprobs, s)):
                 rows.append(
                     {
@@ -201,9 +240,30 @@ def run_align(
                         "token_id": tok,
                         "rollout_logprob": lr,
                         "trainer_logprob": lt,
+                        "rollout_experts": g.route_experts[i] if routing is not None else None,
+                        "trainer_experts": routes[k][0][i] if routing is not None else None,
+                        "routers": routing.shape[1] if routing is not None else None,
+                        "routers_disagree": int(routing[i].sum()) if routing is not None else None,
+                        "replay_logprob": replay[k][i] if replay is not None else math.nan,
                     }
                 )
     return pd.DataFrame(rows)
+
+
+def _token_routing(g, trainer_route: tuple) -> np.ndarray:
+    """[positions, MoE layers] bool: whether the trainer's forward chose another expert set than the
+    rollout's for a sampled token (`trainer_route`: the trainer's (experts, gates, margins) of the
+    sequence)."""
+    if not g.route_experts:  # nothing sampled
+        return np.zeros((0, 0), dtype=bool)
+    rollout = np.asarray(g.route_experts, dtype=np.int64)
+    trainer = np.asarray(trainer_route[0], dtype=np.int64)
+    if rollout.shape != trainer.shape:
+        raise DetauditError(
+            f"the rollout and the trainer routed {rollout.shape} and {trainer.shape} (positions x expert ids): "
+            "not the same model"
+        )
+    return routers_differ([rollout, trainer], len(g.route_margins[0]), len(rollout))
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
@@ -215,6 +275,7 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
                 "rollout": rollout,
                 "trainer": trainer,
                 **metrics(g["rollout_logprob"].to_numpy(np.float32), g["trainer_logprob"].to_numpy(np.float32)),
+                **routing_metrics(g),
             }
         )
     return pd.DataFrame(out)
@@ -242,12 +303,14 @@ def write_alignment(df: pd.DataFrame, summary: pd.DataFrame, out_dir: Path, meta
         "",
         f"Machine: {meta.get('machine', 'not recorded')}.",
         "",
-        summary.to_markdown(index=False, floatfmt=".3g"),
+        summary[shown_columns(summary)].to_markdown(index=False, floatfmt=".3g"),
         "",
         "bitwise_equal_frac: share of sampled tokens whose fp32 log-probability is bitwise equal on both sides. "
         "dp = |p_rollout - p_trainer|. kl: sample estimate of KL(rollout || trainer) = mean(log p_r - log p_t).",
         "",
     ]
+    routing = [s for s in specs("align") if s.name in shown_columns(summary) and s.name in ALIGN_ROUTING_COLUMNS]
+    md += [f"{s.name}: {s.definition or s.label}." for s in routing if s.definition] + ([""] if routing else [])
     fig, ax = plt.subplots(figsize=(8, 4))
     for backend, g in df.groupby("backend", sort=False):
         dp = (np.exp(g["rollout_logprob"]) - np.exp(g["trainer_logprob"])).abs()

@@ -34,6 +34,15 @@ Definitions (the edge cases are part of the definition):
   accuracies: the spread of this fixed set of configurations (the paper's Std@Acc), 0 for one cell.
 - len_std: per prompt, the population std of output length (tokens) across cells; mean over prompts.
 - agreement: for each pair of cells, the fraction of their common prompts with identical outputs.
+- routing (MoE models; the records' `route_experts` / `route_margins`, NaN where no cell records
+  routing): a router is one (output position, MoE layer) pair; its expert set is the k experts it
+  chose, whatever their order. Compared positions: those every routed cell reached after the same
+  tokens (up to and including the first divergence, up to the shortest output), since only there did
+  the cells route the same input. `routing_div`: share of compared routers whose expert set differs
+  across cells, pooled over prompts (`routing_pairs` routers); `routed_tokens_div`: share of compared
+  positions with such a router in at least one layer. `near_tie_frac`: share of every cell's routers
+  (all recorded positions) whose margin, the k-th minus the (k+1)-th router probability, is below
+  `metrics.NEAR_TIE_MARGIN`. Fewer than two routed cells: NaN, never 0.
 """
 
 from __future__ import annotations
@@ -49,8 +58,10 @@ import pandas as pd
 import pyarrow as pa
 
 from detaudit.config import Cell
+from detaudit.errors import DetauditError
 from detaudit.manifest import Manifest
-from detaudit.metrics import MIN_CELLS, summary_columns
+from detaudit.metrics import MIN_CELLS, NEAR_TIE_MARGIN, summary_columns
+from detaudit.records import ROUTING_COLUMNS
 from detaudit.runs import RunDir
 
 TOPK = 5
@@ -75,6 +86,8 @@ PER_PROMPT_COLUMNS = [
     "len_mean",
     "len_std",
     "correct_frac",
+    "routing_div",
+    "routing_pairs",
 ]
 PER_CELL_COLUMNS = [
     "cell_id",
@@ -164,6 +177,38 @@ def teacher_forced_by_position(tf_logprobs: Sequence[Any], reference: Any) -> np
     return np.abs(np.stack([a[:n] for a in arrs]) - ref[:n]).max(axis=0)
 
 
+def expert_sets(experts: np.ndarray, layers: int) -> np.ndarray:
+    """[positions, layers, k]: each router's chosen experts (`experts`: [positions, layers * k], layer-major
+    as recorded), sorted, so two routers compare equal when they chose the same set in any order."""
+    positions, width = experts.shape
+    if layers < 1 or width % layers:
+        raise DetauditError(f"routing records of {width} expert ids per position do not split into {layers} layers")
+    return np.sort(experts.reshape(positions, layers, width // layers), axis=-1)
+
+
+def routers_differ(experts: Sequence[np.ndarray], layers: int, positions: int) -> np.ndarray:
+    """[positions, layers] bool: whether each router's expert set differs across the cells' routing
+    records (`experts`, one [positions, layers * k] array per cell), over the first `positions`."""
+    sets = [expert_sets(e[:positions], layers) for e in experts]
+    if any(x.shape != sets[0].shape for x in sets):
+        raise DetauditError(f"cells record routing of different shapes ({sorted({x.shape for x in sets})})")
+    stack = np.stack(sets)
+    return (stack != stack[0]).any(axis=(0, 3))
+
+
+def same_prefix_positions(seqs: Sequence[Sequence[int]]) -> int:
+    """How many leading positions every sequence reached after the same tokens: up to and including the
+    first divergence (its distribution was computed from the common prefix), up to the shortest."""
+    n = min((len(s) for s in seqs), default=0)
+    fd = first_divergence(seqs)
+    return n if fd is None else min(fd + 1, n)
+
+
+def near_ties(margins: np.ndarray, threshold: float = NEAR_TIE_MARGIN) -> tuple[int, int]:
+    """(routers whose margin is below `threshold`, routers) of one record's [positions, layers] margins."""
+    return int((margins < threshold).sum()), int(margins.size)
+
+
 def mean_or_nan(x: Iterable[float] | np.ndarray) -> float:
     a = np.asarray(list(x) if not isinstance(x, np.ndarray) else x, dtype=np.float64)
     a = a[~np.isnan(a)]
@@ -244,12 +289,35 @@ def _top5_column(column: pa.ChunkedArray) -> list[np.ndarray]:
     return [top5_probs(x) for x in outer.to_pylist()]
 
 
+def _matrix_column(table: pa.Table, name: str, cell_id: str) -> list[np.ndarray | None]:
+    """Per record, a list-of-lists column (routing) as one [positions, width] array; None where the value
+    is null or the file predates the column. Every position of a cell holds as many values."""
+    if name not in table.column_names:
+        return [None] * table.num_rows
+    outer = table.column(name).combine_chunks()
+    inner = outer.flatten()  # the valid records' positions, in order
+    widths = inner.value_lengths().fill_null(-1).to_numpy(zero_copy_only=False)
+    values = inner.flatten()
+    if inner.null_count or values.null_count or (widths != (widths[0] if len(widths) else 0)).any():
+        raise DetauditError(f"cell {cell_id}: its {name} records hold positions of different widths (a corrupt file)")
+    flat = values.to_numpy(zero_copy_only=False).reshape(len(inner), int(widths[0]) if len(widths) else 0)
+    counts = outer.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
+    ends = np.cumsum(counts)
+    valid = outer.is_valid().to_numpy(zero_copy_only=False)
+    return [flat[e - c : e] if v else None for c, e, v in zip(counts, ends, valid)]
+
+
 def _read_cell(run: RunDir, cell_id: str) -> pd.DataFrame:
-    """One cell's records; `topk_logprobs` is replaced by `top5` (see `_top5_column`)."""
+    """One cell's records; `topk_logprobs` is replaced by `top5` (see `_top5_column`), the routing
+    columns by `route_experts` / `route_margins` arrays (see `_matrix_column`)."""
     table = run.read_table(cell_id)  # validated: columns, its own cell id, this run's identity
     top5 = _top5_column(table.column("topk_logprobs"))
-    df = table.drop_columns(["topk_logprobs", "topk_ids"]).to_pandas()
+    routing = {c: _matrix_column(table, c, cell_id) for c in ("route_experts", "route_margins")}
+    drop = ["topk_logprobs", "topk_ids", *(c for c in ROUTING_COLUMNS if c in table.column_names)]
+    df = table.drop_columns(drop).to_pandas()
     df["top5"] = pd.Series(top5, index=df.index, dtype=object)
+    for c, arrays in routing.items():
+        df[c] = pd.Series(arrays, index=df.index, dtype=object)
     df["cell_id"] = cell_id
     # server engines' --repeats: each (cell, repeat) is one configuration for unique / divergence
     # metrics ("cell#rN"); files without the column (or without repeats) are one configuration
@@ -362,6 +430,8 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
                 tf=r.get("tf_token_logprobs"),
                 ref=r.get("tf_reference_cell"),
                 correct=None if correct is None or pd.isna(correct) else bool(correct),
+                experts=r.get("route_experts"),
+                margins=r.get("route_margins"),
             )
             prompt_index.setdefault(key, int(r["prompt_index"]) if pd.notna(r["prompt_index"]) else len(prompt_index))
         data[cid] = d
@@ -370,6 +440,8 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
     configs = [k for c in done for k in configs_of[c]]  # every (cell, repeat), cells in grid order
 
     pp_rows, div_arrays, first_divs = [], [], []
+    routed_pairs = routed_differ = routed_positions = routed_tokens = 0
+    routing_compared = False  # some prompt had two or more routed cells
     for key in prompts:
         have = [c for c in configs if key in data[c]]
         recs = [data[c][key] for c in have]
@@ -388,6 +460,13 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
             tf = teacher_forced_by_position([data[c][key]["tf"] for c in tf_cells], data[ref_cell][key]["tf"])
             if tf.size:
                 tf_mean, tf_max = float(tf.mean()), float(tf.max())
+        differ = _routing_differences([r for r in recs if r["experts"] is not None])
+        if differ is not None:
+            routing_compared = True
+            routed_pairs += differ.size
+            routed_differ += int(differ.sum())
+            routed_positions += differ.shape[0]
+            routed_tokens += int(differ.any(axis=1).sum())
         lengths = np.array([len(s) for s in seqs], dtype=np.float64)
         known = [r["correct"] for r in recs if r["correct"] is not None]
         if compared:
@@ -412,9 +491,13 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
                 len_mean=float(lengths.mean()) if lengths.size else math.nan,
                 len_std=float(lengths.std(ddof=0)) if lengths.size else math.nan,
                 correct_frac=float(np.mean(known)) if known else math.nan,
+                routing_div=float(differ.mean()) if differ is not None and differ.size else math.nan,
+                routing_pairs=int(differ.size) if differ is not None else math.nan,
             )
         )
     pp = pd.DataFrame(pp_rows, columns=PER_PROMPT_COLUMNS)
+    ties = [near_ties(r["margins"]) for c in configs for r in data[c].values() if r["margins"] is not None]
+    tie_count, tie_total = (sum(x) for x in zip(*ties)) if ties else (0, 0)
 
     # per cell
     cell_extra = {}
@@ -484,6 +567,10 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
         teacher_forced_div_mean=mean_or_nan(pp["tf_div_mean"]),
         tf_reference=", ".join(tf_refs),
         first_div_median=float(np.median(diverging)) if diverging else math.nan,
+        routing_div=routed_differ / routed_pairs if routed_pairs else math.nan,
+        routed_tokens_div=routed_tokens / routed_positions if routed_positions else math.nan,
+        routing_pairs=routed_pairs if routing_compared else math.nan,
+        near_tie_frac=tie_count / tie_total if tie_total else math.nan,
         acc_mean=mean_or_nan(accs),
         acc_std=accuracy_std(accs),
         len_mean=mean_or_nan(pp["len_mean"]),
@@ -494,6 +581,18 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
         emulated=bool((cells.loc[cells["cell_id"].isin(done), "tp_mode"] == "emulated").any()),
     )
     return summary, pp, cell_extra, agreement, by_position
+
+
+def _routing_differences(recs: list[dict[str, Any]]) -> np.ndarray | None:
+    """`routers_differ` over the same-prefix positions of one prompt's routed records (None with fewer
+    than MIN_CELLS of them: nothing to compare)."""
+    if len(recs) < MIN_CELLS:
+        return None
+    n = min(same_prefix_positions([r["ids"] for r in recs]), *(len(r["experts"]) for r in recs))
+    margins = [r["margins"] for r in recs if r["margins"] is not None and len(r["margins"])]
+    if n == 0 or not margins:
+        return np.zeros((0, 0), dtype=bool)
+    return routers_differ([r["experts"] for r in recs], margins[0].shape[1], n)
 
 
 def analyze(run_dir: str | os.PathLike) -> Analysis:

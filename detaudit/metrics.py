@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from detaudit.errors import DetauditError
 
@@ -79,6 +79,12 @@ def fmt_pct(v: Any) -> str:
     return DASH if is_missing(v) else f"{100 * v:.1f}%"
 
 
+def fmt_share(v: Any) -> str:
+    """A fraction as a percentage. '0' only when exactly 0; a tiny non-zero share shows as '<0.01%'."""
+    s = _fmt_exact(v, 0, 100.0, "<0.01")
+    return s if s in ("0", DASH) else s + "%"
+
+
 def fmt_text(v: Any) -> str:
     return DASH if is_missing(v) else str(v)
 
@@ -121,6 +127,7 @@ class MetricSpec:
     tolerance: float | None = None  # default allowed worsening against a baseline
     text: bool = False  # left-aligned in tables
     cell: Callable[[Mapping[str, Any]], str] | None = None  # a cell built from the whole row
+    hide_empty: bool = False  # left out of a table where no row has a value (routing: MoE models only)
 
     def render(self, row: Mapping[str, Any]) -> str:
         """This column's cell of a summary row."""
@@ -153,6 +160,41 @@ _ALL = ("summary", "cli")
 _TF = (
     "teacher forced: every cell scores one reference continuation; largest |p_cell - p_ref| (max) and "
     "its mean over positions, then prompts"
+)
+
+# Mixture-of-experts routing (the records' route_* columns; null for dense models and engines that do
+# not record routing, so these columns are empty and hidden there). A router is one (position, MoE
+# layer) pair; its margin is the k-th minus the (k+1)-th router probability.
+NEAR_TIE_MARGIN = 1e-3
+_ROUTING_SPECS: tuple[MetricSpec, ...] = (
+    _div(
+        "routing_div",
+        "routing div",
+        fmt=fmt_share,
+        tables=_ALL,
+        hide_empty=True,
+        definition="MoE models: share of routers (output position x MoE layer) whose expert set differs "
+        "across the cells, over the positions every cell reached with the same tokens before them "
+        "(up to and including the first divergence); pooled over prompts",
+    ),
+    _div(
+        "routed_tokens_div",
+        "tokens rerouted",
+        fmt=fmt_share,
+        tables=_ALL,
+        hide_empty=True,
+        definition="MoE models: share of those positions with a different expert set in at least one layer",
+    ),
+    MetricSpec("routing_pairs", "routers compared", hide_empty=True),
+    MetricSpec(
+        "near_tie_frac",
+        "near ties",
+        fmt=fmt_share,
+        tables=_ALL,
+        hide_empty=True,
+        definition=f"MoE models: share of routers, every position of every cell, whose margin (k-th minus "
+        f"(k+1)-th router probability) is below {NEAR_TIE_MARGIN:g}: where rounding can flip the choice",
+    ),
 )
 
 SUMMARY_SPECS: tuple[MetricSpec, ...] = (
@@ -216,6 +258,7 @@ SUMMARY_SPECS: tuple[MetricSpec, ...] = (
         term="first div",
         definition="median first output index at which two cells differ, over the prompts that diverge",
     ),
+    *_ROUTING_SPECS,
     MetricSpec("acc_mean", "acc", True, fmt=fmt_pct, gateable=True, tables=_ALL),
     _div(
         "acc_std",
@@ -236,6 +279,40 @@ SUMMARY_SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("pending_cells", "pending cells", False),
     _key("failed_cell_ids"),
     MetricSpec("emulated", "emulated TP"),
+)
+
+# `detaudit align` on MoE models (empty where either side records no routing): the routers of the
+# rollout's forward vs the trainer's, and the trainer re-scored with the rollout's expert choices
+# forced (routing replay), compared with the rollout like the plain trainer
+_ALIGN_ROUTING_SPECS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "router_disagree_frac",
+        "routers disagree",
+        False,
+        fmt=fmt_share,
+        gateable=True,
+        definition="MoE models: share of routers (sampled token x MoE layer) whose expert set differs "
+        "between the rollout's forward and the trainer's",
+    ),
+    MetricSpec(
+        "tokens_router_disagree_frac",
+        "tokens with a disagreeing router",
+        False,
+        fmt=fmt_share,
+        gateable=True,
+        definition="MoE models: share of sampled tokens with at least one such router",
+    ),
+    MetricSpec(
+        "replay_bitwise_equal_frac",
+        "replay bitwise equal",
+        True,
+        fmt=fmt_pct,
+        gateable=True,
+        definition="routing replay (the trainer forced to the rollout's expert choices): share of sampled "
+        "tokens whose log-probability is bitwise equal to the rollout's",
+    ),
+    *(MetricSpec(f"replay_{n}", f"replay {n}", False, fmt=fmt_prob, gateable=True) for n in ("dp_max", "dp_mean")),
+    MetricSpec("replay_kl", "replay kl", False, fmt=fmt_prob, gateable=True),
 )
 
 # `detaudit align` summary columns (one row per backend) that an `alignment:` policy may name
@@ -259,7 +336,10 @@ ALIGN_SPECS: tuple[MetricSpec, ...] = (
         gateable=True,
         definition="sample estimate of KL(rollout || trainer) = mean(log p_r - log p_t)",
     ),
+    *_ALIGN_ROUTING_SPECS,
 )
+
+ALIGN_ROUTING_COLUMNS = tuple(s.name for s in _ALIGN_ROUTING_SPECS)
 
 _SETS = {"summary": SUMMARY_SPECS, "align": ALIGN_SPECS}
 
@@ -318,9 +398,26 @@ def shown(table: str) -> list[MetricSpec]:
     return [s for s in SUMMARY_SPECS if table in s.tables]
 
 
-def definitions() -> list[tuple[str, str]]:
-    """(term, definition) of every summary metric that has one, in table order."""
-    return [(s.term or s.label, s.definition) for s in SUMMARY_SPECS if s.definition]
+def visible(table: str, rows: Iterable[Mapping[str, Any]]) -> list[MetricSpec]:
+    """The columns `table` shows for these summary rows: `shown`, less the `hide_empty` columns no row
+    has a value of."""
+    rows = list(rows)
+    return [s for s in shown(table) if not s.hide_empty or _has_value(s, rows)]
+
+
+def _has_value(s: MetricSpec, rows: list[Mapping[str, Any]]) -> bool:
+    return any(not is_missing(r.get(s.name)) for r in rows)
+
+
+def definitions(rows: Iterable[Mapping[str, Any]] | None = None) -> list[tuple[str, str]]:
+    """(term, definition) of every summary metric that has one, in table order; given the summary rows,
+    less the `hide_empty` metrics no row has a value of."""
+    rows = None if rows is None else list(rows)
+    return [
+        (s.term or s.label, s.definition)
+        for s in SUMMARY_SPECS
+        if s.definition and (rows is None or not s.hide_empty or _has_value(s, rows))
+    ]
 
 
 def text_labels() -> set[str]:

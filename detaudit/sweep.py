@@ -382,6 +382,10 @@ def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: Ce
                 "tf_reference_cell": out.reference_id,
                 "tf_token_logprobs": tf[k] if tf is not None else None,
                 "repeat": repeat,
+                "route_experts": g.route_experts,
+                "route_gates": g.route_gates,
+                "route_margins": g.route_margins,
+                **_tf_routing(out.score_routing if tf is not None else None, k),
             }
         )
     return rows

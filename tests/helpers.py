@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 
 def cli_json(result):
@@ -53,3 +55,24 @@ def builtin_engine(model, backend: str, tp: int = 1, tp_mode: str = "real", **kw
     from detaudit.builtin import start
 
     return start(engine_options(model, backend, tp, tp_mode, **kw))
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def with_embedded_tokenizer(dest: Path) -> Path:
+    """Copy the embedded model's tokenizer (vocab 49152, a chat template) into a checkpoint directory, so
+    the CLI can tokenize suites for a tiny random checkpoint of that vocabulary."""
+    from detaudit.models import resolve_model
+
+    tok = resolve_model("smollm2-135m", auto_prepare=True).path
+    for f in TOKENIZER_FILES:
+        if (tok / f).exists():
+            shutil.copy(tok / f, dest / f)
+    return dest

@@ -62,7 +62,7 @@ def align(
 ):
     """Rollout-vs-trainer audit: do the trainer's probabilities of the sampled tokens match the rollout's?"""
     from detaudit import paths
-    from detaudit.align import AlignConfig, Side
+    from detaudit.align import AlignConfig, Side, shown_columns
     from detaudit.align import align as run
     from detaudit.config import parse_str_list
 
@@ -87,5 +87,6 @@ def align(
             {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()}
             for r in summary.to_dict(orient="records")
         ]
-        print_rows(rows, list(summary.columns), title=f"alignment: rollout {cfg.rollout} vs trainer {cfg.trainer}")
+        title = f"alignment: rollout {cfg.rollout} vs trainer {cfg.trainer}"
+        print_rows(rows, shown_columns(summary), title=title)  # routing columns where some backend has them
     err.print("wrote " + ", ".join(str(f) for f in files))

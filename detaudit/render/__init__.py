@@ -13,7 +13,7 @@ from rich.text import Text
 from detaudit.analyze import Analysis, nothing_to_compare
 from detaudit.errors import DetauditError
 from detaudit.manifest import Manifest
-from detaudit.metrics import MIN_CELLS, fmt_num, fmt_pct, is_missing, shown, spec, text_labels
+from detaudit.metrics import MIN_CELLS, fmt_num, fmt_pct, is_missing, spec, text_labels, visible
 from detaudit.runs import atomic_write_bytes
 
 FORMATS = ("md", "csv", "html")
@@ -61,9 +61,11 @@ def published_frame(analysis: Analysis, metric: str, scale: float = 1.0) -> pd.D
 
 
 def summary_rows(analysis: Analysis, table: str = "summary") -> Rows:
-    """The summary columns `table` shows (see `detaudit.metrics`), one row per (suite, backend)."""
-    columns = shown(table)
-    rows = [[c.render(r) for c in columns] for r in analysis.summary.to_dict("records")]
+    """The summary columns `table` shows (see `detaudit.metrics`; routing only where some row has it),
+    one row per (suite, backend)."""
+    records = analysis.summary.to_dict("records")
+    columns = visible(table, records)
+    rows = [[c.render(r) for c in columns] for r in records]
     return [c.label for c in columns], rows
 
 

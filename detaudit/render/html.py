@@ -316,7 +316,7 @@ def render_html(analysis: Analysis) -> str:
         div_tables=[(s, published_table(analysis, s, "maxprob_div_mean")) for s in analysis.suites],
         summary=summary_rows(analysis),
         summary_classes=summary_classes,
-        definitions=definitions(),
+        definitions=definitions(analysis.summary.to_dict("records")),
         suite_figs=suite_figs,
         cells=cell_rows(analysis),
         cell_classes=["bad" if s != "done" else "" for s in pc["state"]],

@@ -66,7 +66,8 @@ def render_markdown(analysis: Analysis) -> str:
         for suite in analysis.suites:
             out += [f"### {suite}", "", md_table(*published_table(analysis, suite, metric)), ""]
     out += ["## Summary", "", md_table(*summary_rows(analysis)), ""]
-    out += ["Definitions:", ""] + [f"- **{k}**: {v}" for k, v in definitions()] + [""]
+    terms = definitions(analysis.summary.to_dict("records"))  # of the columns shown
+    out += ["Definitions:", ""] + [f"- **{k}**: {v}" for k, v in terms] + [""]
     out += ["## Cells", "", md_table(*cell_rows(analysis)), ""]
     if (pc["tp_mode"] == "emulated").any():
         out += [f"Cells labelled `emulated`: {EMULATED_NOTE}", ""]

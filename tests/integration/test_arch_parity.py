@@ -7,12 +7,11 @@ and CLI sweeps (slow)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import builtin_engine, cli_json, local_engine
+from helpers import builtin_engine, cli_json, local_engine, with_embedded_tokenizer
 
 from detaudit.config import DecodingParams
 from detaudit.errors import DetauditError
@@ -283,21 +282,9 @@ def test_real_tp2_gloo(ckpts, arch):
 
 def _sweep_checkpoint(arch: str, dest: Path) -> Path:
     """A tiny checkpoint with the embedded model's tokenizer (vocab 49152) so the CLI can tokenize suites."""
-    from detaudit.models import resolve_model
-
     kind, over = ARCHS[arch]
     build(kind, dest, vocab=49152, **over)
-    tok = resolve_model("smollm2-135m", auto_prepare=True).path
-    for f in (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "chat_template.jinja",
-        "generation_config.json",
-    ):
-        if (tok / f).exists():
-            shutil.copy(tok / f, dest / f)
-    return dest
+    return with_embedded_tokenizer(dest)
 
 
 @pytest.mark.slow

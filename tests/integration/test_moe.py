@@ -50,11 +50,11 @@ MODELS = {
 }
 
 
-def build(name: str, path: Path) -> Path:
+def build(name: str, path: Path, **over) -> Path:
     import transformers
 
     kind = "Mixtral" if name == "mixtral" else "Qwen3Moe"
-    config = getattr(transformers, f"{kind}Config")(**{**COMMON, **MODELS[name]})
+    config = getattr(transformers, f"{kind}Config")(**{**COMMON, **MODELS[name], **over})
     torch.manual_seed(0)
     model = getattr(transformers, f"{kind}ForCausalLM")(config)
     with torch.no_grad():
