@@ -9,6 +9,11 @@ Answers in vLLM's format carry `token_id:N` tokens; in SGLang's (`owner = "sglan
 top-k keys are token texts (duplicates merged, the first kept, as SGLang's `to_openai_style_logprobs`
 does), `choices[0].token_ids` holds the generated ids when the request asks `return_token_ids`, and
 `echo` + `logprobs` returns the prompt's log-probabilities first (the first one null).
+
+`load-variant` plays a server whose numerics depend on its load: each request takes 50 ms, and an
+audited request answered while another request is in flight, or within 0.2 s of a background request,
+gets its third token changed and its log-probabilities shifted by 0.01; alone, it gets the same answer
+every time.
 """
 
 from __future__ import annotations
@@ -103,6 +108,8 @@ class Fake:
         self.headers: list[dict] = []
         self.failures_left = 0
         self.dropped = 0
+        self.in_flight = 0  # completions requests being answered ("load-variant")
+        self.last_background = -1e9  # when the last background request (no logprobs) arrived
 
     # ------------------------------------------------------------------ answers
 
@@ -199,6 +206,8 @@ class Fake:
             req = json.loads(body)
             self.requests.append(req)
             audited = bool(req.get("logprobs")) or req.get("prompt_logprobs") is not None or req.get("echo")
+            if mode == "load-variant":
+                return await self._load_variant(send, req, audited)
             if mode == "hang":
                 await asyncio.sleep(30)
             if mode == "trickle":
@@ -235,6 +244,23 @@ class Fake:
                     out = MUTATIONS[mode](out) or out
         data = json.dumps(out).encode()
         await self._raw(send, status, data, extra)
+
+    async def _load_variant(self, send, req: dict, audited: bool) -> None:
+        if not audited:
+            self.last_background = time.monotonic()
+        self.in_flight += 1
+        try:
+            await asyncio.sleep(0.05)
+            out = self.completion(req)
+            loaded = self.in_flight > 1 or time.monotonic() - self.last_background < 0.2
+            lp = out["choices"][0]["logprobs"]
+            if loaded and lp is not None and "prompt_logprobs" not in req and len(lp["tokens"]) > 2:
+                lp["tokens"][2] = f"token_id:{int(lp['tokens'][2].split(':')[1]) + 1}"
+                lp["token_logprobs"] = [x - 0.01 for x in lp["token_logprobs"]]
+                lp["top_logprobs"] = [{k: v - 0.01 for k, v in top.items()} for top in lp["top_logprobs"]]
+        finally:
+            self.in_flight -= 1
+        await self._raw(send, 200, json.dumps(out).encode())
 
     async def _raw(self, send, status: int, data: bytes, extra=()) -> None:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *extra]

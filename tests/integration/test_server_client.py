@@ -200,3 +200,50 @@ def test_prefix_load_pattern(fake, tmp_path):
     assert man["backends"]["bf16@tp1@bs1@bg2"]["load"]["background_prompts"] == "prefix"
     assert man["backends"]["bf16@tp1@bs1@bg2"]["load"]["background_sent"] >= 2
     assert man["comparable"]["load_pattern"] == "prefix"
+
+
+def test_server_audit_report_has_the_load_axis(fake, tmp_path):
+    """A concurrency 1/2 x background 0/2 x 2-repeat audit of a server whose numerics move with its load
+    (the fake's `load-variant`): the report names every cell by its load (cells table columns, agreement
+    labels), gives the headline "N requests, K distinct completions" and one row per configuration
+    against the sequential baseline, with the exact divergence the fake put in."""
+    from detaudit.analyze import analyze
+    from detaudit.render import cell_labels
+
+    fake.mode = "load-variant"
+    run = tmp_path / "run"
+    res = sweep(fake.url, run, "--concurrency", "1,2", "--background-load", "0,2", "--repeats", "2")
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["report", str(run), "--format", "md,csv,html"])
+    assert res.exit_code == 0, res.output
+    # the headline, counted here from the records themselves
+    rows = [r for f in sorted((run / "cells").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    per_prompt = {}
+    for r in rows:
+        per_prompt.setdefault(r["prompt_id"], set()).add(tuple(r["output_token_ids"]))
+    k = sum(len(v) for v in per_prompt.values())
+    assert len(rows) == 16 and k > 2  # the loaded configurations changed some completions
+    headline = (
+        f"smoke / bf16: 16 requests, {k} distinct completions (2 prompts; at most "
+        f"{max(len(v) for v in per_prompt.values())} for one prompt) over 4 load configurations"
+    )
+    md = (run / "report.md").read_text()
+    assert f"**{headline}**" in md, md[:1500]
+    assert "| configuration | concurrency | background | pattern | repeats | requests |" in md
+    assert "| cell | backend | TP | concurrency | background | pattern | repeats | TP mode |" in md
+    for label in ("c1/bg0 (baseline)", "c1/bg2 suite", "c2/bg0", "c2/bg2 suite"):
+        assert f"| {label} |" in md, label
+    load = {r["label"]: r for r in __import__("csv").DictReader((run / "load.csv").open())}
+    base = load["c1/bg0"]
+    assert base["baseline"] == "True" and base["differ"] == "0" and base["distinct_max"] == "1"
+    assert base["maxprob_div_max"] == "0.0" and base["logprob_diff_max"] == "0.0"  # alone: bitwise the same
+    for label in ("c1/bg2 suite", "c2/bg2 suite"):  # always loaded: every request moved, from its third token on
+        r = load[label]
+        assert r["differ"] == r["compared"] == "4" and r["first_div_min"] == "2", r
+        assert float(r["logprob_diff_max"]) == pytest.approx(0.01, abs=1e-5), r
+    html = (run / "report.html").read_text()
+    assert headline in html and 'alt="load smoke"' in html
+    labels = cell_labels(analyze(run))  # the agreement heatmap's and accuracy plot's tick labels
+    assert len(set(labels.values())) == len(labels) == 4, labels
+    res = runner.invoke(app, ["analyze", str(run)])
+    assert headline in " ".join(res.output.split()), res.output
