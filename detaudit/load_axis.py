@@ -11,7 +11,8 @@ compared with themselves):
 
 - distinct: per prompt, the number of distinct completions among the configuration's requests; the
   largest over prompts (1: every repeat agreed).
-- differ: requests whose completion is not the baseline's (token ids compared exactly).
+- identical: requests bitwise identical to the baseline's (token ids, their log-probabilities and the
+  top-5 probabilities); differ: requests whose completion (token ids) is not the baseline's.
 - first divergence: the first output position at which such a completion leaves the baseline's (where
   one is a prefix of the other: where the shorter ends); min and median over the differing requests.
 - max-prob divergence: per request, the published definition on the pair (the top-5 probabilities'
@@ -53,6 +54,7 @@ LOAD_COLUMNS = [
     "prompts",
     "distinct_max",
     "compared",
+    "identical",
     "differ",
     "first_div_min",
     "first_div_median",
@@ -133,7 +135,13 @@ def _compare(base: dict, r: dict) -> dict[str, Any]:
     same = n if fd is None else fd
     la = np.asarray(base["token_logprobs"], np.float64)[:same]
     lb = np.asarray(r["token_logprobs"], np.float64)[:same]
+    identical = (
+        fd is None
+        and np.array_equal(np.asarray(base["token_logprobs"]), np.asarray(r["token_logprobs"]))
+        and np.array_equal(base["top5"], r["top5"])
+    )
     return dict(
+        identical=identical,
         first_div=fd,
         maxprob=float(by_pos.mean()) if by_pos.size else math.nan,
         maxprob_peak=float(by_pos.max()) if by_pos.size else math.nan,
@@ -190,6 +198,7 @@ def load_table(analysis: Analysis) -> pd.DataFrame:
                     prompts=len(by_prompt),
                     distinct_max=max(unique_count(s) for s in by_prompt.values()),
                     compared=len(compared),
+                    identical=sum(c["identical"] for c in compared),
                     differ=len(diverged),
                     first_div_min=diverged[0] if diverged else None,
                     first_div_median=float(np.median(diverged)) if diverged else math.nan,

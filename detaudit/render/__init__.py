@@ -130,7 +130,8 @@ LOAD_NOTE = (
     "Each load configuration against the sequential baseline (concurrency 1, no background load; else the "
     "least loaded cell), request by request: a request's completion against the baseline's first send of "
     "the same prompt. distinct: the most distinct completions of one prompt among the configuration's "
-    "requests; differ: requests whose tokens are not the baseline's; first divergence: the first position "
+    "requests; bitwise as baseline: requests whose tokens, log-probabilities and top-5 probabilities are "
+    "the baseline's exactly; differ: requests whose tokens are not; first divergence: the first position "
     "where they leave it (min / median); max-prob div: top-5 probabilities against the baseline's (mean "
     "over positions and requests / largest at any position); max |Δ logprob|: a generated token's "
     "log-probability against the baseline's, before the first divergence."
@@ -144,7 +145,8 @@ def load_rows(analysis: Analysis, suite: str, table: pd.DataFrame | None = None)
     backends = len(set(t["backend"])) > 1
     header = ["backend"] if backends else []
     header += ["configuration", "concurrency", "background", "pattern", "repeats", "requests"]
-    header += ["distinct (max per prompt)", "differ from baseline", "first divergence (min / median)"]
+    header += ["distinct (max per prompt)", "bitwise as baseline", "differ from baseline"]
+    header += ["first divergence (min / median)"]
     header += ["max-prob div ×1e-3 (mean / max)", "max |Δ logprob|"]
     rows = []
     for r in t.to_dict("records"):
@@ -158,6 +160,7 @@ def load_rows(analysis: Analysis, suite: str, table: pd.DataFrame | None = None)
             fmt_num(r["repeats"]),
             fmt_num(r["requests"]),
             fmt_num(r["distinct_max"]),
+            f"{r['identical']}/{r['compared']}" if r["compared"] else DASH,
             f"{r['differ']}/{r['compared']}" if r["compared"] else DASH,
             first,
             f"{fmt_div(r['maxprob_div_mean'])} / {fmt_div(r['maxprob_div_max'])}",

@@ -202,6 +202,7 @@ def test_prefix_load_pattern(fake, tmp_path):
     assert man["comparable"]["load_pattern"] == "prefix"
 
 
+@pytest.mark.slow  # a 4-cell sweep of a deliberately slow fake, then every report format
 def test_server_audit_report_has_the_load_axis(fake, tmp_path):
     """A concurrency 1/2 x background 0/2 x 2-repeat audit of a server whose numerics move with its load
     (the fake's `load-variant`): the report names every cell by its load (cells table columns, agreement
@@ -229,17 +230,19 @@ def test_server_audit_report_has_the_load_axis(fake, tmp_path):
     )
     md = (run / "report.md").read_text()
     assert f"**{headline}**" in md, md[:1500]
-    assert "| configuration | concurrency | background | pattern | repeats | requests |" in md
+    assert "| configuration | concurrency | background | pattern | repeats | requests | distinct" in md
+    assert "| bitwise as baseline | differ from baseline |" in md
     assert "| cell | backend | TP | concurrency | background | pattern | repeats | TP mode |" in md
     for label in ("c1/bg0 (baseline)", "c1/bg2 suite", "c2/bg0", "c2/bg2 suite"):
         assert f"| {label} |" in md, label
     load = {r["label"]: r for r in __import__("csv").DictReader((run / "load.csv").open())}
     base = load["c1/bg0"]
     assert base["baseline"] == "True" and base["differ"] == "0" and base["distinct_max"] == "1"
+    assert base["identical"] == base["compared"] == "2"  # its second sends, bitwise its first
     assert base["maxprob_div_max"] == "0.0" and base["logprob_diff_max"] == "0.0"  # alone: bitwise the same
     for label in ("c1/bg2 suite", "c2/bg2 suite"):  # always loaded: every request moved, from its third token on
         r = load[label]
-        assert r["differ"] == r["compared"] == "4" and r["first_div_min"] == "2", r
+        assert r["differ"] == r["compared"] == "4" and r["identical"] == "0" and r["first_div_min"] == "2", r
         assert float(r["logprob_diff_max"]) == pytest.approx(0.01, abs=1e-5), r
     html = (run / "report.html").read_text()
     assert headline in html and 'alt="load smoke"' in html
