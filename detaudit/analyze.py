@@ -248,6 +248,7 @@ class Analysis:
     manifest: Manifest
     run_dir: Path | None = None
     notes: list[str] = field(default_factory=list)
+    records: pd.DataFrame | None = None  # the done cells' records (`_read_cell`): the load axis reads them
 
     @property
     def model(self) -> str:
@@ -632,6 +633,7 @@ def analyze(run_dir: str | os.PathLike) -> Analysis:
         manifest=manifest,
         run_dir=Path(run_dir),
         notes=notes,
+        records=records,
     )
 
 

@@ -77,7 +77,7 @@ class Cell:
 SERVER_APIS = ("completions", "chat")
 PROMPT_FORMATS = ("ids", "text")
 SERVER_KINDS = ("auto", "vllm", "sglang", "generic")
-BACKGROUND_PROMPTS = ("suite", "random")
+BACKGROUND_PROMPTS = ("suite", "random", "mixed", "prefix")  # load patterns (server/load.py)
 DEVICE_RE = re.compile(r"cpu|cuda(:[0-9]{1,2})?")
 
 

@@ -322,12 +322,15 @@ def check_numerics(run: RunDir, describes: dict[str, dict]) -> None:
 
 def _engine_identity(info: EngineInfo, cfg: SweepConfig, manifest: Manifest, model: ModelRef) -> None:
     """An engine that audits something other than the local checkpoint (a running server) identifies it
-    its own way; load options that change what a cell holds (repeats) join the identity."""
+    its own way; load options that change what a cell holds (repeats, the background's pattern) join the
+    identity."""
     if info.identity is not None:
         manifest.identity.pop("model_checksum", None)
         manifest.identity.update(info.identity(EngineOptions(settings=cfg.engine, model=model, backend="")))
     if info.server and cfg.repeats > 1:
         manifest.identity["repeats"] = cfg.repeats
+    if info.server and any(cfg.background_load) and cfg.engine.server:
+        manifest.identity["load_pattern"] = cfg.engine.server.background_prompts
 
 
 def _reference_outputs(run: RunDir, ref_id: str) -> list[list[int]] | None:

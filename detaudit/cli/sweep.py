@@ -257,8 +257,9 @@ def sweep(
         typer.Option(
             "--background-prompts",
             help=(
-                "Background requests: suite (the cell's other prompts) or random (random token prompts of the suite's "
-                "lengths)."
+                "Load pattern of the background requests: suite (the cell's other prompts), random (random token "
+                "prompts of the suite's lengths), mixed (short and long prompts together) or prefix (the prompts cut "
+                "at several prefix lengths, random order: prefix caching and chunked prefill in play)."
             ),
             rich_help_panel="server",
         ),
@@ -278,7 +279,9 @@ def sweep(
         float,
         typer.Option(
             "--request-timeout",
-            help="Server engines: seconds to wait for one answer before the server is declared hung (> 0).",
+            help=(
+                "Server engines: deadline in seconds for one whole request, every byte of its answer included (> 0)."
+            ),
             rich_help_panel="server",
         ),
     ] = 300.0,

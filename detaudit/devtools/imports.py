@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("suites", "models", "backends", "runs"),
     ("builtin",),
     ("vllm", "server"),
-    ("engines", "analyze", "diff"),
+    ("engines", "analyze", "diff", "load_axis"),
     ("executors", "inputs", "render"),
     ("gate",),
     ("sweep", "align", "merge", "bench"),

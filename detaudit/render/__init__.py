@@ -12,8 +12,20 @@ from rich.text import Text
 
 from detaudit.analyze import Analysis, nothing_to_compare
 from detaudit.errors import DetauditError
+from detaudit.load_axis import cell_loads, headlines, load_table, repeats
 from detaudit.manifest import Manifest
-from detaudit.metrics import MIN_CELLS, fmt_num, fmt_pct, is_missing, spec, text_labels, visible
+from detaudit.metrics import (
+    DASH,
+    MIN_CELLS,
+    fmt_div,
+    fmt_num,
+    fmt_pct,
+    fmt_text,
+    is_missing,
+    spec,
+    text_labels,
+    visible,
+)
 from detaudit.runs import atomic_write_bytes
 
 FORMATS = ("md", "csv", "html")
@@ -22,7 +34,7 @@ EMULATED_NOTE = (
     "the way the backend's all-reduce would; native emulation cannot reproduce a ring all-reduce's "
     "order, so emulated bf16 / bio cells may understate the divergence of a real multi-GPU run."
 )
-CELL_TEXT_COLUMNS = {"model", "cell", "TP mode", "state"}
+CELL_TEXT_COLUMNS = {"model", "cell", "TP mode", "state", "configuration", "pattern"}
 
 
 def is_text(column: str) -> bool:
@@ -32,6 +44,16 @@ def is_text(column: str) -> bool:
 
 def cell_label(tp: Any, batch_size: Any) -> str:
     return f"tp{fmt_num(tp)}/bs{fmt_num(batch_size)}"
+
+
+def cell_labels(analysis: Analysis) -> dict[str, str]:
+    """A short label per cell, unique within a (suite, backend): `tp1/bs8`; for a server audit its load
+    (`c16/bg16 prefix`: concurrency, background load and its pattern)."""
+    loads = cell_loads(analysis)
+    return {
+        r["cell_id"]: loads[r["cell_id"]].label if r["cell_id"] in loads else cell_label(r["tp"], r["batch_size"])
+        for r in analysis.per_cell.to_dict("records")
+    }
 
 
 # ---------------------------------------------------------------- shared tables
@@ -85,27 +107,26 @@ def cell_state(state: str, error: Any) -> str:
 
 
 def cell_rows(analysis: Analysis) -> Rows:
-    header = [
-        "cell",
-        "backend",
-        "TP",
-        "batch",
-        "TP mode",
-        "state",
-        "prompts",
-        "acc",
-        "mean len",
-        "same as first cell",
-        "wall s",
-    ]
+    """One row per cell; a server audit's cells show their load (concurrency, background load, its
+    pattern, repeats) where other runs show the batch size."""
+    loads = cell_loads(analysis)
+    load_header = ["concurrency", "background", "pattern", "repeats"] if loads else ["batch"]
+    header = ["cell", "backend", "TP", *load_header, "TP mode", "state", "prompts", "acc", "mean len"]
+    header += ["same as first cell", "wall s"]
     rows = []
     for c in analysis.per_cell.to_dict("records"):
+        load = loads.get(c["cell_id"])
+        if load is not None:
+            coords = [fmt_num(load.concurrency), fmt_num(load.background), load.pattern or DASH]
+            coords.append(fmt_num(repeats(analysis.manifest)))
+        else:
+            coords = [fmt_num(c["batch_size"])]
         rows.append(
             [
                 c["cell_id"],
                 str(c["backend"]),
                 fmt_num(c["tp"]),
-                fmt_num(c["batch_size"]),
+                *coords,
                 str(c["tp_mode"]),
                 cell_state(c["state"], c["error"]),
                 fmt_num(c["prompts"]),
@@ -116,6 +137,55 @@ def cell_rows(analysis: Analysis) -> Rows:
             ]
         )
     return header, rows
+
+
+LOAD_NOTE = (
+    "Each load configuration against the sequential baseline (concurrency 1, no background load; else the "
+    "least loaded cell), request by request: a request's completion against the baseline's first send of "
+    "the same prompt. distinct: the most distinct completions of one prompt among the configuration's "
+    "requests; bitwise as baseline: requests whose tokens, log-probabilities and top-5 probabilities are "
+    "the baseline's exactly; differ: requests whose tokens are not; first divergence: the first position "
+    "where they leave it (min / median); max-prob div: top-5 probabilities against the baseline's (mean "
+    "over positions and requests / largest at any position); max |Δ logprob|: a generated token's "
+    "log-probability against the baseline's, before the first divergence."
+)
+
+
+def load_rows(analysis: Analysis, suite: str, table: pd.DataFrame | None = None) -> Rows:
+    """The load table of one suite (all backends), one row per configuration."""
+    t = load_table(analysis) if table is None else table
+    t = t[t["suite"] == suite]
+    backends = len(set(t["backend"])) > 1
+    header = ["backend"] if backends else []
+    header += ["configuration", "concurrency", "background", "pattern", "repeats", "requests"]
+    header += ["distinct (max per prompt)", "bitwise as baseline", "differ from baseline"]
+    header += ["first divergence (min / median)"]
+    header += ["max-prob div ×1e-3 (mean / max)", "max |Δ logprob|"]
+    rows = []
+    for r in t.to_dict("records"):
+        first = DASH if not r["differ"] else f"{fmt_num(r['first_div_min'])} / {fmt_num(r['first_div_median'], 1)}"
+        row = [str(r["backend"])] if backends else []
+        row += [
+            r["label"] + (" (baseline)" if r["baseline"] else ""),
+            fmt_num(r["concurrency"]),
+            fmt_num(r["background"]),
+            fmt_text(r["pattern"]),
+            fmt_num(r["repeats"]),
+            fmt_num(r["requests"]),
+            fmt_num(r["distinct_max"]),
+            f"{r['identical']}/{r['compared']}" if r["compared"] else DASH,
+            f"{r['differ']}/{r['compared']}" if r["compared"] else DASH,
+            first,
+            f"{fmt_div(r['maxprob_div_mean'])} / {fmt_div(r['maxprob_div_max'])}",
+            DASH if is_missing(r["logprob_diff_max"]) else f"{r['logprob_diff_max']:.3g}",
+        ]
+        rows.append(row)
+    return header, rows
+
+
+def headline_lines(analysis: Analysis) -> list[str]:
+    """`suite / backend: N requests, K distinct completions ...` per group of a server audit."""
+    return [f"{h['suite']} / {h['backend']}: {h['text']}" for h in headlines(analysis)]
 
 
 def command(manifest: Manifest) -> tuple[str, bool]:
@@ -214,11 +284,23 @@ def summary_table(analysis: Analysis) -> Table:
 
 
 def render_summary(analysis: Analysis) -> list[Table | Text]:
-    """What `detaudit analyze` prints: the summary table, then a line when a group compares nothing."""
+    """What `detaudit analyze` prints: the summary table, a server audit's headline and load table, then a
+    line when a group compares nothing."""
     uncompared = nothing_to_compare(analysis.summary, analysis.per_cell)
-    return [summary_table(analysis)] + (
-        [Text("nothing to compare: " + uncompared, style="bold yellow")] if uncompared else []
-    )
+    out: list[Table | Text] = [summary_table(analysis)]
+    heads = headline_lines(analysis)
+    if heads:
+        out += [Text(h, style="bold") for h in heads]
+        table = load_table(analysis)
+        for suite in analysis.suites:
+            header, rows = load_rows(analysis, suite, table)
+            t = Table(title=f"load: {suite} (against the sequential baseline)")
+            for h in header:
+                t.add_column(h, justify="left" if is_text(h) or h == "backend" else "right", overflow="fold")
+            for row in rows:
+                t.add_row(*row)
+            out.append(t)
+    return out + ([Text("nothing to compare: " + uncompared, style="bold yellow")] if uncompared else [])
 
 
 __all__ = ["write_reports", "summary_table", "render_summary", "FORMATS"]

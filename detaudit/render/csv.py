@@ -7,6 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from detaudit.analyze import Analysis
+from detaudit.load_axis import load_table
 from detaudit.render import published_frame, write_file
 
 
@@ -21,7 +22,8 @@ def agreement_long(analysis: Analysis) -> pd.DataFrame:
 
 def write_csv(analysis: Analysis, out_dir: str | Path) -> list[Path]:
     """unique_outputs.csv and maxprob_div_x1e-3.csv (published layout: suite, model, one column per
-    backend), summary.csv, per_cell.csv, per_prompt.csv, agreement.csv, divergence_by_position.csv."""
+    backend), summary.csv, per_cell.csv, per_prompt.csv, agreement.csv, divergence_by_position.csv; for a
+    server audit also load.csv (each load configuration against the sequential baseline)."""
     out = Path(out_dir)
     frames = {
         "unique_outputs.csv": published_frame(analysis, "unique_mean"),
@@ -32,6 +34,9 @@ def write_csv(analysis: Analysis, out_dir: str | Path) -> list[Path]:
         "agreement.csv": agreement_long(analysis),
         "divergence_by_position.csv": analysis.divergence_by_position,
     }
+    load = load_table(analysis)
+    if len(load):
+        frames["load.csv"] = load
     written = []
     for name, frame in frames.items():
         # floats as repr (shortest round-trip): a tiny divergence is never written as 0

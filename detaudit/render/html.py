@@ -15,13 +15,17 @@ from matplotlib.ticker import MaxNLocator
 
 from detaudit import __version__
 from detaudit.analyze import Analysis
+from detaudit.load_axis import load_table
 from detaudit.metrics import MIN_CELLS, definitions, spec
 from detaudit.render import (
     EMULATED_NOTE,
-    cell_label,
+    LOAD_NOTE,
+    cell_labels,
     cell_rows,
     command,
+    headline_lines,
     is_text,
+    load_rows,
     published_table,
     row_status,
     summary_rows,
@@ -59,11 +63,11 @@ def agreement_figure(analysis: Analysis, suite: str) -> Figure | None:
     side = 1.2 + 0.42 * n
     fig = Figure(figsize=(side * len(mats) + 0.8, side + 0.4))
     axes = fig.subplots(1, len(mats), squeeze=False)[0]
-    labels = analysis.per_cell.set_index("cell_id")
+    labels = cell_labels(analysis)
     image = None
     rows = {(r["suite"], r["backend"]): r for r in analysis.summary.to_dict("records")}
     for ax, (backend, m) in zip(axes, mats):
-        ticks = [cell_label(labels.loc[c, "tp"], labels.loc[c, "batch_size"]) for c in m.index]
+        ticks = [labels.get(c, c) for c in m.index]
         image = ax.imshow(m.to_numpy(dtype=float), vmin=0, vmax=1, cmap="viridis")
         ax.set_xticks(range(len(ticks)), ticks, rotation=90, fontsize=8)
         ax.set_yticks(range(len(ticks)), ticks, fontsize=8)
@@ -158,7 +162,8 @@ def accuracy_figure(analysis: Analysis, suite: str) -> Figure | None:
     pc = analysis.per_cell[analysis.per_cell["suite"] == suite]
     if not len(pc) or pc["acc"].isna().all():
         return None
-    labels = list(dict.fromkeys(cell_label(t, b) for t, b in zip(pc["tp"], pc["batch_size"])))
+    names = cell_labels(analysis)
+    labels = list(dict.fromkeys(names[c] for c in pc["cell_id"]))
     backends = [b for b in analysis.backends if b in set(pc["backend"])]
     width = 0.8 / max(len(backends), 1)
     fig = Figure(figsize=(max(6.0, 0.55 * len(labels) * max(len(backends), 1) / 1.5 + 2), 3.2))
@@ -166,10 +171,7 @@ def accuracy_figure(analysis: Analysis, suite: str) -> Figure | None:
     failed_marked = False
     for i, backend in enumerate(backends):
         sub = pc[pc["backend"] == backend]
-        xs = (
-            np.array([labels.index(cell_label(t, b)) for t, b in zip(sub["tp"], sub["batch_size"])])
-            + (i - (len(backends) - 1) / 2) * width
-        )
+        xs = np.array([labels.index(names[c]) for c in sub["cell_id"]]) + (i - (len(backends) - 1) / 2) * width
         acc = sub["acc"].to_numpy(dtype=float) * 100
         ok = ~np.isnan(acc)
         ax.bar(xs[ok], acc[ok], width=width, color=color(backend, i), label=backend)
@@ -194,6 +196,43 @@ def accuracy_figure(analysis: Analysis, suite: str) -> Figure | None:
     )
     ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=8, frameon=False)
     ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
+def load_figure(analysis: Analysis, suite: str, table=None) -> Figure | None:
+    """A server audit's load configurations against the sequential baseline: share of requests whose
+    completion differs, and the max-prob divergence (mean and largest), one group of bars per backend."""
+    t = load_table(analysis) if table is None else table
+    t = t[(t["suite"] == suite)]
+    if not len(t):
+        return None
+    labels = list(dict.fromkeys(t["label"]))
+    backends = [b for b in analysis.backends if b in set(t["backend"])]
+    width = 0.8 / max(len(backends), 1)
+    fig = Figure(figsize=(max(6.5, 1.1 * len(labels) * max(len(backends), 1) + 2), 5.4))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    for i, backend in enumerate(backends):
+        sub = t[t["backend"] == backend]
+        xs = np.array([labels.index(x) for x in sub["label"]]) + (i - (len(backends) - 1) / 2) * width
+        share = [100 * d / c if c else np.nan for d, c in zip(sub["differ"], sub["compared"])]
+        c = color(backend, i)
+        top.bar(xs, share, width=width, color=c, label=backend)
+        bottom.bar(xs, sub["maxprob_div_mean"].astype(float) * 1e3, width=width, color=c, alpha=0.55)
+        bottom.scatter(xs, sub["maxprob_div_max"].astype(float) * 1e3, color=c, marker="_", s=260, linewidths=2)
+        for x, d in zip(xs, sub["distinct_max"]):
+            top.annotate(f"{d} distinct", (x, 0), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=7)
+    base = t[t["baseline"]]["label"]
+    title = f"{suite}: load against the sequential baseline ({base.iloc[0] if len(base) else '?'})"
+    top.set_title(title, fontsize=11, pad=22)
+    top.set_ylabel("requests differing\nfrom the baseline (%)")
+    top.set_ylim(0, 105)
+    top.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=8, frameon=False)
+    bottom.set_ylabel("max-prob div ×1e-3\n(bar: mean, tick: max)")
+    bottom.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    bottom.set_xlabel("load configuration (concurrency / background load, pattern)")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3, axis="y")
+    fig.align_ylabels()
     return fig
 
 
@@ -246,6 +285,13 @@ dl.defs dd { margin: 0 0 4px 120px; }
 backends: {{ backends|join(', ') }}{% if created %} · created {{ created }}{% endif %} · detaudit {{ version }}</p>
 {% for w in warns %}<div class="warn{{ ' hw' if w.startswith('MIXED') }}">{% set head, rest = w.split(': ', 1) %}<b>{{ head }}</b>: {{ rest }}</div>
 {% endfor %}
+{% if load %}<h2>Load</h2>
+{% for h in load.headlines %}<p><b>{{ h }}</b></p>{% endfor %}
+<p class="muted">{{ load.note }}</p>
+{% for suite, t, fig in load.tables %}<h3>{{ suite }}</h3>{{ table(t[0], t[1]) }}
+{% if fig %}<figure><img alt="load {{ suite }}" src="data:image/png;base64,{{ fig }}">
+<figcaption>Per load configuration (concurrency / background load, pattern): top, the share of requests whose completion differs from the sequential baseline's (and the most distinct completions of one prompt); bottom, the max-prob divergence from the baseline.</figcaption></figure>{% endif %}
+{% endfor %}{% endif %}
 <h2>Unique outputs per prompt</h2>
 <p class="muted">Mean over prompts of the number of distinct outputs across the cells (1 = every configuration
 agreed on every prompt).</p>
@@ -261,14 +307,14 @@ agreed on every prompt).</p>
 <h2>{{ s.suite }}</h2>
 {% if not (s.agreement or s.divergence or s.first_div) %}<p class="muted">Nothing to compare in this suite (fewer than two done cells per backend): agreement and divergence not plotted.</p>{% endif %}
 {% if s.agreement %}<figure><img alt="agreement matrix {{ s.suite }}" src="data:image/png;base64,{{ s.agreement }}">
-<figcaption>Cell × cell agreement (TP size / batch size): fraction of prompts for which two cells produced identical tokens.</figcaption></figure>{% endif %}
+<figcaption>Cell × cell agreement ({{ cell_axis }}): fraction of prompts for which two cells produced identical tokens.</figcaption></figure>{% endif %}
 {% if s.divergence %}<figure><img alt="divergence by position {{ s.suite }}" src="data:image/png;base64,{{ s.divergence }}">
 <figcaption>Top: max-prob divergence at each output position, mean over the prompts whose outputs all reach it.
 Bottom: share of prompts whose outputs have diverged at or before the position.</figcaption></figure>{% endif %}
 {% if s.first_div %}<figure><img alt="first divergence {{ s.suite }}" src="data:image/png;base64,{{ s.first_div }}">
 <figcaption>First position at which two cells differ, over the prompts that diverge.</figcaption></figure>{% endif %}
 {% if s.accuracy %}<figure><img alt="accuracy per cell {{ s.suite }}" src="data:image/png;base64,{{ s.accuracy }}">
-<figcaption>Answer accuracy of each cell (TP size / batch size).</figcaption></figure>
+<figcaption>Answer accuracy of each cell ({{ cell_axis }}).</figcaption></figure>
 {% else %}<p class="muted">No graded answers in this suite: accuracy not plotted.</p>{% endif %}
 {% endfor %}
 <h2>Cells</h2>
@@ -301,6 +347,19 @@ def render_html(analysis: Analysis) -> str:
         suite_figs.append(dict(suite=suite, **figs))
     pc = analysis.per_cell
     summary_classes = [row_status(r) for r in analysis.summary.to_dict("records")]
+    heads = headline_lines(analysis)
+    load = None
+    if heads:
+        table = load_table(analysis)
+        figs = [load_figure(analysis, suite, table) for suite in analysis.suites]
+        load = dict(
+            headlines=heads,
+            note=LOAD_NOTE,
+            tables=[
+                (suite, load_rows(analysis, suite, table), png(f) if f is not None else None)
+                for suite, f in zip(analysis.suites, figs)
+            ],
+        )
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(TEMPLATE).render(
         is_text=is_text,
@@ -312,6 +371,8 @@ def render_html(analysis: Analysis) -> str:
         suites=analysis.suites,
         backends=analysis.backends,
         warns=warnings(analysis),
+        load=load,
+        cell_axis="concurrency / background load" if heads else "TP size / batch size",
         unique_tables=[(s, published_table(analysis, s, "unique_mean")) for s in analysis.suites],
         div_tables=[(s, published_table(analysis, s, "maxprob_div_mean")) for s in analysis.suites],
         summary=summary_rows(analysis),

@@ -7,12 +7,16 @@ from pathlib import Path
 from typing import Collection, Sequence
 
 from detaudit.analyze import Analysis
+from detaudit.load_axis import load_table
 from detaudit.metrics import definitions
 from detaudit.render import (
     EMULATED_NOTE,
+    LOAD_NOTE,
     cell_rows,
     command,
+    headline_lines,
     is_text,
+    load_rows,
     published_table,
     summary_rows,
     warnings,
@@ -61,6 +65,7 @@ def render_markdown(analysis: Analysis) -> str:
         f"backends: {', '.join(analysis.backends)}",
         "",
     ]
+    out += load_section(analysis)
     for title, blurb, metric in PUBLISHED:
         out += [f"## {title}", "", blurb, ""]
         for suite in analysis.suites:
@@ -76,6 +81,19 @@ def render_markdown(analysis: Analysis) -> str:
         out += ["## Model", "", "```yaml", yaml_dump(m.model), "```", ""]
     out += ["## Environment", "", "```yaml", yaml_dump(m.environment), "```", ""]
     return "\n".join(out)
+
+
+def load_section(analysis: Analysis) -> list[str]:
+    """A server audit's headline and load table (nothing for other runs)."""
+    heads = headline_lines(analysis)
+    if not heads:
+        return []
+    out = ["## Load", ""] + [f"**{h}**" + ("  " if i < len(heads) - 1 else "") for i, h in enumerate(heads)]
+    out += ["", LOAD_NOTE, ""]
+    table = load_table(analysis)
+    for suite in analysis.suites:
+        out += [f"### {suite}", "", md_table(*load_rows(analysis, suite, table)), ""]
+    return out
 
 
 def write_markdown(analysis: Analysis, path: str | Path) -> Path:

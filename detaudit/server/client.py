@@ -4,6 +4,9 @@ Each audited prompt is one request; a cell's batch size is how many are in fligh
 asyncio semaphore), with optional background load (`load.py`) running for the whole time. Requests
 carry the suite's sampling settings, `max_tokens`, a per-request seed and `logprobs` / `top_logprobs`
 (k = --logprobs). Teacher forcing uses vLLM's `prompt_logprobs`, else `echo` + `logprobs`, else none.
+
+Every string the server provides (model ids, version) is recorded only through `urls.redact` (the API
+key removed, the length bounded); every answer is checked field by field (`wire.Expect`).
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from detaudit.errors import DetauditError
 from detaudit.records import Generation, ProgressFn
 from detaudit.server import wire
 from detaudit.server.http import Http, RetryPolicy, get_json_sync
-from detaudit.server.load import LoadStats, random_prompts, run_background
-from detaudit.server.urls import check_base_url, public_url, server_root
+from detaudit.server.load import LoadStats, background_pool, run_background
+from detaudit.server.urls import check_base_url, public_url, redact, server_root
 
 
 @dataclass
@@ -35,6 +38,7 @@ class ServerOptions:
     server_model: str | None = None  # the id to request; default: the one matching --model
     model_candidates: tuple[str, ...] = ()  # --model as given, its name, path and directory name
     model_path: str = ""  # tokenizer (token-string mapping, text prompts, random background prompts)
+    vocab_size: int = 0  # --model's vocabulary (config.json): returned token ids must lie below it
     request_timeout: float = 300.0
     retries: int = 6
     retry_total_s: float = 120.0
@@ -52,6 +56,7 @@ class ServerOptions:
             server_model=s.server_model,
             model_candidates=(o.model.spec, o.model.name, str(o.model.path)),
             model_path=str(o.model.path),
+            vocab_size=_vocab(o.model.config),
             request_timeout=s.request_timeout,
             background_prompts=s.background_prompts,
             server_kind=s.server_kind,
@@ -70,46 +75,55 @@ class ServerOptions:
         return RetryPolicy(retries=self.retries, total_s=self.retry_total_s)
 
 
+def _vocab(config: dict) -> int:
+    v = config.get("vocab_size") if isinstance(config, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
 @dataclass
 class ServerInfo:
     base_url: str
-    model: str
-    models: list[str]
-    version: str | None
+    model: str  # the id requested (--model's or --server-model's text, as the server spells it)
+    models: list[str]  # what the server lists (redacted)
+    version: str | None  # redacted
     kind: str
+    shown_model: str = ""  # `model` as recorded (redacted)
 
 
 def probe(o: ServerOptions) -> ServerInfo:
-    """The server's model ids (`/v1/models`, which must serve --model) and version (`/version`)."""
+    """The server's model ids (`/v1/models`, which must serve --model) and version (`/version`). The id
+    requested is --model's or --server-model's (the user's text); what the server lists is recorded
+    only redacted."""
     base = check_base_url(o.base_url)
     key = o.api_key()
     quick = RetryPolicy(
         retries=min(o.retries, 3), total_s=min(o.retry_total_s, 10.0)
     )  # a server that is not up fails fast
     d = get_json_sync(base, "/models", key, min(o.request_timeout, 30.0), quick)
-    try:
-        entries = [m for m in d["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
-    except (KeyError, TypeError):
-        raise DetauditError(f"server {public_url(base)}/models: not an OpenAI model list") from None
+    data = d.get("data") if isinstance(d, dict) else None
+    if not isinstance(data, list):
+        raise DetauditError(f"server {public_url(base)}/models: not an OpenAI model list")
+    entries = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
     ids = [m["id"] for m in entries]
     if not ids:
         raise DetauditError(f"server {public_url(base)} serves no model")
-    model = _match(ids, o)
+    model = _match(ids, o, key)
     version = None
     v = get_json_sync(
         server_root(base), "/version", key, min(o.request_timeout, 30.0), RetryPolicy(retries=1), ok_404=True
     )
     if isinstance(v, dict) and isinstance(v.get("version"), str):
-        version = v["version"][:80]
+        version = redact(v["version"], key, 80, base)
     kind = o.server_kind
     if kind == "auto":
-        owners = {str(m.get("owned_by", "")).lower() for m in entries}
+        owners = {str(m.get("owned_by", ""))[:40].lower() for m in entries}
         kind = "vllm" if "vllm" in owners else "sglang" if "sglang" in owners else "generic"
-    return ServerInfo(base, model, ids, version, kind)
+    shown = [redact(i, key, 120, base) for i in ids[:10]]
+    return ServerInfo(base, model, shown, version, kind, redact(model, key, 120, base))
 
 
-def _match(ids: list[str], o: ServerOptions) -> str:
-    shown = ", ".join(i[:60] for i in ids[:5]) + (", ..." if len(ids) > 5 else "")
+def _match(ids: list[str], o: ServerOptions, key: str | None) -> str:
+    shown = ", ".join(redact(i, key, 60) for i in ids[:5]) + (", ..." if len(ids) > 5 else "")
     if o.server_model:
         if o.server_model not in ids:
             raise DetauditError(
@@ -141,24 +155,28 @@ class OpenAIEngine:
         self.o = o
         self.key = o.api_key()
         self.info = info or probe(o)
-        self.vllm_like = self.info.kind == "vllm"
-        self.sends_top_k = self.info.kind in ("vllm", "sglang")
+        self.kind = self.info.kind
         self.tokens = wire.TokenMap(self._tokenizer if o.model_path else None)
         self._tok = None
-        self.tf_mode: str | None = "prompt_logprobs" if self.vllm_like else "echo"
+        vllm = self.kind == "vllm"
+        self.tf_mode: str | None = "prompt_logprobs" if vllm else "echo"
         self.tf_note = (
             "vLLM prompt_logprobs (one request per prompt + continuation)"
-            if self.vllm_like
+            if vllm
             else "echo + logprobs (tried on the first scored prompt)"
         )
         self.load: dict[str, Any] = {}
         self.retried = 0
+        self.ids_given = 0  # answers whose generated tokens came as ids (SGLang's return_token_ids)
         self.extra_describe = extra_describe or {}
         self._texts: dict[tuple[int, ...], str] = {}  # prompt token ids -> user message (--api chat)
 
     def _vocab_size(self) -> int:
-        """Random background prompts draw ids below --model's vocabulary size."""
-        return len(self._tokenizer()) if self.o.model_path else 32000
+        """Token ids a valid answer can hold: below --model's vocabulary size (config.json, else its
+        tokenizer's length; 0 checks nothing when neither is known)."""
+        if self.o.vocab_size:
+            return self.o.vocab_size
+        return len(self._tokenizer()) if self.o.model_path else 0
 
     def _tokenizer(self):
         if self._tok is None:
@@ -167,9 +185,13 @@ class OpenAIEngine:
             self._tok = tokenizer_for(Path(self.o.model_path))
         return self._tok
 
+    def _where(self, path: str) -> str:
+        return f"{public_url(self.info.base_url)}{path}"
+
     # ------------------------------------------------------------------ requests
 
     def _prompt(self, ids: Sequence[int]):
+        """An audited prompt as the request carries it."""
         if self.o.api == "chat":
             text = self._texts.get(tuple(ids))
             if text is None:
@@ -179,18 +201,20 @@ class OpenAIEngine:
             return self._tokenizer().decode(list(ids), skip_special_tokens=False)
         return list(map(int, ids))
 
+    def _load_prompt(self, ids: Sequence[int]):
+        """A background prompt (token ids of the load pattern) as the request carries it."""
+        if self.o.api == "chat":
+            return self._texts.get(tuple(ids)) or self._tokenizer().decode(list(ids), skip_special_tokens=True) or "x"
+        if self.o.prompt_format == "text":
+            return self._tokenizer().decode(list(ids), skip_special_tokens=False)
+        return list(map(int, ids))
+
     def _body(self, prompt, decoding: DecodingParams, prompt_id: str, logprobs: bool = True) -> tuple[str, dict]:
         if self.o.api == "chat":
-            body = wire.chat_body(self.info.model, prompt, decoding, prompt_id, self.vllm_like, logprobs)
-            path = "/chat/completions"
-        else:
-            body = wire.completion_body(self.info.model, prompt, decoding, prompt_id, self.vllm_like, logprobs)
-            path = "/completions"
-        if self.sends_top_k is False:
-            body.pop("top_k", None)
-        if self.info.kind == "sglang":
-            body.pop("return_tokens_as_token_ids", None)
-        return path, body
+            return "/chat/completions", wire.chat_body(
+                self.info.model, prompt, decoding, prompt_id, self.kind, logprobs
+            )
+        return "/completions", wire.completion_body(self.info.model, prompt, decoding, prompt_id, self.kind, logprobs)
 
     def generate(
         self,
@@ -208,43 +232,42 @@ class OpenAIEngine:
 
     async def _generate(self, prompts, prompt_ids, decoding, batch_size, progress, n_bg: int) -> list[Generation]:
         stats = LoadStats()
-        self.load = {
-            "concurrency": batch_size,
-            "background": n_bg,
-            "background_prompts": self.o.background_prompts if n_bg else None,
-        }
+        pattern = self.o.background_prompts
+        self.load = {"concurrency": batch_size, "background": n_bg, "background_prompts": pattern if n_bg else None}
+        chat = self.o.api == "chat"
+        ex = wire.Expect(
+            self._where("/chat/completions" if chat else "/completions"),
+            decoding.logprobs,
+            decoding.max_new_tokens,
+            self._vocab_size(),
+        )
+        parse = wire.parse_chat if chat else wire.parse_completion
         async with Http(
             self.info.base_url, self.key, self.o.request_timeout, self.o.retry(), batch_size + n_bg + 2
         ) as http:
             sem = asyncio.Semaphore(batch_size)
             out: list[Generation | None] = [None] * len(prompts)
-            chat = self.o.api == "chat"
-            where = f"{public_url(self.info.base_url)}/{'chat/completions' if chat else 'completions'}"
 
             async def one(i: int) -> None:
                 async with sem:
                     path, body = self._body(self._prompt(prompts[i]), decoding, prompt_ids[i])
                     d = await http.request("POST", path, body)
-                g = (wire.parse_chat if chat else wire.parse_completion)(d, decoding.logprobs, self.tokens, where)
-                out[i] = g
+                out[i] = g = parse(d, ex, self.tokens)
+                if not chat and isinstance(d["choices"][0].get("token_ids"), list):
+                    self.ids_given += 1
                 if progress:
                     progress(len(g.token_ids))
 
-            async def background(item, j: int) -> None:
-                prompt, pid = item
-                path, body = self._body(prompt, decoding, f"background-{pid}-{j}", logprobs=False)
+            async def send_background(prompt, j: int) -> None:
+                path, body = self._body(prompt, decoding, f"background-{j}", logprobs=False)
                 await http.request("POST", path, body)
 
             stop = asyncio.Event()
             bg = None
             if n_bg:
-                if self.o.background_prompts == "random":
-                    rnd = random_prompts(max(8, n_bg), [len(p) for p in prompts], self._vocab_size())
-                    pool = [(p if not chat else "x " * len(p), f"random{k}") for k, p in enumerate(rnd)]
-                else:
-                    pool = [(self._prompt(p), pid) for p, pid in zip(prompts, prompt_ids)]
-                    pool = pool[1:] + pool[:1]  # slot i starts on another prompt than audited request i
-                bg = asyncio.create_task(run_background(n_bg, pool, background, stop, stats))
+                ids = background_pool(pattern, prompts, self._vocab_size() or 32000, n_bg)
+                pool = [self._load_prompt(p) for p in ids]
+                bg = asyncio.create_task(run_background(n_bg, pool, send_background, stop, stats))
                 await asyncio.sleep(0)  # the background's first requests go out first
             tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
             try:
@@ -271,6 +294,7 @@ class OpenAIEngine:
         return asyncio.run(self._score(prompts, continuations, batch_size))
 
     async def _score(self, prompts, continuations, batch_size) -> list[list[float]] | None:
+        ex = wire.Expect(self._where("/completions"))
         async with Http(self.info.base_url, self.key, self.o.request_timeout, self.o.retry(), batch_size + 2) as http:
 
             async def one(i: int) -> list[float] | None:
@@ -279,16 +303,18 @@ class OpenAIEngine:
                 if self.tf_mode == "prompt_logprobs":
                     body["prompt_logprobs"] = 0
                     d = await http.request("POST", "/completions", body)
-                    return wire.parse_prompt_logprobs(d, len(prompts[i]), continuations[i])
+                    return wire.parse_prompt_logprobs(d, len(prompts[i]), continuations[i], ex)
                 body.update(echo=True, logprobs=1)
                 d = await http.request("POST", "/completions", body)
-                return wire.parse_echo_logprobs(d, len(prompts[i]), continuations[i])
+                return wire.parse_echo_logprobs(d, len(prompts[i]), continuations[i], ex)
 
             if not prompts:
                 return []
             if self.tf_mode == "echo":  # probe once: a server without echo logprobs scores nothing
                 try:
                     first = await one(0)
+                except wire.BadAnswer:
+                    raise
                 except DetauditError as e:
                     first, why = None, str(e)
                 else:
@@ -311,19 +337,23 @@ class OpenAIEngine:
             return None
         return list(res)  # type: ignore[arg-type]
 
-    def describe(self) -> dict[str, Any]:
+    def _token_ids_note(self) -> str:
         if self.tokens.mapped:
-            ids = (
-                f"mapped from the server's token strings with --model's tokenizer (approximate: "
+            exact = "generated tokens returned as ids (SGLang return_token_ids); " if self.ids_given else ""
+            return (
+                f"{exact}mapped from the server's token strings with --model's tokenizer (approximate: "
                 f"{self.tokens.mapped} mapped, {self.tokens.unmapped} without a single id, recorded as -1)"
             )
-        else:
-            ids = "returned by the server (vLLM return_tokens_as_token_ids)" if self.vllm_like else "returned as ids"
+        if self.kind == "vllm":
+            return "returned by the server (vLLM return_tokens_as_token_ids)"
+        return "returned as ids"
+
+    def describe(self) -> dict[str, Any]:
         return {
             "engine": self.engine_name,
             "server": {
                 "base_url": public_url(self.info.base_url),
-                "model": self.info.model,
+                "model": self.info.shown_model or redact(self.info.model, self.key, 120),
                 "models": self.info.models[:10],
                 "version": self.info.version,
                 "kind": self.info.kind,
@@ -336,7 +366,7 @@ class OpenAIEngine:
                 if self.o.prompt_format == "ids"
                 else "text (detaudit's chat template, decoded; the server re-tokenizes it)"
             ),
-            "token_ids": ids,
+            "token_ids": self._token_ids_note(),
             "teacher_forcing": self.tf_note if self.tf_mode else (self.tf_note or "unavailable"),
             "load": dict(self.load),
             "request_timeout_s": self.o.request_timeout,

@@ -14,7 +14,7 @@ from detaudit.server.urls import check_base_url, public_url
 def openai_identity(o: EngineOptions) -> dict[str, Any]:
     """A running server's identity replaces the local checksum: its model id and URL."""
     info = probe(ServerOptions.of(o))
-    return {"server_model": info.model, "server": public_url(info.base_url), "server_version": info.version}
+    return {"server_model": info.shown_model, "server": public_url(info.base_url), "server_version": info.version}
 
 
 def check_openai(cfg: SweepConfig) -> None:

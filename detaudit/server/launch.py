@@ -6,7 +6,8 @@ environment (`detaudit.vllm.host.engine_env`: bio / bio+tbik through `vllm.gener
 knob that changes the computation order is fixed: eager, prefix caching off, chunked prefill off,
 async scheduling off. Teardown (close, Ctrl-C, a failed start, detaudit's own death via
 PR_SET_PDEATHSIG): SIGTERM to the group, bounded wait, SIGKILL, bounded wait. vLLM's log stays in a
-file that every error names.
+file that every error names. Starting takes a minute or more: each step (launched, still starting every
+`PROGRESS_S`, up, stopped) is one line on stderr, so a CI log shows where it stands.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -27,6 +29,15 @@ from detaudit.vllm import MAX_MODEL_LEN
 
 STOP_WAIT_S = 20.0
 KILL_WAIT_S = 10.0
+PROGRESS_S = 30.0  # a "still starting" line this often while the server loads
+
+
+def stderr_line(text: str) -> None:
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed (interpreter exit)
+        pass
 
 
 def free_port() -> int:
@@ -100,10 +111,13 @@ class VllmServer:
         log_dir: Path,
         startup_timeout: float = 600.0,
         max_logprobs: int = 20,
+        say: Callable[[str], None] = stderr_line,
     ) -> None:
         from detaudit.vllm.host import engine_env, marker_dir
 
         self.backend, self.tp, self.device = backend, tp, device
+        self.say = say
+        self.name = f"vLLM server ({backend}, TP {tp})"
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.markers = marker_dir()
@@ -134,6 +148,7 @@ class VllmServer:
         finally:
             log.close()
         atexit.register(self.stop)
+        self.say(f"{self.name}: starting on 127.0.0.1:{self.port} (log: {self.log_path})")
         t0 = time.monotonic()
         try:
             self._wait_healthy(timeout)
@@ -141,9 +156,11 @@ class VllmServer:
             self.stop()
             raise
         self.startup_s = time.monotonic() - t0
+        self.say(f"{self.name}: up after {self.startup_s:.0f} s")
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline, next_note = t0 + timeout, t0 + PROGRESS_S
         url = f"http://127.0.0.1:{self.port}/health"
         with httpx.Client(timeout=2.0, trust_env=False) as c:
             while True:
@@ -159,19 +176,24 @@ class VllmServer:
                         return
                 except httpx.HTTPError:
                     pass
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise DetauditError(
                         f"vLLM server ({self.backend}, TP {self.tp}) not healthy after {timeout:.0f} s "
                         f"(log: {self.log_path})"
                     )
+                if now >= next_note:
+                    next_note += PROGRESS_S
+                    self.say(f"{self.name}: still starting after {now - t0:.0f} s ({self.last_log_line(errors=False)})")
                 time.sleep(0.5)
 
-    def last_log_line(self) -> str:
+    def last_log_line(self, errors: bool = True) -> str:
+        """The log's last error line (`errors`), else its last line."""
         try:
             lines = [x for x in self.log_path.read_text(errors="replace").splitlines() if x.strip()]
         except OSError:
             return "no log"
-        errs = [x for x in lines if "Error" in x or "error" in x]
+        errs = [x for x in lines if "Error" in x or "error" in x] if errors else []
         return ((errs or lines or ["empty log"])[-1]).strip()[:200]
 
     def alive(self) -> bool:
@@ -203,6 +225,7 @@ class VllmServer:
                 time.sleep(0.2)
             if not _group_alive(pgid):
                 break
+        self.say(f"{self.name}: stopped")
 
     def command_line(self) -> str:
         return " ".join(self.cmd[1:])  # no secrets: no API key is passed to detaudit's own server

@@ -37,11 +37,10 @@ class VllmServerEngine:
             raise
 
     def _check(self, e: DetauditError) -> DetauditError:
+        """The error with the server's log named; its class kept (a bad answer still fails only its cell)."""
         if not self.server.alive():
-            return DetauditError(
-                f"{e} (the vLLM server died: {self.server.last_log_line()}; log: {self.server.log_path})"
-            )
-        return DetauditError(f"{e} (vLLM log: {self.server.log_path})")
+            return type(e)(f"{e} (the vLLM server died: {self.server.last_log_line()}; log: {self.server.log_path})")
+        return type(e)(f"{e} (vLLM log: {self.server.log_path})")
 
     def generate(self, *args, **kwargs):
         try:

@@ -1,7 +1,9 @@
-"""Base URLs: checked, and written anywhere (manifest, errors) only without credentials or query."""
+"""Base URLs: checked, and written anywhere (manifest, errors) only without credentials or query; and
+`redact`, the one cleaning of every server-provided string before it is shown or recorded."""
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit, urlunsplit
 
 from detaudit.errors import DetauditError
@@ -49,3 +51,20 @@ def server_root(base_url: str) -> str:
     """The server's root (for /version, /health): the base URL without a trailing /v1."""
     u = base_url.rstrip("/")
     return u[: -len("/v1")] if u.endswith("/v1") else u
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
+
+
+def redact(text: object, secret: str | None, limit: int = 300, base_url: str | None = None) -> str:
+    """A server-provided string as detaudit shows or records it: the API key replaced by `***` (a server
+    may echo the Authorization header anywhere: /version, model ids, error messages), the base URL by
+    its public form, control characters and line breaks folded to one space, at most `limit` characters.
+    The key is removed before the cut, so no prefix of it survives."""
+    s = str(text)
+    if base_url:
+        s = s.replace(base_url, public_url(base_url))
+    if secret:
+        s = s.replace(secret, "***")
+    s = _CONTROL.sub(" ", s).strip()
+    return s if len(s) <= limit else s[: max(0, limit - 3)] + "..."

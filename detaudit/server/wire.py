@@ -1,30 +1,55 @@
 """Request bodies and response parsing for `/v1/completions` and `/v1/chat/completions`.
 
 Generated tokens come back as ids when the server honours vLLM's `return_tokens_as_token_ids`
-(`token_id:123`); otherwise token strings are mapped back to ids with `--model`'s tokenizer
-(`TokenMap`), which `describe()` reports as approximate."""
+(`token_id:123`) or SGLang's `return_token_ids` (`choices[0].token_ids`); otherwise token strings are
+mapped back to ids with `--model`'s tokenizer (`TokenMap`), which `describe()` reports as approximate.
+
+Every answer is untrusted: each field is checked for its type and range before anything of it is kept
+(`Expect`). A malformed or impossible answer (a string where a log-probability belongs, a token id
+outside the vocabulary, more tokens than `max_tokens`, none at all, a NaN / infinite / positive
+log-probability, top-k probabilities summing past 1) raises `BadAnswer`: its cell fails with one line
+naming the server and the field, and no record of it is written."""
 
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from detaudit.config import DecodingParams, request_seed
-from detaudit.errors import DetauditError
+from detaudit.errors import CellFailed, DetauditError
 from detaudit.records import Generation
 
 TOKEN_ID_PREFIX = "token_id:"
+# log-softmax of fp32 logits is <= 0 exactly; a server computing it in lower precision can land a few
+# ulps above 0 for a near-certain token, never more
+LOGPROB_MAX = 1e-3
+# top-k probabilities of distinct tokens sum to <= 1; the slack covers bf16 rounding of each entry
+PROB_SUM_MAX = 1.01
+MAX_TOKEN_CHARS = 256  # one token's text; longer is not a token
+TOKEN_NUMBER = re.compile(r"-?[0-9]{1,40}")  # `token_id:N` (range-checked against the vocabulary)
 
 
-def sampling(decoding: DecodingParams, prompt_id: str, vllm_like: bool) -> dict[str, Any]:
+class BadAnswer(CellFailed, DetauditError):
+    """A malformed or impossible server answer. Inside a cell it fails the cell (`CellFailed`);
+    anywhere else (the probe before any cell) it is one line and exit 2 (`DetauditError`)."""
+
+
+def sampling(decoding: DecodingParams, prompt_id: str, sends_top_k: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"max_tokens": decoding.max_new_tokens, "seed": request_seed(decoding.seed, prompt_id)}
     if decoding.greedy:
         body.update(temperature=0.0, top_p=1.0)
     else:
         body.update(temperature=decoding.temperature, top_p=decoding.top_p)
-        if vllm_like and decoding.top_k > 0:
+        if sends_top_k and decoding.top_k > 0:
             body["top_k"] = decoding.top_k
     return body
+
+
+def id_request(kind: str) -> dict[str, Any]:
+    """The request field that makes a server answer with token ids instead of token text."""
+    return {"vllm": {"return_tokens_as_token_ids": True}, "sglang": {"return_token_ids": True}}.get(kind, {})
 
 
 def completion_body(
@@ -32,28 +57,30 @@ def completion_body(
     prompt: Sequence[int] | str,
     decoding: DecodingParams,
     prompt_id: str,
-    vllm_like: bool,
+    kind: str,
     logprobs: bool = True,
 ) -> dict[str, Any]:
     body = {
         "model": model,
         "prompt": prompt if isinstance(prompt, str) else list(map(int, prompt)),
-        **sampling(decoding, prompt_id, vllm_like),
+        **sampling(decoding, prompt_id, kind in ("vllm", "sglang")),
     }
     if logprobs:
-        body["logprobs"] = decoding.logprobs
-        if vllm_like:
-            body["return_tokens_as_token_ids"] = True
+        body.update(logprobs=decoding.logprobs, **id_request(kind))
     return body
 
 
 def chat_body(
-    model: str, text: str, decoding: DecodingParams, prompt_id: str, vllm_like: bool, logprobs: bool = True
+    model: str, text: str, decoding: DecodingParams, prompt_id: str, kind: str, logprobs: bool = True
 ) -> dict[str, Any]:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], **sampling(decoding, prompt_id, vllm_like)}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        **sampling(decoding, prompt_id, kind in ("vllm", "sglang")),
+    }
     if logprobs:
         body.update(logprobs=True, top_logprobs=decoding.logprobs)
-        if vllm_like:
+        if kind == "vllm":
             body["return_tokens_as_token_ids"] = True
     return body
 
@@ -67,11 +94,13 @@ class TokenMap:
         self.unmapped = 0  # tokens no single id matched (recorded as -1)
 
     def __call__(self, token: str) -> int:
+        """The id of a token string; -1 when no single id matches; ValueError for `token_id:` that is
+        not followed by a number."""
         if token.startswith(TOKEN_ID_PREFIX):
-            try:
-                return int(token[len(TOKEN_ID_PREFIX) :])
-            except ValueError:
-                pass
+            number = token[len(TOKEN_ID_PREFIX) :]
+            if not TOKEN_NUMBER.fullmatch(number):
+                raise ValueError("is 'token_id:' without a token number")
+            return int(number)  # its range is the caller's check
         if self._tok_fn is None:
             raise DetauditError("the server returned token strings, not ids, and no tokenizer is available")
         if self._tok is None:
@@ -87,91 +116,208 @@ class TokenMap:
         return -1
 
 
-def _ranked(pairs: list[tuple[int, float]], k: int) -> tuple[list[int], list[float]]:
-    pairs = sorted(pairs, key=lambda p: -p[1])[:k]
-    return [p[0] for p in pairs], [float(p[1]) for p in pairs]
+def _show(v: Any) -> str:
+    """A server value as an error shows it: numbers (short), else only the type (a string could hold
+    anything, the API key included)."""
+    if isinstance(v, bool) or v is None:
+        return repr(v)
+    if isinstance(v, int):  # JSON holds at most 4300 digits (Python's int parsing limit)
+        return repr(v) if abs(v) < 10**15 else f"an integer of {len(str(abs(v)))} digits"
+    if isinstance(v, float):
+        return repr(v)
+    return f"a {type(v).__name__}"
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a valid answer to one audited request can hold; every check names the field."""
+
+    where: str  # the server's public URL and path
+    k: int = 5  # top-k log-probabilities requested
+    max_tokens: int = 1
+    vocab: int = 0  # token ids lie in [0, vocab) (0: not checked)
+
+    def bad(self, field: str, what: str) -> BadAnswer:
+        return BadAnswer(f"server {self.where}: bad answer: {field} {what}")
+
+    def mapping(self, v: Any, field: str) -> dict:
+        if not isinstance(v, dict):
+            raise self.bad(field, f"is {_show(v)}, not an object")
+        return v
+
+    def array(self, v: Any, field: str) -> list:
+        if not isinstance(v, list):
+            raise self.bad(field, f"is {_show(v)}, not a list")
+        return v
+
+    def logprob(self, v: Any, field: str) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise self.bad(field, f"is {_show(v)}, not a number")
+        x = float(v) if not isinstance(v, int) or abs(v) < 10**300 else math.inf
+        if not math.isfinite(x) or x > LOGPROB_MAX:
+            raise self.bad(field, f"is {_show(v)} (a log-probability is a finite number <= 0)")
+        return x
+
+    def token_id(self, v: Any, field: str) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.bad(field, f"is {_show(v)}, not a token id")
+        if v < 0 or (self.vocab and v >= self.vocab):
+            raise self.bad(field, f"is {_show(v)}, outside the vocabulary [0, {self.vocab})")
+        return v
+
+    def token(self, v: Any, field: str, tokens: TokenMap) -> int:
+        """A token string -> its id (checked like any id; -1 when the tokenizer has no single id)."""
+        if not isinstance(v, str) or len(v) > MAX_TOKEN_CHARS:
+            raise self.bad(field, f"is {_show(v) if not isinstance(v, str) else 'a string too long'}, not a token")
+        try:
+            tid = tokens(v)
+        except ValueError as e:
+            raise self.bad(field, str(e)) from None
+        return tid if tid == -1 and not v.startswith(TOKEN_ID_PREFIX) else self.token_id(tid, field)
+
+    def count(self, n: int, field: str) -> None:
+        if n < 1:
+            raise self.bad(field, f"holds no token (max_tokens is {self.max_tokens}; a completion has at least one)")
+        if n > self.max_tokens:
+            raise self.bad(field, f"holds {n} tokens for max_tokens {self.max_tokens}")
+
+    def top(self, pairs: list[tuple[int, float]], field: str, exact: bool) -> tuple[list[int], list[float]]:
+        """One position's top-k: enough entries (servers that key them by text merge tokens of the same
+        text, so fewer is allowed there), probabilities of at most 1 in total; ranked, cut to k."""
+        if len(pairs) < (min(self.k, 5) if exact else 1):
+            raise no_logprobs(self.where)
+        total = math.fsum(math.exp(lp) for _, lp in pairs)
+        if total > PROB_SUM_MAX:
+            raise self.bad(field, f"probabilities sum to {total:.4g} (> 1)")
+        pairs = sorted(pairs, key=lambda p: -p[1])[: self.k]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 def _finish(reason: Any) -> str:
     return "stop" if reason == "stop" else "length"
 
 
-def _no_logprobs(where: str) -> DetauditError:
+def no_logprobs(where: str) -> DetauditError:
     return DetauditError(
         f"server {where}: the answer has no logprobs (the audit needs per-token top-k "
         "log-probabilities; is logprobs supported / --max-logprobs high enough?)"
     )
 
 
-def _generation(entries, k: int, where: str, finish: Any) -> Generation:
-    """entries: per position (token id, its logprob, [(token id, logprob), ...] of the top-k)."""
-    ids, token_lps, top_ids, top_lps = [], [], [], []
-    for tok, lp, top in entries:
-        if len(top) < min(k, 5):
-            raise _no_logprobs(where)
-        ids.append(tok)
-        token_lps.append(float(lp) if lp is not None else math.nan)
-        a, b = _ranked(top, k)
+def _choice(d: Any, ex: Expect) -> dict:
+    choices = ex.array(ex.mapping(d, "answer").get("choices"), "choices")
+    if not choices:
+        raise ex.bad("choices", "is empty")
+    return ex.mapping(choices[0], "choices[0]")
+
+
+def parse_completion(d: Any, ex: Expect, tokens: TokenMap) -> Generation:
+    """`choices[0].logprobs` (OpenAI completions format; vLLM's `token_id:N` strings or SGLang's
+    `choices[0].token_ids` give exact ids)."""
+    choice = _choice(d, ex)
+    lp = choice.get("logprobs")
+    if lp is None:
+        raise no_logprobs(ex.where)
+    f = "choices[0].logprobs"
+    lp = ex.mapping(lp, f)
+    if lp.get("token_logprobs") is None or lp.get("top_logprobs") is None:
+        raise no_logprobs(ex.where)
+    lps = ex.array(lp["token_logprobs"], f"{f}.token_logprobs")
+    tops = ex.array(lp["top_logprobs"], f"{f}.top_logprobs")
+    toks = ex.array(lp.get("tokens", []), f"{f}.tokens")
+    ex.count(len(lps), f"{f}.token_logprobs")
+    if not len(toks) == len(lps) == len(tops):
+        raise ex.bad(
+            f, f"lists differ in length (tokens {len(toks)}, token_logprobs {len(lps)}, top_logprobs {len(tops)})"
+        )
+    given = choice.get("token_ids")
+    if given is not None:  # SGLang's return_token_ids: exact ids of the generated tokens
+        given = ex.array(given, "choices[0].token_ids")
+        if len(given) != len(lps):
+            raise ex.bad("choices[0].token_ids", f"holds {len(given)} ids for {len(lps)} tokens")
+        ids = [ex.token_id(t, f"choices[0].token_ids[{i}]") for i, t in enumerate(given)]
+    else:
+        ids = [ex.token(t, f"{f}.tokens[{i}]", tokens) for i, t in enumerate(toks)]
+    token_lps, top_ids, top_lps = [], [], []
+    for i, (v, top) in enumerate(zip(lps, tops)):
+        token_lps.append(ex.logprob(v, f"{f}.token_logprobs[{i}]"))
+        field = f"{f}.top_logprobs[{i}]"
+        top = ex.mapping(top, field)
+        pairs = [
+            (ex.token(s, f"{field} key {j}", tokens), ex.logprob(x, f"{field} value {j}"))
+            for j, (s, x) in enumerate(top.items())
+        ]
+        a, b = ex.top(pairs, field, all(s.startswith(TOKEN_ID_PREFIX) for s in top))
         top_ids.append(a)
         top_lps.append(b)
-    return Generation(ids, token_lps, top_ids, top_lps, _finish(finish))
+    return Generation(ids, token_lps, top_ids, top_lps, _finish(choice.get("finish_reason")))
 
 
-def _choice(d: Any, where: str) -> dict:
-    try:
-        return d["choices"][0]
-    except (KeyError, IndexError, TypeError):
-        raise DetauditError(f"server {where}: answer has no choices") from None
-
-
-def parse_completion(d: Any, k: int, tokens: TokenMap, where: str) -> Generation:
-    choice = _choice(d, where)
+def parse_chat(d: Any, ex: Expect, tokens: TokenMap) -> Generation:
+    """`choices[0].logprobs.content` (OpenAI chat format)."""
+    choice = _choice(d, ex)
     lp = choice.get("logprobs")
-    if not isinstance(lp, dict) or lp.get("token_logprobs") is None or lp.get("top_logprobs") is None:
-        raise _no_logprobs(where)
-    toks, lps, tops = lp.get("tokens") or [], lp["token_logprobs"], lp["top_logprobs"]
-    if not (len(toks) == len(lps) == len(tops)):
-        raise DetauditError(f"server {where}: logprobs lists of different lengths")
-    if any(not isinstance(top, dict) for top in tops):
-        raise _no_logprobs(where)
-    entries = ((tokens(t), l, [(tokens(s), v) for s, v in top.items()]) for t, l, top in zip(toks, lps, tops))
-    return _generation(entries, k, where, choice.get("finish_reason"))
-
-
-def parse_chat(d: Any, k: int, tokens: TokenMap, where: str) -> Generation:
-    choice = _choice(d, where)
-    lp = choice.get("logprobs")
-    content = lp.get("content") if isinstance(lp, dict) else None
+    content = ex.mapping(lp, "choices[0].logprobs").get("content") if lp is not None else None
     if content is None:
-        raise _no_logprobs(where)
-    entries = (
-        (tokens(e["token"]), e["logprob"], [(tokens(x["token"]), x["logprob"]) for x in e.get("top_logprobs") or []])
-        for e in content
-    )
-    return _generation(entries, k, where, choice.get("finish_reason"))
+        raise no_logprobs(ex.where)
+    f = "choices[0].logprobs.content"
+    content = ex.array(content, f)
+    ex.count(len(content), f)
+    ids, token_lps, top_ids, top_lps = [], [], [], []
+    for i, e in enumerate(content):
+        e = ex.mapping(e, f"{f}[{i}]")
+        ids.append(ex.token(e.get("token"), f"{f}[{i}].token", tokens))
+        token_lps.append(ex.logprob(e.get("logprob"), f"{f}[{i}].logprob"))
+        field = f"{f}[{i}].top_logprobs"
+        pairs = []
+        for j, x in enumerate(ex.array(e.get("top_logprobs") or [], field)):
+            x = ex.mapping(x, f"{field}[{j}]")
+            pairs.append(
+                (
+                    ex.token(x.get("token"), f"{field}[{j}].token", tokens),
+                    ex.logprob(x.get("logprob"), f"{field}[{j}].logprob"),
+                )
+            )
+        exact = all(
+            isinstance(x, dict) and str(x.get("token", "")).startswith(TOKEN_ID_PREFIX)
+            for x in e.get("top_logprobs") or []
+        )
+        a, b = ex.top(pairs, field, exact)
+        top_ids.append(a)
+        top_lps.append(b)
+    return Generation(ids, token_lps, top_ids, top_lps, _finish(choice.get("finish_reason")))
 
 
-def parse_prompt_logprobs(d: Any, prompt_len: int, continuation: Sequence[int]) -> list[float] | None:
+def _scored(values: list[Any], ex: Expect, field: str) -> list[float] | None:
+    """Teacher-forced log-probabilities: None where the server has none (teacher forcing unavailable);
+    a value that is there but impossible is a bad answer."""
+    if any(v is None for v in values):
+        return None
+    return [ex.logprob(v, f"{field}[{j}]") for j, v in enumerate(values)]
+
+
+def parse_prompt_logprobs(d: Any, prompt_len: int, continuation: Sequence[int], ex: Expect) -> list[float] | None:
     """vLLM's `prompt_logprobs` (per prompt position: None or {token id: {logprob, ...}})."""
     try:
-        pl = d["choices"][0].get("prompt_logprobs") or d.get("prompt_logprobs")
-        out = []
+        choice = d["choices"][0]
+        pl = choice.get("prompt_logprobs") or d.get("prompt_logprobs")
+        values = []
         for j, t in enumerate(continuation):
             entry = pl[prompt_len + j]
             v = entry[str(int(t))] if str(int(t)) in entry else entry[int(t)]
-            out.append(float(v["logprob"] if isinstance(v, dict) else v))
-        return out
+            values.append(v["logprob"] if isinstance(v, dict) else v)
     except (KeyError, IndexError, TypeError, AttributeError):
         return None
+    return _scored(values, ex, f"choices[0].prompt_logprobs[{prompt_len}:]")
 
 
-def parse_echo_logprobs(d: Any, prompt_len: int, continuation: Sequence[int]) -> list[float] | None:
+def parse_echo_logprobs(d: Any, prompt_len: int, continuation: Sequence[int], ex: Expect) -> list[float] | None:
     """`echo` + `logprobs`: the echoed sequence's token_logprobs (prompt + continuation first)."""
     try:
         lps = d["choices"][0]["logprobs"]["token_logprobs"]
-        vals = lps[prompt_len : prompt_len + len(continuation)]
-        if len(vals) != len(continuation) or any(v is None for v in vals):
-            return None
-        return [float(v) for v in vals]
+        values = lps[prompt_len : prompt_len + len(continuation)]
     except (KeyError, IndexError, TypeError):
         return None
+    if not isinstance(values, list) or len(values) != len(continuation):
+        return None
+    return _scored(values, ex, f"choices[0].logprobs.token_logprobs[{prompt_len}:]")

@@ -1,143 +1,44 @@
-"""`--engine openai` against a fake OpenAI server: the client's error paths and its secrets.
+"""`--engine openai` against a fake OpenAI server: the client's paths, its secrets, SGLang's format.
 
-The fake server is a mock (a raw ASGI app served by uvicorn on 127.0.0.1 in a thread) because the
-error paths it plays -- a 429 before success, an answer without logprobs, another model id, a hung
-server -- cannot be provoked on demand from a real one. Everything else is real: the CLI, the sweep,
-the run directory, the tokenizer of the embedded model. The real-server audit is in
-`test_server_vllm.py`.
+The fake server (`tests/fake_openai.py`) is a mock because the behaviours it plays -- a 429 before
+success, an answer without logprobs, another model id, a hung server, SGLang's answer format (SGLang
+does not run on these CPUs) -- cannot be provoked on demand from a real one. Everything else is real:
+the CLI, the sweep, the run directory, the tokenizer of the embedded model. The real-server audit is in
+`test_server_vllm.py`; every malformed, impossible or hostile answer in `tests/security/test_server_answers.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import socket
-import threading
 import time
 from pathlib import Path
 
 import psutil
 import pyarrow.parquet as pq
 import pytest
-import uvicorn
+from fake_openai import MODEL_ID, Fake, Served, free_port
 from typer.testing import CliRunner
 
 from detaudit.cli import app
 
 runner = CliRunner()
 SECRET = "sk-detaudit-test-0123456789abcdef"
-MODEL_ID = "smollm2-135m"
-
-
-class Fake:
-    """Plays one behaviour per test; records what it received."""
-
-    def __init__(self) -> None:
-        self.mode = "ok"
-        self.model_id = MODEL_ID
-        self.requests: list[dict] = []
-        self.headers: list[dict] = []
-        self.failures_left = 0
-
-    def completion(self, body: dict) -> dict:
-        prompt = body["prompt"]
-        k = int(body.get("logprobs") or 0)
-        n = int(body.get("max_tokens", 1))
-        ids = [(sum(prompt) + 7 * i) % 400 + 10 for i in range(n)]
-        lp = {
-            "tokens": [f"token_id:{t}" for t in ids],
-            "token_logprobs": [-0.1 - 0.01 * i for i in range(n)],
-            "top_logprobs": [
-                {f"token_id:{t + j}": -0.1 - 0.5 * j - 0.01 * i for j in range(k)} for i, t in enumerate(ids)
-            ],
-            "text_offset": list(range(n)),
-        }
-        choice = {"index": 0, "text": "x" * n, "finish_reason": "length", "logprobs": lp if k else None}
-        if self.mode == "nologprobs":
-            choice["logprobs"] = None
-        if body.get("prompt_logprobs") is not None:
-            choice["prompt_logprobs"] = [None] + [
-                {str(t): {"logprob": -1.0 - 0.001 * p, "rank": 1}} for p, t in enumerate(prompt[1:], 1)
-            ]
-        return {"id": "cmpl", "object": "text_completion", "model": self.model_id, "choices": [choice]}
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        path = scope["path"]
-        self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
-        status, out = 404, {"error": {"message": "not found"}}
-        if path == "/v1/models":
-            status, out = (
-                200,
-                {"object": "list", "data": [{"id": self.model_id, "object": "model", "owned_by": "vllm"}]},
-            )
-        elif path == "/version":
-            status, out = 200, {"version": "fake-0.1"}
-        elif path == "/v1/completions":
-            req = json.loads(body)
-            self.requests.append(req)
-            if self.mode == "hang":
-                await asyncio.sleep(30)
-            if self.failures_left > 0:
-                self.failures_left -= 1
-                status, out = 429, {"error": {"message": "too many requests"}}
-            else:
-                status, out = 200, self.completion(req)
-        data = json.dumps(out).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": data})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
-def fake():
+def fake(smollm):
+    from detaudit.models import tokenizer_for
+
     app_ = Fake()
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app_, host="127.0.0.1", port=port, log_level="error", lifespan="on", timeout_graceful_shutdown=1)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.05)
-    app_.url = f"http://127.0.0.1:{port}/v1"
-    yield app_
-    server.should_exit = True
-    thread.join(timeout=10)
+    app_.tokenizer = tokenizer_for(smollm.path)
+    with Served(app_) as served:
+        yield served
 
 
 @pytest.fixture(autouse=True)
-def reset(fake, smollm):
-    fake.mode, fake.model_id, fake.failures_left = "ok", MODEL_ID, 0
-    fake.requests.clear()
-    fake.headers.clear()
+def reset(fake):
+    fake.reset()
     os.environ["DETAUDIT_TEST_KEY"] = SECRET
     yield
     os.environ.pop("DETAUDIT_TEST_KEY", None)
@@ -237,11 +138,14 @@ def test_wrong_model(fake, tmp_path):
     one_line_exit_2(sweep(fake.url, tmp_path / "run"), "model mismatch", "someone/else-7b")
 
 
-def test_hang_is_bounded(fake, tmp_path):
-    fake.mode = "hang"
+@pytest.mark.parametrize("mode", ["hang", "trickle"])
+def test_request_timeout_is_a_deadline(fake, tmp_path, mode):
+    """A server that never answers, and one that answers a byte every 0.3 s (each read is quick, the
+    answer never ends), both end the sweep at the deadline of one request."""
+    fake.mode = mode
     t0 = time.monotonic()
     res = sweep(fake.url, tmp_path / "run", "--concurrency", "1", "--request-timeout", "1.5")
-    one_line_exit_2(res, "no response within 1.5 s")
+    one_line_exit_2(res, "no complete answer within 1.5 s")
     assert time.monotonic() - t0 < 15
 
 
@@ -249,3 +153,100 @@ def test_credentials_in_url_refused(fake, tmp_path):
     url = fake.url.replace("http://", f"http://user:{SECRET}@")
     line = one_line_exit_2(sweep(url, tmp_path / "run"), "no credentials")
     assert "user" not in line
+
+
+def test_sglang_answer_format(fake, tmp_path):
+    """SGLang's /v1/completions (its `to_openai_style_logprobs`): token texts, top-k keyed by text,
+    exact generated ids in `choices[0].token_ids` when asked with `return_token_ids`, prompt
+    log-probabilities through `echo`. Recorded: the ids SGLang generated, the top-k mapped from texts
+    with --model's tokenizer, teacher forcing via echo; the manifest says which ids are exact."""
+    fake.owner = "sglang"
+    out = tmp_path / "run"
+    res = sweep(fake.url, out, "--concurrency", "1,2")
+    assert res.exit_code == 0, res.output
+    audited = [r for r in fake.requests if r.get("logprobs") and not r.get("echo")]
+    assert audited and all(r["return_token_ids"] is True and "return_tokens_as_token_ids" not in r for r in audited)
+    assert all(isinstance(r["seed"], int) and r["temperature"] == 0.0 for r in audited)
+    assert any(r.get("echo") and r["logprobs"] == 1 for r in fake.requests)  # teacher forcing
+    man = json.loads((out / "manifest.json").read_text())
+    d = man["backends"]["bf16@tp1@bs2"]
+    assert d["server"]["kind"] == "sglang" and d["server"]["version"] is None
+    assert d["token_ids"].startswith("generated tokens returned as ids (SGLang return_token_ids)"), d["token_ids"]
+    assert d["teacher_forcing"].startswith("echo"), d["teacher_forcing"]
+    expected = {tuple(r["prompt"]): [(sum(r["prompt"]) + 7 * i) % 400 + 300 for i in range(3)] for r in audited}
+    t = pq.read_table(out / "cells" / "smoke__bf16__tp1__bs1.parquet").to_pylist()
+    assert len(t) == 2
+    for row in t:
+        assert row["output_token_ids"] in expected.values()
+        assert all(len(k) >= 5 for k in row["topk_ids"])
+        # the fake's top-1 is the generated token: its text maps back to the same id
+        assert [k[0] for k in row["topk_ids"]] == row["output_token_ids"], row["topk_ids"]
+        assert row["tf_token_logprobs"] is not None and all(x < 0 for x in row["tf_token_logprobs"])
+
+
+def test_prefix_load_pattern(fake, tmp_path):
+    """`--background-prompts prefix`: the background requests are cuts of one long text per audited
+    prompt (shorter than it, or extending it); each cell names its pattern, and the run's identity
+    holds it (a resumed run cannot mix patterns)."""
+    out = tmp_path / "run"
+    res = sweep(fake.url, out, "--concurrency", "1", "--background-load", "2", "--background-prompts", "prefix")
+    assert res.exit_code == 0, res.output
+    audited = {tuple(r["prompt"]) for r in fake.requests if r.get("logprobs")}
+    background = [r["prompt"] for r in fake.requests if not r.get("logprobs") and "prompt_logprobs" not in r]
+    assert background
+    for b in background:
+        assert any(list(a[: len(b)]) == b or b[: len(a)] == list(a) for a in audited), "not a cut of an audited prompt"
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["backends"]["bf16@tp1@bs1@bg2"]["load"]["background_prompts"] == "prefix"
+    assert man["backends"]["bf16@tp1@bs1@bg2"]["load"]["background_sent"] >= 2
+    assert man["comparable"]["load_pattern"] == "prefix"
+
+
+@pytest.mark.slow  # a 4-cell sweep of a deliberately slow fake, then every report format
+def test_server_audit_report_has_the_load_axis(fake, tmp_path):
+    """A concurrency 1/2 x background 0/2 x 2-repeat audit of a server whose numerics move with its load
+    (the fake's `load-variant`): the report names every cell by its load (cells table columns, agreement
+    labels), gives the headline "N requests, K distinct completions" and one row per configuration
+    against the sequential baseline, with the exact divergence the fake put in."""
+    from detaudit.analyze import analyze
+    from detaudit.render import cell_labels
+
+    fake.mode = "load-variant"
+    run = tmp_path / "run"
+    res = sweep(fake.url, run, "--concurrency", "1,2", "--background-load", "0,2", "--repeats", "2")
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["report", str(run), "--format", "md,csv,html"])
+    assert res.exit_code == 0, res.output
+    # the headline, counted here from the records themselves
+    rows = [r for f in sorted((run / "cells").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    per_prompt = {}
+    for r in rows:
+        per_prompt.setdefault(r["prompt_id"], set()).add(tuple(r["output_token_ids"]))
+    k = sum(len(v) for v in per_prompt.values())
+    assert len(rows) == 16 and k > 2  # the loaded configurations changed some completions
+    headline = (
+        f"smoke / bf16: 16 requests, {k} distinct completions (2 prompts; at most "
+        f"{max(len(v) for v in per_prompt.values())} for one prompt) over 4 load configurations"
+    )
+    md = (run / "report.md").read_text()
+    assert f"**{headline}**" in md, md[:1500]
+    assert "| configuration | concurrency | background | pattern | repeats | requests | distinct" in md
+    assert "| bitwise as baseline | differ from baseline |" in md
+    assert "| cell | backend | TP | concurrency | background | pattern | repeats | TP mode |" in md
+    for label in ("c1/bg0 (baseline)", "c1/bg2 suite", "c2/bg0", "c2/bg2 suite"):
+        assert f"| {label} |" in md, label
+    load = {r["label"]: r for r in __import__("csv").DictReader((run / "load.csv").open())}
+    base = load["c1/bg0"]
+    assert base["baseline"] == "True" and base["differ"] == "0" and base["distinct_max"] == "1"
+    assert base["identical"] == base["compared"] == "2"  # its second sends, bitwise its first
+    assert base["maxprob_div_max"] == "0.0" and base["logprob_diff_max"] == "0.0"  # alone: bitwise the same
+    for label in ("c1/bg2 suite", "c2/bg2 suite"):  # always loaded: every request moved, from its third token on
+        r = load[label]
+        assert r["differ"] == r["compared"] == "4" and r["identical"] == "0" and r["first_div_min"] == "2", r
+        assert float(r["logprob_diff_max"]) == pytest.approx(0.01, abs=1e-5), r
+    html = (run / "report.html").read_text()
+    assert headline in html and 'alt="load smoke"' in html
+    labels = cell_labels(analyze(run))  # the agreement heatmap's and accuracy plot's tick labels
+    assert len(set(labels.values())) == len(labels) == 4, labels
+    res = runner.invoke(app, ["analyze", str(run)])
+    assert headline in " ".join(res.output.split()), res.output

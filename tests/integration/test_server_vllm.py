@@ -45,13 +45,43 @@ GRID = [
 ]
 
 
-def _vllm_procs() -> list[psutil.Process]:
+def _own_vllm(run) -> list[psutil.Process]:
+    """The processes of the vLLM servers this test's sweep started, and no other process on the machine
+    (another user's or another test's vLLM server is not this test's business): the servers by the
+    ports in their log names (RUN/logs/vllm-server-*-PORT.log), their workers by the plugin's marker
+    directory recorded in the manifest (every process of a server inherits it)."""
+    from detaudit.vllm.host import MARKER_ENV
+
+    ports = {f.stem.rsplit("-", 1)[-1] for f in (run / "logs").glob("vllm-server-*.log")}
+    markers = set()
+    if (run / "manifest.json").exists():
+        backends = json.loads((run / "manifest.json").read_text()).get("backends", {})
+        markers = {d.get("server_env", {}).get(MARKER_ENV) for d in backends.values()} - {None}
     out = []
     for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "vllm.entrypoints.openai.api_server" in cmd and "--no-enable-prefix-caching" in cmd:  # detaudit's own
-            out.append(p)
+        try:
+            cmd = p.info["cmdline"] or []
+            port = (
+                cmd[cmd.index("--port") + 1]
+                if "vllm.entrypoints.openai.api_server" in cmd and "--port" in cmd
+                else None
+            )
+            if port in ports or (markers and p.environ().get(MARKER_ENV) in markers):
+                out.append(p)
+        except (psutil.Error, IndexError):
+            continue
     return out
+
+
+def _server_under(pid: int) -> psutil.Process | None:
+    """The vLLM API server among the descendants of process `pid` (the sweep this test started)."""
+    try:
+        for p in psutil.Process(pid).children(recursive=True):
+            if "vllm.entrypoints.openai.api_server" in p.cmdline():
+                return p
+    except psutil.Error:
+        pass
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +194,9 @@ def test_vllm_server_bio_tbik_invariant_under_load(smollm, tmp_path):
         ],
     )
     assert res.exit_code == 0, res.output
-    assert not _vllm_procs(), "a vLLM server outlived the sweep"
+    assert not _own_vllm(run), "a vLLM server this sweep started outlived it"
+    for event in ("starting on 127.0.0.1:", ": up after", ": stopped"):  # one line per event (CI logs)
+        assert f"vLLM server (bio+tbik, TP 1){'' if event.startswith(':') else ': '}{event}" in res.output, res.output
     cells = _cells(run)
     assert len(cells) == 4
     first = next(iter(cells.values()))
@@ -251,8 +283,7 @@ def test_vllm_server_engine_killed_mid_run_leaves_no_server_and_resumes(smollm, 
         while server is None or not _healthy(server):
             assert sweep.poll() is None, "the sweep ended before it could be killed"
             assert time.monotonic() < deadline, "the vLLM server did not come up"
-            procs = _vllm_procs()
-            server = procs[0] if procs else None
+            server = _server_under(sweep.pid)
             time.sleep(1)
         family = [server, *server.children(recursive=True)]
         time.sleep(2)  # requests in flight
@@ -267,7 +298,7 @@ def test_vllm_server_engine_killed_mid_run_leaves_no_server_and_resumes(smollm, 
             os.killpg(sweep.pid, signal.SIGKILL)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert len(_cells(run)) == 2 and not _vllm_procs()
+    assert len(_cells(run)) == 2 and not _own_vllm(run)
 
 
 def _healthy(server: psutil.Process) -> bool:
