@@ -24,6 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
         "metrics",
         "grading",
         "suite_yaml",
+        "suite_render",
+        "generation",
         "synthetic",
         "prompt_limits",
         "fingerprint",

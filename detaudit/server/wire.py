@@ -24,6 +24,8 @@ def sampling(decoding: DecodingParams, prompt_id: str, vllm_like: bool) -> dict[
         body.update(temperature=decoding.temperature, top_p=decoding.top_p)
         if vllm_like and decoding.top_k > 0:
             body["top_k"] = decoding.top_k
+    if decoding.stop:
+        body["stop"] = list(decoding.stop)
     return body
 
 

@@ -484,7 +484,7 @@ def test_lm_eval_include_and_json_data_files(tmp_path, monkeypatch):
     assert [p.answer for p in suite.prompts] == ["7", "30", "6"]
     assert [p.id for p in suite.prompts] == ["0", "1", "2"] and suite.ungraded == ()
     assert suite.version == "3.0"
-    assert suite.generation_kwargs == {
+    assert suite.generation.to_dict() == {
         "until": ["Question:", "</s>", "<|im_end|>"],
         "do_sample": False,
         "temperature": 0.0,
@@ -660,12 +660,11 @@ def test_include_order_as_lm_eval(tmp_path):
 
 
 def _count_renders(monkeypatch) -> list:
-    import detaudit.suites as suites_module
+    # (these suites' fields are columns and plain substitutions: they render in this process)
+    from detaudit.suite_render import _Fields
 
-    calls, real = [], suites_module._render
-    monkeypatch.setattr(
-        suites_module, "_render", lambda spec, f, row, label: calls.append(label) or real(spec, f, row, label)
-    )
+    calls, real = [], _Fields.render
+    monkeypatch.setattr(_Fields, "render", lambda self, f, row, label: calls.append(label) or real(self, f, row, label))
     return calls
 
 
