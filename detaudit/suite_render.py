@@ -39,6 +39,7 @@ class RenderJob:
     target: Field | None
     id: Field | None
     rows: list[tuple[str, dict]]  # (label for messages, row)
+    max_chars: int = MAX_FIELD_CHARS  # the bound on every rendered field (set by the parent)
 
 
 @dataclass(frozen=True)
@@ -99,9 +100,9 @@ class _Fields:
         out, n = [], 0
         for chunk in chunks:
             n += len(chunk)
-            if n > MAX_FIELD_CHARS:
+            if n > self.job.max_chars:
                 raise DetauditError(
-                    f"suite {self.job.suite}: {label}: `{f.key}` renders more than {MAX_FIELD_CHARS} characters"
+                    f"suite {self.job.suite}: {label}: `{f.key}` renders more than {self.job.max_chars} characters"
                 )
             out.append(chunk)
         return "".join(out)
@@ -254,5 +255,7 @@ def _in_child(job: RenderJob) -> tuple[list[Rendered], list[str]]:
 def render_rows(suite: str, text: Field, target: Field | None, id_: Field | None, rows: Iterable, limit: int | None):
     """Render the first `limit` rows (rows past it are never read): templates that can do work beyond the
     row's own size in a bounded child process, the rest here."""
-    job = RenderJob(suite, text, target, id_, list(itertools.islice(rows, limit)))
+    job = RenderJob(suite, text, target, id_, list(itertools.islice(rows, limit)), MAX_FIELD_CHARS)
+    if hasattr(rows, "close"):
+        rows.close()  # a reader past `limit` stops now (and frees what it holds)
     return _in_child(job) if needs_child(job) else render(job)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,14 +198,15 @@ def _hub_rows(spec: Spec, limit: int | None) -> tuple[bytes, str, Rows]:
 
 def _streamed_rows(spec: Spec, files: list[Path] | None) -> Rows:
     """Local files in a format detaudit does not parse itself (csv, parquet, ...): `datasets` streams them,
-    so rows are read as they are needed and nothing is written to its cache."""
+    so rows are read as they are needed and nothing is cached; even its builder's lock file goes to a
+    temporary directory that is gone once the rows are read."""
     kwargs = dict(spec.dataset_kwargs)
     if files is not None:
         kwargs["data_files"] = {spec.split: [str(f) for f in files]}
-    ds = _load(spec, _hint(spec), streaming=True, **kwargs)
     where = f"{spec.dataset_path} [{spec.split}]"
     try:
-        with _quiet_datasets():
+        with tempfile.TemporaryDirectory(prefix="detaudit-datasets-") as scratch, _quiet_datasets():
+            ds = _load(spec, _hint(spec), streaming=True, cache_dir=scratch, **kwargs)
             for i, row in enumerate(ds):
                 yield f"{where} row {i}", dict(row)
     except DetauditError:

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
         "grading",
         "suite_yaml",
         "suite_render",
+        "suite_paths",
         "generation",
         "synthetic",
         "prompt_limits",
