@@ -152,3 +152,41 @@ def test_vllm_rollout_tp2_is_bitwise_aligned_with_builtin_trainer_tp1(tmp_path):
     rows = {r["backend"]: r for r in cli_json(res)}
     assert rows["bio+tbik"]["tokens"] > 0 and rows["bio+tbik"]["bitwise_equal_frac"] == 1.0
     assert rows["bio+tbik"]["dp_max"] == 0.0
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_honours_a_suites_stop_strings(tmp_path):
+    """generation_kwargs.until reaches vLLM's SamplingParams: a greedy row ends at the token that completes
+    the stop string (a prefix of the unstopped row), finish reason "stop", its text cut before it."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from detaudit.models import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m").path))
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"q": "What is 2+3?"}) + "\n")
+
+    def run(name: str, until: list[str]) -> dict:
+        task = tmp_path / f"{name}.yaml"
+        task.write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs: {{data_files: rows.jsonl}}\ntest_split: train\n"
+            f"doc_to_text: q\ngeneration_kwargs: {{max_gen_toks: 10, do_sample: false, until: {json.dumps(until)}}}\n"
+        )
+        out = tmp_path / name
+        args = ["sweep", "--engine", "vllm", "--suites", str(task), "--backends", "bf16", "--tp", "1"]
+        res = runner.invoke(app, [*args, "--batch-sizes", "1", "--output-path", str(out), "--no-analyze"])
+        assert res.exit_code == 0, res.output
+        run_dir = RunDir(out)
+        run_dir.load()
+        return run_dir.read_cell(f"{name}__bf16__tp1__bs1").iloc[0]
+
+    free = run("free", [])
+    ids = list(free.output_token_ids)
+    assert len(ids) > 5
+    stop = tok.decode(ids[3:5])
+    stopped = run("stopped", [stop])
+    first = next(k for k in range(len(ids)) if stop in tok.decode(ids[: k + 1]))
+    assert stopped.finish_reason == "stop" and list(stopped.output_token_ids) == ids[: first + 1]
+    assert stopped.output_text == tok.decode(ids[: first + 1], skip_special_tokens=True).split(stop)[0]

@@ -123,15 +123,28 @@ def test_stop_watch_looks_at_the_tail_only():
     assert watch.hit([0] * 100 + [23, 24, 25]) and not watch.hit([23, 24, 25] + [0] * 100)
 
 
-def test_builtin_engine_stops_at_a_stop_string(tiny_llama):
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(
+    "device, graphs",
+    [
+        ("cpu", False),
+        pytest.param("cuda", False, marks=[pytest.mark.gpu, GPU]),
+        pytest.param("cuda", True, marks=[pytest.mark.gpu, GPU]),
+    ],  # fmt: skip
+)
+def test_builtin_engine_stops_at_a_stop_string(tiny_llama, device, graphs):
     """Greedy rows of the real engine: with a stop string taken from a row's own output, that row ends at
     the token completing it (finish reason "stop", the tokens a prefix of the unstopped row, bitwise), and
-    the other rows of the batch are unchanged."""
-    from detaudit.builtin.generate import Generator
+    the other rows of the batch are unchanged. On a GPU the decode loop runs a step ahead of the host (and
+    from CUDA graphs): a row stopped by a string must still end where the host saw the string."""
     from helpers import local_engine
 
-    eng = local_engine(tiny_llama, "bio", dtype="float32")
-    gen = Generator(eng.model, eos_ids=(), decode=_decode)
+    from detaudit.builtin.generate import Generator
+
+    eng = local_engine(tiny_llama, "bio", dtype="float32", device=device, cuda_graphs=graphs)
+    gen = Generator(eng.model, eos_ids=(), cuda_graphs=graphs, decode=_decode)
     prompts, ids = [[1, 2, 3], [4, 5, 6, 7], [8, 9]], ["a", "b", "c"]
     free = DecodingParams(greedy=True, max_new_tokens=12)
     with eng.backend.activate():
@@ -148,3 +161,12 @@ def test_builtin_engine_stops_at_a_stop_string(tiny_llama):
         assert torch.equal(torch.tensor(s.topk_ids), torch.tensor(b.topk_ids[:n]))
     with pytest.raises(ValueError, match="decode"):
         Generator(eng.model, eos_ids=()).generate(prompts, ids, DecodingParams(greedy=True, stop=("x",)))
+
+
+def test_server_requests_carry_the_stop_strings():
+    from detaudit.server import wire
+
+    stops = DecodingParams(greedy=True, stop=("Problem:", "\n\n"))
+    assert wire.completion_body("m", [1, 2], stops, "p", vllm_like=True)["stop"] == ["Problem:", "\n\n"]
+    assert wire.chat_body("m", "hi", stops, "p", vllm_like=False)["stop"] == ["Problem:", "\n\n"]
+    assert "stop" not in wire.completion_body("m", [1, 2], DecodingParams(), "p", vllm_like=True)
