@@ -7,9 +7,10 @@ loops never end. So:
 - a field that is a column, a constant, or a template of only text and `{{ name }}` substitutions renders
   in this process: its work and its size are those of the row;
 - any other template renders in a child process (a forkserver child: small and single-threaded) that may
-  allocate at most RENDER_MEMORY bytes beyond what it holds at its start (RLIMIT_AS) and runs at most
-  RENDER_SECONDS + RENDER_SECONDS_PER_ROW x rows of wall time before it is killed; either limit is one line
-  naming the suite and the row;
+  allocate at most RENDER_MEMORY bytes plus three times the size of its rows beyond what it holds at its
+  start (RLIMIT_AS: room for the rendered prompts and their way back, never for a string made from
+  nothing), and runs at most RENDER_SECONDS + RENDER_SECONDS_PER_ROW x rows of wall time before it is
+  killed; either limit is one line naming the suite (and the row);
 - every rendered field is at most MAX_FIELD_CHARS characters, checked as the output streams (a loop that
   prints without end stops there).
 The model's context bounds a prompt further before it reaches the tokenizer (`inputs.tokenize`).
@@ -18,7 +19,8 @@ The model's context bounds a prompt further before it reaches the tokenizer (`in
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import pickle
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from detaudit.errors import DetauditError
@@ -40,6 +42,7 @@ class RenderJob:
     id: Field | None
     rows: list[tuple[str, dict]]  # (label for messages, row)
     max_chars: int = MAX_FIELD_CHARS  # the bound on every rendered field (set by the parent)
+    memory: int = RENDER_MEMORY  # bytes the child may allocate beyond what it holds at its start
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class _Fields:
             raise
         except MemoryError:
             raise DetauditError(
-                f"suite {self.job.suite}: {label}: `{f.key}` needs more than {RENDER_MEMORY >> 20} MiB to render"
+                f"suite {self.job.suite}: {label}: `{f.key}` needs more than {self.job.memory >> 20} MiB to render"
             ) from None
         except RecursionError:
             raise DetauditError(f"suite {self.job.suite}: {label}: `{f.key}` recurses too deeply") from None
@@ -188,8 +191,8 @@ def needs_child(job: RenderJob) -> bool:
     return any(f is not None and f.is_template and not _simple(f.source) for f in (job.text, job.target, job.id))
 
 
-def _limit_memory() -> None:
-    """RLIMIT_AS: what this process maps now plus RENDER_MEMORY (Linux; elsewhere the time limit remains)."""
+def _limit_memory(extra: int) -> None:
+    """RLIMIT_AS: what this process maps now plus `extra` (Linux; elsewhere the time limit remains)."""
     import os
     import resource
 
@@ -199,18 +202,18 @@ def _limit_memory() -> None:
     except (OSError, ValueError):
         return
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    want = mapped + RENDER_MEMORY
+    want = mapped + extra
     resource.setrlimit(resource.RLIMIT_AS, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
 
 
 def _child(conn, job: RenderJob, at) -> None:
     try:
-        _limit_memory()
+        _limit_memory(job.memory)
         result: tuple = ("ok", render(job, progress=lambda i: setattr(at, "value", i)))
     except DetauditError as e:
         result = ("error", str(e))
     except MemoryError:
-        result = ("error", f"suite {job.suite}: rendering needs more than {RENDER_MEMORY >> 20} MiB")
+        result = ("error", f"suite {job.suite}: rendering needs more than {job.memory >> 20} MiB")
     conn.send(result)
     conn.close()
 
@@ -258,4 +261,6 @@ def render_rows(suite: str, text: Field, target: Field | None, id_: Field | None
     job = RenderJob(suite, text, target, id_, list(itertools.islice(rows, limit)), MAX_FIELD_CHARS)
     if hasattr(rows, "close"):
         rows.close()  # a reader past `limit` stops now (and frees what it holds)
-    return _in_child(job) if needs_child(job) else render(job)
+    if not needs_child(job):
+        return render(job)
+    return _in_child(replace(job, memory=RENDER_MEMORY + 3 * len(pickle.dumps(job.rows))))

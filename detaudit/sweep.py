@@ -181,9 +181,10 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
                 "(lm-eval's default for task files); pass --apply-chat-template or use --api completions"
             )
         prompts[s.name] = tokenize(s, tokenizer, chat, max_chars, decoding)
-        form = "chat template" if chat else "plain text"
-        given = " (generation_kwargs)" if s.generation.to_dict() else ""
-        console.print(f"[dim]suite {escape(s.name)}: {form}; {escape(describe(decoding))}{given}[/]")
+        if s.generation.to_dict() or not chat:  # what the suite's file changes (the rest is the command line)
+            form = "chat template" if chat else "plain text"
+            given = " (generation_kwargs)" if s.generation.to_dict() else ""
+            console.print(f"[dim]suite {escape(s.name)}: {form}; {escape(describe(decoding))}{given}[/]")
         if overrides:
             console.print(
                 f"[yellow]note:[/] suite {escape(s.name)}: the command line overrides its generation_kwargs: "

@@ -172,7 +172,8 @@ def test_vllm_honours_a_suites_stop_strings(tmp_path):
         task = tmp_path / f"{name}.yaml"
         task.write_text(
             f"task: {name}\ndataset_path: json\ndataset_kwargs: {{data_files: rows.jsonl}}\ntest_split: train\n"
-            f"doc_to_text: q\ngeneration_kwargs: {{max_gen_toks: 10, do_sample: false, until: {json.dumps(until)}}}\n"
+            'doc_to_text: "Question: {{q}}\\nAnswer:"\n'
+            f"generation_kwargs: {{max_gen_toks: 10, do_sample: false, until: {json.dumps(until)}}}\n"
         )
         out = tmp_path / name
         args = ["sweep", "--engine", "vllm", "--suites", str(task), "--backends", "bf16", "--tp", "1"]
@@ -183,10 +184,10 @@ def test_vllm_honours_a_suites_stop_strings(tmp_path):
         return run_dir.read_cell(f"{name}__bf16__tp1__bs1").iloc[0]
 
     free = run("free", [])
-    ids = list(free.output_token_ids)
+    ids = [int(t) for t in free.output_token_ids]
     assert len(ids) > 5
     stop = tok.decode(ids[3:5])
     stopped = run("stopped", [stop])
     first = next(k for k in range(len(ids)) if stop in tok.decode(ids[: k + 1]))
-    assert stopped.finish_reason == "stop" and list(stopped.output_token_ids) == ids[: first + 1]
+    assert stopped.finish_reason == "stop" and [int(t) for t in stopped.output_token_ids] == ids[: first + 1]
     assert stopped.output_text == tok.decode(ids[: first + 1], skip_special_tokens=True).split(stop)[0]

@@ -729,12 +729,14 @@ def test_apply_chat_template_key_must_be_a_bool(tmp_path):
 # local json rows: lazy, one-line errors
 
 
+def _files_task(tmp_path: Path, fmt: str, data_files: str, split: str = "train") -> Path:
+    body = f"task: t\ndataset_path: {fmt}\ndataset_kwargs: {{data_files: {data_files}}}\ntest_split: {split}\n"
+    return _suite_yaml(tmp_path, body + "doc_to_text: q\n")
+
+
 def test_json_limit_never_parses_a_bad_row_past_it(tmp_path):
     (tmp_path / "rows.jsonl").write_text('{"q": "one"}\n{"q": "two"}\n{not json\n')
-    path = _suite_yaml(
-        tmp_path,
-        "task: t\ndataset_path: json\ndataset_kwargs: {data_files: rows.jsonl}\ntest_split: train\ndoc_to_text: q\n",
-    )
+    path = _files_task(tmp_path, "json", "rows.jsonl")
     assert [p.text for p in load_suite(str(path), limit=2).prompts] == ["one", "two"]
     message = _error(load_suite, str(path))
     assert message.startswith(f"{tmp_path / 'rows.jsonl'}, line 3: not valid JSON")
@@ -754,10 +756,7 @@ def test_json_array_and_field(tmp_path):
 
 def test_split_not_in_data_files_is_named(tmp_path):
     (tmp_path / "rows.jsonl").write_text('{"q": "one"}\n')
-    path = _suite_yaml(
-        tmp_path,
-        "task: t\ndataset_path: json\ndataset_kwargs: {data_files: rows.jsonl}\ntest_split: test\ndoc_to_text: q\n",
-    )
+    path = _files_task(tmp_path, "json", "rows.jsonl", split="test")
     assert "split 'test' is not in `dataset_kwargs.data_files` (it has train" in _error(load_suite, str(path))
 
 
@@ -767,10 +766,7 @@ def test_a_malformed_csv_is_one_line_through_the_cli(tmp_path):
     from detaudit.cli import app
 
     (tmp_path / "bad.csv").write_text('q,a\n"x,1\n')
-    path = _suite_yaml(
-        tmp_path,
-        "task: c\ndataset_path: csv\ndataset_kwargs: {data_files: bad.csv}\ntest_split: train\ndoc_to_text: q\n",
-    )
+    path = _files_task(tmp_path, "csv", "bad.csv")
     result = CliRunner().invoke(app, ["suites", "show", str(path)])
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1 and "could not read csv [train]" in lines[0], result.output
