@@ -237,13 +237,16 @@ def _builder_rows(spec: Spec, limit: int | None) -> tuple[bytes, str, Rows]:
         if "://" in data_dir or "::" in data_dir:
             return _hub_rows(spec, limit)
         listed = sorted(p for p in Path(data_dir).rglob("*") if p.is_file())
+    parse_here = spec.dataset_path == "json" and files is not None and not any(f.suffix in _COMPRESSED for f in files)
     digest = hashlib.sha256()
     raws = {}
     for f in listed:
-        raws[f] = read_bytes(f, "data file")
-        digest.update(f.name.encode() + b"\0" + raws[f] + b"\0")
+        raw = read_bytes(f, "data file")
+        digest.update(f.name.encode() + b"\0" + raw + b"\0")
+        if parse_here:
+            raws[f] = raw
     source = f"dataset:{spec.dataset_path}"
-    if spec.dataset_path == "json" and files is not None and not any(f.suffix in _COMPRESSED for f in files):
+    if parse_here:
         return digest.hexdigest().encode(), source, _json_rows(spec, files, raws)
     return digest.hexdigest().encode(), source, _streamed_rows(spec, files)
 

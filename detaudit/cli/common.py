@@ -154,7 +154,12 @@ DtypeOpt = Annotated[
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda.", rich_help_panel="engine")]
 MaxNewTokensOpt = Annotated[
-    int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.", rich_help_panel="decoding")
+    int,
+    typer.Option(
+        "--max-new-tokens",
+        help="Tokens generated per prompt (given, it wins over a suite's generation_kwargs.max_gen_toks).",
+        rich_help_panel="decoding",
+    ),
 ]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", rich_help_panel="decoding")]
 TopPOpt = Annotated[float, typer.Option("--top-p", rich_help_panel="decoding")]
