@@ -32,6 +32,7 @@ class DecodingParams:
     seed: int = 42
     greedy: bool = False
     logprobs: int = 10  # top-k log-probabilities recorded per position (>= 5)
+    stop: tuple[str, ...] = ()  # stop strings (a suite's `generation_kwargs.until`: detaudit.generation)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -47,9 +48,18 @@ class DecodingParams:
                 raise DetauditError(f"--top-p must be in (0, 1] (got {self.top_p})")
             if self.top_k < 0:
                 raise DetauditError(f"--top-k must be >= 0 (got {self.top_k}; 0 disables it)")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise DetauditError(f"stop strings must be non-empty strings (got {list(self.stop)!r:.80})")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """`stop` only when set: runs without stop strings keep the identity they always had."""
+        d = asdict(self)
+        if not self.stop:
+            d.pop("stop")
+        else:
+            d["stop"] = list(self.stop)
+        return d
 
 
 def request_seed(seed: int, prompt_id: str) -> int:
@@ -180,6 +190,10 @@ class SweepConfig:
     executor: str = "local"
     background_load: tuple[int, ...] = (0,)  # server engines: background requests per cell (a grid axis)
     repeats: int = 1  # server engines: every prompt is sent this many times per cell
+    # the DecodingParams fields given on the command line: they win over a suite's generation_kwargs
+    decoding_flags: tuple[str, ...] = ()
+    apply_chat_template: bool | None = None  # None: each suite's own default (detaudit.suites)
+    trust_suite_paths: bool = False  # suite files may read files outside their own directory
 
     def __post_init__(self) -> None:
         if not self.suites:

@@ -1,5 +1,5 @@
 """What every workflow (sweep, align, bench) prepares before an engine runs: the model, its tokenizer
-and end-of-sequence ids, the suites and their prompts as chat-templated token ids."""
+and end-of-sequence ids, the suites and their prompts as token ids (chat-templated or plain text)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from detaudit.config import ModelRef
+from detaudit.config import DecodingParams, ModelRef
 from detaudit.errors import DetauditError
 from detaudit.models import eos_ids, tokenizer_for  # noqa: F401  (re-exported: what every workflow prepares)
+
+# A prompt of more characters than this many per position of the model's context cannot fit it (tokens
+# of real vocabularies hold a few characters; the longest, whitespace runs, a few dozen): it is refused
+# before the tokenizer sees it (a 100 MB string aborts a fast tokenizer's process).
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass
@@ -25,16 +30,18 @@ class PromptSet:
     texts: list[str] = field(default_factory=list)  # the user messages, before the chat template
     ungraded: tuple[str, ...] = ()
     ignored_keys: tuple[str, ...] = ()
+    chat_template: bool = True  # the prompts went through the model's chat template (else plain text)
+    decoding: DecodingParams | None = None  # the suite's own decoding (generation_kwargs applied)
 
     def digest(self) -> str:
         return hashlib.sha256("".join(self.hashes).encode()).hexdigest()[:16]
 
 
-def load_suites(names: Sequence[str], data_dir: Path | None, limit: int | None) -> list:
+def load_suites(names: Sequence[str], data_dir: Path | None, limit: int | None, trust_paths: bool = False) -> list:
     """Suites by name or YAML path; cells are named by the task, which must be unique."""
     from detaudit.suites import load_suite
 
-    suites = [load_suite(name, data_dir=data_dir, limit=limit) for name in names]
+    suites = [load_suite(name, data_dir=data_dir, limit=limit, trust_paths=trust_paths) for name in names]
     seen: dict[str, str] = {}
     for s, name in zip(suites, names):
         if s.name in seen:
@@ -43,10 +50,43 @@ def load_suites(names: Sequence[str], data_dir: Path | None, limit: int | None) 
     return suites
 
 
-def tokenize(suite, tokenizer) -> PromptSet:
+def chat_form(suite, tokenizer, apply_chat_template: bool | None) -> bool:
+    """Whether the suite's prompts go through the chat template: the command line's choice, else the
+    suite's (`apply_chat_template:` in its YAML; lm-eval task files default to plain text). A tokenizer
+    without a chat template gets plain text, unless the command line asked for the template."""
+    from detaudit.suites import has_chat_template
+
+    chat = suite.apply_chat_template if apply_chat_template is None else apply_chat_template
+    if chat and not has_chat_template(tokenizer):
+        if apply_chat_template:
+            raise DetauditError(
+                "--apply-chat-template: the model's tokenizer has no chat template (use --no-apply-chat-template)"
+            )
+        return False
+    return chat
+
+
+def tokenize(
+    suite,
+    tokenizer,
+    chat: bool | None = None,
+    max_chars: int | None = None,
+    decoding: DecodingParams | None = None,
+) -> PromptSet:
+    """The suite's prompts as token ids: through the chat template when `chat` (None: the suite's own
+    default, plain text without a template). A prompt longer than `max_chars` is refused by name before
+    the tokenizer sees it."""
     from detaudit.suites import prompt_hash, prompt_token_ids
 
-    toks = [prompt_token_ids(tokenizer, p) for p in suite.prompts]
+    chat = chat_form(suite, tokenizer, None) if chat is None else chat
+    if max_chars is not None:
+        for p in suite.prompts:
+            if len(p.text) > max_chars:
+                raise DetauditError(
+                    f"suite {suite.name}: prompt {p.id!r} is {len(p.text)} characters, more than the model's context "
+                    f"could hold ({max_chars} = {MAX_CHARS_PER_TOKEN} per position); refused before tokenizing"
+                )
+    toks = [prompt_token_ids(tokenizer, p, chat) for p in suite.prompts]
     return PromptSet(
         suite=suite.name,
         ids=[p.id for p in suite.prompts],
@@ -58,6 +98,8 @@ def tokenize(suite, tokenizer) -> PromptSet:
         texts=[p.text for p in suite.prompts],
         ungraded=tuple(getattr(suite, "ungraded", ()) or ()),
         ignored_keys=tuple(getattr(suite, "ignored_keys", ()) or ()),
+        chat_template=chat,
+        decoding=decoding,
     )
 
 
@@ -69,22 +111,25 @@ def check_model(
     max_new_tokens: int = 0,
     context_cap: int | None = None,
 ) -> None:
-    """Before any engine starts: every prompt plus `max_new_tokens` fits the model's context (refused
-    per row, never truncated); the built-in engine runs only the architectures it implements (refused by
-    name otherwise), TP sizes that divide the heads, and sequence lengths it computes as transformers
-    does. Other engines (vLLM, servers) decide architecture support themselves."""
+    """Before any engine starts: the built-in engine runs only the architectures it implements (refused
+    by name first: nothing else about an unsupported checkpoint is worth reporting), TP sizes that divide
+    the heads, and sequence lengths it computes as transformers does; every prompt plus its suite's
+    `max_new_tokens` (the PromptSet's decoding, else `max_new_tokens`) fits the model's context (refused
+    per row, never truncated). Other engines (vLLM, servers) decide architecture support themselves."""
     from detaudit.prompt_limits import check_prompt_lengths, model_context_len
 
-    if prompts:
-        context = model_context_len(model, cap=context_cap)
-        for ps in prompts:
-            check_prompt_lengths(ps.suite, ps.ids, ps.token_ids, max_new_tokens, context)
-    if not own_architecture:
-        return
-    from detaudit.builtin.arch import ModelConfig
+    mcfg = None
+    if own_architecture:
+        from detaudit.builtin.arch import ModelConfig
 
-    mcfg = ModelConfig.of(model)
-    for tp in tps:
-        mcfg.check_tp(tp)
-    if prompts:
-        mcfg.check_length(max(len(t) for ps in prompts for t in ps.token_ids) + max_new_tokens)
+        mcfg = ModelConfig.of(model)
+        for tp in tps:
+            mcfg.check_tp(tp)
+    if not prompts:
+        return
+    context = model_context_len(model, cap=context_cap)
+    new = {ps.suite: ps.decoding.max_new_tokens if ps.decoding is not None else max_new_tokens for ps in prompts}
+    for ps in prompts:
+        check_prompt_lengths(ps.suite, ps.ids, ps.token_ids, new[ps.suite], context)
+    if mcfg is not None:
+        mcfg.check_length(max(len(t) + new[ps.suite] for ps in prompts for t in ps.token_ids))

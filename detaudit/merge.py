@@ -17,7 +17,7 @@ from pathlib import Path
 
 from detaudit.errors import DetauditError
 from detaudit.manifest import CellMeta, Manifest, numerics_conflicts
-from detaudit.runs import RunDir, now
+from detaudit.runs import PROMPTS, RunDir, now
 
 
 def _load(paths: list[Path]) -> list[RunDir]:
@@ -110,6 +110,9 @@ def merge_runs(inputs: list[Path], output: Path, allow_mixed_hardware: bool = Fa
         with out.locked():
             for run in runs:
                 _merge_cells(run, out, sources)
+            prompts = next((r.path / PROMPTS for r in runs if (r.path / PROMPTS).is_file()), None)
+            if prompts is not None:  # comparable runs sent the same prompts (their identity holds the hashes)
+                shutil.copyfile(prompts, staging / PROMPTS)
             out.save()
         os.unlink(staging / ".lock")
         if output.exists():

@@ -17,11 +17,12 @@ from detaudit.errors import DetauditError
 
 def model_context_len(model: ModelRef, cap: int | None = None) -> int:
     """The number of positions the checkpoint supports (`max_position_embeddings` of its config, or of
-    its `text_config`), capped at `cap` (vLLM's `max_model_len`) when given."""
-    cfg = model.config
-    n = cfg.get("max_position_embeddings")
-    if n is None and isinstance(cfg.get("text_config"), dict):
-        n = cfg["text_config"].get("max_position_embeddings")
+    its `text_config`; GPT-2-style configs call it `n_positions`), capped at `cap` (vLLM's `max_model_len`)
+    when given."""
+    n = None
+    for cfg in (model.config, model.config.get("text_config")):
+        if isinstance(cfg, dict) and n is None:
+            n = cfg.get("max_position_embeddings", cfg.get("n_positions"))
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise DetauditError(
             f"{model.path}/config.json: max_position_embeddings must be a positive integer (got {str(n)[:40]!r})"

@@ -1,7 +1,9 @@
 """The run directory: the one owner of run metadata and records on disk.
 
-A run directory holds `manifest.json` (a typed, versioned `Manifest`) and one Parquet file per cell
-under `cells/`; an alignment directory holds `alignment.parquet` + `alignment.json`.
+A run directory holds `manifest.json` (a typed, versioned `Manifest`), one Parquet file per cell
+under `cells/`, and `prompts.parquet`: every prompt the run sent, once (`PROMPT_SCHEMA`: the rendered
+text, the token ids the model saw and whether they went through the chat template); an alignment
+directory holds `alignment.parquet` + `alignment.json`.
 
 Every file is written atomically (temporary file in the same directory, fsync, `os.replace`), so a
 killed sweep never leaves a partial file that could be read as a result. A cell's Parquet file is
@@ -36,11 +38,25 @@ from detaudit.records import COLUMNS, SCHEMA
 
 MANIFEST = "manifest.json"
 CELLS = "cells"
+PROMPTS = "prompts.parquet"
 LOCK = ".lock"
 ALIGN_FILE = "alignment.parquet"
 ALIGN_SUMMARY = "alignment.json"
 CELL_KEY = b"detaudit.cell_id"
 RUN_KEY = b"detaudit.run"  # the run's comparable key: a cell file of another sweep is refused
+PROMPT_SCHEMA = pa.schema(
+    [
+        ("suite", pa.string()),
+        ("prompt_index", pa.int32()),
+        ("prompt_id", pa.string()),
+        ("prompt_hash", pa.string()),
+        ("text", pa.string()),  # the rendered `doc_to_text`: the user message
+        ("prompt_text", pa.string()),  # the token ids decoded, special tokens kept: what the model read
+        ("token_ids", pa.list_(pa.int32())),
+        ("chat_template", pa.bool_()),
+        ("reference_answer", pa.string()),
+    ]
+)
 
 
 def now() -> str:
@@ -222,6 +238,14 @@ class RunDir:
 
     def write_cell_bytes(self, cell_id: str, data: bytes) -> None:
         atomic_write_bytes(self.cell_path(cell_id), data)
+
+    def write_prompts(self, rows: list[dict[str, Any]]) -> None:
+        """`prompts.parquet`, once: a run's prompts never change (its identity holds their hashes)."""
+        path = self.path / PROMPTS
+        if not path.exists():
+            sink = pa.BufferOutputStream()
+            pq.write_table(pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA), sink, compression="zstd")
+            atomic_write_bytes(path, sink.getvalue().to_pybytes())
 
     def mark(self, cell_id: str, state: str, **meta: Any) -> None:
         assert self.manifest is not None

@@ -1,12 +1,13 @@
 """Suite YAML: an lm-evaluation-harness task file, read the way lm-eval reads it.
 
 `load_spec(path)` parses one task YAML (with its `include:` chain) into a `Spec`: which rows to load,
-how each row becomes a prompt, an answer and an id, and which keys were ignored. Rendering happens in
-`detaudit.suites`. Every key falls in one of three classes:
+how each row becomes a prompt, an answer and an id, how it decodes, and which keys were ignored.
+Rendering happens in `detaudit.suite_render`. Every key falls in one of three classes:
 
 - used: `task`, `include`, `dataset_path`, `dataset_name`, `dataset_kwargs`, `test_split` (else
-  `validation_split`), `doc_to_text`, `doc_to_target`, `generation_kwargs`, `metadata`, and detaudit's
-  own `docs` (inline rows), `local_file` (the file of a `--data-dir` mirror) and `doc_to_id`;
+  `validation_split`), `doc_to_text`, `doc_to_target`, `generation_kwargs` (`detaudit.generation`),
+  `metadata`, and detaudit's own `docs` (inline rows), `local_file` (the file of a `--data-dir` mirror),
+  `doc_to_id` and `apply_chat_template` (whether prompts go through the model's chat template by default);
 - ignored, listed once on the suite (`Spec.ignored`): keys that change scoring, grouping or few-shot
   sampling but not a zero-shot prompt (`output_type: generate_until`, `num_fewshot: 0`, `metric_list`,
   `filter_list`, `process_results`, `tag`, `group`, the few-shot splits and delimiters, ...);
@@ -14,9 +15,15 @@ how each row becomes a prompt, an answer and an id, and which keys were ignored.
   (`num_fewshot` > 0, `process_docs`, `doc_to_choice`, a non-empty `description` or `gen_prefix`,
   `!function` in anything that builds a prompt, non-generation `output_type`, ...).
 
-Templates are compiled in Jinja2's `ImmutableSandboxedEnvironment`: task files are shared like data,
-and a template must not reach Python internals (`cycler.__init__.__globals__`...); strict undefined
-variables as in lm-eval.
+Task files are shared like data, so nothing in one is trusted:
+- every path it names (`include:`, `dataset_kwargs.data_files` / `data_dir`, a local `dataset_path`) must
+  resolve, symlinks included, inside the directory of the YAML the user named (`Scope`); URLs only as
+  `hf://`, `https://`, `http://`; `--trust-suite-paths` lifts this, and the manifest records it;
+- `dataset_kwargs` reaches `datasets.load_dataset` only with data-selection keys (`DATASET_KWARGS`):
+  `cache_dir`, `storage_options`, ... are refused by name;
+- YAML aliases may add at most `MAX_ALIAS_NODES` values once expanded (an alias bomb is a few lines);
+- templates render in Jinja2's `ImmutableSandboxedEnvironment` (no Python internals), bounded in time,
+  memory and size (`detaudit.suite_render`); strict undefined variables as in lm-eval.
 """
 
 from __future__ import annotations
@@ -29,6 +36,15 @@ from typing import Any
 import yaml
 
 from detaudit.errors import DetauditError
+from detaudit.generation import GenerationKwargs, parse_generation_kwargs
+from detaudit.suite_paths import (
+    DATASET_KWARGS,
+    PACKAGED_BUILDERS,
+    Scope,
+    check_dataset_path,
+    resolve_data_dir,
+    resolve_data_files,
+)
 
 # detaudit's own keys and the lm-eval keys it honours
 USED_KEYS = (
@@ -51,6 +67,7 @@ USED_KEYS = (
     "description",
     "gen_prefix",
     "repeats",
+    "apply_chat_template",
 )
 # lm-eval keys that do not change a zero-shot generation prompt or its reference answer
 IGNORED_KEYS = (
@@ -119,8 +136,51 @@ class Function:
     ref: str
 
 
-class _Loader(yaml.SafeLoader):
+MAX_ALIAS_NODES = 100_000  # nodes YAML aliases may add to a document once expanded
+
+
+class _AliasBomb(Exception):
     pass
+
+
+def _children(node: yaml.Node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_aliases(root: yaml.Node) -> None:
+    """Refuse a document whose aliases expand to more than MAX_ALIAS_NODES extra nodes ("billion laughs":
+    nine aliases of nine aliases ... are a few lines of YAML and 10^9 values to every reader that walks
+    them), or that contains itself. Iterative and memoised: linear in the distinct nodes."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()  # entered, not finished: the ancestors of the node being walked
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            open_.discard(key)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in _children(node))
+        elif key not in sizes:
+            if key in open_:
+                raise _AliasBomb("an alias refers to a node that contains it (a recursive document)")
+            open_.add(key)
+            stack.append((node, True))
+            stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
+    if sizes[id(root)] - len(sizes) > MAX_ALIAS_NODES:
+        added = sizes[id(root)] - len(sizes)
+        raise _AliasBomb(f"its aliases expand to {added} more values (at most {MAX_ALIAS_NODES})")
+
+
+class _Loader(yaml.SafeLoader):
+    def compose_document(self):
+        node = super().compose_document()
+        if node is not None:
+            _check_aliases(node)
+        return node
 
 
 def _function(loader: yaml.SafeLoader, node: yaml.Node) -> Function:
@@ -145,6 +205,10 @@ def _parse(path: Path) -> tuple[bytes, dict]:
     text = decode(path, raw, "suite file")
     try:
         data = yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader subclass
+    except _AliasBomb as e:
+        raise DetauditError(f"{path}: refused YAML: {e}") from None
+    except RecursionError:
+        raise DetauditError(f"{path}: refused YAML: nested too deeply") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -155,7 +219,9 @@ def _parse(path: Path) -> tuple[bytes, dict]:
     return raw, data
 
 
-def _merged(path: Path, chain: tuple[Path, ...] = ()) -> tuple[list[bytes], dict[str, tuple[Any, Path]]]:
+def _merged(
+    path: Path, scope: "Scope", chain: tuple[Path, ...] = ()
+) -> tuple[list[bytes], dict[str, tuple[Any, Path]]]:
     """The task file with its `include:` files merged the way lm-eval merges them (a shallow update:
     the including file's keys win; of several includes, the earlier one wins). Includes are resolved
     relative to the including file. Returns (bytes of every file read, {key: (value, file it came from)})."""
@@ -177,7 +243,8 @@ def _merged(path: Path, chain: tuple[Path, ...] = ()) -> tuple[list[bytes], dict
             target = target if target.is_absolute() else path.parent / target
             if not target.is_file():
                 raise DetauditError(f"{path}: `include: {name}` names no file ({target} does not exist)")
-            sub_raws, sub = _merged(target, chain + (resolved,))
+            target = scope.local(target, f"`include: {name}`", path)
+            sub_raws, sub = _merged(target, scope, chain + (resolved,))
             raws += sub_raws
             out.update(sub)
     out.update({str(k): (v, path) for k, v in data.items()})
@@ -212,14 +279,18 @@ def jinja_env():
 
 @dataclass(frozen=True)
 class Field:
-    """How a row becomes text: a column of the row (lm-eval reads a bare name as `doc[name]`) or a
-    Jinja template (`template` compiled), or a constant (an int `doc_to_target`)."""
+    """How a row becomes text: a column of the row (lm-eval reads a bare name as `doc[name]`), a Jinja
+    template (`source`, compiled where it is rendered: `detaudit.suite_render`), or a constant (an int
+    `doc_to_target`). Plain data, so it can travel to the process that renders templates."""
 
     key: str  # doc_to_text / doc_to_target / doc_to_id
-    source: str  # the YAML value, for messages
+    source: str  # the YAML value (the template), also for messages
     column: str | None = None
-    template: Any = None
     constant: str | None = None
+
+    @property
+    def is_template(self) -> bool:
+        return self.column is None and self.constant is None
 
 
 def _field(env, path: Path, key: str, value: object, allow_int: bool = False) -> Field:
@@ -237,9 +308,10 @@ def _field(env, path: Path, key: str, value: object, allow_int: bool = False) ->
     if not _TEMPLATE_RE.search(value):
         return Field(key=key, source=value, column=value)  # lm-eval: `doc_to_text: question` -> doc["question"]
     try:
-        return Field(key=key, source=value, template=env.from_string(value))
+        env.parse(value)  # syntax errors are found here, before any row is read
     except jinja2.TemplateSyntaxError as e:
         raise DetauditError(f"{path}: `{key}` is not a valid Jinja2 template: {one_line(e.message)}") from None
+    return Field(key=key, source=value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,13 +329,20 @@ class Spec:
     docs: list | None
     dataset_path: str | None
     dataset_name: str | None
-    dataset_kwargs: dict  # data_files / data_dir resolved against the YAML that set them
+    dataset_kwargs: dict  # the other data-selection kwargs (data_dir resolved against its YAML)
+    data_files: dict[str, list[str]] | None  # {split: files}: local files resolved and confined, or URLs
     split: str | None  # test_split, else validation_split
     local_file: str | None
-    generation_kwargs: dict
+    generation: GenerationKwargs
     version: str
     description: str
+    apply_chat_template: bool | None = None  # detaudit's own key; None: lm-eval's default (plain text)
     ignored: tuple[str, ...] = field(default=())
+
+    @property
+    def builder(self) -> bool:
+        """Rows from files through one of `datasets`' packaged builders (json, csv, parquet, ...)."""
+        return self.dataset_path in PACKAGED_BUILDERS
 
 
 def _refusals(merged: dict[str, tuple[Any, Path]]) -> list[str]:
@@ -304,39 +383,66 @@ def _refusals(merged: dict[str, tuple[Any, Path]]) -> list[str]:
         "local_file",
         "generation_kwargs",
         "metadata",
+        "apply_chat_template",
     ):
         if _has_function(get(key)):
             out.append(f"`{key}` (holds a `!function`: detaudit does not run Python functions from task files)")
     return out
 
 
-def _resolve_data_files(value: object, base: Path, path: Path) -> object:
-    """`data_files` relative to the YAML that names them (lm-eval passes them to `load_dataset` as is)."""
+def _dataset(
+    data: dict, origin: dict[str, Path], scope: Scope, path: Path, rows_from_dataset: bool
+) -> tuple[str | None, dict, dict[str, list[str]] | None]:
+    """(dataset_name, the other dataset_kwargs, data_files): only data-selection keys, every path confined."""
+    kwargs = data.get("dataset_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise DetauditError(f"{path}: `dataset_kwargs` must be a mapping (e.g. {{data_files: rows.jsonl}})")
+    kwargs = {str(k): v for k, v in kwargs.items()}
+    name = data.get("dataset_name")
+    if not rows_from_dataset:
+        return name, kwargs, None
+    other = [k for k in kwargs if k not in DATASET_KWARGS]
+    if other:
+        raise DetauditError(
+            f"{path}: `dataset_kwargs` key(s) {', '.join(other)} refused: detaudit passes only data-selection "
+            f"keys to `datasets.load_dataset` ({', '.join(DATASET_KWARGS)})"
+        )
+    if "name" in kwargs:
+        if name not in (None, kwargs["name"]):
+            raise DetauditError(
+                f"{path}: `dataset_name: {name}` and `dataset_kwargs.name: {kwargs['name']}` disagree; keep one"
+            )
+        name = kwargs.pop("name")
+    dataset_path = data["dataset_path"]
+    check_dataset_path(dataset_path, scope, path)
+    local = dataset_path in PACKAGED_BUILDERS
+    base = origin.get("dataset_kwargs", path).parent
+    files = kwargs.pop("data_files", None)
+    if files is not None:
+        files = resolve_data_files(files, base, local, scope, path)
+    if "data_dir" in kwargs:
+        kwargs["data_dir"] = resolve_data_dir(kwargs["data_dir"], base, local, scope, path)
+    if local and files is None and "data_dir" not in kwargs:
+        raise DetauditError(
+            f"{path}: `dataset_path: {dataset_path}` needs `dataset_kwargs.data_files` (without it `datasets` "
+            "reads every file of the working directory)"
+        )
+    return name, kwargs, files
 
-    def one(item: object) -> str:
-        if not isinstance(item, str) or not item:
-            raise DetauditError(f"{path}: `dataset_kwargs.data_files` entries must be file names (got {item!r})")
-        if "://" in item:
-            return item  # hf://, https://, s3://: left to `datasets`
-        p = Path(item).expanduser()
-        return str(p if p.is_absolute() else base / p)
 
-    if isinstance(value, dict):
-        return {str(k): [one(i) for i in v] if isinstance(v, list) else one(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [one(i) for i in value]
-    return one(value)
-
-
-def load_spec(path: Path) -> Spec:
-    raws, merged = _merged(path)
+def load_spec(path: Path, trust_paths: bool = False) -> Spec:
+    """Parse one task file (and its includes). Every path it names must lie in the YAML's directory
+    unless `trust_paths` (`--trust-suite-paths`)."""
+    scope = Scope(Path(path).expanduser().absolute().parent.resolve(), trust_paths)
+    raws, merged = _merged(path, scope)
     raw = b"\0".join(raws)
 
     unknown = [k for k in merged if k not in ALL_KEYS]
     if unknown:
         raise DetauditError(
             f"{path}: unsupported key(s) {', '.join(unknown)}; detaudit reads lm-eval task keys "
-            f"({', '.join(USED_KEYS[:12])}, ...) and its own `docs`, `local_file`, `doc_to_id`"
+            f"({', '.join(USED_KEYS[:12])}, ...) and its own `docs`, `local_file`, `doc_to_id`, "
+            "`apply_chat_template`"
         )
     refused = _refusals(merged)
     if refused:
@@ -370,22 +476,15 @@ def load_spec(path: Path) -> Spec:
     docs = data.get("docs")
     if inline and (not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs)):
         raise DetauditError(f"{path}: `docs` must be a list of mappings (one per prompt)")
-    gen = data.get("generation_kwargs") or {}
-    if not isinstance(gen, dict):
-        raise DetauditError(f"{path}: `generation_kwargs` must be a mapping")
+    generation = parse_generation_kwargs(data.get("generation_kwargs"), str(path))
     meta = data.get("metadata") or {}
     if not isinstance(meta, dict):
         raise DetauditError(f"{path}: `metadata` must be a mapping (e.g. {{version: 1.0}})")
-    kwargs = data.get("dataset_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise DetauditError(f"{path}: `dataset_kwargs` must be a mapping (e.g. {{data_files: rows.jsonl}})")
-    kwargs = {str(k): v for k, v in kwargs.items()}
-    base = origin.get("dataset_kwargs", path).parent
-    if "data_files" in kwargs:
-        kwargs["data_files"] = _resolve_data_files(kwargs["data_files"], base, path)
-    if isinstance(kwargs.get("data_dir"), str) and "://" not in kwargs["data_dir"]:
-        d = Path(kwargs["data_dir"]).expanduser()
-        kwargs["data_dir"] = str(d if d.is_absolute() else base / d)
+    chat = data.get("apply_chat_template")
+    if chat is not None and not isinstance(chat, bool):
+        raise DetauditError(f"{path}: `apply_chat_template` must be true or false (got {chat!r})")
+    from_dataset = not inline and data.get("dataset_path") not in (None, "")
+    dataset_name, kwargs, data_files = _dataset(data, origin, scope, path, from_dataset)
 
     ignored = [k for k in merged if k in IGNORED_KEYS]
     ignored += [k for k in ("output_type", "num_fewshot", "repeats", "description", "gen_prefix") if k in merged]
@@ -406,12 +505,14 @@ def load_spec(path: Path) -> Spec:
         doc_to_id=_field(env, path, "doc_to_id", data["doc_to_id"]) if data.get("doc_to_id") is not None else None,
         docs=docs,
         dataset_path=data.get("dataset_path") or None,
-        dataset_name=data.get("dataset_name"),
+        dataset_name=dataset_name,
         dataset_kwargs=kwargs,
+        data_files=data_files,
         split=split,
         local_file=local_file,
-        generation_kwargs=dict(gen),
+        generation=generation,
         version=str(meta.get("version", "")),
         description=str(meta.get("description", "")),
+        apply_chat_template=chat,
         ignored=tuple(sorted(set(ignored), key=list(merged).index)),
     )

@@ -1,4 +1,4 @@
-"""Suites: lm-eval task YAML -> prompts; the model's chat template -> prompt token ids.
+"""Suites: lm-eval task YAML -> prompts; the model's chat template (or plain text) -> prompt token ids.
 
 A suite is an lm-evaluation-harness task file, read as lm-eval reads it (`detaudit.suite_yaml` parses
 it and says which keys are used, ignored or refused). The built-in suites (`smoke`, `aime24`, `amc23`)
@@ -8,36 +8,42 @@ by path.
     task: aime24                       # the suite name (also used in cell ids and file names)
     dataset_path: HuggingFaceH4/aime_2024   # or json / csv / parquet with dataset_kwargs.data_files
     dataset_name: null                 # optional hub config
-    dataset_kwargs: {}                 # passed to datasets.load_dataset (data_files relative to the YAML)
+    dataset_kwargs: {}                 # data-selection keys only (data_files relative to the YAML)
     test_split: train
     local_file: aime24.jsonl           # detaudit: the same rows in a local mirror (`--data-dir`)
     doc_to_text: "{{problem}}\\n\\nPlease reason step by step, ..."   # or a bare column name
     doc_to_target: "{{answer}}"        # optional; without it prompts are ungraded
     doc_to_id: "{{id}}"                # detaudit: optional; defaults to the row index
-    generation_kwargs: {...}           # optional, carried along for the sweep
+    apply_chat_template: true          # detaudit: prompts in the model's chat template unless the
+                                       # command line says otherwise (lm-eval's default: plain text)
+    generation_kwargs: {until: [...], max_gen_toks: 256, do_sample: false}   # detaudit.generation
     metadata: {version: 1.0, description: "..."}
 
 Rows come from an inline `docs:` list (detaudit), from `<data_dir>/<local_file>` when a data dir is
-given and the suite names a `local_file` (JSON lines, each line validated so errors name it), or from
-`datasets.load_dataset(dataset_path, dataset_name, split=test_split, **dataset_kwargs)`. `limit` is
-applied to the rows before anything is parsed or rendered. A row whose answer is missing, null or
-empty is kept ungraded (`Suite.ungraded` lists its id); a row whose prompt cannot be built is an error
-that names the row.
+given and the suite names a `local_file` (JSON lines, each line validated so errors name it), from the
+suite's own local files (`dataset_path: json | csv | parquet ...` with `data_files`: JSON is parsed here,
+line by line; other formats stream through `datasets`; nothing is cached), or from a hub dataset
+(`datasets.load_dataset(dataset_path, dataset_name, split=test_split, **dataset_kwargs)`). `limit` is
+applied to the rows before anything past it is parsed or rendered. A row whose answer is missing, null
+or empty is kept ungraded (`Suite.ungraded` lists its id); a row whose prompt cannot be built is an
+error that names the row.
 """
 
 from __future__ import annotations
 
-import glob
+import contextlib
 import hashlib
-import itertools
 import json
+import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from detaudit import paths
 from detaudit.errors import DetauditError
-from detaudit.suite_yaml import Field, NullField, Spec, decode, load_spec, one_line, read_bytes
+from detaudit.generation import GenerationKwargs
+from detaudit.suite_render import render_rows
+from detaudit.suite_yaml import Spec, decode, load_spec, one_line, read_bytes
 
 
 @dataclass(frozen=True)
@@ -58,14 +64,12 @@ class Suite:
     source: str  # "inline", "mirror:<file>", "hub:<dataset_path>" or "dataset:<builder>" (json, csv, ...)
     version: str = ""
     description: str = ""
-    generation_kwargs: dict = field(default_factory=dict, compare=False, hash=False)
+    generation: GenerationKwargs = field(default_factory=GenerationKwargs)  # its `generation_kwargs`
+    apply_chat_template: bool = False  # its default prompt form (the command line may override it)
     # keys of the task file that detaudit accepted but does not use (metric_list, output_type, ...)
     ignored_keys: tuple[str, ...] = ()
     # ids of the prompts whose answer was missing, null or empty although the suite has `doc_to_target`
     ungraded: tuple[str, ...] = ()
-
-
-_PACKAGED_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "xml", "sql", "webdataset")
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,6 +100,7 @@ def _resolve(name: str) -> Path:
 # rows (lazy: nothing past `limit` is parsed)
 
 Rows = Iterator[tuple[str, dict]]
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".tar")
 
 
 def _jsonl_rows(path: Path, text: str) -> Rows:
@@ -111,79 +116,149 @@ def _jsonl_rows(path: Path, text: str) -> Rows:
         yield f"{path}, line {lineno}", row
 
 
-def _local_data_files(kwargs: dict) -> list[Path] | None:
-    """The local files behind `data_files` (globs expanded), or None when any is remote."""
-    value = kwargs.get("data_files")
-    if value is None or "data_dir" in kwargs:
-        return None
-    items = (
-        [i for v in value.values() for i in (v if isinstance(v, list) else [v])]
-        if isinstance(value, dict)
-        else (value if isinstance(value, list) else [value])
-    )
-    out = []
-    for item in items:
-        if "://" in item:
-            return None
-        matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
-        if not matches or not all(Path(m).is_file() for m in matches):
-            return None
-        out += [Path(m) for m in matches]
-    return out
+def _json_document_rows(path: Path, text: str, key: str | None) -> Rows:
+    """A JSON array of objects (or `field`: the array under that key), as `datasets`' json builder reads
+    a file that is not JSON lines."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DetauditError(f"{path}, line {e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if key is not None:
+        if not isinstance(data, dict) or key not in data:
+            raise DetauditError(f"{path}: `dataset_kwargs.field: {key}` is not a key of the file's top-level object")
+        data = data[key]
+    if not isinstance(data, list):
+        raise DetauditError(f"{path}: expected JSON lines or a JSON array of objects, got a {type(data).__name__}")
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise DetauditError(f"{path} [{i}]: expected a JSON object, got {type(row).__name__}")
+        yield f"{path} [{i}]", row
 
 
-def _dataset_rows(spec: Spec, limit: int | None) -> tuple[bytes, str, Rows]:
-    """Rows through `datasets.load_dataset`, as lm-eval loads them. The checksum covers the bytes of
-    local `data_files`, else the dataset's fingerprint."""
-    builder = spec.dataset_path in _PACKAGED_BUILDERS
-    source = f"dataset:{spec.dataset_path}" if builder else f"hub:{spec.dataset_path}"
-    files = _local_data_files(spec.dataset_kwargs)
-    if builder and "data_files" in spec.dataset_kwargs and files is None and "data_dir" not in spec.dataset_kwargs:
-        raise DetauditError(
-            f"suite {spec.name}: {spec.path}: `dataset_kwargs.data_files` names no existing file "
-            f"({spec.dataset_kwargs['data_files']}; relative names are read from the YAML's directory)"
-        )
-    if spec.local_file:
-        hint = f"pass --data-dir (or set DETAUDIT_DATA_DIR) to a directory holding {spec.local_file}"
-    elif builder:
-        hint = "check `dataset_kwargs` (data_files are read relative to the YAML's directory)"
-    else:
-        hint = "this suite has no `local_file` for a local mirror"
+@contextlib.contextmanager
+def _quiet_datasets():
+    """`datasets` without its progress bars (they would break the one-line-per-event logs) and without the
+    error line its loaders log before raising (the error is reported once, as one line)."""
+    from datasets.utils import logging as ds_logging
+
+    bars, level = ds_logging.is_progress_bar_enabled(), ds_logging.get_verbosity()
+    ds_logging.disable_progress_bar()
+    ds_logging.set_verbosity(ds_logging.CRITICAL + 10)
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(level)
+        if bars:
+            ds_logging.enable_progress_bar()
+
+
+def _load(spec: Spec, hint: str, **kwargs):
+    where = "" if spec.builder else " from the Hugging Face hub"
     try:
         import datasets
-        from datasets.utils import logging as ds_logging
 
-        bars = ds_logging.is_progress_bar_enabled()
-        ds_logging.disable_progress_bar()  # "Generating test split: ..." would break the one-line-per-event logs
-        try:
-            ds = datasets.load_dataset(spec.dataset_path, spec.dataset_name, split=spec.split, **spec.dataset_kwargs)
-        finally:
-            if bars:
-                ds_logging.enable_progress_bar()
+        with _quiet_datasets():
+            return datasets.load_dataset(spec.dataset_path, spec.dataset_name, split=spec.split, **kwargs)
     except Exception as e:  # offline, unknown id, unknown split, unreadable file, ...
-        where = "" if builder else " from the Hugging Face hub"
         raise DetauditError(
             f"suite {spec.name}: could not load {spec.dataset_path} (split {spec.split}){where} "
             f"({type(e).__name__}: {one_line(e)[:200]}); {hint}"
         ) from None
+
+
+def _hint(spec: Spec) -> str:
+    if spec.local_file:
+        return f"pass --data-dir (or set DETAUDIT_DATA_DIR) to a directory holding {spec.local_file}"
+    if spec.builder:
+        return "check `dataset_kwargs` (data_files are read relative to the YAML's directory)"
+    return "this suite has no `local_file` for a local mirror"
+
+
+def _hub_rows(spec: Spec, limit: int | None) -> tuple[bytes, str, Rows]:
+    """Rows through `datasets.load_dataset` (cached where `datasets` caches), as lm-eval loads them; the
+    checksum is the dataset's fingerprint."""
+    kwargs = dict(spec.dataset_kwargs)
+    if spec.data_files is not None:
+        kwargs["data_files"] = spec.data_files
+    ds = _load(spec, _hint(spec), **kwargs)
     if not hasattr(ds, "select") or not hasattr(ds, "column_names"):
         raise DetauditError(
             f"suite {spec.name}: {spec.dataset_path} did not load as one split (got {type(ds).__name__})"
         )
-    if files is not None:
-        digest = hashlib.sha256()
-        for f in files:
-            digest.update(f.name.encode() + b"\0" + read_bytes(f, "data file") + b"\0")
-        data = digest.hexdigest().encode()
-    else:
-        data = (
-            str(getattr(ds, "_fingerprint", ""))
-            or hashlib.sha256(json.dumps(ds.to_list(), sort_keys=True, default=str).encode()).hexdigest()
-        ).encode()
+    data = (
+        str(getattr(ds, "_fingerprint", ""))
+        or hashlib.sha256(json.dumps(ds.to_list(), sort_keys=True, default=str).encode()).hexdigest()
+    ).encode()
     if limit is not None and limit < len(ds):
         ds = ds.select(range(limit))
     where = f"{spec.dataset_path} [{spec.split}]"
+    source = f"dataset:{spec.dataset_path}" if spec.builder else f"hub:{spec.dataset_path}"
     return data, source, ((f"{where} row {i}", dict(row)) for i, row in enumerate(ds))
+
+
+def _streamed_rows(spec: Spec, files: list[Path] | None) -> Rows:
+    """Local files in a format detaudit does not parse itself (csv, parquet, ...): `datasets` streams them,
+    so rows are read as they are needed and nothing is cached; even its builder's lock file goes to a
+    temporary directory that is gone once the rows are read."""
+    kwargs = dict(spec.dataset_kwargs)
+    if files is not None:
+        kwargs["data_files"] = {spec.split: [str(f) for f in files]}
+    where = f"{spec.dataset_path} [{spec.split}]"
+    try:
+        with tempfile.TemporaryDirectory(prefix="detaudit-datasets-") as scratch, _quiet_datasets():
+            ds = _load(spec, _hint(spec), streaming=True, cache_dir=scratch, **kwargs)
+            for i, row in enumerate(ds):
+                yield f"{where} row {i}", dict(row)
+    except DetauditError:
+        raise
+    except Exception as e:  # a malformed row of the file
+        raise DetauditError(
+            f"suite {spec.name}: could not read {where} ({type(e).__name__}: {one_line(e)[:200]})"
+        ) from None
+
+
+def _builder_rows(spec: Spec, limit: int | None) -> tuple[bytes, str, Rows]:
+    """Rows of the suite's own files (`dataset_path: json | csv | parquet ...`). Local files: the checksum
+    covers their bytes; JSON (lines or an array) is parsed here, lazily; nothing is cached anywhere."""
+    files: list[Path] | None = None
+    if spec.data_files is not None:
+        if spec.split not in spec.data_files:
+            raise DetauditError(
+                f"suite {spec.name}: {spec.path}: split {spec.split!r} is not in `dataset_kwargs.data_files` (it "
+                f"has {', '.join(spec.data_files)}; a file name or a list of them is the split `train`)"
+            )
+        chosen = spec.data_files[spec.split]
+        if any("://" in f or "::" in f for f in chosen):
+            return _hub_rows(spec, limit)  # remote files: `datasets` downloads and caches them
+        files = [Path(f) for f in chosen]
+        listed = files
+    else:
+        data_dir = spec.dataset_kwargs.get("data_dir", "")
+        if "://" in data_dir or "::" in data_dir:
+            return _hub_rows(spec, limit)
+        listed = sorted(p for p in Path(data_dir).rglob("*") if p.is_file())
+    parse_here = spec.dataset_path == "json" and files is not None and not any(f.suffix in _COMPRESSED for f in files)
+    digest = hashlib.sha256()
+    raws = {}
+    for f in listed:
+        raw = read_bytes(f, "data file")
+        digest.update(f.name.encode() + b"\0" + raw + b"\0")
+        if parse_here:
+            raws[f] = raw
+    source = f"dataset:{spec.dataset_path}"
+    if parse_here:
+        return digest.hexdigest().encode(), source, _json_rows(spec, files, raws)
+    return digest.hexdigest().encode(), source, _streamed_rows(spec, files)
+
+
+def _json_rows(spec: Spec, files: list[Path], raws: dict[Path, bytes]) -> Rows:
+    key = spec.dataset_kwargs.get("field")
+    for f in files:
+        text = decode(f, raws[f], "data file")
+        if key is not None or text.lstrip().startswith("["):
+            yield from _json_document_rows(f, text, key)
+        else:
+            yield from _jsonl_rows(f, text)
 
 
 def _rows(spec: Spec, data_dir: Path | None, limit: int | None) -> tuple[bytes, str, Rows]:
@@ -205,101 +280,7 @@ def _rows(spec: Spec, data_dir: Path | None, limit: int | None) -> tuple[bytes, 
             f"suite {spec.name}: {spec.path} has no `dataset_path`; pass --data-dir (or set DETAUDIT_DATA_DIR) "
             f"to a directory holding {spec.local_file}"
         )
-    return _dataset_rows(spec, limit)
-
-
-# --------------------------------------------------------------------------------------------
-# rendering
-
-
-class _Missing(Exception):
-    """The row lacks a field that the template or column names."""
-
-
-def _scalar(spec: Spec, f: Field, value: object, label: str) -> str:
-    if value is None:
-        raise NullField()
-    if isinstance(value, (list, dict, tuple)):
-        raise DetauditError(
-            f"suite {spec.name}: {label}: `{f.key}: {f.source}` is a {type(value).__name__}, not text "
-            "(detaudit builds one prompt and grades against one reference answer per row)"
-        )
-    return str(value)
-
-
-def _render(spec: Spec, f: Field, row: dict, label: str) -> str:
-    """One field of one row, as lm-eval resolves it: a constant, `row[column]`, or the template
-    rendered in the sandbox. Raises _Missing / NullField for an absent / null field."""
-    import jinja2
-    from jinja2.exceptions import SecurityError
-
-    if f.constant is not None:
-        return f.constant
-    if f.column is not None:
-        if f.column not in row:
-            raise _Missing(f"{f.column!r} is not a column of the row")
-        return _scalar(spec, f, row[f.column], label)
-    try:
-        return f.template.render(row)
-    except SecurityError as e:
-        raise DetauditError(
-            f"suite {spec.name}: {label}: `{f.key}` is refused by the template sandbox ({one_line(e)[:200]})"
-        ) from None
-    except jinja2.UndefinedError as e:
-        raise _Missing(one_line(e.message)) from None
-    except NullField:
-        raise
-    except Exception as e:
-        raise DetauditError(
-            f"suite {spec.name}: {label}: `{f.key}` failed: {type(e).__name__}: {one_line(e)[:200]}"
-        ) from None
-
-
-def _text(spec: Spec, f: Field, row: dict, label: str, what: str) -> str:
-    try:
-        text = _render(spec, f, row, label)
-    except _Missing as e:
-        fields = ", ".join(map(str, row)) or "none"
-        kind = "names a column" if f.column is not None else "uses a field"
-        raise DetauditError(
-            f"suite {spec.name}: {label}: `{f.key}: {one_line(f.source)[:60]}` {kind} the row lacks ({e}; "
-            f"the row has: {fields})"
-        ) from None
-    except NullField:
-        raise DetauditError(f"suite {spec.name}: {label}: `{f.key}` uses a field that is null in this row") from None
-    if not text.strip():
-        raise DetauditError(f"suite {spec.name}: {label}: `{f.key}` renders {what}")
-    return text
-
-
-def _prompts(spec: Spec, rows: Rows, limit: int | None) -> tuple[list[Prompt], list[str]]:
-    prompts, seen, ungraded, absent = [], {}, [], []
-    for index, (label, row) in enumerate(itertools.islice(rows, limit)):
-        text = _text(spec, spec.doc_to_text, row, label, "an empty prompt")
-        pid = str(index)
-        if spec.doc_to_id is not None:
-            pid = _text(spec, spec.doc_to_id, row, label, "an empty id").strip()
-        if pid in seen:
-            raise DetauditError(f"suite {spec.name}: {label}: id {pid!r} repeats the id of {seen[pid]}")
-        seen[pid] = label
-        answer = None
-        if spec.doc_to_target is not None:
-            try:
-                answer = _render(spec, spec.doc_to_target, row, label).strip() or None
-            except _Missing as e:
-                absent.append((label, str(e), ", ".join(map(str, row)) or "none"))
-            except NullField:
-                pass
-            if answer is None:
-                ungraded.append(pid)
-        prompts.append(Prompt(suite=spec.name, index=index, id=pid, text=text, answer=answer))
-    if prompts and len(absent) == len(prompts):
-        label, why, fields = absent[0]
-        raise DetauditError(
-            f"suite {spec.name}: `doc_to_target: {one_line(spec.doc_to_target.source)[:60]}` names a field no row has "
-            f"({label}: {why}; the row has: {fields}); drop `doc_to_target` for an ungraded suite"
-        )
-    return prompts, ungraded
+    return _builder_rows(spec, limit) if spec.builder else _hub_rows(spec, limit)
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,35 +308,37 @@ def list_suites() -> list[dict]:
     return out
 
 
-def load_suite(name: str, data_dir: Path | None = None, limit: int | None = None) -> Suite:
+def load_suite(name: str, data_dir: Path | None = None, limit: int | None = None, trust_paths: bool = False) -> Suite:
     """Load a built-in suite by name, or any suite YAML by path (`.name` is the task name).
 
     Rows: the YAML's inline `docs`; else `<data_dir>/<local_file>` when a data dir is given and the
-    suite has a `local_file`; else `datasets.load_dataset`. `limit` keeps the first N rows, before any
-    of the rest is parsed or rendered (the checksum still covers the whole source, so record the limit
-    beside it). Every bad input raises a one-line DetauditError.
+    suite has a `local_file`; else its own files or hub dataset. `limit` keeps the first N rows, before
+    any of the rest is parsed or rendered (the checksum still covers the whole source, so record the limit
+    beside it). Paths the suite names must lie in its directory unless `trust_paths`. Every bad input
+    raises a one-line DetauditError.
     """
     if limit is not None and limit < 1:
         raise DetauditError(f"--limit must be >= 1 (got {limit})")
     path = _resolve(name)
-    spec = load_spec(path)
+    spec = load_spec(path, trust_paths)
     if path.parent.resolve() == paths.builtin_suites_dir().resolve() and spec.name != path.stem:
         raise DetauditError(
             f"{path}: built-in suite `task` must match its file name ({path.stem!r}, got {spec.name!r})"
         )
     data, source, rows = _rows(spec, data_dir, limit)
-    prompts, ungraded = _prompts(spec, rows, limit)
-    if not prompts:
+    rendered, ungraded = render_rows(spec.name, spec.doc_to_text, spec.doc_to_target, spec.doc_to_id, rows, limit)
+    if not rendered:
         raise DetauditError(f"suite {spec.name}: no prompts ({source} holds no rows)")
     return Suite(
         name=spec.name,
         path=path,
-        prompts=tuple(prompts),
+        prompts=tuple(Prompt(spec.name, i, r.id, r.text, r.answer) for i, r in enumerate(rendered)),
         checksum=hashlib.sha256(spec.raw + b"\0" + data).hexdigest(),
         source=source,
         version=spec.version,
         description=spec.description,
-        generation_kwargs=spec.generation_kwargs,
+        generation=spec.generation,
+        apply_chat_template=bool(spec.apply_chat_template),
         ignored_keys=spec.ignored,
         ungraded=tuple(ungraded),
     )
@@ -374,15 +357,18 @@ def _as_id_list(out: object) -> list[int]:
     return out
 
 
-def prompt_token_ids(tokenizer, prompt: Prompt) -> list[int]:
-    """The prompt as one user turn in the model's own chat template, with the generation prompt.
+def has_chat_template(tokenizer) -> bool:
+    return getattr(tokenizer, "chat_template", "") is not None
 
-    A tokenizer without a chat template (a base model) gets the plain text, tokenized with its
-    default special tokens, so that every cell still sees the same ids.
-    """
-    messages = [{"role": "user", "content": prompt.text}]
-    if getattr(tokenizer, "chat_template", "") is None:
+
+def prompt_token_ids(tokenizer, prompt: Prompt, chat: bool = True) -> list[int]:
+    """`chat`: the prompt as one user turn in the model's own chat template, with the generation prompt
+    (lm-eval's `--apply_chat_template`). Otherwise, and for a tokenizer without a chat template (a base
+    model), the plain text tokenized with the tokenizer's own special tokens (lm-eval's default: it leaves
+    BOS to the tokenizer)."""
+    if not chat or not has_chat_template(tokenizer):
         return _as_id_list(tokenizer(prompt.text))
+    messages = [{"role": "user", "content": prompt.text}]
     return _as_id_list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
 
 

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from detaudit import fingerprint
-from detaudit.config import Cell, EngineOptions, ModelRef, SweepConfig
+from detaudit.config import Cell, DecodingParams, EngineOptions, ModelRef, SweepConfig
 from detaudit.engines import EngineInfo, check_tp_mode, get_engine
 from detaudit.errors import DetauditError
 from detaudit.executors import CellGroup, CellJob, CellOutput, get_executor
@@ -112,6 +112,8 @@ def build_manifest(
         "limit": cfg.limit,
         "engine": cfg.engine.name,
     }
+    if any(_decoding(cfg, p) != cfg.decoding for p in prompts.values()):  # a suite's generation_kwargs
+        identity["suite_decoding"] = {s: _decoding(cfg, p).to_dict() for s, p in prompts.items()}
     if cfg.engine.cuda:  # graphs change bf16's attention shapes (not bio's bits)
         identity["cuda_graphs"] = cfg.engine.cuda_graphs
     return Manifest(
@@ -133,6 +135,8 @@ def build_manifest(
                 "prompts": len(p.ids),
                 "ungraded": len(p.ungraded),
                 "ignored_keys": list(p.ignored_keys),
+                "chat_template": p.chat_template,
+                "decoding": _decoding(cfg, p).to_dict(),
             }
             for s, p in prompts.items()
         },
@@ -154,16 +158,40 @@ def build_manifest(
 
 
 def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
-    """Suites, model and prompts, checked before any engine starts (bad input fails fast)."""
+    """Suites, model and prompts, checked before any engine starts (bad input fails fast). Each suite gets
+    its own decoding (its `generation_kwargs` under the command line's flags) and prompt form."""
+    from detaudit.generation import describe, suite_decoding
+    from detaudit.inputs import MAX_CHARS_PER_TOKEN, chat_form
     from detaudit.models import resolve_model
+    from detaudit.prompt_limits import model_context_len
 
-    suites = load_suites(cfg.suites, data_dir, cfg.limit)
+    suites = load_suites(cfg.suites, data_dir, cfg.limit, cfg.trust_suite_paths)
     model = resolve_model(cfg.model, auto_prepare=True, console=console)
     info = get_engine(cfg.engine.name)
     if info.check_model is not None:
         info.check_model(model, cfg)
+    check_model(model, cfg.tp, info.checks_architecture)  # an unsupported architecture first, by name
+    max_chars = model_context_len(model, cap=info.max_context) * MAX_CHARS_PER_TOKEN
     tokenizer = tokenizer_for(model.path)
-    prompts = {s.name: tokenize(s, tokenizer) for s in suites}
+    prompts = {}
+    for s in suites:
+        decoding, overrides = suite_decoding(cfg.decoding, s.generation, cfg.decoding_flags)
+        chat = chat_form(s, tokenizer, cfg.apply_chat_template)
+        if not chat and cfg.engine.server is not None and cfg.engine.server.api == "chat":
+            raise DetauditError(
+                f"--api chat has the server apply its chat template, but suite {s.name}'s prompts are plain text "
+                "(lm-eval's default for task files); pass --apply-chat-template or use --api completions"
+            )
+        prompts[s.name] = tokenize(s, tokenizer, chat, max_chars, decoding)
+        if s.generation.to_dict() or not chat:  # what the suite's file changes (the rest is the command line)
+            form = "chat template" if chat else "plain text"
+            given = " (generation_kwargs)" if s.generation.to_dict() else ""
+            console.print(f"[dim]suite {escape(s.name)}: {form}; {escape(describe(decoding))}{given}[/]")
+        if overrides:
+            console.print(
+                f"[yellow]note:[/] suite {escape(s.name)}: the command line overrides its generation_kwargs: "
+                f"{escape('; '.join(overrides))}"
+            )
     check_model(
         model,
         cfg.tp,
@@ -185,6 +213,29 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
                 f"and are kept ungraded: {escape(shown)}"
             )
     return suites, model, tokenizer, prompts
+
+
+def _decoding(cfg: SweepConfig, ps: PromptSet) -> DecodingParams:
+    return ps.decoding if ps.decoding is not None else cfg.decoding
+
+
+def _prompt_rows(prompts: dict[str, PromptSet], tokenizer) -> list[dict]:
+    """`prompts.parquet`: every prompt once, as rendered and as the model read it."""
+    return [
+        {
+            "suite": ps.suite,
+            "prompt_index": i,
+            "prompt_id": pid,
+            "prompt_hash": ps.hashes[i],
+            "text": ps.texts[i],
+            "prompt_text": tokenizer.decode(ps.token_ids[i], skip_special_tokens=False),
+            "token_ids": ps.token_ids[i],
+            "chat_template": ps.chat_template,
+            "reference_answer": ps.answers[i],
+        }
+        for ps in prompts.values()
+        for i, pid in enumerate(ps.ids)
+    ]
 
 
 def run_sweep(
@@ -211,6 +262,7 @@ def run_sweep(
         manifest.executor = executor.describe()
         _engine_identity(info, cfg, manifest, model)
         done = set(run.init_or_check(manifest))
+        run.write_prompts(_prompt_rows(prompts, tokenizer))
         result.skipped = [c.id for c in cells if c.id in done]
         todo = [c for c in cells if c.id not in done]
         if result.skipped:
@@ -227,7 +279,10 @@ def run_sweep(
             console,
             total=len(cells),
             done=len(result.skipped),
-            tokens={c.id: len(prompts[c.suite].ids) * cfg.repeats * cfg.decoding.max_new_tokens for c in todo},
+            tokens={
+                c.id: len(prompts[c.suite].ids) * cfg.repeats * _decoding(cfg, prompts[c.suite]).max_new_tokens
+                for c in todo
+            },
         ) as progress:
 
             def on_output(out: CellOutput) -> None:
@@ -267,12 +322,13 @@ def _group(
             prompts[c.suite].ids * r,
             prompts[c.suite].token_ids * r,
             cfg.reference(c).id,
+            _decoding(cfg, prompts[c.suite]),
             texts=prompts[c.suite].texts * r,
             background=c.background,
         )
         for c in cells
     ]
-    return CellGroup(options, cfg.decoding, jobs)
+    return CellGroup(options, jobs)
 
 
 def _record(
@@ -349,15 +405,17 @@ def _tf_routing(routes: list | None, k: int) -> dict:
 
 
 def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: CellOutput) -> list[dict]:
+    from detaudit.generation import cut_at_stop
     from detaudit.grading import extract_answer, is_correct
 
     assert out.generations is not None
     tf = out.scores
     rows = []
     n = len(ps.ids)
+    stops = _decoding(cfg, ps).stop
     for k, g in enumerate(out.generations):
         i, repeat = k % n, (k // n if cfg.repeats > 1 else None)  # --repeats: rows are repeat-major
-        text = tokenizer.decode(g.token_ids, skip_special_tokens=True)
+        text = cut_at_stop(tokenizer.decode(g.token_ids, skip_special_tokens=True), stops)
         answer = ps.answers[i]
         rows.append(
             {

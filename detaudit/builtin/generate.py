@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -19,6 +19,7 @@ from detaudit.builtin.model import Decoder
 from detaudit.builtin.moe import Routing
 from detaudit.config import DecodingParams, request_seed
 from detaudit.errors import DetauditError
+from detaudit.generation import StopWatch
 from detaudit.records import Generation, ProgressFn
 
 
@@ -66,9 +67,17 @@ def _to_host(*tensors: Tensor):
 
 
 class Generator:
-    def __init__(self, model: Decoder, eos_ids: Sequence[int], pad_id: int = 0, cuda_graphs: bool = False) -> None:
+    def __init__(
+        self,
+        model: Decoder,
+        eos_ids: Sequence[int],
+        pad_id: int = 0,
+        cuda_graphs: bool = False,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
         self.model = model
         self.eos = set(int(e) for e in eos_ids)
+        self.decode = decode  # token ids -> text, special tokens kept: stop strings (`DecodingParams.stop`)
         self.pad_id = pad_id
         self.device = model.device
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
@@ -115,6 +124,13 @@ class Generator:
         picks = torch.stack([torch.multinomial(host[row], 1, generator=gens[row]) for row in range(host.shape[0])])
         return idx.gather(1, picks.to(idx.device))[:, 0]
 
+    def _stop_watch(self, decoding: DecodingParams) -> StopWatch | None:
+        if not decoding.stop:
+            return None
+        if self.decode is None:
+            raise ValueError("stop strings need the Generator's `decode` (the model's tokenizer)")
+        return StopWatch(decoding.stop, self.decode)
+
     @torch.inference_mode()
     def generate(
         self,
@@ -151,6 +167,7 @@ class Generator:
             for g in outs:
                 g.route_experts, g.route_gates, g.route_margins = [], [], []
         active = [True] * B
+        watch = self._stop_watch(decoding)
         still = torch.ones(B, dtype=torch.bool, device=self.device)  # `active` on the device, one step ahead
         eos = torch.tensor(sorted(self.eos), dtype=torch.long, device=self.device) if self.eos else None
         cur = lens.clone()
@@ -191,7 +208,9 @@ class Generator:
                     g.route_gates.append(route_l[1][i])
                     g.route_margins.append(route_l[2][i])
                 produced += 1
-                if nxt_l[i] in self.eos:
+                # a row stopped by a stop string is still fed its token on the device (the step after this
+                # one is already issued); nothing of it is read again, and rows never mix
+                if nxt_l[i] in self.eos or (watch is not None and watch.hit(g.token_ids)):
                     g.finish_reason = "stop"
                     active[i] = False
             if progress:

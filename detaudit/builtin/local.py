@@ -33,6 +33,22 @@ def chunks(n: int, size: int) -> list[range]:
     return [range(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+class _Detokenizer:
+    """Token ids -> text with the model's tokenizer, loaded on first use (only a suite with stop strings
+    needs it): every rank decodes the same tokens the same way, so real-TP ranks stop rows together."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+        self.tokenizer = None
+
+    def __call__(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            from detaudit.models import tokenizer_for
+
+            self.tokenizer = tokenizer_for(self.path)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
 class LocalEngine:
     """The built-in engine in this process: TP 1, emulated TP (every rank's shards here), or one rank of
     real TP (`group`: its process group; `device`: its GPU)."""
@@ -59,7 +75,9 @@ class LocalEngine:
         # decode from CUDA graphs on a GPU: TP 1, emulated TP, and every rank of real TP (the all-reduce is
         # captured into each rank's graph)
         self.cuda_graphs = s.cuda_graphs and self.device.type == "cuda"
-        self.generator = Generator(self.model, options.eos_ids, cuda_graphs=self.cuda_graphs)
+        self.generator = Generator(
+            self.model, options.eos_ids, cuda_graphs=self.cuda_graphs, decode=_Detokenizer(options.model.path)
+        )
         self.last_timings: dict = {}  # summed over the chunks of the last generate call
         self.last_score_routing: list | None = None
 

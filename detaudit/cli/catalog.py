@@ -6,6 +6,7 @@ import json
 from typing import Annotated, Callable
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from detaudit.cli.common import (
@@ -13,6 +14,7 @@ from detaudit.cli.common import (
     DataDirOpt,
     JsonOpt,
     LimitOpt,
+    TrustSuitePathsOpt,
     err,
     handle_errors,
     out,
@@ -94,16 +96,18 @@ def suites_show(
     name: Annotated[str, typer.Argument(help="Suite name or lm-eval task YAML path.")],
     data_dir: DataDirOpt = None,
     limit: LimitOpt = None,
+    trust_suite_paths: TrustSuitePathsOpt = False,
     json_: JsonOpt = False,
 ):
-    """Show a suite's prompts and answers."""
+    """Show a suite's prompts and answers, its decoding (generation_kwargs) and its prompt form."""
     from detaudit import paths
     from detaudit.suites import load_suite
 
-    suite = load_suite(name, data_dir=paths.data_dir(data_dir), limit=limit)
+    suite = load_suite(name, data_dir=paths.data_dir(data_dir), limit=limit, trust_paths=trust_suite_paths)
     rows = [{"id": p.id, "answer": p.answer, "text": p.text} for p in suite.prompts]
-    ignored = list(getattr(suite, "ignored_keys", ()) or ())
-    ungraded = list(getattr(suite, "ungraded", ()) or ())
+    ignored = list(suite.ignored_keys)
+    ungraded = list(suite.ungraded)
+    generation = suite.generation.to_dict()
     if json_:
         print_json(
             {
@@ -113,14 +117,25 @@ def suites_show(
                 "prompts": rows,
                 "ignored_keys": ignored,
                 "ungraded": ungraded,
+                "generation_kwargs": generation,
+                "apply_chat_template": suite.apply_chat_template,
             }
         )
         return
-    out.print(f"[bold]{suite.name}[/] ({suite.source}, {len(rows)} prompts, sha256 {suite.checksum[:16]})")
+    out.print(
+        f"[bold]{escape(suite.name)}[/] ({escape(suite.source)}, {len(rows)} prompts, sha256 {suite.checksum[:16]})"
+    )
+    form = "the model's chat template" if suite.apply_chat_template else "plain text (lm-eval's default)"
+    out.print(f"prompts: {form}, unless --apply-chat-template / --no-apply-chat-template says otherwise")
+    if generation:
+        shown = ", ".join(f"{k}: {v}" for k, v in generation.items())
+        out.print(f"generation_kwargs (the suite's decoding; decoding flags on the command line win): {escape(shown)}")
     if ignored:
-        out.print(f"[dim]ignored lm-eval keys (detaudit does not use them): {', '.join(ignored)}[/]")
+        out.print(f"[dim]ignored lm-eval keys (detaudit does not use them): {escape(', '.join(ignored))}[/]")
     if ungraded:
-        out.print(f"[yellow]{len(ungraded)} row(s) without an answer, kept ungraded: {', '.join(ungraded[:10])}[/]")
+        out.print(
+            f"[yellow]{len(ungraded)} row(s) without an answer, kept ungraded: {escape(', '.join(ungraded[:10]))}[/]"
+        )
     print_rows([{**r, "text": r["text"][:100].replace("\n", " ")} for r in rows], ["id", "answer", "text"])
 
 

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from detaudit.config import DecodingParams
 from detaudit.errors import DetauditError
@@ -77,7 +78,7 @@ def print_rows(rows: list[dict], columns: list[str], title: str | None = None) -
     for c in columns:
         table.add_column(c)
     for r in rows:
-        table.add_row(*(str(r.get(c, "")) for c in columns))
+        table.add_row(*(Text(str(r.get(c, ""))) for c in columns))  # data, not markup
     out.print(table)
 
 
@@ -126,6 +127,17 @@ LimitOpt = Annotated[
     Optional[int],
     typer.Option("--limit", "-L", help="Only the first N prompts of each suite.", rich_help_panel="model and suites"),
 ]
+TrustSuitePathsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-suite-paths",
+        help=(
+            "Let suite files read outside their own directory (absolute, ../ or symlinked include / data_files / "
+            "data_dir, a local dataset_path, file:// URLs); recorded in the manifest."
+        ),
+        rich_help_panel="model and suites",
+    ),
+]
 BackendsOpt = Annotated[
     str, typer.Option("--backends", "-b", help="Comma-separated backends (see `backends ls`).", rich_help_panel="grid")
 ]
@@ -142,7 +154,12 @@ DtypeOpt = Annotated[
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda.", rich_help_panel="engine")]
 MaxNewTokensOpt = Annotated[
-    int, typer.Option("--max-new-tokens", help="Tokens generated per prompt.", rich_help_panel="decoding")
+    int,
+    typer.Option(
+        "--max-new-tokens",
+        help="Tokens generated per prompt (given, it wins over a suite's generation_kwargs.max_gen_toks).",
+        rich_help_panel="decoding",
+    ),
 ]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", rich_help_panel="decoding")]
 TopPOpt = Annotated[float, typer.Option("--top-p", rich_help_panel="decoding")]

@@ -26,6 +26,7 @@ from detaudit.cli.common import (
     TopPOpt,
     TpMode,
     TpModeOpt,
+    TrustSuitePathsOpt,
     command_line,
     decoding,
     err,
@@ -37,8 +38,16 @@ QUICK_TP, QUICK_BATCH_SIZES = "1,2", "4,8"  # the quick default grid (a few minu
 RAY_MAX_RETRIES = 2
 
 
+def _given(ctx: typer.Context, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The options among `names` set on the command line (or through the environment), not defaulted: a
+    decoding flag given wins over a suite's generation_kwargs."""
+    sources = {n: getattr(ctx.get_parameter_source(n), "name", "DEFAULT") for n in names}
+    return tuple(n for n in names if sources[n] in ("COMMANDLINE", "ENVIRONMENT", "PROMPT"))
+
+
 @handle_errors
 def sweep(
+    ctx: typer.Context,
     model: ModelOpt = DEFAULT_MODEL,
     suites: Annotated[
         str,
@@ -51,6 +60,20 @@ def sweep(
     ] = "smoke",
     data_dir: DataDirOpt = None,
     limit: LimitOpt = None,
+    apply_chat_template: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--apply-chat-template/--no-apply-chat-template",
+            help=(
+                "Prompts as one user turn in the model's chat template, or as plain text. Default: each suite's own "
+                "(`apply_chat_template:` in its YAML: the built-in suites use the template; lm-eval task files "
+                "plain text, as lm-eval does)."
+            ),
+            rich_help_panel="model and suites",
+            show_default=False,
+        ),
+    ] = None,
+    trust_suite_paths: TrustSuitePathsOpt = False,
     backends: BackendsOpt = ALL_BACKENDS,
     tp: Annotated[
         str,
@@ -340,6 +363,9 @@ def sweep(
         executor=executor,
         background_load=parse_int_list(background_load, "--background-load"),
         repeats=repeats,
+        decoding_flags=_given(ctx, ("max_new_tokens", "temperature", "top_p", "top_k", "greedy")),
+        apply_chat_template=apply_chat_template,
+        trust_suite_paths=trust_suite_paths,
     )
     if executor != "ray" and (ray_address is not None or max_retries != RAY_MAX_RETRIES):
         raise DetauditError("--ray-address and --max-retries apply to --executor ray only")

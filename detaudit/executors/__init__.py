@@ -27,6 +27,7 @@ class CellJob:
     prompt_ids: list[str]
     token_ids: list[list[int]]
     reference_id: str  # the cell whose outputs this one scores (itself for a reference cell)
+    decoding: DecodingParams  # the cell's suite's decoding (its generation_kwargs under the command line's)
     texts: list[str] = field(default_factory=list)  # the prompts' user messages (server engines' chat API)
     background: int = 0  # server engines: background requests in flight while the cell runs
 
@@ -34,7 +35,6 @@ class CellJob:
 @dataclass
 class CellGroup:
     options: EngineOptions
-    decoding: DecodingParams
     jobs: list[CellJob]
 
     @property

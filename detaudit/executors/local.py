@@ -18,7 +18,7 @@ def run_job(
     gens = engine.generate(
         job.token_ids,
         job.prompt_ids,
-        group.decoding,
+        job.decoding,
         job.batch_size,
         progress=lambda n: events(job.cell_id, "tokens", n),
         background=job.background,

@@ -44,6 +44,8 @@ def sampling(decoding: DecodingParams, prompt_id: str, sends_top_k: bool) -> dic
         body.update(temperature=decoding.temperature, top_p=decoding.top_p)
         if sends_top_k and decoding.top_k > 0:
             body["top_k"] = decoding.top_k
+    if decoding.stop:
+        body["stop"] = list(decoding.stop)
     return body
 
 

@@ -179,7 +179,8 @@ class VllmHost:
                     logprobs=decoding.logprobs,
                     stop_token_ids=self.eos,
                     ignore_eos=not self.eos,
-                    detokenize=False,
+                    stop=list(decoding.stop) or None,  # checked on the detokenized text, as lm-eval's vLLM backend
+                    detokenize=bool(decoding.stop),
                 )
                 for i in r
             ]

@@ -169,7 +169,7 @@ def test_ctrl_c_kills_actors_removes_placement_groups_and_stops_ray(smollm):
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     opts = engine_options(smollm, "bio+tbik", 2)
-    groups = [CellGroup(opts, DecodingParams(greedy=True, max_new_tokens=2), [CellJob("c1", 1, ["p"], [[1, 2]], "c1")])]
+    groups = [CellGroup(opts, [CellJob("c1", 1, ["p"], [[1, 2]], "c1", DecodingParams(greedy=True, max_new_tokens=2))])]
     ex = RayExecutor(num_cpus=2)
     seen: dict = {}
     real_shutdown = ex._shutdown

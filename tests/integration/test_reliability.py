@@ -172,6 +172,7 @@ def test_shards_merge_to_the_whole(clean_run, tmp_path):
     res = runner.invoke(app, ["merge", *parts, "--output-path", str(merged)])
     assert res.exit_code == 0, res.output
     assert _summary(merged) == _summary(clean_run)
+    assert (merged / "prompts.parquet").read_bytes() == (clean_run / "prompts.parquet").read_bytes()
     other = tmp_path / "other"  # another seed (one cell is enough: merge compares the settings first)
     one_cell = [*GRID[: GRID.index("--backends")], "--backends", "bio", "--tp", "1", "--batch-sizes", "1"]
     subprocess.run(_sweep_cmd(other, "--seed", "1", grid=one_cell), check=True, capture_output=True)

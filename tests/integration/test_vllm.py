@@ -209,3 +209,42 @@ def test_moe_models_are_refused_under_the_plugin_backends(tmp_path):
             MoERunner.__new__(MoERunner).__init__()
     finally:
         MoERunner.__init__ = saved
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_honours_a_suites_stop_strings(tmp_path):
+    """generation_kwargs.until reaches vLLM's SamplingParams: a greedy row ends at the token that completes
+    the stop string (a prefix of the unstopped row), finish reason "stop", its text cut before it."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from detaudit.models import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m").path))
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"q": "What is 2+3?"}) + "\n")
+
+    def run(name: str, until: list[str]) -> dict:
+        task = tmp_path / f"{name}.yaml"
+        task.write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs: {{data_files: rows.jsonl}}\ntest_split: train\n"
+            'doc_to_text: "Question: {{q}}\\nAnswer:"\n'
+            f"generation_kwargs: {{max_gen_toks: 10, do_sample: false, until: {json.dumps(until)}}}\n"
+        )
+        out = tmp_path / name
+        args = ["sweep", "--engine", "vllm", "--suites", str(task), "--backends", "bf16", "--tp", "1"]
+        res = runner.invoke(app, [*args, "--batch-sizes", "1", "--output-path", str(out), "--no-analyze"])
+        assert res.exit_code == 0, res.output
+        run_dir = RunDir(out)
+        run_dir.load()
+        return run_dir.read_cell(f"{name}__bf16__tp1__bs1").iloc[0]
+
+    free = run("free", [])
+    ids = [int(t) for t in free.output_token_ids]
+    assert len(ids) > 5
+    stop = tok.decode(ids[3:5])
+    stopped = run("stopped", [stop])
+    first = next(k for k in range(len(ids)) if stop in tok.decode(ids[: k + 1]))
+    assert stopped.finish_reason == "stop" and [int(t) for t in stopped.output_token_ids] == ids[: first + 1]
+    assert stopped.output_text == tok.decode(ids[: first + 1], skip_special_tokens=True).split(stop)[0]

@@ -484,7 +484,7 @@ def test_lm_eval_include_and_json_data_files(tmp_path, monkeypatch):
     assert [p.answer for p in suite.prompts] == ["7", "30", "6"]
     assert [p.id for p in suite.prompts] == ["0", "1", "2"] and suite.ungraded == ()
     assert suite.version == "3.0"
-    assert suite.generation_kwargs == {
+    assert suite.generation.to_dict() == {
         "until": ["Question:", "</s>", "<|im_end|>"],
         "do_sample": False,
         "temperature": 0.0,
@@ -660,12 +660,11 @@ def test_include_order_as_lm_eval(tmp_path):
 
 
 def _count_renders(monkeypatch) -> list:
-    import detaudit.suites as suites_module
+    # (these suites' fields are columns and plain substitutions: they render in this process)
+    from detaudit.suite_render import _Fields
 
-    calls, real = [], suites_module._render
-    monkeypatch.setattr(
-        suites_module, "_render", lambda spec, f, row, label: calls.append(label) or real(spec, f, row, label)
-    )
+    calls, real = [], _Fields.render
+    monkeypatch.setattr(_Fields, "render", lambda self, f, row, label: calls.append(label) or real(self, f, row, label))
     return calls
 
 
@@ -690,3 +689,120 @@ def test_limit_renders_only_the_first_rows_of_a_dataset(tmp_path, monkeypatch):
     calls = _count_renders(monkeypatch)
     suite = load_suite(str(path), limit=3)
     assert [p.text for p in suite.prompts] == ["q0", "q1", "q2"] and len(calls) == 6
+
+
+# --------------------------------------------------------------------------------------------
+# prompt form: the chat template or plain text (lm-eval's default)
+
+CHAT = (
+    "{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_plain_text_is_the_tokenized_prompt_without_the_template():
+    tok = _tiny_real_tokenizer(CHAT)
+    assert prompt_token_ids(tok, PROMPT, chat=False) == [4, 5, 6, 7, 8]
+    assert prompt_token_ids(tok, PROMPT, chat=True) == [1, 4, 5, 6, 7, 8, 3, 2]
+
+
+def test_builtin_suites_keep_the_chat_form_and_task_files_default_to_plain(tmp_path):
+    from detaudit.inputs import chat_form
+
+    assert all(load_suite(n, data_dir=MIRROR).apply_chat_template for n in ("smoke",))
+    lm_eval = load_suite(str(_suite_yaml(tmp_path, "task: t\ndoc_to_text: q\ndocs: [{q: 'What is 7 times 8?'}]\n")))
+    assert lm_eval.apply_chat_template is False
+    tok = _tiny_real_tokenizer(CHAT)
+    assert chat_form(lm_eval, tok, None) is False and chat_form(lm_eval, tok, True) is True
+    assert chat_form(load_suite("smoke"), tok, None) is True and chat_form(load_suite("smoke"), tok, False) is False
+    base = _tiny_real_tokenizer(None)  # a base model's tokenizer: no template
+    assert chat_form(load_suite("smoke"), base, None) is False
+    assert "has no chat template" in _error(chat_form, lm_eval, base, True)
+
+
+def test_apply_chat_template_key_must_be_a_bool(tmp_path):
+    path = _suite_yaml(tmp_path, "task: t\ndoc_to_text: q\ndocs: [{q: x}]\napply_chat_template: yes please\n")
+    assert "`apply_chat_template` must be true or false" in _error(load_suite, str(path))
+
+
+# --------------------------------------------------------------------------------------------
+# local json rows: lazy, one-line errors
+
+
+def _files_task(tmp_path: Path, fmt: str, data_files: str, split: str = "train") -> Path:
+    body = f"task: t\ndataset_path: {fmt}\ndataset_kwargs: {{data_files: {data_files}}}\ntest_split: {split}\n"
+    return _suite_yaml(tmp_path, body + "doc_to_text: q\n")
+
+
+def test_json_limit_never_parses_a_bad_row_past_it(tmp_path):
+    (tmp_path / "rows.jsonl").write_text('{"q": "one"}\n{"q": "two"}\n{not json\n')
+    path = _files_task(tmp_path, "json", "rows.jsonl")
+    assert [p.text for p in load_suite(str(path), limit=2).prompts] == ["one", "two"]
+    message = _error(load_suite, str(path))
+    assert message.startswith(f"{tmp_path / 'rows.jsonl'}, line 3: not valid JSON")
+
+
+def test_json_array_and_field(tmp_path):
+    (tmp_path / "rows.json").write_text('[{"q": "one"}, {"q": "two"}]')
+    (tmp_path / "nested.json").write_text('{"data": [{"q": "three"}], "version": 1}')
+    kw = "task: t\ndataset_path: json\ntest_split: train\ndoc_to_text: q\ndataset_kwargs: "
+    assert [p.text for p in load_suite(str(_suite_yaml(tmp_path, kw + "{data_files: rows.json}\n"))).prompts] == [
+        "one",
+        "two",
+    ]
+    nested = _suite_yaml(tmp_path, kw + "{data_files: nested.json, field: data}\n")
+    assert [p.text for p in load_suite(str(nested)).prompts] == ["three"]
+
+
+def test_split_not_in_data_files_is_named(tmp_path):
+    (tmp_path / "rows.jsonl").write_text('{"q": "one"}\n')
+    path = _files_task(tmp_path, "json", "rows.jsonl", split="test")
+    assert "split 'test' is not in `dataset_kwargs.data_files` (it has train" in _error(load_suite, str(path))
+
+
+def test_a_malformed_csv_is_one_line_through_the_cli(tmp_path):
+    from typer.testing import CliRunner
+
+    from detaudit.cli import app
+
+    (tmp_path / "bad.csv").write_text('q,a\n"x,1\n')
+    path = _files_task(tmp_path, "csv", "bad.csv")
+    result = CliRunner().invoke(app, ["suites", "show", str(path)])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and "could not read csv [train]" in lines[0], result.output
+
+
+# --------------------------------------------------------------------------------------------
+# suites show
+
+
+def test_suites_show_keeps_backslashes_and_says_the_decoding(tmp_path):
+    from typer.testing import CliRunner
+
+    from detaudit.cli import app
+
+    path = _suite_yaml(
+        tmp_path,
+        'task: t\ndoc_to_text: q\ndocs: [{q: "Find \\\\[ x \\\\] and [bold]y[/]"}]\n'
+        "generation_kwargs: {until: ['Problem:'], max_gen_toks: 256, do_sample: false}\n",
+    )
+    result = CliRunner().invoke(app, ["suites", "show", str(path)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "Find \\[ x \\] and [bold]y[/]" in result.output
+    assert "until: ['Problem:'], max_gen_toks: 256, do_sample: False" in result.output
+    assert "plain text (lm-eval's default)" in result.output
+
+
+def test_gpt2_is_refused_by_its_architecture_first(tmp_path):
+    """GPT-2 has no max_position_embeddings (n_positions): the built-in engine names the architecture;
+    an engine that runs it reads n_positions as the context."""
+    from detaudit.config import ModelRef
+    from detaudit.inputs import PromptSet, check_model
+    from detaudit.prompt_limits import model_context_len
+
+    gpt2 = ModelRef("gpt2", tmp_path, "GPT2LMHeadModel", "0", {"model_type": "gpt2", "n_positions": 1024})
+    ps = PromptSet("s", ["a"], [[1, 2, 3]], ["h"], [None], "c", "inline")
+    message = _error(check_model, gpt2, [1], True, [ps], 16)
+    assert "model_type 'gpt2' is not supported by the built-in engine" in message
+    assert model_context_len(gpt2) == 1024
+    check_model(gpt2, [1], False, [ps], 16)  # vLLM / servers: lengths checked against n_positions
