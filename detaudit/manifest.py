@@ -276,16 +276,25 @@ def _config(c: dict, where: str) -> dict:
     return c
 
 
+GRID_AXES = ("suites", "backends", "tp", "batch_sizes", "background_load")
+
+
+def widen_grid(config: dict, *others: dict) -> None:
+    """Add to `config`'s grid axes the values of `others` it lacks (a resumed sweep that adds TP sizes, a
+    merge of shards or of runs of other batch sizes): every recorded cell stays inside the grid."""
+    for key in GRID_AXES:
+        values = list(config.get(key) or [])
+        for other in others:
+            values += [v for v in other.get(key) or [] if v not in values]
+        if values:
+            config[key] = values
+
+
 def _grid(c: dict, w: str) -> dict[str, Cell]:
     from detaudit.config import SweepConfig
 
-    axes = {
-        "suites": c.get("suites") or [],
-        "backends": c.get("backends") or [],
-        "tp": c.get("tp") or [],
-        "batch_sizes": c.get("batch_sizes") or [],
-        "background_load": c.get("background_load") or [0],
-    }
+    axes = {key: c.get(key) or [] for key in GRID_AXES}
+    axes["background_load"] = axes["background_load"] or [0]
     if math.prod(len(v) for v in axes.values()) > MAX_GRID:
         raise DetauditError(
             f"{w}: the configured grid has more than {MAX_GRID} cells (corrupt or hand-edited manifest)"

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from detaudit.errors import DetauditError
-from detaudit.manifest import CellMeta, Manifest, numerics_conflicts
+from detaudit.manifest import CellMeta, Manifest, numerics_conflicts, widen_grid
 from detaudit.runs import RunDir, now, umask
 
 
@@ -67,11 +67,7 @@ def _merged_manifest(runs: list[RunDir], hardware: list[str]) -> Manifest:
     first = runs[0].manifest
     assert first is not None
     cfg = dict(first.config)
-    for key in ("backends", "tp", "batch_sizes", "background_load"):
-        values: list = []
-        for r in runs:
-            values += [v for v in r.manifest.config.get(key, []) if v not in values]  # type: ignore[union-attr]
-        cfg[key] = values
+    widen_grid(cfg, *(r.manifest.config for r in runs[1:]))  # type: ignore[union-attr]
     cfg.pop("shard", None)
     return Manifest(
         config=cfg,

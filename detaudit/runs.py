@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from detaudit.errors import DetauditError
-from detaudit.manifest import CellMeta, Manifest, check_cell_id
+from detaudit.manifest import CellMeta, Manifest, check_cell_id, widen_grid
 from detaudit.records import COLUMNS, SCHEMA
 
 MANIFEST = "manifest.json"
@@ -262,6 +262,7 @@ class RunDir:
                 raise DetauditError(
                     f"{self.path} holds a different sweep (different {diff}); use another --output-path"
                 )
+            widen_grid(old.config, manifest.config)  # a resumed sweep may add TP sizes, batch sizes, ...
             for cid, meta in manifest.cells.items():
                 old.cells.setdefault(cid, meta)
             old.environment_history.append(manifest.environment)
