@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from detaudit.config import TP_MODES, Cell
+from detaudit.config import TP_MODES, Cell, SweepConfig
 from detaudit.errors import DetauditError
 
 FORMAT_VERSION = 2
@@ -246,7 +246,7 @@ def _config(c: dict, where: str) -> dict:
     import dataclasses
     import typing
 
-    from detaudit.config import EngineSettings, SweepConfig
+    from detaudit.config import EngineSettings
 
     w = f"{where}: config"
     c = dict(c)
@@ -291,8 +291,6 @@ def widen_grid(config: dict, *others: dict) -> None:
 
 
 def _grid(c: dict, w: str) -> dict[str, Cell]:
-    from detaudit.config import SweepConfig
-
     axes = {key: c.get(key) or [] for key in GRID_AXES}
     axes["background_load"] = axes["background_load"] or [0]
     if math.prod(len(v) for v in axes.values()) > MAX_GRID:

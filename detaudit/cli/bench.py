@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -258,11 +259,15 @@ def bench_kernels_cmd(
 
     if check_device(device).startswith("cuda") and not torch.cuda.is_available():
         raise DetauditError("--device cuda: no CUDA device is visible (use --device cpu)")
-    shapes = tuple(
-        tuple(parse_int_list(s.lower().replace("x", ","), "--kn", 1, MAX_DIM)) for s in parse_str_list(kn, "--kn")
-    )
-    if any(len(s) != 2 for s in shapes):
-        raise DetauditError(f"--kn {kn[:60]!r}: expected KxN pairs such as 4096x4096,6144x2048")
+    shapes = []
+    for pair in parse_str_list(kn, "--kn"):
+        match = re.fullmatch(r"([0-9]{1,9})[xX]([0-9]{1,9})", pair)
+        if not match:
+            raise DetauditError(f"--kn {pair[:40]!r}: expected KxN pairs such as 4096x4096,6144x2048")
+        shape = (int(match[1]), int(match[2]))
+        if not all(1 <= v <= MAX_DIM for v in shape):
+            raise DetauditError(f"--kn {pair}: K and N must be between 1 and {MAX_DIM}")
+        shapes.append(shape)
     ms = parse_int_list(m, "--m", 1, MAX_DIM)
     _check_save(save)
     with Progress(console=err, transient=True) as progress:
