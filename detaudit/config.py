@@ -67,8 +67,10 @@ class DecodingParams:
             )
         if not 0 <= self.seed <= MAX_SEED:
             raise DetauditError(f"--seed must be between 0 and 2**63 - 1 (got {str(self.seed)[:40]})")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise DetauditError(f"--temperature must be >= 0 and finite (got {self.temperature}; 0 decodes greedily)")
+        if not 0 <= self.temperature < 1e300:  # NaN, inf and a 600-digit int fail too
+            raise DetauditError(
+                f"--temperature must be >= 0 and finite (got {str(self.temperature)[:40]}; 0 decodes greedily)"
+            )
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise DetauditError(
                 f"--temperature {self.temperature}: must be 0 (greedy) or >= {MIN_TEMPERATURE} "
