@@ -11,6 +11,7 @@ mismatch that routing does not explain."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ class Side:
     @classmethod
     def parse(cls, text: str, option: str) -> "Side":
         engine, _, tp = text.partition(":")
-        if not tp.isdigit():
+        if not re.fullmatch(r"[0-9]{1,3}", tp):
             raise DetauditError(f"{option} {text!r}: expected ENGINE:TP, e.g. builtin:4")
         from detaudit.engines import ENGINES, get_engine
 
@@ -120,13 +121,13 @@ class AlignConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        from detaudit.backends import available
+        from detaudit.backends import check_backends
+        from detaudit.config import MAX_BATCH, check_limit
 
-        for b in self.backends:
-            if b not in available():
-                raise DetauditError(f"unknown backend {b!r}; known backends: {', '.join(available())}")
-        if self.batch_size < 1:
-            raise DetauditError("--batch-size must be >= 1")
+        check_backends(self.backends)
+        if not 1 <= self.batch_size <= MAX_BATCH:
+            raise DetauditError(f"--batch-size must be between 1 and {MAX_BATCH} (got {self.batch_size})")
+        check_limit(self.limit)
         if self.tp_mode not in ("real", "emulated"):
             raise DetauditError(f"--tp-mode {self.tp_mode}: must be real or emulated")
         from detaudit.config import EngineSettings

@@ -57,7 +57,6 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from detaudit.config import Cell
 from detaudit.errors import DetauditError
 from detaudit.manifest import Manifest
 from detaudit.metrics import MIN_CELLS, NEAR_TIE_MARGIN, summary_columns
@@ -329,18 +328,6 @@ def _read_cell(run: RunDir, cell_id: str) -> pd.DataFrame:
     return df
 
 
-def _expected_cells(manifest: Manifest) -> dict[str, dict[str, Any]]:
-    c = manifest.config
-    return {
-        Cell(b, tp, bs, s, bg).id: dict(backend=b, tp=tp, batch_size=bs, suite=s)
-        for b in c.get("backends", [])
-        for tp in c.get("tp", [])
-        for s in c.get("suites", [])
-        for bs in c.get("batch_sizes", [])
-        for bg in (c.get("background_load") or [0])
-    }
-
-
 def _load(run_dir: str | os.PathLike) -> tuple[Manifest, pd.DataFrame, pd.DataFrame]:
     """Manifest, records of the done cells, and one row per cell (grid cells absent from the
     manifest, and done cells whose file is gone, get state "missing"). A cell file that exists but
@@ -370,14 +357,17 @@ def _load(run_dir: str | os.PathLike) -> tuple[Manifest, pd.DataFrame, pd.DataFr
                 wall_s=meta.extra.get("wall_s"),
             )
         )
-    for cid, cell in _expected_cells(manifest).items():
+    for cid, cell in manifest.grid().items():  # every manifest cell is in it (Manifest.from_dict)
         if cid not in manifest.cells:
             rows.append(
                 dict(
                     cell_id=cid,
                     model=model,
-                    **cell,
-                    tp_mode=manifest.tp_mode(cell["tp"]),
+                    backend=cell.backend,
+                    tp=cell.tp,
+                    batch_size=cell.batch_size,
+                    suite=cell.suite,
+                    tp_mode=manifest.tp_mode(cell.tp),
                     state="missing",
                     error="in the configured grid but not in the manifest",
                     wall_s=None,

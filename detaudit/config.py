@@ -14,11 +14,31 @@ TP_SIZES = (1, 2, 4, 8)
 TP_MODES = ("real", "emulated")
 DTYPES = ("bfloat16", "float32")
 MAX_BATCH = 100_000  # batch sizes, loads and repeats past this are typos, not audits
+MAX_LIMIT = 10**9  # prompts per suite (--limit)
+MAX_NEW_TOKENS = 1 << 20  # generated tokens per prompt: more than any model's context
+MAX_SEED = 2**63 - 1  # seeds are non-negative 64-bit integers, as every engine and server takes them
+MAX_TOP_K = 2**31 - 1  # an int32 in every engine and server API
+MAX_LOGPROBS = 20  # OpenAI-compatible APIs and vLLM return at most 20 top log-probabilities per position
+DEVICE_RE = re.compile(r"cpu|cuda(:[0-9]{1,2})?")
+# vLLM raises smaller temperatures to 0.01 (the engines would sample differently), and logits / T
+# overflows to inf (NaN probabilities) as T nears 0: a temperature below it is refused; 0 is greedy
+MIN_TEMPERATURE = 0.01
 
 
-def check_tp_size(tp: int) -> None:
+def check_tp_size(tp: int, option: str = "--tp") -> None:
     if tp not in TP_SIZES:
-        raise DetauditError(f"--tp {tp}: TP size must be one of 1, 2, 4, 8 (a power of two <= 8)")
+        raise DetauditError(f"{option} {tp}: TP size must be one of 1, 2, 4, 8 (a power of two <= 8)")
+
+
+def check_limit(limit: int | None) -> None:
+    if limit is not None and not 1 <= limit <= MAX_LIMIT:
+        raise DetauditError(f"--limit must be between 1 and {MAX_LIMIT} (got {limit})")
+
+
+def check_device(device: object, option: str = "--device") -> str:
+    if not isinstance(device, str) or not DEVICE_RE.fullmatch(device):
+        raise DetauditError(f"{option} {str(device)[:40]!r}: must be cpu or cuda (or cuda:N)")
+    return device
 
 
 @dataclass(frozen=True)
@@ -35,19 +55,36 @@ class DecodingParams:
     stop: tuple[str, ...] = ()  # stop strings (a suite's `generation_kwargs.until`: detaudit.generation)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise DetauditError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+        """Every field is checked, greedy or not: all of them are recorded in the manifest (which must stay
+        strict JSON: no NaN) and sent to engines and servers."""
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise DetauditError(f"--max-new-tokens must be between 1 and {MAX_NEW_TOKENS} (got {self.max_new_tokens})")
         if self.logprobs < 5:
             raise DetauditError(f"--logprobs must be >= 5 (got {self.logprobs})")
+        if self.logprobs > MAX_LOGPROBS:
+            raise DetauditError(
+                f"--logprobs must be <= {MAX_LOGPROBS} (got {self.logprobs}; the most vLLM and OpenAI-compatible "
+                "servers return; the metrics read the top 5)"
+            )
+        if not 0 <= self.seed <= MAX_SEED:
+            raise DetauditError(f"--seed must be between 0 and 2**63 - 1 (got {str(self.seed)[:40]})")
+        if not 0 <= self.temperature < 1e300:  # NaN, inf and a 600-digit int fail too
+            raise DetauditError(
+                f"--temperature must be >= 0 and finite (got {str(self.temperature)[:40]}; 0 decodes greedily)"
+            )
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise DetauditError(
+                f"--temperature {self.temperature}: must be 0 (greedy) or >= {MIN_TEMPERATURE} "
+                "(vLLM raises smaller ones to it; near 0 the scaled logits overflow)"
+            )
+        if not 0 < self.top_p <= 1:  # NaN fails too
+            raise DetauditError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise DetauditError(
+                f"--top-k must be between 0 and {MAX_TOP_K} (got {str(self.top_k)[:40]}; 0 disables it)"
+            )
         if self.temperature == 0 and not self.greedy:  # as OpenAI-style APIs define it
             object.__setattr__(self, "greedy", True)
-        if not self.greedy:
-            if self.temperature < 0:
-                raise DetauditError(f"--temperature must be >= 0 (got {self.temperature}; 0 decodes greedily)")
-            if not 0 < self.top_p <= 1:
-                raise DetauditError(f"--top-p must be in (0, 1] (got {self.top_p})")
-            if self.top_k < 0:
-                raise DetauditError(f"--top-k must be >= 0 (got {self.top_k}; 0 disables it)")
         object.__setattr__(self, "stop", tuple(self.stop))
         if not all(isinstance(s, str) and s for s in self.stop):
             raise DetauditError(f"stop strings must be non-empty strings (got {list(self.stop)!r:.80})")
@@ -82,6 +119,13 @@ class Cell:
         safe_backend = re.sub(r"[^A-Za-z0-9_.-]", "-", self.backend)
         bg = f"__bg{self.background}" if self.background else ""
         return f"{self.suite}__{safe_backend}__tp{self.tp}__bs{self.batch_size}{bg}"
+
+    @classmethod
+    def recorded(cls, cell_id: str, backend: str, tp: int, batch_size: int, suite: str) -> "Cell":
+        """The cell a manifest records under `cell_id` (its load read from the id's `__bgN`): it is that
+        cell only if its `id` gives `cell_id` back, which `Manifest.from_dict` requires."""
+        bg = re.search(r"__bg([0-9]{1,7})$", cell_id)
+        return cls(backend, tp, batch_size, suite, int(bg.group(1)) if bg else 0)
 
 
 SERVER_APIS = ("completions", "chat")
@@ -133,8 +177,7 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise DetauditError(f"--dtype {self.dtype}: must be one of {', '.join(DTYPES)}")
-        if not isinstance(self.device, str) or not DEVICE_RE.fullmatch(self.device):
-            raise DetauditError(f"--device {str(self.device)[:40]!r}: must be cpu or cuda (or cuda:N)")
+        check_device(self.device)
         if not (math.isfinite(self.hang_timeout) and self.hang_timeout > 0):
             raise DetauditError(f"--hang-timeout must be > 0 seconds (got {self.hang_timeout})")
 
@@ -205,8 +248,7 @@ class SweepConfig:
         for bs in self.batch_sizes:
             if not 1 <= bs <= MAX_BATCH:
                 raise DetauditError(f"--batch-sizes {bs}: batch size must be between 1 and {MAX_BATCH}")
-        if self.limit is not None and self.limit < 1:
-            raise DetauditError(f"--limit must be >= 1 (got {self.limit})")
+        check_limit(self.limit)
         if not 1 <= self.repeats <= MAX_BATCH:
             raise DetauditError(f"--repeats must be between 1 and {MAX_BATCH} (got {self.repeats})")
         for bg in self.background_load:
@@ -255,18 +297,28 @@ class SweepConfig:
         return next(c for c in self.cells() if c.backend == cell.backend and c.suite == cell.suite)
 
 
-def parse_int_list(text: str, option: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in str(text).split(",") if x.strip())
-    except ValueError:
-        raise DetauditError(f"{option} expects comma-separated integers (got {text!r})") from None
-    if not values:
-        raise DetauditError(f"{option} is empty")
-    return values
+INT_RE = re.compile(r"-?[0-9]{1,30}")  # ASCII digits only (int() also takes "1_0" and other scripts' digits)
 
 
 def parse_str_list(text: str, option: str) -> tuple[str, ...]:
-    values = tuple(x.strip() for x in str(text).split(",") if x.strip())
-    if not values:
+    """Comma-separated values, each stripped; an empty item (`a,,b`, a trailing comma) is a typo, refused."""
+    values = tuple(x.strip() for x in str(text).split(","))
+    if not any(values):
         raise DetauditError(f"{option} is empty")
+    if not all(values):
+        raise DetauditError(f"{option} {str(text)[:60]!r}: an item of the comma-separated list is empty")
+    return values
+
+
+def parse_int_list(text: str, option: str, lo: int | None = None, hi: int | None = None) -> tuple[int, ...]:
+    """Comma-separated integers, each within [lo, hi] when given."""
+    items = parse_str_list(text, option)
+    bad = next((x for x in items if not INT_RE.fullmatch(x)), None)
+    if bad is not None:
+        raise DetauditError(f"{option} expects comma-separated integers (got {str(text)[:60]!r})")
+    values = tuple(int(x) for x in items)
+    for v in values:
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            want = f"between {lo} and {hi}" if lo is not None and hi is not None else f">= {lo}" if lo else f"<= {hi}"
+            raise DetauditError(f"{option} {v}: must be {want}")
     return values

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from detaudit.config import TP_MODES, Cell, SweepConfig
 from detaudit.errors import DetauditError
 
 FORMAT_VERSION = 2
 STATES = ("pending", "done", "failed")
+MAX_GRID = 1_000_000  # cells a configured grid may hold: more is a corrupt (or hostile) manifest
+MAX_PROMPTS = 10**12  # a cell's recorded prompt count
 # suite__backend__tpN__bsN, optionally followed by load suffixes (server cells): never a path
 CELL_ID_RE = re.compile(
     r"^[A-Za-z0-9][A-Za-z0-9_.-]*__[A-Za-z0-9][A-Za-z0-9_.-]*__tp[0-9]{1,2}__bs[0-9]{1,6}(__[a-z]+[0-9]{1,7})*$"
@@ -26,7 +30,7 @@ CELL_ID_RE = re.compile(
 
 
 def check_cell_id(cell_id: Any, where: str) -> str:
-    if not isinstance(cell_id, str) or not CELL_ID_RE.match(cell_id) or len(cell_id) > 200:
+    if not isinstance(cell_id, str) or len(cell_id) > 200 or not CELL_ID_RE.fullmatch(cell_id):
         raise DetauditError(
             f"{where}: {str(cell_id)[:80]!r} is not a detaudit cell id (corrupt or hand-edited manifest)"
         )
@@ -85,7 +89,9 @@ class CellMeta:
 
     @classmethod
     def from_dict(cls, cell_id: str, d: Any, where: str) -> "CellMeta":
-        w = f"{where}: cell {cell_id}"
+        """Field types and values; `Manifest.from_dict` then checks the coordinates against the id and
+        the grid."""
+        w = f"{where}: cell {str(cell_id)[:80]}"
         if not isinstance(d, dict):
             raise DetauditError(f"{w} is not a mapping")
         meta = cls(
@@ -102,9 +108,15 @@ class CellMeta:
         )
         if meta.state not in STATES:
             raise _bad(w, "state", f"one of {', '.join(STATES)}", meta.state)
+        if meta.tp_mode not in TP_MODES:
+            raise _bad(w, "tp_mode", f"one of {', '.join(TP_MODES)}", meta.tp_mode)
+        if not 0 <= meta.prompts <= MAX_PROMPTS:
+            raise _bad(w, "prompts", f"a count between 0 and {MAX_PROMPTS}", meta.prompts)
         for key in ("wall_s", "engine_start_s", "generate_s"):
             if key in meta.extra and meta.extra[key] is not None:
-                _get(meta.extra, key, (int, float), w)
+                v = _get(meta.extra, key, (int, float), w)
+                if not (-1e15 < v < 1e15):  # NaN too; a 4000-digit int must never reach float()
+                    raise _bad(w, key, "a finite number of seconds", v)
         return meta
 
     def to_dict(self) -> dict:
@@ -166,6 +178,10 @@ class Manifest:
     def done_cells(self) -> list[str]:
         return [cid for cid, m in self.cells.items() if m.state == "done"]
 
+    def grid(self, where: str = "manifest") -> dict[str, Cell]:
+        """The configured grid (cell id -> Cell), its axes validated as a sweep's are."""
+        return _grid(self.config, f"{where}: config")
+
     # ---- disk
     @classmethod
     def from_dict(cls, d: Any, where: str = "manifest") -> "Manifest":
@@ -205,6 +221,7 @@ class Manifest:
         )
         for key in ("name", "path", "architecture", "checksum"):
             _get(m.model, key, str, f"{where}: model")
+        _check_cells(m, where)
         return m
 
     def to_dict(self) -> dict:
@@ -229,7 +246,7 @@ def _config(c: dict, where: str) -> dict:
     import dataclasses
     import typing
 
-    from detaudit.config import EngineSettings, SweepConfig
+    from detaudit.config import EngineSettings
 
     w = f"{where}: config"
     c = dict(c)
@@ -257,6 +274,63 @@ def _config(c: dict, where: str) -> dict:
     ):
         raise _bad(w, "shard", "[I, N]", shard)
     return c
+
+
+GRID_AXES = ("suites", "backends", "tp", "batch_sizes", "background_load")
+
+
+def widen_grid(config: dict, *others: dict) -> None:
+    """Add to `config`'s grid axes the values of `others` it lacks (a resumed sweep that adds TP sizes, a
+    merge of shards or of runs of other batch sizes): every recorded cell stays inside the grid."""
+    for key in GRID_AXES:
+        values = list(config.get(key) or [])
+        for other in others:
+            values += [v for v in other.get(key) or [] if v not in values]
+        if values:
+            config[key] = values
+
+
+def _grid(c: dict, w: str) -> dict[str, Cell]:
+    axes = {key: c.get(key) or [] for key in GRID_AXES}
+    axes["background_load"] = axes["background_load"] or [0]
+    if math.prod(len(v) for v in axes.values()) > MAX_GRID:
+        raise DetauditError(
+            f"{w}: the configured grid has more than {MAX_GRID} cells (corrupt or hand-edited manifest)"
+        )
+    try:
+        cfg = SweepConfig(
+            model="-",
+            **{k: tuple(v) for k, v in axes.items()},
+            limit=c.get("limit"),
+            tp_mode="real" if c.get("tp_mode") is None else c["tp_mode"],
+            repeats=1 if c.get("repeats") is None else c["repeats"],
+        )
+    except DetauditError as e:
+        raise DetauditError(f"{w}: {e} (corrupt or hand-edited manifest)") from None
+    return {check_cell_id(cell.id, w): cell for cell in cfg.cells()}
+
+
+def _check_cells(m: Manifest, where: str) -> None:
+    """A cell's coordinates come from one place: its id. Each entry's backend, TP size, batch size and
+    suite must give its id back, the cell must be in the configured grid and of the run's engine; a
+    contradiction (a hand-edited `tp: 3` under a `tp1` id) is refused, never analysed as another cell."""
+    grid = m.grid(where)
+    engine = m.config.get("engine")
+    for cid, meta in m.cells.items():
+        cell = Cell.recorded(cid, meta.backend, meta.tp, meta.batch_size, meta.suite)
+        if cell.id != cid:
+            raise DetauditError(
+                f"{where}: cell {cid} records backend {meta.backend[:40]!r}, tp {str(meta.tp)[:20]}, batch size "
+                f"{str(meta.batch_size)[:20]}, suite {meta.suite[:40]!r}: not the cell its id names "
+                "(corrupt or hand-edited manifest)"
+            )
+        if cid not in grid:
+            raise DetauditError(
+                f"{where}: cell {cid} is not in the configured grid (config: suites, backends, tp, batch_sizes); "
+                "corrupt or hand-edited manifest"
+            )
+        if engine is not None and meta.engine != engine:
+            raise _bad(f"{where}: cell {cid}", "engine", f"the run's engine {str(engine)[:40]!r}", meta.engine)
 
 
 # Keys of a backend's description that do not decide its bits: the environment (library versions, the

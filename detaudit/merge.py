@@ -16,8 +16,24 @@ import tempfile
 from pathlib import Path
 
 from detaudit.errors import DetauditError
-from detaudit.manifest import CellMeta, Manifest, numerics_conflicts
-from detaudit.runs import PROMPTS, RunDir, now
+from detaudit.manifest import CellMeta, Manifest, numerics_conflicts, widen_grid
+from detaudit.runs import PROMPTS, RunDir, now, umask
+
+
+def _check_paths(paths: list[Path], output: Path) -> None:
+    """Each input once, and the output outside every input (merging X into X/cells/sub would write
+    into the run being read)."""
+    seen: dict[Path, Path] = {}
+    out = output.resolve()
+    for path in paths:
+        real = Path(path).resolve()
+        if real in seen:
+            raise DetauditError(f"{path} is given twice (as {seen[real]} and {path}): list each run directory once")
+        seen[real] = Path(path)
+        if out == real or real in out.parents:
+            raise DetauditError(
+                f"--output-path {output} lies inside the input run directory {path}: write it elsewhere"
+            )
 
 
 def _load(paths: list[Path]) -> list[RunDir]:
@@ -51,11 +67,7 @@ def _merged_manifest(runs: list[RunDir], hardware: list[str]) -> Manifest:
     first = runs[0].manifest
     assert first is not None
     cfg = dict(first.config)
-    for key in ("backends", "tp", "batch_sizes"):
-        values: list = []
-        for r in runs:
-            values += [v for v in r.manifest.config.get(key, []) if v not in values]  # type: ignore[union-attr]
-        cfg[key] = values
+    widen_grid(cfg, *(r.manifest.config for r in runs[1:]))  # type: ignore[union-attr]
     cfg.pop("shard", None)
     return Manifest(
         config=cfg,
@@ -87,6 +99,8 @@ def _same_outputs(a: RunDir, b: RunDir, cid: str) -> bool:
 
 
 def merge_runs(inputs: list[Path], output: Path, allow_mixed_hardware: bool = False) -> Manifest:
+    output = Path(output)
+    _check_paths(inputs, output)
     runs = _load(inputs)
     hardware = sorted({r.manifest.hardware_key or "?" for r in runs})  # type: ignore[union-attr]
     if len(hardware) > 1 and not allow_mixed_hardware:
@@ -94,13 +108,13 @@ def merge_runs(inputs: list[Path], output: Path, allow_mixed_hardware: bool = Fa
             f"runs come from different hardware ({' / '.join(hardware)}); "
             "pass --allow-mixed-hardware to merge them anyway"
         )
-    output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise DetauditError(f"{output} already exists; merge into a new --output-path")
     merged = _merged_manifest(runs, hardware)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.merging-", dir=output.parent))
+        staging.chmod(0o777 & ~umask())  # mkdtemp's 0700 would make the merged run unreadable to others
     except OSError as e:
         raise DetauditError(f"cannot write {output}: {e.strerror}") from None
     try:

@@ -14,6 +14,10 @@ holder dies) refuses a second writer.
 Run directories are shared between machines and committed, so nothing read from one is trusted:
 the manifest is validated against its schema (`detaudit.manifest`), cell ids must match the grid's
 pattern (they become file names), and a cell file must carry its own cell id and its run's identity.
+A JSON file nested deeper than any detaudit file is refused before it is used, and so is a run directory
+whose `cells/` (or a cell file, the lock, the logs) resolves outside it: a symlink never redirects a write.
+Files are created with the mode the umask gives (0644 usually), as any other tool's: run directories
+are shared as CI artifacts.
 """
 
 from __future__ import annotations
@@ -33,15 +37,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from detaudit.errors import DetauditError
-from detaudit.manifest import CellMeta, Manifest, check_cell_id
+from detaudit.manifest import CellMeta, Manifest, check_cell_id, widen_grid
 from detaudit.records import COLUMNS, SCHEMA
 
 MANIFEST = "manifest.json"
 CELLS = "cells"
 PROMPTS = "prompts.parquet"
 LOCK = ".lock"
+LOGS = "logs"  # logs of processes an engine starts
 ALIGN_FILE = "alignment.parquet"
 ALIGN_SUMMARY = "alignment.json"
+MAX_JSON_DEPTH = 32  # a manifest nests about 6 levels; deeper is not a detaudit file (and recursion bait)
 CELL_KEY = b"detaudit.cell_id"
 RUN_KEY = b"detaudit.run"  # the run's comparable key: a cell file of another sweep is refused
 PROMPT_SCHEMA = pa.schema(
@@ -63,11 +69,35 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _disk_error(path: Path, e: OSError) -> DetauditError | None:
+def _disk_error(path: Path, e: OSError) -> DetauditError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return DetauditError(f"cannot write {path}: {e.strerror} (nothing already written was lost)")
-    if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
-        return DetauditError(f"cannot write {path}: {e.strerror}")
+    return DetauditError(f"cannot write {path}: {e.strerror or e}")
+
+
+def umask() -> int:
+    """The process umask, read without changing it where Linux says it (`os.umask` sets it to read it:
+    another thread creating a file meanwhile would get the wrong mode)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why nothing can be created in `directory` (None: it can), found by creating and removing an
+    empty directory: the one sure test (root passes access checks; /proc refuses new entries even to
+    root; a read-only mount refuses everyone)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".detaudit-probe-", dir=directory))
+    except OSError as e:
+        return e.strerror or str(e)
     return None
 
 
@@ -76,8 +106,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
-        raise (_disk_error(path, e) or e) from None
+        raise _disk_error(path, e) from None
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 would make the run unreadable to anyone else
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -88,9 +119,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        err = _disk_error(path, e) if isinstance(e, OSError) else None
-        if err is not None:
-            raise err from None
+        if isinstance(e, OSError):
+            raise _disk_error(path, e) from None
         raise
 
 
@@ -100,13 +130,39 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 def read_json(path: Path, what: str) -> Any:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise DetauditError(f"{path.parent} is not a detaudit {what} directory (no {path.name})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DetauditError(f"{path} is corrupt: {e}") from None
+    except RecursionError:
+        raise DetauditError(f"{path} is corrupt: nested deeper than any detaudit file") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError; an integer of more than 4300 digits
+        raise DetauditError(f"{path} is corrupt: {str(e)[:160]}") from None
     except OSError as e:
         raise DetauditError(f"cannot read {path}: {e.strerror}") from None
+    why = _malformed(data)
+    if why:
+        raise DetauditError(f"{path} is corrupt: {why}")
+    return data
+
+
+def _malformed(obj: Any) -> str | None:
+    """What parsed JSON holds that no detaudit file does: nesting deeper than MAX_JSON_DEPTH (walked
+    without recursion, so later recursive code never meets it), or a string that is not Unicode (a lone
+    surrogate `\\ud800` parses, then fails every write and print)."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                return f"nested more than {MAX_JSON_DEPTH} levels deep"
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            stack.extend((x, depth + 1) for kv in items for x in kv)
+        elif isinstance(node, str):
+            try:
+                node.encode()
+            except UnicodeEncodeError:
+                return f"a string holds a lone surrogate ({node[:40]!r})"
+    return None
 
 
 class RunDir:
@@ -122,17 +178,40 @@ class RunDir:
 
     def cell_path(self, cell_id: str) -> Path:
         """The cell's file; the id is checked against the grid's pattern first (ids come from
-        manifests, which are untrusted: `../../x` must never become a path)."""
+        manifests, which are untrusted: `../../x` must never become a path), and the path must resolve
+        inside the run directory (a symlinked `cells/` or cell file is refused)."""
         check_cell_id(cell_id, str(self.manifest_path))
-        return self.path / CELLS / f"{cell_id}.parquet"
+        path = self.path / CELLS / f"{cell_id}.parquet"
+        self._check_inside(path)
+        return path
+
+    def _check_inside(self, *paths: Path) -> None:
+        root = self.path.resolve()
+        for p in paths:
+            if not os.path.lexists(p):
+                continue
+            try:
+                p.resolve().relative_to(root)
+            except ValueError:
+                raise DetauditError(
+                    f"{p} resolves outside the run directory {self.path} (a symlink to {os.path.realpath(p)}); "
+                    "refused: a run directory holds its own files"
+                ) from None
+            except (OSError, RuntimeError) as e:  # a symlink loop
+                raise DetauditError(f"{p} cannot be resolved ({e}); refused") from None
+
+    def check_contained(self) -> None:
+        """The directories and files the run writes or reads resolve inside it."""
+        self._check_inside(*(self.path / name for name in (CELLS, MANIFEST, LOCK, LOGS)))
 
     # ---- lifecycle
     @contextmanager
     def locked(self) -> Iterator["RunDir"]:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+            self.check_contained()
             (self.path / CELLS).mkdir(exist_ok=True)
-            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
         except OSError as e:
             raise DetauditError(f"output path {self.path} is not writable: {e.strerror}") from None
         try:
@@ -163,9 +242,24 @@ class RunDir:
     def exists(self) -> bool:
         return self.manifest_path.exists()
 
+    def preflight(self) -> None:
+        """Before any work, creating nothing: refuse an output path that cannot become this run's
+        directory (a file, an unwritable place, a symlinked `cells/`, a corrupt manifest)."""
+        path = self.path.absolute()
+        if path.exists() and not path.is_dir():
+            raise DetauditError(f"output path {self.path} is not a directory")
+        if self.exists():
+            self.load()
+        elif path.is_dir():
+            self.check_contained()
+        why = unwritable(next(p for p in (path, *path.parents) if p.exists()))
+        if why:
+            raise DetauditError(f"output path {self.path} is not writable: {why}")
+
     def load(self) -> Manifest:
         if not self.path.is_dir():
             raise DetauditError(f"run directory {self.path} does not exist")
+        self.check_contained()
         self.manifest = Manifest.from_dict(read_json(self.manifest_path, "run"), str(self.manifest_path))
         return self.manifest
 
@@ -184,6 +278,7 @@ class RunDir:
                 raise DetauditError(
                     f"{self.path} holds a different sweep (different {diff}); use another --output-path"
                 )
+            widen_grid(old.config, manifest.config)  # a resumed sweep may add TP sizes, batch sizes, ...
             for cid, meta in manifest.cells.items():
                 old.cells.setdefault(cid, meta)
             old.environment_history.append(manifest.environment)

@@ -8,6 +8,7 @@ The driver alone writes the run directory (`runs.RunDir`), whichever executor ra
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from itertools import groupby
 from pathlib import Path
@@ -23,7 +24,7 @@ from detaudit.executors import CellGroup, CellJob, CellOutput, get_executor
 from detaudit.inputs import PromptSet, check_model, eos_ids, load_suites, tokenize, tokenizer_for
 from detaudit.manifest import CellMeta, Manifest, numerics_conflicts
 from detaudit.progress import CellProgress
-from detaudit.runs import RunDir, now
+from detaudit.runs import LOGS, RunDir, now
 
 
 @dataclass
@@ -51,12 +52,9 @@ def validate_devices(cfg: SweepConfig) -> None:
 
 def validate(cfg: SweepConfig) -> EngineInfo:
     """Everything about the grid that can be refused before any work; the engine's registry entry."""
-    from detaudit.backends import available
+    from detaudit.backends import check_backends
 
-    known = available()
-    for b in cfg.backends:
-        if b not in known:
-            raise DetauditError(f"unknown backend {b[:40]!r}; known backends: {', '.join(known)}")
+    check_backends(cfg.backends)
     info = get_engine(cfg.engine.name)
     check_tp_mode(info, cfg.tp_mode)
     if not info.server and (cfg.repeats != 1 or any(cfg.background_load) or cfg.engine.server):
@@ -73,10 +71,10 @@ def validate(cfg: SweepConfig) -> EngineInfo:
 def parse_shard(text: str | None) -> tuple[int, int] | None:
     if not text:
         return None
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise DetauditError(f"--shard {text!r}: expected I/N, e.g. 2/4") from None
+    match = re.fullmatch(r"([0-9]{1,6})/([0-9]{1,6})", text.strip())
+    if not match:
+        raise DetauditError(f"--shard {text[:40]!r}: expected I/N, e.g. 2/4")
+    i, n = int(match.group(1)), int(match.group(2))
     if n < 1 or not 1 <= i <= n:
         raise DetauditError(f"--shard {text!r}: need 1 <= I <= N")
     return i, n
@@ -90,6 +88,8 @@ def shard_cells(cfg: SweepConfig, shard: tuple[int, int] | None) -> list[Cell]:
         return cells
     i, n = shard
     mine = [c for k, c in enumerate(cells) if k % n == i - 1]
+    if not mine:
+        raise DetauditError(f"--shard {i}/{n}: the grid has {len(cells)} cells, so shard {i} holds none")
     refs = {cfg.reference(c) for c in mine}
     return [c for c in cells if c in mine or c in refs]
 
@@ -251,6 +251,8 @@ def run_sweep(
     console = console or Console(stderr=True)
     info = validate(cfg)
     executor = get_executor(cfg.executor, **(executor_options or {}))  # a missing extra fails before any work
+    shard_cells(cfg, shard)  # an empty shard too
+    RunDir(output_path).preflight()  # and an unusable output path
     suites, model, tokenizer, prompts = prepare(cfg, data_dir, console)
     cfg = replace(cfg, suites=tuple(prompts))  # YAML paths -> task names: cells are named by the task
     env = fingerprint.collect()
@@ -271,7 +273,7 @@ def run_sweep(
             check_numerics(run, {f"{b}@tp{tp}": info.numerics(b) for b, tp in {(c.backend, c.tp) for c in todo}})
         eos = tuple(eos_ids(model, tokenizer))
         groups = [
-            _group(cfg, model, eos, prompts, backend, tp, list(g), run.path / "logs")
+            _group(cfg, model, eos, prompts, backend, tp, list(g), run.path / LOGS)
             for (backend, tp), g in groupby(todo, key=lambda c: (c.backend, c.tp))
         ]
         by_id = {c.id: c for c in cells}

@@ -76,3 +76,22 @@ def with_embedded_tokenizer(dest: Path) -> Path:
         if (tok / f).exists():
             shutil.copy(tok / f, dest / f)
     return dest
+
+
+def build_cli_once(app):
+    """A context in which `CliRunner.invoke(app, ...)` reuses one click command: typer rebuilds it on every
+    invoke (about 0.1 s, most of the time of a refused case), where the real CLI builds it once per process."""
+    import contextlib
+
+    import pytest
+    import typer.main
+    import typer.testing
+
+    @contextlib.contextmanager
+    def ctx():
+        cmd = typer.main.get_command(app)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(typer.testing, "_get_command", lambda a: cmd if a is app else typer.main.get_command(a))
+            yield
+
+    return ctx()

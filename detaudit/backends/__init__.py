@@ -57,4 +57,23 @@ def get_backend(name: str) -> Backend:
     return BACKENDS[name]()
 
 
-__all__ = ["Backend", "ProcessGroup", "BACKENDS", "register_backend", "get_backend", "available"]
+def check_backends(names, option: str = "--backends") -> tuple[str, ...]:
+    """Every name registered and none twice: refused before any model work."""
+    known = available()
+    for name in names:
+        if name not in known:
+            raise DetauditError(f"unknown backend {str(name)[:40]!r}; known backends: {', '.join(known)}")
+    if len(set(names)) != len(names):
+        raise DetauditError(f"{option} lists a value twice: {', '.join(names)}")
+    return tuple(names)
+
+
+__all__ = [
+    "Backend",
+    "ProcessGroup",
+    "BACKENDS",
+    "register_backend",
+    "get_backend",
+    "available",
+    "check_backends",
+]

@@ -4,10 +4,10 @@ config object, makes one call into the library, and renders the result."""
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 from rich.markup import escape
-from typer.core import TyperGroup
 
 try:  # typer >= 0.20 vendors click
     from typer._click import echo
@@ -17,10 +17,10 @@ except ImportError:  # pragma: no cover - older typer on the real click
     from click import exceptions as cx
 
 from detaudit.cli import align, bench, catalog, results, sweep
-from detaudit.cli.common import err
+from detaudit.cli.common import App, Group, err, out
 
 
-class _OneLineErrors(TyperGroup):
+class _OneLineErrors(Group):
     """Usage errors (unknown option, bad choice, missing argument) print one line and exit 2, like every
     other bad input, instead of click's boxed usage text."""
 
@@ -42,13 +42,33 @@ class _OneLineErrors(TyperGroup):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
-app = typer.Typer(
+app = App(
     cls=_OneLineErrors,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
     help="Audit whether LLM inference is reproducible across TP sizes, batch sizes and numeric backends.",
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from detaudit import __version__
+
+        out.print(f"detaudit {__version__}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print detaudit's version and exit."),
+    ] = False,
+) -> None:
+    """Audit whether LLM inference is reproducible across TP sizes, batch sizes and numeric backends."""
+
+
 app.command()(sweep.sweep)
 app.command()(results.analyze)
 app.command()(results.report)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,6 +12,7 @@ from rich.progress import Progress
 from detaudit.cli.common import (
     ALL_BACKENDS,
     DEFAULT_MODEL,
+    App,
     BackendsOpt,
     DataDirOpt,
     DeviceOpt,
@@ -27,13 +29,21 @@ from detaudit.cli.common import (
     print_json,
     print_rows,
 )
+from detaudit.config import MAX_BATCH, MAX_NEW_TOKENS
 from detaudit.errors import DetauditError
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (speed targets live here, not in tests).")
+MAX_DIM = 1 << 20  # a matrix dimension, payload or token count past this is a typo, not a benchmark
+bench_app = App(no_args_is_help=True, help="Benchmarks (speed targets live here, not in tests).")
 SuiteOpt = Annotated[str, typer.Option("--suite", help="Suite name or lm-eval task YAML path.")]
-BatchOpt = Annotated[int, typer.Option("--batch-size")]
-NewTokOpt = Annotated[int, typer.Option("--max-new-tokens")]
+BatchOpt = Annotated[int, typer.Option("--batch-size", min=1, max=MAX_BATCH)]
+NewTokOpt = Annotated[int, typer.Option("--max-new-tokens", min=1, max=MAX_NEW_TOKENS)]
 CudaOpt = Annotated[str, typer.Option("--device", help="cuda (the target) or cpu.")]
+
+
+def _check_save(save: Optional[Path]) -> None:
+    """--save is checked before any work: the table is written as .md or .csv, nothing else."""
+    if save is not None and save.suffix not in (".md", ".csv"):
+        raise DetauditError(f"--save {str(save)[:80]}: expected a .md or .csv file name")
 
 
 def _print_bench(df, title: str, json_: bool, save: Optional[Path]) -> None:
@@ -45,7 +55,8 @@ def _print_bench(df, title: str, json_: bool, save: Optional[Path]) -> None:
         ]
         print_rows(rows, list(df.columns), title=f"{title} {df.attrs}")
     if save:
-        save.parent.mkdir(parents=True, exist_ok=True)
+        from detaudit.runs import atomic_write_bytes
+
         if save.suffix == ".md":
             from detaudit.fingerprint import collect
 
@@ -60,20 +71,22 @@ def _print_bench(df, title: str, json_: bool, save: Optional[Path]) -> None:
                 f"CPU capability {env.get('torch_build', {}).get('cpu_capability')}",
                 "",
             ]
-            save.write_text("\n".join(head) + df.to_markdown(index=False, floatfmt=".4g") + "\n")
+            text = "\n".join(head) + df.to_markdown(index=False, floatfmt=".4g") + "\n"
         else:
-            df.to_csv(save, index=False)
+            text = df.to_csv(index=False)
+        atomic_write_bytes(save, text.encode())
         err.print(f"wrote {save}")
 
 
 def _bench_prompts(model: str, suite: str, data_dir: Optional[Path]):
-    """The model (prepared if needed) and the suite's prompts as chat-templated token ids."""
+    """The model (prepared if needed) and the suite's prompts as chat-templated token ids; the suite is
+    read first (a bad suite is refused before the model is prepared)."""
     from detaudit import paths
     from detaudit.inputs import load_suites, tokenize, tokenizer_for
     from detaudit.models import resolve_model
 
-    ref = resolve_model(model, auto_prepare=True, console=err)
     (s,) = load_suites([suite], paths.data_dir(data_dir), None)
+    ref = resolve_model(model, auto_prepare=True, console=err)
     return ref, tokenize(s, tokenizer_for(ref.path)).token_ids
 
 
@@ -91,17 +104,15 @@ def bench_engine_cmd(
     save: SaveOpt = None,
 ):
     """Built-in engine tokens/s vs transformers' generate (same prompts, batch size, dtype, threads)."""
+    from detaudit.backends import check_backends
     from detaudit.bench.engine import bench_engine
     from detaudit.config import parse_str_list
 
+    bl = check_backends(parse_str_list(backends, "--backends"))
+    _check_save(save)
     ref, prompts = _bench_prompts(model, suite, data_dir)
     df = bench_engine(
-        ref,
-        prompts,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        dtype=dtype.value,
-        backends=parse_str_list(backends, "--backends"),
+        ref, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens, dtype=dtype.value, backends=bl
     )
     _print_bench(df, "engine", json_, save)
 
@@ -122,14 +133,17 @@ def bench_vllm_cmd(
     save: SaveOpt = None,
 ):
     """vLLM tokens/s with bf16 (vLLM's kernels) vs bio / bio+tbik (detaudit's plugin), per TP size."""
+    from detaudit.backends import check_backends
     from detaudit.bench.vllm import bench_vllm
-    from detaudit.config import check_tp_size, parse_int_list, parse_str_list
+    from detaudit.config import check_device, check_tp_size, parse_int_list, parse_str_list
     from detaudit.vllm import require_vllm
 
     require_vllm()
-    bl, tps = parse_str_list(backends, "--backends"), parse_int_list(tp, "--tp")
+    bl, tps = check_backends(parse_str_list(backends, "--backends")), parse_int_list(tp, "--tp")
     for t in tps:
         check_tp_size(t)
+    check_device(device)
+    _check_save(save)
     ref, prompts = _bench_prompts(model, suite, data_dir)
     with Progress(console=err) as prog:
         task = prog.add_task("vLLM engines", total=len(bl) * len(tps))
@@ -157,9 +171,11 @@ def bench_e2e_cmd(
     tp: Annotated[str, typer.Option("--tp", help="Comma-separated TP sizes (real TP: one GPU per rank).")] = "1",
     batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "8,32,64",
     prompt_tokens: Annotated[
-        int, typer.Option("--prompt-tokens", help="Random prompt ids per request (seeded).")
+        int, typer.Option("--prompt-tokens", min=1, max=MAX_DIM, help="Random prompt ids per request (seeded).")
     ] = 512,
-    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Decode steps timed per request.")] = 64,
+    new_tokens: Annotated[
+        int, typer.Option("--new-tokens", min=2, max=MAX_NEW_TOKENS, help="Decode steps timed per request.")
+    ] = 64,
     device: CudaOpt = "cuda",
     tp_mode: TpModeOpt = TpMode.real,
     cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs")] = True,
@@ -174,24 +190,28 @@ def bench_e2e_cmd(
     repeats: Annotated[
         int,
         typer.Option(
-            "--repeats", help="Timed calls per configuration; rows report the median, with the min and max ms per step."
+            "--repeats",
+            min=1,
+            max=MAX_BATCH,
+            help="Timed calls per configuration; rows report the median, with the min and max ms per step.",
         ),
     ] = 1,
     json_: JsonOpt = False,
     save: SaveOpt = None,
 ):
     """End to end: prefill and decode throughput of bf16, bio and bio+tbik, ratios to bf16 in the same run."""
+    from detaudit.backends import check_backends
     from detaudit.bench.e2e import bench_e2e
     from detaudit.config import EngineSettings, SweepConfig, parse_int_list, parse_str_list
     from detaudit.models import resolve_model
     from detaudit.sweep import validate_devices
 
-    if prompt_tokens < 1 or new_tokens < 2 or repeats < 1:
-        raise DetauditError("--prompt-tokens must be >= 1, --new-tokens >= 2 and --repeats >= 1")
     if compare_graphs and not device.startswith("cuda"):
         raise DetauditError("--compare-graphs needs a CUDA device (CUDA graphs are GPU only)")
     tps, bss = parse_int_list(tp, "--tp"), parse_int_list(batch_sizes, "--batch-sizes")
-    bl = parse_str_list(backends, "--backends")
+    bl = check_backends(parse_str_list(backends, "--backends"))
+    names = parse_str_list(models, "--models")
+    _check_save(save)
     cfg = SweepConfig(
         model="-",
         suites=("-",),
@@ -202,7 +222,7 @@ def bench_e2e_cmd(
         engine=EngineSettings(device=device),
     )
     validate_devices(cfg)  # TP sizes, batch sizes, modes and GPU count checked as a sweep's are
-    refs = [resolve_model(m, auto_prepare=True, console=err) for m in parse_str_list(models, "--models")]
+    refs = [resolve_model(m, auto_prepare=True, console=err) for m in names]
     with Progress(console=err) as prog:
         task = prog.add_task("e2e", total=len(refs) * len(tps) * len(bl) * len(bss) * (2 if compare_graphs else 1))
         df = bench_e2e(
@@ -235,16 +255,21 @@ def bench_kernels_cmd(
     import torch
 
     from detaudit.bench.kernels import bench_kernels
-    from detaudit.config import parse_int_list
+    from detaudit.config import check_device, parse_int_list, parse_str_list
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if check_device(device).startswith("cuda") and not torch.cuda.is_available():
         raise DetauditError("--device cuda: no CUDA device is visible (use --device cpu)")
-    try:
-        shapes = tuple(tuple(int(v) for v in s.lower().split("x")) for s in kn.split(",") if s.strip())
-        assert all(len(s) == 2 and min(s) > 0 for s in shapes)
-    except (ValueError, AssertionError):
-        raise DetauditError(f"--kn {kn!r}: expected KxN pairs such as 4096x4096,6144x2048") from None
-    ms = parse_int_list(m, "--m")
+    shapes = []
+    for pair in parse_str_list(kn, "--kn"):
+        match = re.fullmatch(r"([0-9]{1,9})[xX]([0-9]{1,9})", pair)
+        if not match:
+            raise DetauditError(f"--kn {pair[:40]!r}: expected KxN pairs such as 4096x4096,6144x2048")
+        shape = (int(match[1]), int(match[2]))
+        if not all(1 <= v <= MAX_DIM for v in shape):
+            raise DetauditError(f"--kn {pair}: K and N must be between 1 and {MAX_DIM}")
+        shapes.append(shape)
+    ms = parse_int_list(m, "--m", 1, MAX_DIM)
+    _check_save(save)
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("kernels", total=len(ms) * len(shapes))
         df = bench_kernels(device, getattr(torch, dtype.value), ms, shapes, progress=lambda: progress.advance(task))
@@ -260,8 +285,10 @@ def bench_allreduce_cmd(
         str,
         typer.Option("--tokens", help="Comma-separated row counts of the partial (decode batches, prefill chunks)."),
     ] = "8,32,512,4096,16384",
-    hidden: Annotated[int, typer.Option("--hidden", help="Columns of the partial (the model's hidden size).")] = 4096,
-    reps: Annotated[int, typer.Option("--reps")] = 20,
+    hidden: Annotated[
+        int, typer.Option("--hidden", min=8, max=1 << 16, help="Columns of the partial (the model's hidden size).")
+    ] = 4096,
+    reps: Annotated[int, typer.Option("--reps", min=1, max=MAX_BATCH)] = 20,
     json_: JsonOpt = False,
     save: SaveOpt = None,
 ):
@@ -270,17 +297,16 @@ def bench_allreduce_cmd(
     import torch
 
     from detaudit.bench.allreduce import bench_allreduce
-    from detaudit.config import parse_int_list
+    from detaudit.config import check_device, check_tp_size, parse_int_list
 
     worlds = parse_int_list(ranks, "--ranks")
-    if device.startswith("cuda") and max(worlds) > torch.cuda.device_count():
+    for w in worlds:
+        check_tp_size(w, "--ranks")  # one process per rank, as a TP group runs
+    rows = parse_int_list(tokens, "--tokens", 1, 1 << 20)
+    _check_save(save)
+    if check_device(device).startswith("cuda") and max(worlds) > torch.cuda.device_count():
         raise DetauditError(f"--ranks {max(worlds)} needs {max(worlds)} GPUs; {torch.cuda.device_count()} visible")
     df = pd.concat(
-        [
-            bench_allreduce(
-                w, "cuda" if device.startswith("cuda") else "cpu", parse_int_list(tokens, "--tokens"), hidden, reps
-            )
-            for w in worlds
-        ]
+        [bench_allreduce(w, "cuda" if device.startswith("cuda") else "cpu", rows, hidden, reps) for w in worlds]
     )
     _print_bench(df, f"allreduce ({device})", json_, save)

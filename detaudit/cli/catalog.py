@@ -11,6 +11,7 @@ from rich.table import Table
 
 from detaudit.cli.common import (
     DEFAULT_MODEL,
+    App,
     DataDirOpt,
     JsonOpt,
     LimitOpt,
@@ -23,9 +24,9 @@ from detaudit.cli.common import (
     print_rows,
 )
 
-models_app = typer.Typer(no_args_is_help=True, help="Named models and local checkpoints.")
-suites_app = typer.Typer(no_args_is_help=True, help="Prompt suites.")
-backends_app = typer.Typer(no_args_is_help=True, help="Numeric backends.")
+models_app = App(no_args_is_help=True, help="Named models and local checkpoints.")
+suites_app = App(no_args_is_help=True, help="Prompt suites.")
+backends_app = App(no_args_is_help=True, help="Numeric backends.")
 
 
 def _ls(app: typer.Typer, rows: Callable[[], list[dict]], columns: list[str], doc: str) -> None:
@@ -101,8 +102,10 @@ def suites_show(
 ):
     """Show a suite's prompts and answers, its decoding (generation_kwargs) and its prompt form."""
     from detaudit import paths
+    from detaudit.config import check_limit
     from detaudit.suites import load_suite
 
+    check_limit(limit)
     suite = load_suite(name, data_dir=paths.data_dir(data_dir), limit=limit, trust_paths=trust_suite_paths)
     rows = [{"id": p.id, "answer": p.answer, "text": p.text} for p in suite.prompts]
     ignored = list(suite.ignored_keys)
@@ -139,6 +142,18 @@ def suites_show(
     print_rows([{**r, "text": r["text"][:100].replace("\n", " ")} for r in rows], ["id", "answer", "text"])
 
 
+def _engine_state(info) -> str:
+    """An engine's name, and why it cannot run here when its extra is missing."""
+    from detaudit.errors import DetauditError
+
+    try:
+        if info.requires is not None:
+            info.requires()
+    except DetauditError as e:
+        return f"{info.name} (unavailable: {e})"
+    return info.name
+
+
 @handle_errors
 def doctor(json_: JsonOpt = False):
     """Print the environment fingerprint and check the installation."""
@@ -147,7 +162,7 @@ def doctor(json_: JsonOpt = False):
     from detaudit.engines import ENGINES
 
     env = fingerprint.collect()
-    checks = {"backends": ", ".join(available()), "engines": ", ".join(ENGINES)}
+    checks = {"backends": ", ".join(available()), "engines": ", ".join(map(_engine_state, ENGINES.values()))}
     try:
         from detaudit.models import list_models
 

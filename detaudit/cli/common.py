@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperCommand, TyperGroup
 
 from detaudit.config import DecodingParams
 from detaudit.errors import DetauditError
@@ -56,6 +57,37 @@ def handle_errors(fn):
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def _flags_take_no_value(params: list) -> list:
+    """typer's help shows every option's type, a flag's as `<bool>` as if it took a value: an empty
+    metavar shows nothing there (a flag's on / off forms say what it does)."""
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class Command(TyperCommand):
+    def get_params(self, ctx):
+        return _flags_take_no_value(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    def get_params(self, ctx):
+        return _flags_take_no_value(super().get_params(ctx))
+
+
+class App(typer.Typer):
+    """A typer app whose groups and commands show flags without a value placeholder."""
+
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("cls", Group)
+        super().__init__(**kwargs)
+
+    def command(self, *args, **kwargs):
+        kwargs.setdefault("cls", Command)
+        return super().command(*args, **kwargs)
 
 
 def _finite(obj):

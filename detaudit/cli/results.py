@@ -13,9 +13,12 @@ from detaudit.cli.common import JsonOpt, RunDirArg, err, handle_errors, out, pri
 from detaudit.errors import DetauditError
 
 
-def analyze_and_report(run_dir: Path, formats, json_: bool):
+def analyze_and_report(run_dir: Path, formats, json_: bool, output_path: Optional[Path] = None):
+    """Print the summary, then write the report files into `output_path` (default: the run directory;
+    a read-only one, e.g. a downloaded CI artifact, is only printed, and a note says so)."""
     from detaudit.analyze import analyze as do_analyze
     from detaudit.render import render_summary, write_reports
+    from detaudit.runs import unwritable
 
     analysis = do_analyze(run_dir)
     if json_:
@@ -23,17 +26,29 @@ def analyze_and_report(run_dir: Path, formats, json_: bool):
     else:
         for r in render_summary(analysis):  # table + "nothing to compare: ..." lines
             out.print(r)
-    files = write_reports(analysis, run_dir, formats=formats)
+    why = unwritable(run_dir) if output_path is None else None
+    if why:
+        err.print(
+            f"[yellow]note:[/] report files not written: {run_dir} is read-only ({why}); -o DIR writes them there"
+        )
+        return analysis
+    files = write_reports(analysis, output_path or run_dir, formats=formats)
     err.print("wrote " + ", ".join(str(f) for f in files))
     return analysis
 
 
 @handle_errors
 def analyze(
-    run_dir: RunDirArg, json_: Annotated[bool, typer.Option("--json", help="Print the summary rows as JSON.")] = False
+    run_dir: RunDirArg,
+    json_: Annotated[bool, typer.Option("--json", help="Print the summary rows as JSON.")] = False,
+    output_path: Annotated[
+        Optional[Path],
+        typer.Option("--output-path", "-o", help="Where to write report.md and the CSVs (default: the run directory)."),
+    ] = None,
 ):
-    """Metrics per (model, suite, backend): unique outputs, probability divergence, accuracy, ..."""
-    analyze_and_report(run_dir, ("md", "csv"), json_)
+    """Metrics per (model, suite, backend): unique outputs, probability divergence, accuracy, ...
+    A read-only run directory is analysed and printed; its report files go to -o, if given."""
+    analyze_and_report(run_dir, ("md", "csv"), json_, output_path)
 
 
 @handle_errors
@@ -48,11 +63,15 @@ def report(
     from detaudit.analyze import analyze as do_analyze
     from detaudit.config import parse_str_list
     from detaudit.render import FORMATS, write_reports
+    from detaudit.runs import RunDir, unwritable
 
     formats = parse_str_list(format, "--format")
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         raise DetauditError(f"--format {','.join(bad)}: choose among {', '.join(FORMATS)}")
+    why = unwritable(run_dir) if output_path is None and RunDir(run_dir).exists() else None
+    if why:
+        raise DetauditError(f"cannot write the reports into {run_dir} ({why}): pass -o DIR to write them elsewhere")
     for f in write_reports(do_analyze(run_dir), output_path or run_dir, formats=formats):
         out.print(str(f))
 

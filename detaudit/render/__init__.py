@@ -238,10 +238,9 @@ def _plain(obj: Any) -> Any:
 
 
 def write_file(path: str | Path, text: str) -> Path:
-    """Atomic write, world-readable like any report file (the temporary file is created 0600)."""
+    """Atomic write, with the mode the umask gives (as every run directory file)."""
     path = Path(path)
     atomic_write_bytes(path, text.encode())
-    path.chmod(0o644)
     return path
 
 

@@ -177,3 +177,298 @@ def test_disk_full_while_writing_a_cell_loses_nothing(done_run, tmp_path):
     }
     assert runner.invoke(app, ["analyze", str(run)]).exit_code == 0
     json.loads((run / "manifest.json").read_text())  # never left half-written
+
+
+# ---------------------------------------------------------------- the fast matrix: every command
+# Each input is refused before any model work (the model resolver and the engine opener are replaced by
+# a guard that fails the test if called: a real sweep would load the model there) and before anything is
+# written: one line, exit 2, no traceback, the working directory and the run directory unchanged.
+# {run} is a valid run directory, {file} a plain file, {tmp} an empty directory.
+
+SWEEP = [
+    ("--temperature nan", "--temperature must be >= 0 and finite"),
+    ("--temperature inf", "--temperature must be >= 0 and finite"),
+    ("--temperature -inf", "--temperature must be >= 0 and finite"),
+    ("--temperature -1", "--temperature must be >= 0"),
+    ("--temperature 0.001", "must be 0 (greedy) or >= 0.01"),
+    ("--temperature 1e-300", "must be 0 (greedy) or >= 0.01"),
+    ("--temperature warm", "Invalid value for '--temperature'"),
+    ("--top-p nan", "--top-p must be in (0, 1]"),
+    ("--top-p inf", "--top-p must be in (0, 1]"),
+    ("--top-p 0", "--top-p must be in (0, 1]"),
+    ("--top-p 1.5", "--top-p must be in (0, 1]"),
+    ("--temperature 0 --top-p nan", "--top-p must be in (0, 1]"),
+    ("--top-k -1", "--top-k must be between 0 and"),
+    ("--top-k 2147483648", "--top-k must be between 0 and"),
+    ("--top-k 99999999999999999999999", "--top-k must be between 0 and"),
+    ("--top-k 2.5", "Invalid value for '--top-k'"),
+    ("--seed -1", "--seed must be between 0 and 2**63 - 1"),
+    ("--seed 9223372036854775808", "--seed must be between 0 and 2**63 - 1"),
+    ("--seed 1180591620717411303424", "--seed must be between 0 and 2**63 - 1"),
+    ("--seed 1e3", "Invalid value for '--seed'"),
+    ("--logprobs 4", "--logprobs must be >= 5"),
+    ("--logprobs 0", "--logprobs must be >= 5"),
+    ("--logprobs 21", "--logprobs must be <= 20"),
+    ("--logprobs 100000", "--logprobs must be <= 20"),
+    ("--max-new-tokens 0", "--max-new-tokens must be between 1 and"),
+    ("--max-new-tokens -3", "--max-new-tokens must be between 1 and"),
+    ("--max-new-tokens 99999999999999999999", "--max-new-tokens must be between 1 and"),
+    ("--device tpu", "--device 'tpu': must be cpu or cuda"),
+    ("--device cuda:x", "must be cpu or cuda"),
+    ("--device CPU", "must be cpu or cuda"),
+    ("--device cuda:123", "must be cpu or cuda"),
+    ("--device cpu,cuda", "must be cpu or cuda"),
+    ("--tp 1,,2", "an item of the comma-separated list is empty"),
+    ("--tp ,1", "an item of the comma-separated list is empty"),
+    ("--tp 1,", "an item of the comma-separated list is empty"),
+    ("--tp 1_0", "comma-separated integers"),
+    ("--tp \u0663", "comma-separated integers"),
+    ("--tp 0x2", "comma-separated integers"),
+    ("--tp 1.0", "comma-separated integers"),
+    ("--tp a,b", "comma-separated integers"),
+    ("--tp 3", "TP size must be one of 1, 2, 4, 8"),
+    ("--tp 0", "TP size must be one of 1, 2, 4, 8"),
+    ("--tp -2", "TP size must be one of 1, 2, 4, 8"),
+    ("--tp 16", "TP size must be one of 1, 2, 4, 8"),
+    ("--tp 1,1", "lists a value twice"),
+    ("--tp 99999999999999999999999999999999999", "comma-separated integers"),
+    ("--backends bio,,bf16", "an item of the comma-separated list is empty"),
+    ("--backends ,", "--backends is empty"),
+    ("--backends nope", "unknown backend 'nope'"),
+    ("--backends bio,bio", "lists a value twice"),
+    ("--backends BIO", "unknown backend 'BIO'"),
+    ("--suites smoke,,aime24", "an item of the comma-separated list is empty"),
+    ("--suites ,", "--suites is empty"),
+    ("--suites nope", "unknown suite"),
+    ("--suites smoke,smoke", "lists a value twice"),
+    ("--suites {tmp}/missing.yaml", "missing.yaml"),
+    ("--batch-sizes 0", "batch size must be between 1 and"),
+    ("--batch-sizes -4", "batch size must be between 1 and"),
+    ("--batch-sizes 100001", "batch size must be between 1 and"),
+    ("--batch-sizes 99999999999999999999", "batch size must be between 1 and"),
+    ("--batch-sizes 1,,2", "an item of the comma-separated list is empty"),
+    ("--batch-sizes 4,4", "lists a value twice"),
+    ("--batch-sizes x", "comma-separated integers"),
+    ("--batch-sizes 4 --concurrency 8", "--concurrency is an alias of --batch-sizes"),
+    ("--concurrency 0", "batch size must be between 1 and"),
+    ("--background-load -1", "--background-load -1: must be between 0 and"),
+    ("--background-load 100001", "must be between 0 and"),
+    ("--background-load 2", "apply to server engines"),
+    ("--background-load 0,0", "lists a value twice"),
+    ("--repeats 0", "--repeats must be between 1 and"),
+    ("--repeats 2", "apply to server engines"),
+    ("--repeats 100001", "--repeats must be between 1 and"),
+    ("--limit 0", "--limit must be between 1 and"),
+    ("--limit -1", "--limit must be between 1 and"),
+    ("--limit 99999999999999999999999999", "--limit must be between 1 and"),
+    ("--limit ten", "Invalid value for '--limit'"),
+    ("--hang-timeout 0", "--hang-timeout must be > 0"),
+    ("--hang-timeout -1", "--hang-timeout must be > 0"),
+    ("--hang-timeout nan", "--hang-timeout must be > 0"),
+    ("--hang-timeout inf", "--hang-timeout must be > 0"),
+    ("--engine openai --base-url http://127.0.0.1:9/v1 --request-timeout nan", "--request-timeout must be > 0"),
+    ("--engine openai --base-url http://127.0.0.1:9/v1 --request-timeout 0", "--request-timeout must be > 0"),
+    ("--engine openai --api nope", "--api nope: must be one of"),
+    ("--engine openai --prompt-format xml", "--prompt-format xml: must be one of"),
+    ("--engine openai --server-kind tgi", "--server-kind tgi: must be one of"),
+    ("--engine openai --background-prompts none", "--background-prompts none: must be one of"),
+    ("--engine openai", "needs --base-url"),
+    ("--engine openai --base-url ftp://x", "expected http(s)://HOST[:PORT]/v1"),
+    ("--api-key-env KEY", "apply to server engines"),
+    ("--server-model m", "apply to server engines"),
+    ("--shard 0/0", "need 1 <= I <= N"),
+    ("--shard 1/0", "need 1 <= I <= N"),
+    ("--shard 3/2", "need 1 <= I <= N"),
+    ("--shard a/b", "expected I/N"),
+    ("--shard 1/2/3", "expected I/N"),
+    ("--shard 99999999999999999999/99999999999999999999", "expected I/N"),
+    ("--shard 13/13", "holds none"),
+    ("--executor nope", "unknown executor 'nope'"),
+    ("--max-retries 3", "apply to --executor ray only"),
+    ("--ray-address 127.0.0.1:6379", "apply to --executor ray only"),
+    ("--engine sglang", "unknown engine"),
+    ("--engine vllm --tp-mode emulated", "runs TP mode real only"),
+    ("--tp-mode fake", "Invalid value for '--tp-mode'"),
+    ("--dtype float16", "Invalid value for '--dtype'"),
+    ("--greedy --temperature 0.9", "conflicting flags"),
+    ("--greedy --top-k 5", "conflicting flags"),
+    ("--no-such-flag", "No such option: --no-such-flag"),
+    ("--data-dir {tmp}/nope --suites aime24", "does not exist or is not a directory"),
+    ("-o {file}", "is not a directory"),
+    ("-o {file}/run", "is not writable"),
+    ("-o /proc/detaudit-run", "is not writable"),
+]
+RUN_DIRS = [
+    ("analyze {tmp}/none", "does not exist"),
+    ("analyze {file}", "does not exist"),
+    ("analyze {tmp}", "not a detaudit run directory"),
+    ("analyze {run} --bogus", "No such option: --bogus"),
+    ("analyze", "Missing argument"),
+    ("report {tmp}/none", "does not exist"),
+    ("report {run} --format pdf", "--format pdf: choose among"),
+    ("report {run} --format md,,csv", "an item of the comma-separated list is empty"),
+    ("report {run} --format ,", "--format is empty"),
+    ("report {tmp}", "not a detaudit run directory"),
+    ("gate {tmp}/none", "does not exist"),
+    ("gate {run} --policy {tmp}/none.yaml", "does not exist"),
+    ("gate {run} --policy {file}", "not valid YAML"),
+    ("gate {run} --baseline {tmp}/none", "does not exist"),
+    ("gate {run} --json=yes", "does not take a value"),
+    ("gate", "Missing argument"),
+    ("merge", "merge needs at least one run directory"),
+    ("merge {run}", "merge needs --output-path"),
+    ("merge {run} {run} -o {tmp}/m", "is given twice"),
+    ("merge {run} {run}/. -o {tmp}/m", "is given twice"),
+    ("merge {run} -o {run}/cells/sub", "lies inside the input run directory"),
+    ("merge {run} -o {run}", "lies inside the input run directory"),
+    ("merge {run} -o {file}", "already exists"),
+    ("merge {tmp}/none -o {tmp}/m", "does not exist"),
+    ("merge {tmp} -o {tmp}/../m", "not a detaudit run directory"),
+    ("merge {tmp} -o {tmp}/m", "lies inside the input run directory"),
+    ("diff {tmp}/none {run}", "does not exist"),
+    ("diff {run} {tmp}/none", "does not exist"),
+    ("diff {run} {file}", "does not exist"),
+    ("diff {run}", "Missing argument"),
+]
+OTHERS = [
+    ("bench engine --batch-size 0", "Invalid value for '--batch-size'"),
+    ("bench engine --batch-size -1", "Invalid value for '--batch-size'"),
+    ("bench engine --batch-size 100001", "Invalid value for '--batch-size'"),
+    ("bench engine --max-new-tokens 0", "Invalid value for '--max-new-tokens'"),
+    ("bench engine --backends bio,,bf16", "an item of the comma-separated list is empty"),
+    ("bench engine --backends nope", "unknown backend 'nope'"),
+    ("bench engine --suite nope", "unknown suite"),
+    ("bench engine --save {tmp}/x.txt", "expected a .md or .csv file name"),
+    ("bench engine --dtype half", "Invalid value for '--dtype'"),
+    ("bench vllm --tp 3", "TP size must be one of 1, 2, 4, 8"),
+    ("bench vllm --tp 1,,2", "an item of the comma-separated list is empty"),
+    ("bench vllm --device tpu", "must be cpu or cuda"),
+    ("bench vllm --backends nope", "unknown backend 'nope'"),
+    ("bench vllm --batch-size 0", "Invalid value for '--batch-size'"),
+    ("bench e2e --device tpu", "must be cpu or cuda"),
+    ("bench e2e --device cpu --batch-sizes 0", "batch size must be between 1 and"),
+    ("bench e2e --device cpu --tp 3", "TP size must be one of 1, 2, 4, 8"),
+    ("bench e2e --device cpu --prompt-tokens 0", "Invalid value for '--prompt-tokens'"),
+    ("bench e2e --device cpu --new-tokens 1", "Invalid value for '--new-tokens'"),
+    ("bench e2e --device cpu --repeats 0", "Invalid value for '--repeats'"),
+    ("bench e2e --device cpu --models ,", "--models is empty"),
+    ("bench e2e --device cpu --backends nope", "unknown backend 'nope'"),
+    ("bench e2e --device cpu --compare-graphs", "--compare-graphs needs a CUDA device"),
+    ("bench e2e --device cpu --save {tmp}/x.json", "expected a .md or .csv file name"),
+    ("bench kernels --device tpu", "must be cpu or cuda"),
+    ("bench kernels --device cpu --m 0", "--m 0: must be between 1 and"),
+    ("bench kernels --device cpu --m -1", "--m -1: must be between 1 and"),
+    ("bench kernels --device cpu --m 8,,32", "an item of the comma-separated list is empty"),
+    ("bench kernels --device cpu --kn 0x4", "--kn 0x4: K and N must be between 1 and"),
+    ("bench kernels --device cpu --kn axb", "expected KxN pairs"),
+    ("bench kernels --device cpu --kn 4096", "expected KxN pairs"),
+    ("bench kernels --device cpu --kn 4x4x4", "expected KxN pairs"),
+    ("bench allreduce --device cpu --ranks 0", "--ranks 0: TP size must be one of"),
+    ("bench allreduce --device cpu --ranks 3", "--ranks 3: TP size must be one of"),
+    ("bench allreduce --device cpu --ranks 99999", "--ranks 99999: TP size must be one of"),
+    ("bench allreduce --device tpu", "must be cpu or cuda"),
+    ("bench allreduce --device cpu --tokens 0", "--tokens 0: must be between 1 and"),
+    ("bench allreduce --device cpu --tokens 4294967296", "--tokens 4294967296: must be between 1 and"),
+    ("bench allreduce --device cpu --hidden 0", "--hidden"),
+    ("bench allreduce --device cpu --reps 0", "Invalid value for '--reps'"),
+    ("bench nope", "No such command 'nope'"),
+    ("align --batch-size 0", "--batch-size must be between 1 and"),
+    ("align --batch-size 100001", "--batch-size must be between 1 and"),
+    ("align --rollout builtin:3", "TP size must be one of 1, 2, 4, 8"),
+    ("align --rollout nope:1", "unknown engine 'nope'"),
+    ("align --rollout openai:1", "unknown engine 'openai'"),
+    ("align --rollout builtin", "expected ENGINE:TP"),
+    ("align --rollout builtin:99999999999999999999999999999", "expected ENGINE:TP"),
+    ("align --trainer builtin:-1", "expected ENGINE:TP"),
+    ("align --trainer :1", "unknown engine ''"),
+    ("align --temperature nan", "--temperature must be >= 0 and finite"),
+    ("align --seed -5", "--seed must be between 0 and"),
+    ("align --device tpu", "must be cpu or cuda"),
+    ("align --backends bio,,bf16", "an item of the comma-separated list is empty"),
+    ("align --backends nope", "unknown backend 'nope'"),
+    ("align --limit 0", "--limit must be between 1 and"),
+    ("align --tp-mode fake", "Invalid value for '--tp-mode'"),
+    ("align --max-new-tokens 0", "--max-new-tokens must be between 1 and"),
+    ("models prepare nope", "unknown model 'nope'"),
+    ("models prepare ../../etc", "unknown model '../../etc'"),
+    ("models ls --bogus", "No such option: --bogus"),
+    ("models nope", "No such command 'nope'"),
+    ("suites show nope", "unknown suite 'nope'"),
+    ("suites show smoke --limit 0", "--limit must be between 1 and"),
+    ("suites show smoke --limit -4", "--limit must be between 1 and"),
+    ("suites show smoke --limit 99999999999999999999", "--limit must be between 1 and"),
+    ("suites show {tmp}/none.yaml", "none.yaml"),
+    ("suites ls --bogus", "No such option: --bogus"),
+    ("backends ls --bogus", "No such option: --bogus"),
+    ("backends ls extra", "Got unexpected extra argument"),
+    ("doctor --bogus", "No such option: --bogus"),
+    ("doctor --json=1", "does not take a value"),
+    ("nope", "No such command 'nope'"),
+]
+MATRIX = [("sweep " + a, m) for a, m in SWEEP] + RUN_DIRS + OTHERS
+
+
+def test_the_matrix_is_large_and_distinct():
+    inputs = [a for a, _ in MATRIX]
+    assert len(inputs) == len(set(inputs)) >= 150
+    groups = ("bench", "models", "suites", "backends")
+    commands = {" ".join(a.split()[:2]) if a.startswith(groups) else a.split()[0] for a in inputs}
+    assert {"sweep", "analyze", "report", "gate", "merge", "diff", "align", "doctor", "backends ls"} <= commands
+    assert {"bench engine", "bench vllm", "bench e2e", "bench kernels", "bench allreduce"} <= commands
+    assert {"models prepare", "models ls", "suites show", "suites ls"} <= commands
+
+
+@pytest.fixture(scope="module")
+def matrix_root(tmp_path_factory):
+    from unit.test_analyze import invariant_cells, make_run
+
+    root = tmp_path_factory.mktemp("matrix")
+    make_run(root / "run", invariant_cells(), backends=("bio+tbik",))
+    (root / "file").write_text("a plain file: [unclosed\n")
+    (root / "empty").mkdir()
+    (root / "cwd").mkdir()
+    (root / "home").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module", autouse=False)
+def fast_cli():
+    from helpers import build_cli_once
+
+    with build_cli_once(app):
+        yield
+
+
+def _tree(root):
+    """Every path with its type, and a file's size and mtime: what a write changes. (A directory's mtime
+    is left out: the sweep's writability probe creates and removes an empty directory.)"""
+    tree = {}
+    for p in root.rglob("*"):
+        st = p.lstat()
+        tree[str(p.relative_to(root))] = (st.st_mode,) if p.is_dir() else (st.st_mode, st.st_size, st.st_mtime_ns)
+    return tree
+
+
+@pytest.mark.parametrize("line, message", MATRIX, ids=[a for a, _ in MATRIX])
+def test_bad_input_is_refused_before_any_work(matrix_root, fast_cli, monkeypatch, line, message):
+    import shlex
+
+    import detaudit.engines
+    import detaudit.models
+
+    def no_model_work(*args, **kwargs):
+        raise AssertionError("model work started: the input should have been refused before it")
+
+    monkeypatch.setattr(detaudit.models, "resolve_model", no_model_work)
+    monkeypatch.setattr(detaudit.engines, "open_engine", no_model_work)
+    monkeypatch.setenv("DETAUDIT_HOME", str(matrix_root / "home"))
+    monkeypatch.chdir(matrix_root / "cwd")  # relative default outputs (runs/default) would land here
+    args = [
+        a.format(run=matrix_root / "run", file=matrix_root / "file", tmp=matrix_root / "empty")
+        for a in shlex.split(line)
+    ]
+    before = _tree(matrix_root)
+    res = runner.invoke(app, args)
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    _bad(res, message)
+    assert _tree(matrix_root) == before  # nothing written, anywhere

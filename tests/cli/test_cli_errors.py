@@ -18,13 +18,13 @@ runner = CliRunner()
         (["--tp", "a,b"], "comma-separated integers"),
         (["--batch-sizes", "0"], "batch size must be between 1 and"),
         (["--batch-sizes", "-4"], "batch size must be between 1 and"),
-        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be between 1 and"),
         (["--backends", "bf16,nope"], "unknown backend 'nope'"),
         (["--suites", "nope"], "unknown suite"),
         (["--logprobs", "3"], "--logprobs must be >= 5"),
         (["--tp-mode", "fake"], "Invalid value for '--tp-mode'"),
         (["--dtype", "float16"], "Invalid value for '--dtype'"),
-        (["--limit", "0"], "--limit must be >= 1"),
+        (["--limit", "0"], "--limit must be between 1 and"),
         (["--temperature", "-1"], "--temperature must be >= 0"),
         (["--tp", "1,1"], "lists a value twice"),
         (["--device", "cuda", "--tp", "2"], "no CUDA device"),
@@ -86,3 +86,54 @@ def test_usage_errors_are_one_line(args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert len([line for line in result.output.splitlines() if line.strip()]) == 1, result.output
+
+
+def test_version():
+    from detaudit import __version__
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"detaudit {__version__}"
+
+
+def _helps(group=None, path=()):
+    """`--help` of every command and group of the CLI."""
+    import typer.main
+
+    group = group or typer.main.get_command(app)
+    yield path
+    for name, cmd in getattr(group, "commands", {}).items():
+        yield from _helps(cmd, (*path, name)) if hasattr(cmd, "commands") else [(*path, name)]
+
+
+def test_help_shows_no_value_placeholder_for_flags():
+    """Flags (--json, --greedy, --cuda-graphs/--no-cuda-graphs, --help, ...) take no value: their help
+    row shows none (typer printed `<bool>` for each, as if it took one); options with values keep theirs."""
+    seen = 0
+    for path in _helps():
+        result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (path, result.output)
+        assert "<bool>" not in result.output, path
+        assert "--help" in result.output
+        seen += 1
+    assert seen >= 20
+    sweep_help = runner.invoke(app, ["sweep", "--help"], env={"COLUMNS": "200"}).output
+    assert "<int>" in sweep_help and "<float>" in sweep_help  # value placeholders stay
+
+
+def test_doctor_says_which_engines_cannot_run(monkeypatch):
+    """An engine whose extra is missing is listed with why (a registered engine whose `requires` fails,
+    as vLLM's does where vLLM is not installed)."""
+    import json
+
+    from detaudit.engines import ENGINES, EngineInfo
+    from detaudit.errors import DetauditError
+
+    def missing():
+        raise DetauditError("--engine absent needs the absent extra: pip install 'detaudit[absent]'")
+
+    monkeypatch.setitem(ENGINES, "absent", EngineInfo("absent", lambda o: None, "test engine", requires=missing))
+    result = runner.invoke(app, ["doctor", "--json"])
+    engines = json.loads(result.stdout)["checks"]["engines"]
+    assert "builtin," in engines and "absent (unavailable: --engine absent needs the absent extra" in engines
+    text = runner.invoke(app, ["doctor"], env={"COLUMNS": "300"}).output
+    assert "absent (unavailable" in text

@@ -169,3 +169,23 @@ def test_numerics_conflicts_name_the_backend_and_field():
     assert numerics_conflicts({"bio@tp1": bio}, {"bio@tp1": same_code_other_torch}) == []
     assert numerics_conflicts({"bio@tp1": bio}, {"bio@tp2": other_norm}) == []  # another key: nothing recorded
     assert numerics_conflicts({"bio@tp1": bio}, {"bio@tp1": other_norm}) == ["bio@tp1 (rms_norm)"]
+
+
+def test_a_resumed_sweep_that_adds_cells_widens_the_grid(tmp_path):
+    """Resuming with another batch size adds its cells: the grid grows with them, so the run directory
+    stays valid (a cell outside the configured grid is refused on read)."""
+    small = manifest(cells=(A,))
+    small.config["batch_sizes"] = [1]
+    with RunDir(tmp_path / "r").locked() as run:
+        run.init_or_check(small)
+    with RunDir(tmp_path / "r").locked() as run:
+        run.init_or_check(manifest())
+    m = RunDir(tmp_path / "r").load()
+    assert m.config["batch_sizes"] == [1, 2] and set(m.grid()) == set(m.cells) == {A, B}
+
+
+def test_manifest_cells_must_be_the_cells_their_ids_name():
+    d = manifest().to_dict()
+    d["cells"][A]["batch_size"] = 2  # the fields of B under A's id
+    with pytest.raises(DetauditError, match=f"cell {A} records .* not the cell its id names"):
+        Manifest.from_dict(d)
