@@ -51,6 +51,7 @@ from detaudit.errors import DetauditError
 from detaudit.executors import CellGroup, CellJob, CellOutput, EventFn, OutputFn, ReferenceFn
 
 FAULT_ENV = "DETAUDIT_RAY_FAULT"  # tests: "kill:<cell id>" or "hang:<cell id>"
+ENGINE_START_S = 600.0  # how long an actor may take to open its engine (load the model) before a token
 
 
 def require_ray():
@@ -86,12 +87,16 @@ class GroupActor:
         self.group = group
         self.runner: Any = None  # executors.local.GroupEngine, created on the first cell
         self._tokens = 0  # tokens produced so far (any cell): the driver's hang detection and progress
+        self._opening = False  # the engine is being opened (loading a model is not a hang)
 
-    def tokens(self) -> int:
-        return self._tokens
+    def tokens(self) -> tuple[int, bool]:
+        return self._tokens, self._opening
 
     def _event(self, cell_id: str, event: str, n: int) -> None:
-        if event == "tokens":
+        if event == "engine":
+            self._opening = True
+        elif event == "tokens":
+            self._opening = False
             self._tokens += n
 
     def placement(self) -> dict:
@@ -174,6 +179,7 @@ class _Slot:
     probes: list = field(default_factory=list)
     since: float = 0.0  # when the phase (or the cell's last token) began
     tokens: int = 0  # the actor's token count when last read
+    opening: bool = False  # the actor is opening its engine (when last read)
     tokens_ref: Any = None
     lost: int = 0  # actors lost so far
 
@@ -337,7 +343,7 @@ class RayExecutor:
         slot.actor = self._actor_cls.options(scheduling_strategy=strategy, name=None).remote(
             replace(slot.group, jobs=[]), visible
         )
-        slot.ref, slot.phase, slot.tokens, slot.tokens_ref = None, "running", 0, None
+        slot.ref, slot.phase, slot.tokens, slot.tokens_ref, slot.opening = None, "running", 0, None, False
 
     def _stop(self, slot: _Slot, graceful: bool) -> None:
         ray = self.ray
@@ -512,7 +518,7 @@ class _Loop:
         if ref is slot.tokens_ref:
             slot.tokens_ref = None
             try:
-                tokens = self.ray.get(ref)
+                tokens, slot.opening = self.ray.get(ref)
             except Exception:  # the actor died: its run_cell ref says how
                 return
             if tokens != slot.tokens:
@@ -576,6 +582,8 @@ class _Loop:
                 if slot.tokens_ref is None:
                     slot.tokens_ref = slot.actor.tokens.remote()
                 timeout = slot.group.options.settings.hang_timeout
+                if slot.opening:  # as the local executor's worker pool allows an engine to start
+                    timeout = max(timeout, ENGINE_START_S)
                 if now - slot.since > timeout:
                     self.lost(slot, f"no token for {timeout:.0f} s (actor killed as hung)")
             elif slot.phase == "placing" and not busy and now - slot.since > self.ex.placement_timeout:
