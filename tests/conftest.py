@@ -14,6 +14,7 @@ os.environ.setdefault("DETAUDIT_HOME", str(REPO / ".cache-test" / "home"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DETAUDIT_NO_PLUGINS", "1")  # third-party backend entry points are not loaded in tests
+os.environ.pop("GITHUB_STEP_SUMMARY", None)  # `detaudit gate` in tests must not write CI's job summary
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("vllm", "server"),
     ("engines", "analyze", "diff"),
     ("executors", "inputs", "render"),
-    ("gate",),
+    ("gate", "gate_report"),
     ("sweep", "align", "merge", "bench"),
     ("cli", "__main__", "devtools"),
 ]

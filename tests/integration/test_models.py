@@ -4,7 +4,10 @@ checksummed, idempotent; local checkpoints resolve; bad models give one clear er
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -90,6 +93,18 @@ def test_prepare_is_idempotent(smollm, monkeypatch):
     assert models.prepare("smollm2-135m") == smollm.path
     rows = {r["name"]: r for r in models.list_models()}
     assert rows["smollm2-135m"]["state"] == "prepared" and rows["smollm2-135m"]["size_mb"] > 100
+
+
+def test_prepare_off_a_terminal_prints_one_line_per_event(smollm, tmp_path):
+    """`detaudit models prepare` with its output in a CI log (pipes, no terminal): the GGUF conversion and
+    the checkpoint writing draw no progress bar (no carriage return), each event is one line."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    env["DETAUDIT_HOME"] = str(tmp_path / "home")
+    cmd = [sys.executable, "-c", "from detaudit.cli import main; main()", "models", "prepare", "smollm2-135m"]
+    res = subprocess.run(cmd, capture_output=True, env=env)
+    assert res.returncode == 0, res.stderr.decode()[-2000:]
+    assert b"\r" not in res.stdout + res.stderr, res.stderr.decode()[-2000:]
+    assert b"prepared smollm2-135m in " in res.stdout + res.stderr
 
 
 def test_local_checkpoint_and_errors(tiny_qwen3, tmp_path):
