@@ -5,6 +5,7 @@ Policy format (see `detaudit/data/default-policy.yaml`, the default)::
     version: 1
     backends:                      # backend -> rules on its summary metrics (per suite)
       bio+tbik:
+        bitwise_diff_records: {max: 0}                     # every recorded number bitwise equal
         unique_mean: {max: 1}
         teacher_forced_div_max: {max: 0, optional: true}   # skipped when the run has no value
       bf16: {report_only: true}    # measured, never fails the gate
@@ -23,6 +24,7 @@ another model or other suites fails the gate unless `allow_mismatch` (its metric
 Metric names, their worse direction and default tolerances come from `detaudit.metrics`.
 Given a directory written by `detaudit align`, the gate applies the `alignment:` rules instead (a
 gated backend missing from the alignment, or one with no token compared, fails).
+`GateResult.results` holds every check made (passed ones too); `detaudit.gate_report` renders them.
 Bad input (policy, run directory) raises DetauditError.
 """
 
