@@ -43,6 +43,12 @@ Definitions (the edge cases are part of the definition):
   positions with such a router in at least one layer. `near_tie_frac`: share of every cell's routers
   (all recorded positions) whose margin, the k-th minus the (k+1)-th router probability, is below
   `metrics.NEAR_TIE_MARGIN`. Fewer than two routed cells: NaN, never 0.
+- bitwise: `bitwise_diff_records` counts the records (prompt x cell) that are not bitwise equal to
+  the reference cell's (the first done cell in grid order) in some numeric field: output token ids,
+  chosen-token, top-k and teacher-forced log-probabilities, top-k ids, MoE routing (`records.NUMERIC_FIELDS`,
+  floats compared by bit pattern); a prompt one cell lacks counts too. 0: bitwise invariant.
+  `bitwise_first_diff` names the first differing cell, field, prompt and position. NaN with fewer
+  than two done cells (with --repeats: configurations).
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ import pyarrow as pa
 from detaudit.errors import DetauditError
 from detaudit.manifest import Manifest
 from detaudit.metrics import MIN_CELLS, NEAR_TIE_MARGIN, summary_columns
-from detaudit.records import ROUTING_COLUMNS
+from detaudit.records import NUMERIC_FIELDS, ROUTING_COLUMNS, record_differences
 from detaudit.runs import RunDir
 
 TOPK = 5
@@ -307,10 +313,22 @@ def _matrix_column(table: pa.Table, name: str, cell_id: str) -> list[np.ndarray 
     return [flat[e - c : e] if v else None for c, e, v in zip(counts, ends, valid)]
 
 
-def _read_cell(run: RunDir, cell_id: str) -> pd.DataFrame:
-    """One cell's records; `topk_logprobs` is replaced by `top5` (see `_top5_column`), the routing
-    columns by `route_experts` / `route_margins` arrays (see `_matrix_column`)."""
+def _config_tables(cell_id: str, table: pa.Table) -> dict[str, pa.Table]:
+    """The records' keys and numeric fields per configuration (ids as `config_id` below), without the
+    repeat column: the records of two configurations are matched by prompt."""
+    numeric = table.select([c for c in ("prompt_id", "prompt_index", *NUMERIC_FIELDS) if c in table.column_names])
+    repeat = table.column("repeat").fill_null(0).to_numpy() if "repeat" in table.column_names else None
+    if repeat is None or not (repeat > 0).any():
+        return {cell_id: numeric}
+    return {f"{cell_id}#r{int(r)}": numeric.filter(pa.array(repeat == r)) for r in np.unique(repeat)}
+
+
+def _read_cell(run: RunDir, cell_id: str) -> tuple[pd.DataFrame, dict[str, pa.Table]]:
+    """One cell's records, `topk_logprobs` replaced by `top5` (see `_top5_column`), the routing columns by
+    `route_experts` / `route_margins` arrays (see `_matrix_column`), and its configurations' numeric
+    fields (`_config_tables`) for the bitwise comparison."""
     table = run.read_table(cell_id)  # validated: columns, its own cell id, this run's identity
+    tables = _config_tables(cell_id, table)
     top5 = _top5_column(table.column("topk_logprobs"))
     routing = {c: _matrix_column(table, c, cell_id) for c in ("route_experts", "route_margins")}
     drop = ["topk_logprobs", "topk_ids", *(c for c in ROUTING_COLUMNS if c in table.column_names)]
@@ -325,24 +343,26 @@ def _read_cell(run: RunDir, cell_id: str) -> pd.DataFrame:
         df["config_id"] = [f"{cell_id}#r{int(r) if pd.notna(r) else 0}" for r in df["repeat"]]
     else:
         df["config_id"] = cell_id
-    return df
+    return df, tables
 
 
-def _load(run_dir: str | os.PathLike) -> tuple[Manifest, pd.DataFrame, pd.DataFrame]:
-    """Manifest, records of the done cells, and one row per cell (grid cells absent from the
-    manifest, and done cells whose file is gone, get state "missing"). A cell file that exists but
-    cannot be read, or holds another cell, is bad input (DetauditError)."""
+def _load(run_dir: str | os.PathLike) -> tuple[Manifest, pd.DataFrame, pd.DataFrame, dict[str, pa.Table]]:
+    """Manifest, records of the done cells, one row per cell (grid cells absent from the manifest, and
+    done cells whose file is gone, get state "missing"), and each configuration's numeric fields. A
+    cell file that exists but cannot be read, or holds another cell, is bad input (DetauditError)."""
     run = RunDir(run_dir)
     manifest = run.load()
     model = manifest.model_name
-    rows, frames = [], []
+    rows, frames, tables = [], [], {}
     for cid, meta in manifest.cells.items():
         state, error = meta.state, meta.error
         if state == "done":
             if not run.cell_path(cid).exists():
                 state, error = "missing", "marked done but its cell file is missing"
             else:
-                frames.append(_read_cell(run, cid))
+                df, numeric = _read_cell(run, cid)
+                frames.append(df)
+                tables.update(numeric)
         rows.append(
             dict(
                 cell_id=cid,
@@ -383,7 +403,7 @@ def _load(run_dir: str | os.PathLike) -> tuple[Manifest, pd.DataFrame, pd.DataFr
     per_cell["_b"] = per_cell["backend"].map(lambda b: order.index(b) if b in order else len(order))
     per_cell = per_cell.sort_values(["suite", "_b", "tp", "batch_size", "cell_id"], kind="stable")
     per_cell = per_cell.drop(columns="_b").reset_index(drop=True)
-    return manifest, records, per_cell
+    return manifest, records, per_cell, tables
 
 
 # ---------------------------------------------------------------- analysis
@@ -396,7 +416,26 @@ def _prompt_key(row: dict[str, Any]) -> str:
     return str(pid)
 
 
-def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: pd.DataFrame):
+def bitwise_differences(configs: Sequence[str], tables: dict[str, pa.Table]) -> tuple[float, str]:
+    """(records of `configs[1:]` not bitwise equal to `configs[0]`'s, the first difference in words);
+    NaN with fewer than MIN_CELLS configurations."""
+    if len(configs) < MIN_CELLS:
+        return math.nan, ""
+    count, first = 0, ""
+    for config in configs[1:]:
+        try:
+            diffs = list(record_differences(tables[configs[0]], tables[config]))
+        except DetauditError as e:  # two records of one prompt
+            raise DetauditError(f"cell {config.split('#')[0]} is corrupt: {e}") from None
+        count += len(diffs)
+        if diffs and not first:
+            first = f"{config} differs from {configs[0]}: {diffs[0]}"
+    return float(count), first
+
+
+def _group(
+    model: str, suite: str, backend: str, cells: pd.DataFrame, records: pd.DataFrame, tables: dict[str, pa.Table]
+):
     """Metrics of one (suite, backend): (summary row, per-prompt rows, per-cell extras,
     agreement, by-position rows)."""
     present = set(records["cell_id"]) if len(records) else set()
@@ -541,6 +580,7 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
     pending = cells[~cells["state"].isin(["failed", "missing", "done"])]["cell_id"].tolist()
     diverging = [f for f in first_divs if f is not None]
     tf_refs = sorted({r["ref"] for c in configs for r in data[c].values() if isinstance(r["ref"], str) and r["ref"]})
+    bitwise, bitwise_first = bitwise_differences(configs, tables)
     summary = dict(
         model=model,
         suite=suite,
@@ -549,6 +589,8 @@ def _group(model: str, suite: str, backend: str, cells: pd.DataFrame, records: p
         prompts=len(prompts),
         unique_mean=mean_or_nan(pp["unique"]),
         unique_max=float(pp["unique"].max()) if len(pp) else math.nan,
+        bitwise_diff_records=bitwise,
+        bitwise_first_diff=bitwise_first,
         identical_prompts=int(sum(f is None for f in first_divs)),
         maxprob_div_mean=mean_or_nan(pp["maxprob_div"]),
         maxprob_excluded=int(pp["maxprob_div"].isna().sum()),
@@ -588,7 +630,7 @@ def _routing_differences(recs: list[dict[str, Any]]) -> np.ndarray | None:
 
 def analyze(run_dir: str | os.PathLike) -> Analysis:
     """All metrics of one run directory (see the module docstring for the definitions)."""
-    manifest, records, per_cell = _load(run_dir)
+    manifest, records, per_cell, tables = _load(run_dir)
     model = manifest.model_name
     summaries, prompt_frames, position_frames = [], [], []
     agreement: dict[tuple[str, str], pd.DataFrame] = {}
@@ -597,7 +639,7 @@ def analyze(run_dir: str | os.PathLike) -> Analysis:
     for suite, backend in groups:
         cells = per_cell[(per_cell["suite"] == suite) & (per_cell["backend"] == backend)]
         recs = records[records["cell_id"].isin(cells["cell_id"])] if len(records) else records
-        summary, pp, extra, agree, by_pos = _group(model, suite, backend, cells, recs)
+        summary, pp, extra, agree, by_pos = _group(model, suite, backend, cells, recs, tables)
         summaries.append(summary)
         prompt_frames.append(pp)
         position_frames.append(by_pos)

@@ -5,6 +5,7 @@ Policy format (see `detaudit/data/default-policy.yaml`, the default)::
     version: 1
     backends:                      # backend -> rules on its summary metrics (per suite)
       bio+tbik:
+        bitwise_diff_records: {max: 0}                     # every recorded number bitwise equal
         unique_mean: {max: 1}
         teacher_forced_div_max: {max: 0, optional: true}   # skipped when the run has no value
       bf16: {report_only: true}    # measured, never fails the gate
@@ -23,6 +24,7 @@ another model or other suites fails the gate unless `allow_mismatch` (its metric
 Metric names, their worse direction and default tolerances come from `detaudit.metrics`.
 Given a directory written by `detaudit align`, the gate applies the `alignment:` rules instead (a
 gated backend missing from the alignment, or one with no token compared, fails).
+`GateResult.results` holds every check made (passed ones too); `detaudit.gate_report` renders them.
 Bad input (policy, run directory) raises DetauditError.
 """
 
@@ -37,9 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from rich.console import RenderableType
-from rich.table import Table
-from rich.text import Text
 
 from detaudit.analyze import Analysis, analyze
 from detaudit.errors import DetauditError
@@ -66,8 +65,8 @@ class Rule:
     optional: bool = False
 
     def threshold(self) -> str:
-        parts = ([f"<= {_num(self.max)}"] if self.max is not None else []) + (
-            [f">= {_num(self.min)}"] if self.min is not None else []
+        parts = ([f"<= {fmt_value(self.max)}"] if self.max is not None else []) + (
+            [f">= {fmt_value(self.min)}"] if self.min is not None else []
         )
         return " and ".join(parts)
 
@@ -214,34 +213,61 @@ def _parse_tolerance(tol: Any, where: str, bad) -> dict[str, float]:
 
 # ---------------------------------------------------------------- result
 
+PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"
+
 
 @dataclass(frozen=True)
-class Violation:
+class Check:
+    """One check the gate made. `status`: pass; fail (a violation); warn (a breach on a report-only
+    backend: reported, never failing); skip (an optional rule without a value)."""
+
     suite: str
     backend: str
     metric: str
     value: Any
     threshold: str
     reason: str
+    status: str = FAIL
+    cell: str | None = None  # the cell a cell-state check is about
+
+
+Violation = Check  # a check whose status is FAIL
 
 
 @dataclass
 class GateResult:
-    passed: bool
-    violations: list[Violation]
-    warnings: list[Violation] = field(default_factory=list)  # breaches on report-only backends
+    results: list[Check]  # every check made, in order
     notes: list[str] = field(default_factory=list)
     mismatches: list[Mismatch] = field(default_factory=list)  # how a --baseline differs from the run
-    checks: int = 0
     policy: Policy | None = None
     analysis: Analysis | None = None
     baseline: Analysis | None = None
     run: str | None = None  # the directory gated (an alignment has no Analysis)
 
+    @property
+    def violations(self) -> list[Check]:
+        return [c for c in self.results if c.status == FAIL]
+
+    @property
+    def warnings(self) -> list[Check]:  # breaches on report-only backends
+        return [c for c in self.results if c.status == WARN]
+
+    @property
+    def passed(self) -> bool:
+        return not self.violations
+
+    @property
+    def checks(self) -> int:
+        return len(self.results)
+
+    @property
+    def run_dir(self) -> str | None:
+        return str(self.analysis.run_dir) if self.analysis else self.run
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (NaN -> None), for `detaudit gate --json`."""
 
-        def row(v: Violation) -> dict[str, Any]:
+        def row(v: Check) -> dict[str, Any]:
             d = asdict(v)
             if isinstance(d["value"], float) and math.isnan(d["value"]):
                 d["value"] = None
@@ -252,9 +278,10 @@ class GateResult:
             checks=self.checks,
             violations=[row(v) for v in self.violations],
             warnings=[row(v) for v in self.warnings],
+            results=[row(v) for v in self.results],
             notes=list(self.notes),
             policy=self.policy.source if self.policy else None,
-            run=str(self.analysis.run_dir) if self.analysis else self.run,
+            run=self.run_dir,
             baseline=str(self.baseline.run_dir) if self.baseline else None,
             mismatches=[asdict(m) for m in self.mismatches],
         )
@@ -285,10 +312,8 @@ def gate(
 
 def evaluate_alignment(policy: Policy, results: dict[str, Any], run: str) -> GateResult:
     """The `alignment:` rules applied to `detaudit align`'s summary rows (one per backend)."""
-    violations: list[Violation] = []
-    warnings: list[Violation] = []
+    checks: list[Check] = []
     notes: list[str] = []
-    checks = 0
     rows = results.get("summary")
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "backend" in r for r in rows):
         raise DetauditError(f"{run}/{ALIGN_SUMMARY} has no per-backend summary rows: rerun `detaudit align`")
@@ -301,69 +326,38 @@ def evaluate_alignment(policy: Policy, results: dict[str, Any], run: str) -> Gat
         row = present.get(backend)
         if row is None:
             if not bp.report_only:
-                checks += 1
-                violations.append(
-                    Violation(
-                        pair,
-                        backend,
-                        "backend",
-                        "absent",
-                        "present",
-                        f"backend {backend} is gated by the policy but absent from the alignment",
-                    )
-                )
+                reason = f"backend {backend} is gated by the policy but absent from the alignment"
+                checks.append(Check(pair, backend, "backend", "absent", "present", reason))
             continue
-        sink = warnings if bp.report_only else violations
         if not bp.report_only:
-            checks += 1
-            if not row.get("tokens"):
-                violations.append(
-                    Violation(
-                        pair,
-                        backend,
-                        "tokens",
-                        row.get("tokens", 0),
-                        ">= 1",
-                        "no sampled token was compared: nothing could be checked",
-                    )
-                )
+            compared = bool(row.get("tokens"))
+            reason = (
+                "sampled tokens compared" if compared else "no sampled token was compared: nothing could be checked"
+            )
+            checks.append(Check(pair, backend, "tokens", row.get("tokens", 0), ">= 1", reason, _status(compared)))
+            if not compared:
                 continue
-        checks += _apply_rules(bp.rules, row, pair, backend, sink, notes)
+        checks += _apply_rules(bp.rules, row, pair, backend, bp.report_only, notes)
     for backend in sorted(set(present) - set(policy.alignment)):
         notes.append(f"backend {backend} is not in the policy's alignment rules: not checked")
-    return GateResult(
-        passed=not violations,
-        violations=violations,
-        warnings=warnings,
-        notes=notes,
-        checks=checks,
-        policy=policy,
-        run=run,
-    )
+    return GateResult(checks, notes=notes, policy=policy, run=run)
+
+
+def _status(ok: bool, report_only: bool = False) -> str:
+    return PASS if ok else WARN if report_only else FAIL
 
 
 def evaluate(
     policy: Policy, analysis: Analysis, baseline: Analysis | None = None, *, allow_mismatch: bool = False
 ) -> GateResult:
-    violations: list[Violation] = []
-    warnings: list[Violation] = []
+    checks: list[Check] = []
     notes: list[str] = list(analysis.notes)
-    checks = 0
 
     # 1. every cell must be complete, whatever the backend
     for c in analysis.per_cell.itertuples(index=False):
-        checks += 1
-        if c.state != "done":
-            violations.append(
-                Violation(
-                    str(c.suite),
-                    str(c.backend),
-                    "cell",
-                    c.state,
-                    "done",
-                    f"cell {c.cell_id} is {c.state}: {c.error or 'no reason recorded'}",
-                )
-            )
+        done = c.state == "done"
+        reason = f"cell {c.cell_id} is {c.state}" + ("" if done else f": {c.error or 'no reason recorded'}")
+        checks.append(Check(str(c.suite), str(c.backend), "cell", c.state, "done", reason, _status(done), c.cell_id))
 
     summary = analysis.summary
     present = set(analysis.per_cell["backend"].dropna())
@@ -373,18 +367,11 @@ def evaluate(
             if bp.report_only:
                 notes.append(f"report-only backend {backend} is not in the run")
             else:
-                checks += 1
-                violations.append(
-                    Violation(
-                        suites,
-                        backend,
-                        "backend",
-                        "absent",
-                        "present",
-                        f"backend {backend} is gated by the policy but absent from the run: its "
-                        "invariance cannot be verified",
-                    )
+                reason = (
+                    f"backend {backend} is gated by the policy but absent from the run: its invariance cannot be "
+                    "verified"
                 )
+                checks.append(Check(suites, backend, "backend", "absent", "present", reason))
     for backend in sorted(present - set(policy.backends)):
         notes.append(f"backend {backend} is not in the policy: only its cells' states are checked")
 
@@ -394,15 +381,11 @@ def evaluate(
         bp = policy.backends.get(backend)
         if bp is None:
             continue
-        sink = warnings if bp.report_only else violations
         if row["cells"] == 0:
             if not bp.report_only:
-                checks += 1
-                violations.append(
-                    Violation(suite, backend, "cells", 0, ">= 1", "no completed cell: nothing could be checked")
-                )
+                checks.append(Check(suite, backend, "cells", 0, ">= 1", "no completed cell: nothing could be checked"))
             continue
-        checks += _apply_rules(bp.rules, row, suite, backend, sink, notes)
+        checks += _apply_rules(bp.rules, row, suite, backend, bp.report_only, notes)
 
     # 3. baseline
     mismatches: list[Mismatch] = []
@@ -410,40 +393,23 @@ def evaluate(
         mismatches = baseline_mismatches(analysis.manifest, baseline.manifest)
         blocking = [m for m in mismatches if m.blocking]
         if blocking and not allow_mismatch:
-            checks += 1
-            fields = ", ".join(m.field for m in blocking)
-            violations.append(
-                Violation(
-                    ", ".join(analysis.suites) or "*",
-                    "*",
-                    "baseline",
-                    fields,
-                    "same model and suites",
-                    f"the baseline is another sweep ({'; '.join(str(m) for m in blocking)}): its metrics are not "
-                    "comparable; pass --allow-mismatch to compare anyway",
-                )
+            reason = (
+                f"the baseline is another sweep ({'; '.join(str(m) for m in blocking)}): its metrics are not "
+                "comparable; pass --allow-mismatch to compare anyway"
             )
+            fields = ", ".join(m.field for m in blocking)
+            checks.append(Check(suites, "*", "baseline", fields, "same model and suites", reason))
         else:
-            checks += _compare_baseline(policy, summary, baseline.summary, violations, notes)
+            checks += _compare_baseline(policy, summary, baseline.summary, notes)
 
     if (analysis.per_cell["tp_mode"] == "emulated").any():
         notes.append("some cells ran with emulated TP: native emulation cannot reproduce a ring all-reduce's order")
-    return GateResult(
-        passed=not violations,
-        violations=violations,
-        warnings=warnings,
-        notes=notes,
-        checks=checks,
-        policy=policy,
-        analysis=analysis,
-        baseline=baseline,
-        mismatches=mismatches,
-    )
+    return GateResult(checks, notes=notes, policy=policy, analysis=analysis, baseline=baseline, mismatches=mismatches)
 
 
-def _compare_baseline(policy: Policy, summary, base_summary, violations: list[Violation], notes: list[str]) -> int:
-    """Gated backends' metrics against the baseline's, within the policy's tolerances. Returns the checks made."""
-    checks = 0
+def _compare_baseline(policy: Policy, summary, base_summary, notes: list[str]) -> list[Check]:
+    """Gated backends' metrics against the baseline's, within the policy's tolerances."""
+    checks: list[Check] = []
     base = {(r["suite"], r["backend"]): r for r in base_summary.to_dict("records")}
     for row in summary.to_dict("records"):
         suite, backend = row["suite"], row["backend"]
@@ -458,19 +424,12 @@ def _compare_baseline(policy: Policy, summary, base_summary, violations: list[Vi
             value, ref = float(row[metric]), float(old[metric])
             if math.isnan(value) or math.isnan(ref):
                 continue
-            checks += 1
             metric_spec = METRICS[metric]
-            if metric_spec.worsening(value, ref) > tol:
-                violations.append(
-                    Violation(
-                        suite,
-                        backend,
-                        metric,
-                        value,
-                        f"baseline {_num(ref)} {metric_spec.worse_sign} {_num(tol)}",
-                        f"{metric} regressed from {_num(ref)} to {_num(value)} (tolerance {_num(tol)})",
-                    )
-                )
+            worse = metric_spec.worsening(value, ref) > tol
+            change = "regressed" if worse else "went"
+            reason = f"{metric} {change} from {fmt_value(ref)} to {fmt_value(value)} (tolerance {fmt_value(tol)})"
+            threshold = f"baseline {fmt_value(ref)} {metric_spec.worse_sign} {fmt_value(tol)}"
+            checks.append(Check(suite, backend, metric, value, threshold, reason, _status(not worse)))
     return checks
 
 
@@ -534,44 +493,37 @@ def baseline_mismatches(run: Manifest, base: Manifest) -> list[Mismatch]:
     return out
 
 
-def _apply_rules(rules, row: dict, where: str, backend: str, sink: list[Violation], notes: list[str]) -> int:
-    """Check one summary row against a backend's rules; breaches go to `sink`. Returns the checks made.
-    A metric that could not be computed (NaN / missing) breaks its rule unless the rule is optional."""
+def _apply_rules(rules, row: dict, where: str, backend: str, report_only: bool, notes: list[str]) -> list[Check]:
+    """One summary row against a backend's rules, one check per rule. A metric that could not be
+    computed (NaN / missing) breaks its rule unless the rule is optional."""
+    checks: list[Check] = []
     for rule in rules:
         value = row.get(rule.metric)
         value = math.nan if value is None else float(value)
         if math.isnan(value):
             if rule.optional:
                 notes.append(f"{where}/{backend}: {rule.metric} not computed (no data); optional rule skipped")
+                reason, status = f"{rule.metric} not computed (no data): optional rule skipped", SKIP
             else:
-                sink.append(
-                    Violation(
-                        where,
-                        backend,
-                        rule.metric,
-                        value,
-                        rule.threshold(),
-                        f"{rule.metric} could not be computed (no comparable data)",
-                    )
+                reason, status = (
+                    f"{rule.metric} could not be computed (no comparable data)",
+                    _status(False, report_only),
                 )
-        elif not rule.check(value):
-            sink.append(
-                Violation(
-                    where,
-                    backend,
-                    rule.metric,
-                    value,
-                    rule.threshold(),
-                    f"{rule.metric} = {_num(value)} breaks {rule.threshold()}",
-                )
+        elif rule.check(value):
+            reason, status = f"{rule.metric} = {fmt_value(value)} meets {rule.threshold()}", PASS
+        else:
+            detail = METRICS[rule.metric].detail if rule.metric in METRICS else None
+            at = f": {row[detail]}" if detail and row.get(detail) else ""
+            reason, status = (
+                f"{rule.metric} = {fmt_value(value)} breaks {rule.threshold()}{at}",
+                _status(False, report_only),
             )
-    return len(rules)
+        checks.append(Check(where, backend, rule.metric, value, rule.threshold(), reason, status))
+    return checks
 
 
-# ---------------------------------------------------------------- rendering
-
-
-def _num(x: Any) -> str:
+def fmt_value(x: Any) -> str:
+    """A check's value or threshold number as printed: integers without a point, else 4 significant digits."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return str(x)
     if isinstance(x, float) and math.isnan(x):
@@ -579,33 +531,3 @@ def _num(x: Any) -> str:
     if float(x).is_integer():
         return str(int(x))
     return f"{x:.4g}"
-
-
-def violations_table(result: GateResult) -> Table:
-    """Violations (red) and report-only warnings (yellow) as a rich table."""
-    verdict = "[bold green]PASSED[/]" if result.passed else "[bold red]FAILED[/]"
-    table = Table(
-        title=f"detaudit gate: {verdict} ({len(result.violations)} violation(s), {result.checks} checks)",
-        caption=f"policy: {result.policy.source}" if result.policy else None,
-    )
-    for col in ("", "suite", "backend", "metric", "value", "threshold", "reason"):
-        table.add_column(col, overflow="fold")
-    for status, style, rows in (("FAIL", "red", result.violations), ("warn", "yellow", result.warnings)):
-        for v in rows:
-            table.add_row(status, v.suite, v.backend, v.metric, _num(v.value), v.threshold, v.reason, style=style)
-    return table
-
-
-def render_result(result: GateResult) -> list[RenderableType]:
-    """What `detaudit gate` prints in text mode: the table, how the baseline differs, the notes, the verdict."""
-    out: list[RenderableType] = [violations_table(result)]
-    for m in result.mismatches:
-        blocked = m.blocking and any(v.metric == "baseline" for v in result.violations)
-        out.append(Text(f"baseline differs: {m}", style="red" if blocked else "yellow"))
-    out += [Text(f"note: {n}", style="dim") for n in result.notes]
-    out.append(
-        Text.from_markup(
-            "[green]gate passed[/]" if result.passed else f"[red]gate failed[/]: {len(result.violations)} violation(s)"
-        )
-    )
-    return out

@@ -128,6 +128,7 @@ class MetricSpec:
     text: bool = False  # left-aligned in tables
     cell: Callable[[Mapping[str, Any]], str] | None = None  # a cell built from the whole row
     hide_empty: bool = False  # left out of a table where no row has a value (routing: MoE models only)
+    detail: str | None = None  # the summary column that says where a breach of this metric is
 
     def render(self, row: Mapping[str, Any]) -> str:
         """This column's cell of a summary row."""
@@ -213,6 +214,16 @@ SUMMARY_SPECS: tuple[MetricSpec, ...] = (
         "(1 = every cell agreed on every prompt)",
     ),
     _div("unique_max", "unique max", fmt=fmt_unique),
+    _div(
+        "bitwise_diff_records",
+        "bitwise diffs",
+        tables=_ALL,
+        detail="bitwise_first_diff",
+        definition="records (prompt x cell) not bitwise equal to the reference cell's (the first done cell in "
+        "grid order) in any recorded number: output token ids, chosen-token, top-k and teacher-forced "
+        "log-probabilities, top-k ids, floats compared by bit pattern (0 = bitwise invariant)",
+    ),
+    _key("bitwise_first_diff"),
     MetricSpec(
         "identical_prompts",
         "identical prompts",
@@ -351,6 +362,8 @@ def _check(specs: tuple[MetricSpec, ...]) -> None:
     for s in specs:
         if (s.gateable or s.tolerance is not None) and s.higher_is_better is None:
             raise ValueError(f"metric {s.name} is gateable but has no direction")
+        if s.detail is not None and s.detail not in names:
+            raise ValueError(f"metric {s.name}: its detail column {s.detail} is not defined")
         if any(t not in TABLES for t in s.tables):
             raise ValueError(f"metric {s.name}: unknown table in {s.tables} (known: {', '.join(TABLES)})")
 

@@ -14,17 +14,7 @@ os.environ.setdefault("DETAUDIT_HOME", str(REPO / ".cache-test" / "home"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DETAUDIT_NO_PLUGINS", "1")  # third-party backend entry points are not loaded in tests
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(scope="session")
-def data_dir() -> Path:
-    env = os.environ.get("DETAUDIT_DATA_DIR")
-    path = Path(env) if env else REPO.parent / "shared" / "data" / "suites"
-    if not (path / "aime24.jsonl").exists():
-        pytest.skip(f"suite mirror not found at {path} (set DETAUDIT_DATA_DIR)")
-    return path
+os.environ.pop("GITHUB_STEP_SUMMARY", None)  # `detaudit gate` in tests must not write CI's job summary
 
 
 @pytest.fixture(scope="session")

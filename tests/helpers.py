@@ -95,3 +95,95 @@ def build_cli_once(app):
             yield
 
     return ctx()
+
+
+def generation_difference(a, b):
+    """Where two engines' outputs (lists of `Generation`, one per prompt) first differ as the cells would
+    record them, bit for bit in every numeric field (`records.first_difference`); None when they are
+    equal."""
+    import pyarrow as pa
+
+    from detaudit.records import SCHEMA, first_difference
+
+    fields = ("prompt_id", "prompt_index", "output_token_ids", "token_logprobs", "topk_ids", "topk_logprobs")
+    schema = pa.schema([SCHEMA.field(f) for f in fields])
+
+    def table(gens):
+        rows = [
+            dict(
+                prompt_id=str(i),
+                prompt_index=i,
+                output_token_ids=g.token_ids,
+                token_logprobs=g.token_logprobs,
+                topk_ids=g.topk_ids,
+                topk_logprobs=g.topk_logprobs,
+            )
+            for i, g in enumerate(gens)
+        ]
+        return pa.Table.from_pylist(rows, schema=schema)
+
+    return first_difference(table(a), table(b))
+
+
+# ---------------------------------------------------------------- what a run leaves behind
+
+
+def file_texts(path):
+    """Every representation of a file a secret could hide in: its bytes, plus the decoded contents of
+    Parquet (compressed pages, file metadata) and gzip files."""
+    import gzip
+
+    raw = path.read_bytes()
+    out = [raw]
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        out.append(repr(pq.read_table(path).to_pylist()).encode())
+        out.append(repr(pq.read_metadata(path).metadata).encode())
+    elif raw[:2] == b"\x1f\x8b":
+        out.append(gzip.decompress(raw))
+    return out
+
+
+def find_secrets(root, values) -> list[tuple[str, str]]:
+    """(file relative to `root`, secret) for every secret value found in any file under `root`."""
+    hits = []
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert files, f"nothing under {root}"
+    for p in files:
+        for blob in file_texts(p):
+            hits += [(str(p.relative_to(root)), v) for v in values if v.encode() in blob]
+    return sorted(set(hits))
+
+
+def is_loopback(ip: str) -> bool:
+    import ipaddress
+
+    addr = ipaddress.ip_address(ip.split("%", 1)[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def listening(pids) -> list[tuple[int, str, int]]:
+    """(pid, ip, port) of every listening inet socket of the processes `pids` and their descendants."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        p = psutil.Process(pid)
+        procs += [p, *p.children(recursive=True)]
+    out = []
+    for p in procs:
+        try:
+            conns = p.net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue
+        out += [(p.pid, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return out
+
+
+def assert_loopback_only(socks: list[tuple[int, str, int]]) -> None:
+    assert socks, "no listening socket seen: the check would prove nothing"
+    bad = [s for s in socks if not is_loopback(s[1])]
+    assert not bad, f"sockets listening on a non-loopback address: {bad} (all: {socks})"

@@ -22,6 +22,13 @@ RoPE (`rope_parameters`, or the older `rope_scaling` + `rope_theta`): `default`,
 `dynamic` up to `max_position_embeddings` positions (beyond that transformers rescales by the longest
 sequence of the current forward call, which the engine refuses rather than imitates).
 
+The keys of config.json are an allow-list: those the engine reads (`READ`, each checked below), those
+that change nothing it computes (`HARMLESS`, with the reason), and those harmless at one value only
+(`NEUTRAL`). Any other key is refused by name: a field the engine does not know may change the
+computation (`attn_logit_softcapping`, `use_mrope`, ...). The lists come from the config classes of
+Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE and Mixtral in transformers 5 (`Config().to_dict()`), the older spellings of the
+same fields, and the checkpoints detaudit prepares (the embedded model, the synthetic presets).
+
 Nothing here imports torch: the sweep can run the check before any model work.
 """
 
@@ -42,6 +49,75 @@ ARCHITECTURES = {  # model_type -> the transformers class whose computation the 
 }
 SUPPORTED = tuple(ARCHITECTURES)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+READ = frozenset(  # read by `ModelConfig.from_dict`, `_rope` and `_windows`: implemented, or refused by value
+    {
+        "model_type",
+        "architectures",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "rms_norm_eps",
+        "hidden_act",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "attention_bias",
+        "mlp_bias",
+        "quantization_config",
+        "rope_parameters",
+        "rope_scaling",
+        "rope_theta",
+        "partial_rotary_factor",
+        "original_max_position_embeddings",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "num_experts",  # mixture of experts: `_moe`
+        "num_local_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    }
+)
+HARMLESS = {  # keys that change nothing the forward pass computes
+    "transformers_version": "the version of transformers that wrote the file",
+    "_name_or_path": "where the checkpoint came from",
+    "_model_name_or_path": "where the checkpoint came from",
+    "dtype": "the weights' storage dtype: the engine computes in --dtype (recorded in the manifest)",
+    "torch_dtype": "older name of dtype",
+    "bos_token_id": "a token id: the forward pass reads none; stop tokens come from the generation config",
+    "eos_token_id": "a token id (as bos_token_id)",
+    "pad_token_id": "a token id (as bos_token_id)",
+    "unk_token_id": "a token id (as bos_token_id)",
+    "initializer_range": "random initialisation of new weights only",
+    "attention_dropout": "dropout acts in training only",
+    "use_cache": "whether transformers returns its KV cache",
+    "output_attentions": "what transformers returns, not what it computes",
+    "output_hidden_states": "what transformers returns, not what it computes",
+    "return_dict": "what transformers returns, not what it computes",
+    "id2label": "labels of a classification head (a causal LM has none)",
+    "label2id": "labels of a classification head (a causal LM has none)",
+    "problem_type": "the loss of a classification head (a causal LM has none)",
+    "router_aux_loss_coef": "the weight of the load-balancing loss: training only",
+    "output_router_logits": "what transformers returns, not what it computes",
+    "router_jitter_noise": "multiplicative router noise transformers applies in training mode only",
+}
+NEUTRAL = {  # keys harmless at this value only (transformers' default)
+    "pretraining_tp": 1,  # > 1: older transformers split every projection into slices and summed them
+    "is_encoder_decoder": False,
+    "chunk_size_feed_forward": 0,  # > 0: the feed-forward in sequence chunks
+}
+ROPE_KEYS = frozenset(  # keys of rope_parameters / rope_scaling that `_rope` reads or transformers ignores
+    {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor"}
+    | {"original_max_position_embeddings", "partial_rotary_factor"}
+)
 
 # transformers' config defaults where they differ between the architectures
 _DEFAULTS = {
@@ -142,6 +218,15 @@ class ModelConfig:
                 f"{where}: {what} is not supported by the built-in engine ({mtype}{'; ' + note if note else ''})"
             )
 
+        # the routers' keys in _MOE_REFUSED are checked by value in `_moe` (absent or 0 is the plain router)
+        known = READ | HARMLESS.keys() | NEUTRAL.keys() | set(_MOE_REFUSED)
+        unknown = sorted(k for k in raw if k not in known)
+        if unknown:
+            fields = ", ".join(unknown[:5]) + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else "")
+            raise refuse(f"config field{'s' if len(unknown) > 1 else ''} {fields}", "not implemented")
+        for key, value in NEUTRAL.items():
+            if raw.get(key) is not None and raw[key] != value:
+                raise refuse(f"{key} {raw[key]!r}", f"only {value!r}")
         archs = raw.get("architectures") or [ARCHITECTURES[mtype]]
         if list(archs) != [ARCHITECTURES[mtype]]:
             raise refuse(f"architectures {archs}", f"expected [{ARCHITECTURES[mtype]!r}]")
@@ -219,6 +304,9 @@ def _rope(raw: dict, max_pos: int, refuse) -> RopeSpec:
     rope = dict(rope or {})
     if any(isinstance(v, dict) for v in rope.values()):
         raise refuse("per-layer-type rope_parameters")
+    unknown = sorted(k for k in rope if k not in ROPE_KEYS)
+    if unknown:
+        raise refuse(f"rope_parameters key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}", "not implemented")
     theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rtype = rope.get("rope_type", rope.get("type", "default")) or "default"
     if rtype not in ROPE_TYPES:

@@ -3,6 +3,7 @@ config object, makes one call into the library, and renders the result."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
@@ -84,4 +85,7 @@ app.add_typer(bench.bench_app, name="bench")
 
 
 def main() -> None:
+    if not sys.stderr.isatty():  # a CI log or a file: one line per event, no bar redrawn with carriage returns
+        for var in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):  # read when tqdm / the hub is imported
+            os.environ.setdefault(var, "1")
     app()

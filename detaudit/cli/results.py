@@ -93,18 +93,50 @@ def gate(
             help="Compare with a --baseline of another model or suite anyway (the differences are still listed).",
         ),
     ] = False,
+    format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="text (a table), markdown (every check, for a pull request) or json. The markdown summary is "
+            "also appended to $GITHUB_STEP_SUMMARY when it is set, whatever the format.",
+        ),
+    ] = "text",
+    junit: Annotated[
+        Optional[Path], typer.Option("--junit", help="Also write the checks as JUnit XML (one test case per check).")
+    ] = None,
+    report_url: Annotated[
+        Optional[str],
+        typer.Option(
+            "--report-url", help="Where the report is published (e.g. the CI run's page): linked from the markdown."
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ):
     """Exit 0 when the run meets the policy, 1 when it does not (violations listed), 2 on bad input."""
     from detaudit.gate import gate as do_gate
-    from detaudit.gate import render_result
+    from detaudit.gate_report import FORMATS, append_step_summary, render_markdown, render_result, write_junit
 
+    if format not in FORMATS:
+        raise DetauditError(f"--format {format}: choose among {', '.join(FORMATS)}")
+    if json_ and format not in ("text", "json"):
+        raise DetauditError(f"--json and --format {format}: choose one")
+    fmt = "json" if json_ else format
     res = do_gate(run_dir, policy_path=policy, baseline_dir=baseline, allow_mismatch=allow_mismatch)
-    if json_:
+    markdown = render_markdown(res, report_url)
+    # the files first: one that cannot be written is bad input, reported alone
+    written = [write_junit(res, junit)] if junit is not None else []
+    summary = append_step_summary(markdown)
+    if fmt == "json":
         print_json(res.to_dict())
+    elif fmt == "markdown":
+        sys.stdout.write(markdown + "\n")
     else:
         for r in render_result(res):  # table, "baseline differs: ...", notes, verdict
             out.print(r)
+    for f in written:
+        err.print(f"wrote {f}")
+    if summary is not None:
+        err.print(f"appended the summary to {summary}")
     raise typer.Exit(0 if res.passed else 1)
 
 
@@ -163,11 +195,7 @@ def render_diff(result) -> str:
         return s if len(s) <= 80 else s[:77] + "..."
 
     def where(d) -> str:
-        if d is None:
-            return DASH
-        if d.field == "record":
-            return f"prompt {d.prompt_id} in one cell only"
-        return f"{d.field}, prompt {d.prompt_id}{f' repeat {d.repeat}' if d.repeat else ''}, position {d.position}"
+        return DASH if d is None else str(d)
 
     lines = [f"A: {result.a}", f"B: {result.b}", "", "## Manifest differences", ""]
     if result.manifest:

@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("vllm", "server"),
     ("engines", "analyze", "diff", "load_axis"),
     ("executors", "inputs", "render"),
-    ("gate",),
+    ("gate", "gate_report"),
     ("sweep", "align", "merge", "bench"),
     ("cli", "__main__", "devtools"),
 ]

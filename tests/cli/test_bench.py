@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -35,7 +36,14 @@ def test_bench_e2e_on_cpu(tiny_llama):
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)["rows"]
     assert [r["backend"] for r in rows] == ["bf16", "bio", "bio+tbik"]
-    assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["ms_per_step"] > 0 for r in rows)
+    for r in rows:  # what was asked, and columns derived from one measured call, consistently
+        assert (r["tp"], r["batch"], r["prompt_tokens"], r["new_tokens"]) == (1, 2, 8, 3), r
+        assert not r["cuda_graphs"] and r["workers"] == 0, r  # CPU: eager, in process
+        assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["host_ms_per_step"] > 0, r
+        # decode_tok_s = batch * steps / decode_s and ms_per_step = 1e3 * decode_s / steps
+        assert r["decode_tok_s"] * r["ms_per_step"] == pytest.approx(1e3 * r["batch"], rel=1e-9), r
+        assert r["decode_vs_bf16"] == pytest.approx(r["decode_tok_s"] / rows[0]["decode_tok_s"], rel=1e-12)
+        assert r["prefill_vs_bf16"] == pytest.approx(r["prefill_tok_s"] / rows[0]["prefill_tok_s"], rel=1e-12)
     assert rows[0]["decode_vs_bf16"] == 1.0 and rows[0]["prefill_vs_bf16"] == 1.0
     res = runner.invoke(app, ["bench", "e2e", "--models", str(tiny_llama), "--device", "cpu", "--tp", "3"])
     assert res.exit_code == 2 and "TP size" in res.output

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from helpers import one_line_error
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -27,7 +29,6 @@ runner = CliRunner()
         (["--limit", "0"], "--limit must be between 1 and"),
         (["--temperature", "-1"], "--temperature must be >= 0"),
         (["--tp", "1,1"], "lists a value twice"),
-        (["--device", "cuda", "--tp", "2"], "no CUDA device"),
         (["--engine", "sglang"], "unknown engine"),
     ],
 )
@@ -37,6 +38,17 @@ def test_sweep_bad_input(tmp_path, args, message):
     assert message in result.output
     assert "Traceback" not in result.output
     assert len([l for l in result.output.strip().splitlines() if l.strip()]) <= 2
+
+
+def test_cuda_refusal_matches_the_machine(tmp_path):
+    """`--device cuda` with more real TP ranks than GPUs: refused before any work, with what is visible.
+    Without a GPU: no CUDA device; with fewer than 8: TP 8 needs 8."""
+    n = torch.cuda.device_count()
+    if n >= 8:
+        pytest.skip("8 GPUs are visible: every TP size fits, nothing to refuse")
+    result = runner.invoke(app, ["sweep", "--output-path", str(tmp_path / "run"), "--device", "cuda", "--tp", "8"])
+    message = "no CUDA device is visible" if n == 0 else f"--tp 8 needs 8 GPUs in real TP mode but {n} are visible"
+    one_line_error(result, message)
 
 
 def test_analyze_missing_dir(tmp_path):
@@ -50,12 +62,20 @@ def test_unknown_model(tmp_path):
 
 
 def test_listings_have_json():
+    """Each listing is a JSON list naming what ships: the built-in suites, the three backends, the models."""
     import json
 
-    for cmd in (["suites", "ls", "--json"], ["backends", "ls", "--json"], ["models", "ls", "--json"]):
-        result = runner.invoke(app, cmd)
+    want = {
+        "suites": {"smoke", "aime24", "amc23"},
+        "backends": {"bf16", "bio", "bio+tbik"},
+        "models": {"smollm2-135m", "qwen3-8b-shaped"},
+    }
+    for kind, names in want.items():
+        result = runner.invoke(app, [kind, "ls", "--json"])
         assert result.exit_code == 0, result.output
-        assert isinstance(json.loads(result.output), list)
+        rows = json.loads(result.output)
+        assert isinstance(rows, list) and names <= {r["name"] for r in rows}, (kind, rows)
+        assert all(r.get("description") or r.get("attention") for r in rows), (kind, rows)  # described
 
 
 def test_doctor_prints_the_fingerprint():

@@ -122,18 +122,18 @@ def test_real_tp_matches_tp1_fp32(tiny_llama):
             assert torch.allclose(torch.tensor(x.token_logprobs), torch.tensor(y.token_logprobs), atol=1e-5)
 
 
-def test_gpu_cache_lengths_are_rounded_within_the_position_limit():
+def test_gpu_cache_lengths_are_rounded_within_the_position_limit(tiny_llama, tmp_path):
     """The GPU decode cache (graphed, and eager since both attend the whole cache) is rounded up to a
     multiple of 256 slots, so calls share a few key lengths, but never past a dynamic rope's position
-    limit (that would refuse a request that fits)."""
-    from types import SimpleNamespace
+    limit (that would refuse a request that fits). The engines' own generators, on CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from detaudit.builtin.generate import Generator
-
-    def slots(limit, needed):
-        gen = Generator.__new__(Generator)
-        gen.model = SimpleNamespace(cfg=SimpleNamespace(rope=SimpleNamespace(max_positions=limit)))
-        return gen._slots(needed)
-
-    assert [slots(None, n) for n in (1, 256, 257, 544)] == [256, 256, 512, 768]
-    assert [slots(2000, n) for n in (1500, 1900, 2000)] == [1536, 2000, 2000]
+    cfg = LlamaConfig.from_pretrained(tiny_llama)
+    cfg.max_position_embeddings = 2000
+    cfg.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "dynamic")
+    free = local_engine(tiny_llama, "bf16", 1, dtype="float32").generator
+    limited = local_engine(tmp_path / "dynamic", "bf16", 1, dtype="float32").generator
+    assert limited.model.cfg.rope.max_positions == 2000 and free.model.cfg.rope.max_positions is None
+    assert [free._slots(n) for n in (1, 256, 257, 544)] == [256, 256, 512, 768]
+    assert [limited._slots(n) for n in (1500, 1900, 2000)] == [1536, 2000, 2000]

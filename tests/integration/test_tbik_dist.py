@@ -1,6 +1,6 @@
 """Real TP over gloo: each rank computes its partial (bio+tbik: its tree subtree) and the backend's
 all-reduce combines them. Both transports (gather, scatter) must give the bits of the in-process combine:
-TP 1 for bio+tbik, emulated TP for bio."""
+TP 1 for bio+tbik, emulated TP for bio; the engine at real TP 8 equals TP 1 bitwise."""
 
 from __future__ import annotations
 
@@ -51,30 +51,80 @@ def test_gloo_equals_emulated(tmp_path, backend, mode, size):
         assert torch.equal(torch.load(tmp_path / f"{r}.pt"), ref), (backend, mode, size, r)
 
 
-def _leave(rank, size, port, delay, wait, out_dir):
-    import json
+def test_real_tp8_engine_equals_tp1_bitwise(tiny_llama):
+    """Real TP 8 (eight worker processes, gloo; 8 KV heads: one per rank) under bio+tbik: every recorded
+    number of every prompt bitwise equal to TP 1 in this process, greedy and sampled, over prompts of
+    different lengths in one batch."""
+    from helpers import builtin_engine, generation_difference, local_engine
+
+    from detaudit.config import DecodingParams
+
+    prompts = [[5 + i for i in range(n)] for n in (3, 9, 17)]
+    pids = ["a", "b", "c"]
+    decodings = (DecodingParams(greedy=True, max_new_tokens=4), DecodingParams(max_new_tokens=4, seed=3))
+    one = local_engine(tiny_llama, "bio+tbik", 1)
+    want = [one.generate(prompts, pids, d, 3) for d in decodings]
+    eng = builtin_engine(tiny_llama, "bio+tbik", 8, "real")
+    try:
+        assert eng.describe()["workers"] == 8
+        got = [eng.generate(prompts, pids, d, 3) for d in decodings]
+    finally:
+        eng.close()
+    for d, a, b in zip(decodings, got, want):
+        assert generation_difference(a, b) is None, d
+    assert got[0] != got[1]  # the sampled run is not the greedy one: both paths were compared
+
+
+def _await(path, limit_s: float = 120.0) -> bool:
+    """Whether `path` appears within `limit_s` (a guard against a hang, far above any real wait)."""
     import time
 
+    deadline = time.monotonic() + limit_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _leave(rank, size, port, wait, out_dir):
+    """Rank 0 leaves first; rank 1 leaves (a) after rank 0 entered `dist.shutdown` (`wait` long: rank 0
+    must still be waiting, so it returns after rank 1 began leaving) or (b) only after rank 0 returned
+    (`wait` short: rank 0 must give up on its own). Markers in `out_dir` say what each one saw."""
+    import json
+    import time
+    from pathlib import Path
+
     torch.set_num_threads(1)
+    out = Path(out_dir)
     group = dist.init(rank, size, port, "cpu")
     group.barrier()
-    time.sleep(delay if rank == 1 else 0.0)  # rank 1 lets go of its group late
-    start = time.time()
-    dist.shutdown(group, wait_s=wait)
-    with open(f"{out_dir}/{rank}.json", "w") as f:
-        json.dump({"start": start, "end": time.time()}, f)
+    if rank == 0:
+        (out / "0.entered").touch()
+        dist.shutdown(group, wait_s=wait)
+        seen = {"leaving_when_returned": (out / "1.leaving").exists()}
+        (out / "0.returned").touch()
+    else:
+        if wait > 10:
+            seen = {"entered": _await(out / "0.entered")}
+            time.sleep(0.5)  # a rank 0 that did not wait would be gone by now: it would miss the marker below
+        else:
+            seen = {"returned": _await(out / "0.returned")}
+        (out / "1.leaving").touch()
+        dist.shutdown(group, wait_s=wait)
+    (out / f"{rank}.json").write_text(json.dumps(seen))
 
 
-@pytest.mark.parametrize("delay,wait", [(1.0, 30.0), (6.0, 1.0)])
-def test_rank0_serves_the_store_until_the_others_left(tmp_path, delay, wait):
+@pytest.mark.parametrize("wait", [120.0, 1.0], ids=["waits", "gives-up"])
+def test_rank0_serves_the_store_until_the_others_left(tmp_path, wait):
     """`dist.shutdown(group)`: rank 0 (the store's server) returns only after every other rank has begun
     leaving its process group (NCCL's heartbeat monitor polls the store until then), and gives up after
-    its wait when a rank never says so."""
+    its wait when a rank never says so. Told by who saw whose marker, not by clocks."""
     import json
 
-    mp.spawn(_leave, args=(2, dist.free_port(), delay, wait, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_leave, args=(2, dist.free_port(), wait, str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
-    if wait > delay:
-        assert r0["end"] >= r1["start"], (r0, r1)  # it waited for rank 1
+    if wait > 10:
+        assert r1["entered"] and r0["leaving_when_returned"], (r0, r1)  # it waited for rank 1
     else:
-        assert r0["end"] < r1["start"] and r0["end"] - r0["start"] < delay, (r0, r1)  # it gave up
+        assert r1["returned"] and not r0["leaving_when_returned"], (r0, r1)  # it gave up, rank 1 still there

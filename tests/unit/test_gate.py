@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
+import numpy as np
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
+from detaudit.cli import app
 from detaudit.errors import DetauditError
-from detaudit.gate import gate, load_policy, render_result, violations_table
+from detaudit.gate import gate, load_policy
+from detaudit.gate_report import render_result, violations_table
 
 from .test_analyze import BF16, TBIK, diverging_bf16, invariant_cells, make_run
 
@@ -34,6 +39,7 @@ def test_default_policy_loads_from_package_data():
     tbik = policy.backends["bio+tbik"]
     assert not tbik.report_only
     rules = {r.metric: r for r in tbik.rules}
+    assert rules["bitwise_diff_records"].max == 0 and not rules["bitwise_diff_records"].optional
     assert rules["unique_mean"].max == 1 and rules["maxprob_div_mean"].max == 0
     assert rules["prefix_div_mean"].max == 0 and rules["teacher_forced_div_max"].optional
     assert policy.backends["bf16"].report_only and policy.backends["bio"].report_only
@@ -52,11 +58,55 @@ def test_divergent_tbik_fails_with_every_metric(tmp_path):
     result = gate(run)
     assert not result.passed
     assert metrics(result) == {
-        ("bio+tbik", m) for m in ("unique_mean", "maxprob_div_mean", "prefix_div_mean", "teacher_forced_div_max")
+        ("bio+tbik", m)
+        for m in (
+            "bitwise_diff_records",
+            "unique_mean",
+            "maxprob_div_mean",
+            "prefix_div_mean",
+            "teacher_forced_div_max",
+        )
     }
     v = next(v for v in result.violations if v.metric == "unique_mean")
     assert v.suite == "smoke" and v.value == pytest.approx(5 / 3) and v.threshold == "<= 1"
     assert "breaks" in v.reason
+
+
+def _one_ulp(x: float) -> float:
+    return float(np.nextafter(np.float32(x), np.float32(0)))
+
+
+def _set(row: list, i: int, change) -> None:
+    row[i] = change(row[i])
+
+
+# one change per recorded numeric field of record p1: (field, change, position, what else sees it)
+ONE_ULP = [
+    ("output_token_ids", lambda r: _set(r["output_token_ids"], 2, lambda t: t + 1), 2, {"unique_mean"}),
+    ("token_logprobs", lambda r: _set(r["token_logprobs"], 1, _one_ulp), 1, set()),
+    ("topk_ids", lambda r: r["topk_ids"][2].__setitem__(slice(3, 5), r["topk_ids"][2][4:2:-1]), 2, set()),
+    ("topk_logprobs", lambda r: _set(r["topk_logprobs"][1], 5, _one_ulp), 1, set()),  # rank 6: not in the top 5
+    ("topk_logprobs", lambda r: _set(r["topk_logprobs"][0], 0, _one_ulp), 0, {"maxprob_div_mean", "prefix_div_mean"}),
+    ("tf_token_logprobs", lambda r: _set(r["tf_token_logprobs"], 2, _one_ulp), 2, {"teacher_forced_div_max"}),
+]
+
+
+@pytest.mark.parametrize("field, change, position, also", ONE_ULP, ids=[f"{c[0]}@{c[2]}" for c in ONE_ULP])
+def test_one_ulp_in_any_recorded_number_fails_the_default_policy(tmp_path, field, change, position, also):
+    """bio+tbik must be bitwise invariant: one changed bit pattern in one number of one record of one
+    cell fails the gate, naming the field, the prompt and the position, also where no other metric sees
+    it (the chosen token's log-probability, swapped top-k ids, the 6th top-k log-probability)."""
+    cells = {c: copy.deepcopy(rows) for c, rows in invariant_cells().items()}  # cells sharing no list
+    change(cells[TBIK[2]][1])
+    run = make_run(tmp_path / "r", {**diverging_bf16(), **cells})
+    result = gate(run)
+    assert not result.passed
+    assert metrics(result) == {("bio+tbik", m) for m in {"bitwise_diff_records", *also}}
+    (v,) = [v for v in result.violations if v.metric == "bitwise_diff_records"]
+    assert v.value == 1 and v.threshold == "<= 0"
+    assert v.reason.endswith(f"{TBIK[2]} differs from {TBIK[1]}: {field}, prompt p1, position {position}"), v.reason
+    res = CliRunner().invoke(app, ["gate", str(run)])
+    assert res.exit_code == 1 and f"{field}, prompt p1, position {position}" in res.output, res.output
 
 
 def test_teacher_forced_rule_is_optional(tmp_path):
@@ -257,7 +307,7 @@ def test_violations_table_and_json(tmp_path):
     text = console.export_text()
     assert "FAILED" in text and "unique_mean" in text and "policy: default" in text
     d = result.to_dict()
-    assert d["passed"] is False and len(d["violations"]) == 4
+    assert d["passed"] is False and len(d["violations"]) == 5
     json.dumps(d)  # JSON-ready
 
 

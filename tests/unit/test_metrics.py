@@ -91,6 +91,7 @@ def test_report_columns_resolve_by_name(tmp_path):
         "cells",
         "prompts",
         "unique",
+        "bitwise diffs",
         "max-prob div ×1e-3",
         "prefix div ×1e-3",
         "TF div max",
@@ -101,6 +102,7 @@ def test_report_columns_resolve_by_name(tmp_path):
     ]
     bf16 = dict(zip(header, rows[0]))
     assert bf16["backend"] == "bf16" and bf16["unique"] == "1.67" and bf16["first div (median)"] == "1"
+    assert bf16["bitwise diffs"] == "3" and dict(zip(header, rows[1]))["bitwise diffs"] == "0"
     full, _ = summary_rows(a)
     assert set(header) < set(full) and {"TF div mean", "identical prompts", "len std"} <= set(full)
     assert [s.name for s in shown("published")] == ["unique_mean", "maxprob_div_mean"]

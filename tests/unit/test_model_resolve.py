@@ -16,7 +16,6 @@ from detaudit import models
 from detaudit.errors import DetauditError
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-DEAD_HUB = "http://127.0.0.1:9"  # discard port: connection refused at once
 
 
 def fake_hub_cache(hub: Path, repo_id: str, checkpoint: Path, commit: str = COMMIT) -> Path:
@@ -47,12 +46,18 @@ def hf_home(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def dead_hub(monkeypatch):
-    """Online mode, but the hub is a closed local port (never the real network)."""
+    """Online mode, but the hub is a local port this test holds bound and never listens on: connection
+    refused at once (never the real network, never a server another program runs on a fixed port)."""
+    import socket
+
     from huggingface_hub import constants
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "ENDPOINT", DEAD_HUB)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{held.getsockname()[1]}")
+        yield
 
 
 def test_cached_hub_id_resolves_offline(tiny_qwen3, hf_home):

@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -93,7 +94,6 @@ def test_limit_and_checksums():
     assert five.checksum == full.checksum  # the checksum covers the source; record the limit beside it
     assert load_suite("aime24", data_dir=MIRROR, limit=100).prompts == full.prompts
     assert load_suite("amc23", data_dir=MIRROR).checksum != full.checksum
-    assert load_suite("smoke").checksum == load_suite("smoke").checksum
 
 
 def test_checksum_follows_the_data(tmp_path):
@@ -107,19 +107,23 @@ def test_checksum_follows_the_data(tmp_path):
 def test_load_by_path_uses_task_name():
     suite = load_suite(str(SUITES_DIR / "smoke.yaml"))
     assert suite.name == "smoke" and len(suite.prompts) == 8
+    # by name or by path, the checksum is the file's (its rows are inline: no data bytes)
+    file_hash = hashlib.sha256((SUITES_DIR / "smoke.yaml").read_bytes() + b"\0").hexdigest()
+    assert suite.checksum == load_suite("smoke").checksum == file_hash
 
 
 # --------------------------------------------------------------------------------------------
-# the hub (never reached in tests: datasets.load_dataset is replaced)
+# the hub (never reached in tests: HF_DATASETS_OFFLINE=1; where rows must come from it, load_dataset is
+# replaced by a stand-in that returns them)
 
 
-def test_no_data_dir_and_no_hub_says_pass_data_dir(monkeypatch):
+def test_no_data_dir_and_no_hub_says_pass_data_dir(monkeypatch, tmp_path):
+    """The real `datasets.load_dataset`, offline (conftest) and with an empty cache (whatever this machine
+    cached): the error says which hub id failed and what to pass instead."""
     import datasets
 
-    def offline(*args, **kwargs):
-        raise ConnectionError("Couldn't reach 'HuggingFaceH4/aime_2024' on the Hub")
-
-    monkeypatch.setattr(datasets, "load_dataset", offline)
+    assert os.environ.get("HF_DATASETS_OFFLINE") == "1"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
     message = _error(load_suite, "aime24")
     assert "HuggingFaceH4/aime_2024" in message
     assert "--data-dir" in message and "DETAUDIT_DATA_DIR" in message and "aime24.jsonl" in message
@@ -569,22 +573,18 @@ def test_bare_column_that_the_row_lacks_is_an_error_not_a_literal_prompt(tmp_pat
     assert "`doc_to_text: questoin` names a column the row lacks" in message and "question" in message
 
 
-def test_int_target_and_validation_split(tmp_path, monkeypatch):
-    import datasets
-
-    calls = []
-    monkeypatch.setattr(
-        datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or datasets.Dataset.from_list([{"q": "x"}])
-    )
-    path = _suite_yaml(
-        tmp_path, "task: t\ndataset_path: someone/t\nvalidation_split: dev\ndoc_to_text: q\ndoc_to_target: 3\n"
-    )
+def test_int_target_and_validation_split(tmp_path):
+    """The real `datasets.load_dataset` on local JSON splits: without a test split the validation split is
+    read; with both, the test split (validation_split listed as ignored). An int target is the answer."""
+    for split, question in (("dev", "from dev?"), ("test", "from test?")):
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps({"q": question}) + "\n")
+    files = "dataset_path: json\ndataset_kwargs: {data_files: {dev: dev.jsonl, test: test.jsonl}}\n"
+    path = _suite_yaml(tmp_path, f"task: t\n{files}validation_split: dev\ndoc_to_text: q\ndoc_to_target: 3\n")
     suite = load_suite(str(path))
-    assert calls == [(("someone/t", None), {"split": "dev"})] and suite.prompts[0].answer == "3"
-    path = _suite_yaml(
-        tmp_path, "task: t\ndataset_path: someone/t\ntest_split: test\nvalidation_split: dev\ndoc_to_text: q\n"
-    )
-    assert load_suite(str(path)).ignored_keys == ("validation_split",) and calls[-1][1] == {"split": "test"}
+    assert [(p.text, p.answer) for p in suite.prompts] == [("from dev?", "3")]
+    path = _suite_yaml(tmp_path, f"task: t\n{files}test_split: test\nvalidation_split: dev\ndoc_to_text: q\n")
+    suite = load_suite(str(path))
+    assert [p.text for p in suite.prompts] == ["from test?"] and suite.ignored_keys == ("validation_split",)
 
 
 def test_dataset_path_not_required_with_local_file_or_docs(tmp_path):

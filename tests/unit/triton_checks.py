@@ -54,8 +54,9 @@ def main() -> None:
         check(
             torch.equal(triton_mm.mm(a, b.transpose(1, 2).contiguous().transpose(1, 2)), full), f"strided operand {dt}"
         )
-    # the attention kernel: the same function as the PyTorch formulation (its bits are its own: on a GPU
-    # tests/gpu checks prefill == decode and batch invariance; here numpy's BLAS stands in for tl.dot)
+    # the attention kernel: the same function as the PyTorch formulation, and its own bits do not depend
+    # on the rows beside a row (a program always multiplies BLOCK_R rows, padded) nor on how many chunks
+    # its program walks: prefill == decode and batch invariance, bitwise (tests/gpu: at real shapes)
     for dt in (torch.float32, torch.bfloat16):
         q = torch.randn(3, 20, 16, generator=g).to(dt)
         k = torch.randn(3, 70, 16, generator=g).to(dt)
@@ -65,6 +66,7 @@ def main() -> None:
         ref = get_backend("bf16").attention(q.float()[:, None], k.float()[:, None], v.float()[:, None], pos, 0.25)[:, 0]
         tol = 1e-5 if dt == torch.float32 else 3e-2
         check(torch.allclose(out.float(), ref, atol=tol, rtol=tol), f"attention kernel accuracy {dt}")
+        attention_bits(q, k, v, dt)
     # row sums: one program per row
     x = torch.randn(9, 2500, generator=g)
     sums = triton_rows.row_sum(x)
@@ -74,6 +76,23 @@ def main() -> None:
     fast_path_end_to_end()
     gluon_fallback()
     print("ok")
+
+
+def attention_bits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dt: torch.dtype) -> None:
+    """Prefill (the last 20 positions of 70 keys, rows spanning two programs and two chunks) against
+    decode (one row, the cache up to its position), and each request alone against the batch, with and
+    without a sliding window: the same bits."""
+    groups, rows, length = q.shape[0], q.shape[1], k.shape[1]
+    pos = (torch.arange(rows) + (length - rows)).expand(groups, rows).contiguous()
+    for window in (None, 8):
+        pre = triton_attn.attention(q, k, v, pos, 0.25, 64, window)
+        for t in (0, 1, 15, 16, rows - 1):  # first, second and last slot of a program, the next program's
+            end = length - rows + t + 1
+            step = triton_attn.attention(q[:, t : t + 1], k[:, :end], v[:, :end], pos[:, t : t + 1], 0.25, 64, window)
+            check(torch.equal(step, pre[:, t : t + 1]), f"attention prefill == decode {dt} window={window} t={t}")
+        for i in range(groups):
+            one = triton_attn.attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], pos[i : i + 1], 0.25, 64, window)
+            check(torch.equal(one, pre[i : i + 1]), f"attention batch invariance {dt} window={window} request {i}")
 
 
 def fused_row_ops(g: torch.Generator) -> None:
