@@ -225,12 +225,23 @@ class RunDir:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
+        self._remove_stale_temps()
         try:
             yield self
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
             self._lock_fd = None
+
+    def _remove_stale_temps(self) -> None:
+        """Temp files `atomic_write_bytes` left when a writer was killed between creating and renaming
+        one: with the lock held no other writer exists, so each is stale (its file's previous version,
+        or none, is still in place). Only the lock holder's own files: the manifest and the cells (a
+        report being written beside them by `analyze` is not ours to remove)."""
+        for directory, pattern in ((self.path, f".{MANIFEST}.*.tmp"), (self.path / CELLS, ".*.tmp")):
+            for tmp in directory.glob(pattern):
+                if tmp.is_file() and not tmp.is_symlink():
+                    tmp.unlink(missing_ok=True)
 
     def _lock_holder(self) -> str:
         try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -28,18 +28,27 @@ SAMPLING = DecodingParams()  # the published sampling defaults, in one place
 ALL_BACKENDS = "bf16,bio,bio+tbik"  # --backends default
 
 
-def _console(stderr: bool = False) -> Console:
-    """A console that follows the terminal's width; piped into a file or a CI log (no terminal, no
-    COLUMNS) it is 160 columns wide instead of rich's 80, which folded the summary table's 12 columns
-    into unreadable slivers."""
-    console = Console(stderr=stderr)
-    if not console.is_terminal and not os.environ.get("COLUMNS"):
-        console = Console(stderr=stderr, width=160)
-    return console
+class _Console(Console):
+    """A console that follows the terminal's width, or COLUMNS, read at each use rather than at import
+    (the environment a command runs under is the one its output goes to, also when the CLI is imported
+    once and invoked many times: typer's CliRunner, an embedding program). Piped into a file or a CI log
+    (no terminal, no COLUMNS) it is 160 columns wide instead of rich's 80, which folded the summary
+    table's columns into unreadable slivers."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = super().size
+        if self._width is None and not self.is_terminal and not os.environ.get("COLUMNS"):
+            return ConsoleDimensions(160, dims.height)
+        return dims
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
 
 
-out = _console()
-err = _console(stderr=True)
+out = _Console()
+err = _Console(stderr=True)
 
 
 def handle_errors(fn):

@@ -231,28 +231,36 @@ print("RESULT", json.dumps(dict(done=sorted(res.done), failed=res.failed)))
     return json.loads(line.removeprefix("RESULT "))
 
 
+HUNG = "smoke__bio-tbik__tp1__bs2"  # its first attempt stops producing tokens in the GPU-path sweep
+
+
+@pytest.fixture(scope="module")
+def gpu_path_sweep(tmp_path_factory, smollm):
+    """One Ray sweep on the GPU scheduling path (two logical GPUs) in which HUNG's actor hangs on its
+    first attempt: both claims below are read from it (one sweep, not two: this is CI's time)."""
+    pytest.importorskip("ray")
+    out = tmp_path_factory.mktemp("ray-gpu") / "r"
+    res = _ray_sweep_in_subprocess(out, smollm.path, timeout_s=600, hang_timeout=20, env={FAULT_ENV: f"hang:{HUNG}"})
+    return res, json.loads((out / "manifest.json").read_text())["cells"]
+
+
 @pytest.mark.slow
-def test_tp1_and_tp2_groups_share_gpus_without_deadlock(tmp_path, smollm):
+def test_tp1_and_tp2_groups_share_gpus_without_deadlock(gpu_path_sweep):
     """Two logical GPUs, TP-1 groups holding them while a TP-2 group waits for both: every cell lands.
     (The executor used to wait for the TP-2 group's GPU probes while blocking the loop that would collect
     the TP-1 groups' finished cells and free their GPUs: this sweep never ended.)"""
-    pytest.importorskip("ray")
-    res = _ray_sweep_in_subprocess(tmp_path / "r", smollm.path, timeout_s=600)
+    res, cells = gpu_path_sweep
     assert res["failed"] == {} and len(res["done"]) == 4, res
-    cells = json.loads((tmp_path / "r" / "manifest.json").read_text())["cells"]
     gpus = {cid: c["placement"]["gpu_ids"] for cid, c in cells.items()}
     assert all(len(ids) == (2 if "__tp2__" in cid else 1) for cid, ids in gpus.items()), gpus
 
 
 @pytest.mark.slow
-def test_a_hung_actor_is_killed_and_its_cell_retried(tmp_path, smollm):
+def test_a_hung_actor_is_killed_and_its_cell_retried(gpu_path_sweep):
     """An actor that stops producing tokens (DETAUDIT_RAY_FAULT=hang:CELL on the cell's first attempt)
     is killed once the hang timeout passes without a token, and the cell lands on a new actor."""
-    pytest.importorskip("ray")
-    cell = "smoke__bio-tbik__tp1__bs2"
-    res = _ray_sweep_in_subprocess(
-        tmp_path / "r", smollm.path, timeout_s=600, hang_timeout=20, env={FAULT_ENV: f"hang:{cell}"}
-    )
-    assert res["failed"] == {} and cell in res["done"], res
-    placement = json.loads((tmp_path / "r" / "manifest.json").read_text())["cells"][cell]["placement"]
+    res, cells = gpu_path_sweep
+    assert res["failed"] == {} and HUNG in res["done"], res
+    placement = cells[HUNG]["placement"]
     assert placement["attempt"] == 2 and placement["group_actor_restarts"] == 1, placement
+    assert all(c["placement"]["attempt"] == 1 for cid, c in cells.items() if cid != HUNG)

@@ -270,13 +270,14 @@ def test_vllm_server_engine_killed_mid_run_leaves_no_server_and_resumes(smollm, 
         "--limit",
         "2",
         "--max-new-tokens",
-        "200",
+        "64",
         "--temperature",
         "0",
         "--concurrency",
         "1,4",
         "--no-analyze",
-    ]  # long enough that the run is still going when the first request is seen, however fast the machine
+    ]  # 2 cells of 2 x 64 tokens: the kill lands within a second of the first request being seen, long
+    # before both cells are complete (checked below); the resume then generates what was left
     cmd = [
         sys.executable,
         "-c",

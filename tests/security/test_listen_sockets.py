@@ -133,8 +133,8 @@ def test_ray_runtime_listens_on_loopback_only(tiny_llama):
             seen["socks"] = listening([os.getpid()])
             seen["ray"] = {p.pid: p.name() for p in psutil.Process().children(recursive=True) if p.pid not in before}
 
-    job = CellJob("c1", 1, ["p"], [[1, 2, 3]], "c1")
-    group = CellGroup(engine_options(tiny_llama, "bio+tbik", 1), DecodingParams(greedy=True, max_new_tokens=2), [job])
+    job = CellJob("c1", 1, ["p"], [[1, 2, 3]], "c1", DecodingParams(greedy=True, max_new_tokens=2))
+    group = CellGroup(engine_options(tiny_llama, "bio+tbik", 1), [job])
     outputs = []
     RayExecutor(num_cpus=2).run([group], lambda _: None, outputs.append, progress)
     assert [o.cell_id for o in outputs] == ["c1"] and not ray.is_initialized()

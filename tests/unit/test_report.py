@@ -148,10 +148,9 @@ def test_analyze_piped_output_keeps_table_columns_whole(audit, monkeypatch):
     import detaudit.cli.common as cli
 
     monkeypatch.delenv("COLUMNS", raising=False)
-    console = cli._console()
-    assert not console.is_terminal and console.width == 160
-    monkeypatch.setenv("COLUMNS", "100")
-    assert cli._console().width == 100
+    assert not cli.out.is_terminal and cli.out.width == 160 and cli.err.width == 160
+    monkeypatch.setenv("COLUMNS", "100")  # read at each use, not when the CLI was imported
+    assert cli.out.width == 100 and cli.err.width == 100
 
 
 # ---------------------------------------------------------------- a grid that compares nothing

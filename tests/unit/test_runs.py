@@ -75,6 +75,22 @@ def test_cell_file_without_manifest_update_is_recovered(tmp_path):
         assert r.init_or_check(manifest()) == [A]
 
 
+def test_temp_files_of_a_killed_writer_are_removed_on_resume(tmp_path):
+    """A writer killed between creating an atomic write's temp file and renaming it leaves the temp
+    behind; the next lock holder removes those of the manifest and the cells, and nothing else."""
+    run = RunDir(tmp_path / "r")
+    with run.locked():
+        run.init_or_check(manifest())
+        run.write_cell(A, [row(A, 0), row(A, 1)], {})
+    stale = [run.path / ".manifest.json.x1y2.tmp", run.path / "cells" / f".{A}.parquet.z3.tmp"]
+    others = [run.path / ".report.md.q9.tmp", run.path / "notes.tmp"]
+    for p in stale + others:
+        p.write_bytes(b"partial")
+    with RunDir(tmp_path / "r").locked() as r:
+        assert r.init_or_check(manifest()) == [A]
+    assert [p.exists() for p in stale + others] == [False, False, True, True]
+
+
 def test_truncated_cell_is_recomputed_not_read(tmp_path):
     run = RunDir(tmp_path / "r")
     with run.locked():
