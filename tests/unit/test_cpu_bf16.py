@@ -66,6 +66,8 @@ def test_bad_setting_from_the_environment_is_refused(monkeypatch):
 def test_panel_width_divides_n_padded_to_64():
     widths = {n: cpu_bf16.panel_width(n) for n in (64, 192, 512, 576, 1536, 49152, 37, 300)}
     assert widths == {64: 64, 192: 192, 512: 256, 576: 192, 1536: 256, 49152: 256, 37: 64, 300: 64}
+    leaves = {n: cpu_bf16.panel_width(n, cpu_bf16.LEAF_PANEL_MAX) for n in (576, 1536, 4096, 300)}
+    assert leaves == {576: 576, 1536: 768, 4096: 1024, 300: 320}
 
 
 def test_description_names_the_path(cpu_path):

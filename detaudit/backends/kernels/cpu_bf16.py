@@ -36,11 +36,11 @@ ENV = "DETAUDIT_CPU_GEMM"
 CHOICES = ("auto", "bf16", "fp32")
 ROWS = 8  # R: rows per call (decode batches are small and the micro-kernel is compute bound: padding costs)
 PANEL_UNIT = 64  # W is a multiple of this...
-PANEL_MAX = 256  # ...and at most this (all of a wide N in one call ran slower; narrow panels split a
-# decode-sized product evenly over the threads)
-# products from this size on are spread over the worker threads: decode-sized products stream their
-# weight from memory, which one core does at a fraction of the machine's bandwidth
-MIN_SPLIT_FLOPS = 4e6
+PANEL_MAX = 256  # ...and at most this for a linear layer (of 64..512, 256 was at or near the fastest for
+# the embedded model's shapes here; all of a wide N in one call was slower)
+# ...and for a tree leaf (`tree`): a leaf's K is 1/8 of the layer's, and a call has a fixed cost of
+# ~1.5 us, so fewer, wider calls
+LEAF_PANEL_MAX = 1024
 # at::native::cpublas::brgemm(int64 M, N, K, ld_a, ld_b, ld_c, bool add_C, const BFloat16* A,
 # const BFloat16* B, float* C, bool is_vnni); the mangled name encodes every parameter type, so a torch
 # whose function takes other arguments has no such symbol and gets the fp32 path
@@ -176,18 +176,19 @@ def usable(x: Tensor, w: Tensor) -> bool:
     return x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu" and choice().bf16
 
 
-def panel_width(n: int) -> int:
-    """W for a weight of N output columns: the widest multiple of 64, up to 512, that divides N rounded
-    up to 64 (no padding beyond that; one panel shape per weight)."""
+def panel_width(n: int, widest: int = PANEL_MAX) -> int:
+    """W for a weight of N output columns: the widest multiple of 64, up to `widest`, that divides N
+    rounded up to 64 (no padding beyond that; one panel shape per weight)."""
     units = -(-n // PANEL_UNIT)
-    return PANEL_UNIT * max(d for d in range(1, PANEL_MAX // PANEL_UNIT + 1) if units % d == 0)
+    return PANEL_UNIT * max(d for d in range(1, widest // PANEL_UNIT + 1) if units % d == 0)
 
 
-def pack(w: Tensor) -> Tensor:
-    """w[N, K] as bf16 panels [P, K2/2, W, 2]: panel p holds output columns p*W.. in VNNI pairs
-    (element [p, i, j, t] = w[p*W + j, 2*i + t]); K2 is K rounded up to even, padding zero."""
+def pack(w: Tensor, widest: int = PANEL_MAX) -> Tensor:
+    """w[N, K] as bf16 panels [P, K2/2, W, 2] (W = `panel_width(N, widest)`): panel p holds output
+    columns p*W.. in VNNI pairs (element [p, i, j, t] = w[p*W + j, 2*i + t]); K2 is K rounded up to
+    even, padding zero."""
     n, k = w.shape
-    width = panel_width(n)
+    width = panel_width(n, widest)
     p, k2 = -(-n // width), k + (k & 1)
     wp = torch.zeros(p * width, k2, dtype=torch.bfloat16, device=w.device)
     wp[:n, :k] = w
@@ -236,7 +237,7 @@ def products(a: Tensor, packed: Tensor) -> Tensor:
                     cj = c_ptr + ((gi * nb + j) * r * ldc + q * width) * 4
                     fn(r, width, k2, lda, width, ldc, False, aj, b, cj, True)
 
-    cpu_gemm.spread(g, nb, p * width, 2.0 * g * nb * r * k2 * p * width, run, panel=width, min_flops=MIN_SPLIT_FLOPS)
+    cpu_gemm.spread(g, nb, p * width, 2.0 * g * nb * r * k2 * p * width, run, panel=width)
     return out
 
 

@@ -95,13 +95,13 @@ def _jobs(g: int, nb: int, n: int, width: int, panel: int = PANEL) -> list[tuple
     return jobs
 
 
-def spread(g: int, nb: int, n: int, flops: float, run, panel: int = PANEL, min_flops: float = MIN_SPLIT_FLOPS) -> None:
+def spread(g: int, nb: int, n: int, flops: float, run, panel: int = PANEL) -> None:
     """Run `run(job)` over every (group range, block range, column range) job of g x nb x n. A product
     big enough to pay for the hand-off is cut into one job per thread: this thread runs the first with
     one intra-op thread, the pool's single-threaded workers the others. A smaller one runs here whole,
     with one thread. Which thread runs a job never changes what the job computes."""
     width = torch.get_num_threads()
-    jobs = _jobs(g, nb, n, width, panel) if width > 1 and flops >= min_flops else []
+    jobs = _jobs(g, nb, n, width, panel) if width > 1 and flops >= MIN_SPLIT_FLOPS else []
     if len(jobs) < 2:
         with one_thread():
             run((slice(0, g), slice(0, nb), slice(0, n)))

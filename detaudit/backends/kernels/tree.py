@@ -80,11 +80,14 @@ _LEAVES: dict[tuple[int, int], int] = {}  # (K/C, C) -> leaves on a rank, for sh
 
 
 def _packed_bf16(w: Tensor, leaves: int, leaf: int) -> Tensor:
-    """bf16 panels of each leaf, [leaves, P, leaf2/2, W, 2] (`cpu_bf16.pack` of w[:, leaf j])."""
+    """bf16 panels of each leaf, [leaves, P, leaf2/2, W, 2] (`cpu_bf16.pack` of w[:, leaf j]; W depends on
+    N only, so a leaf is the same call whatever the TP size)."""
     return fixed.derived(
         w,
         f"bf16-leaves{leaves}x{leaf}",
-        lambda d: torch.stack([cpu_bf16.pack(d[:, j * leaf : (j + 1) * leaf]) for j in range(leaves)]),
+        lambda d: torch.stack(
+            [cpu_bf16.pack(d[:, j * leaf : (j + 1) * leaf], cpu_bf16.LEAF_PANEL_MAX) for j in range(leaves)]
+        ),
     )
 
 
@@ -118,7 +121,8 @@ def describe() -> dict[str, str]:
     return {
         "tree": f"K cut into {TP_MAX} equal blocks (top 3 levels, TP_max={TP_MAX}); leaves added pairwise "
         "((l0+l1)+(l2+l3))+... in fp32; K % 8 != 0 is refused naming the layer",
-        "tree_matmul_cpu": "per leaf the products of matmul_cpu (cpu_gemm's path), K/8 for K",
+        "tree_matmul_cpu": "per leaf the products of matmul_cpu (cpu_gemm's path), K/8 for K; bf16 operands: "
+        f"W up to {cpu_bf16.LEAF_PANEL_MAX}",
         "tree_matmul_gpu": "Triton persistent kernel, NUM_LEAVES=8/C unrolled leaves, each a pipelined K loop "
         "into an fp32 accumulator, compile-time binary-counter carries in registers, no split-K, "
         f"no autotune; {triton_mm.describe(tree=True)}; GLUON=1: on Hopper the warp-specialised "
