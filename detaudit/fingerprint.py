@@ -37,6 +37,8 @@ KNOB_ENV = frozenset(
         "OPENBLAS_CORETYPE",
         "ONEDNN_MAX_CPU_ISA",
         "DNNL_MAX_CPU_ISA",
+        "ONEDNN_CPU_ISA_HINTS",
+        "DNNL_CPU_ISA_HINTS",
         "ONEDNN_DEFAULT_FPMATH_MODE",
         "DNNL_DEFAULT_FPMATH_MODE",
         "ATEN_CPU_CAPABILITY",
@@ -89,6 +91,7 @@ KNOB_ENV = frozenset(
         "VLLM_FUSED_MOE_CHUNK_SIZE",
         # detaudit's own switches
         "DETAUDIT_ALLREDUCE",
+        "DETAUDIT_CPU_GEMM",
         "DETAUDIT_VLLM_BACKEND",
         "DETAUDIT_FAULT_INJECT",
     }

@@ -1,8 +1,10 @@
 """`bio`: batch-invariant ops. Every reduction has a fixed shape and order, so a request's outputs do
 not depend on how many other requests share its batch (see `kernels/fixed.py`):
 
-- matmul / linear: CPU fixed-shape fp32 block products; GPU one persistent Triton kernel with one fixed
-  tile config per dtype, no split-K, fp32 accumulation, fp32 inputs in IEEE precision (no TF32);
+- matmul / linear: CPU fixed-shape block products (bf16 operands with fp32 accumulation on CPUs with
+  AVX-512 BF16, fp32 elsewhere: `kernels/cpu_bf16.py`, decided once per machine); GPU one persistent
+  Triton kernel with one fixed tile config per dtype, no split-K, fp32 accumulation, fp32 inputs in
+  IEEE precision (no TF32);
 - RMSNorm and log-softmax: row-local, the row sum as a fixed-shape product with a ones vector (CPU) or
   one program per row (GPU; RMSNorm with the residual add in one kernel, `kernels/fused.py`);
 - attention: KV cache updated before attention (the engine), KV split into chunks of a fixed size
@@ -107,8 +109,7 @@ class BioBackend:
     def describe(self) -> dict[str, str]:
         return {
             "backend": self.name,
-            "matmul_cpu": f"fp32 products on zero-padded blocks of R={fixed.ROWS} rows, fixed shape [R, K] @ [K, N], "
-            "one thread per block product (blocks or 64-column panels spread over worker threads)",
+            **fixed.describe_cpu(),
             "matmul_gpu": f"Triton persistent kernel, no split-K, fp32 accumulate; {triton_mm.describe()}",
             "rms_norm": "fp32; row sum of squares: CPU a fixed-shape product with ones; GPU one Triton program per "
             "row (residual add fused), BLOCK fp32 lanes in order then one tree",

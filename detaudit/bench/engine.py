@@ -8,6 +8,7 @@ import time
 import pandas as pd
 import torch
 
+from detaudit.backends.kernels.fixed import describe_cpu
 from detaudit.config import DecodingParams, EngineOptions, EngineSettings, ModelRef
 
 
@@ -77,4 +78,5 @@ def bench_engine(
     df = pd.DataFrame(rows)
     df["vs_transformers"] = df["tokens_per_s"] / df["tokens_per_s"].iloc[-1]
     df.attrs.update(batch_size=batch_size, max_new_tokens=max_new_tokens, dtype=dtype, threads=torch.get_num_threads())
+    df.attrs["cpu_gemm"] = describe_cpu()["cpu_gemm"]  # bio / bio+tbik's CPU product path (bf16 inputs or fp32)
     return df

@@ -1,6 +1,7 @@
 """`detaudit bench kernels`: bio matmul and TBIK tree matmul throughput as a ratio of the native GEMM
-(cuBLAS on GPU, oneDNN/MKL on CPU) in the same run, accuracy against an fp64 reference, and each
-wrapper's eager wall time per call against the native call's (the host cost an uncaptured caller pays)."""
+(cuBLAS on GPU, oneDNN/MKL on CPU) in the same run, accuracy against an fp64 reference (of the outputs
+in the model dtype, and of the fp32 products before that cast), and each wrapper's eager wall time per
+call against the native call's (the host cost an uncaptured caller pays)."""
 
 from __future__ import annotations
 
@@ -156,8 +157,15 @@ def bench_kernels(
                     native_relerr=_rel_err(native(), ref),
                     bio_relerr=_rel_err(bio(), ref),
                     tree_relerr=_rel_err(tbik(), ref),
+                    # before the cast to the model dtype: the fp32 partials a row-parallel layer hands to
+                    # the all-reduce, where the products' own rounding shows
+                    bio_fp32_relerr=_rel_err(fixed.matmul(x, w), ref),
+                    tree_fp32_relerr=_rel_err(tree.tree_matmul(x, w, 1), ref),
                 )
             rows.append(row)
             if progress:
                 progress()
-    return pd.DataFrame(rows)
+    df = pd.DataFrame(rows)
+    if dev.type == "cpu":  # which CPU product path bio and the tree ran (bf16 inputs or fp32) and why
+        df.attrs["cpu_gemm"] = fixed.describe_cpu()["cpu_gemm"]
+    return df

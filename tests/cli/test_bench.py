@@ -80,3 +80,18 @@ def test_bench_e2e_repeats_report_the_median_call(tiny_llama):
     for bad, says in ((["--repeats", "0"], "--repeats"), (["--compare-graphs"], "CUDA device")):
         res = runner.invoke(app, ["bench", "e2e", "--models", str(tiny_llama), "--device", "cpu", *bad])
         assert res.exit_code == 2 and says in res.output, res.output
+
+
+def test_bench_kernels_on_cpu_names_the_product_path():
+    """CPU kernels bench at a tiny shape: accuracy columns against fp64 and, in the meta, the CPU product
+    path bio and the tree ran (the one `bio`'s description records)."""
+    from detaudit.backends import get_backend
+
+    res = runner.invoke(app, ["bench", "kernels", "--device", "cpu", "--m", "8", "--kn", "64x128", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["meta"]["cpu_gemm"] == get_backend("bio").describe()["cpu_gemm"]
+    (row,) = out["rows"]
+    assert (row["M"], row["K"], row["N"]) == (8, 64, 128)
+    assert 0 < row["bio_fp32_relerr"] < 1e-5 and 0 < row["tree_fp32_relerr"] < 1e-5  # fp32 sums of exact products
+    assert row["bio_relerr"] < 1e-2 and row["tree_relerr"] < 1e-2  # then rounded once to bf16

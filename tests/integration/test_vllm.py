@@ -157,6 +157,7 @@ def test_vllm_rollout_tp2_is_bitwise_aligned_with_builtin_trainer_tp1(tmp_path):
     assert rows["bio+tbik"]["dp_max"] == 0.0
 
 
+@pytest.mark.slow  # imports vLLM
 def test_moe_models_are_refused_under_the_plugin_backends(tmp_path):
     """`--engine vllm` with bio / bio+tbik and a mixture-of-experts model is refused before any work (the
     plugin does not route vLLM's fused MoE layer through the backend), and inside a vLLM process the

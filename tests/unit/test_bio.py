@@ -1,5 +1,7 @@
 """`bio` kernels: bitwise batch invariance on CPU (torch.equal, never a tolerance), and correctness
-against fp64 / PyTorch references with tolerances that fit the precision."""
+against fp64 / PyTorch references with tolerances that fit the precision. The product tests run on
+each CPU path this machine has (`cpu_path`: fp32 products, and bf16 products with fp32 accumulation
+where the CPU has AVX-512 BF16)."""
 
 from __future__ import annotations
 
@@ -19,17 +21,24 @@ def _rand(*shape, dtype, seed=0):
     return torch.randn(*shape, generator=g).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+# every M up to 40 (every row count of the last block, for R = 8 and 16, several times), then the block
+# boundaries around larger M
+PREFIXES = list(range(1, 41)) + [47, 48, 49, 63, 64, 65, 127, 128, 129, 200, 255, 256]
+# (path, dtype): fp32 operands take the fp32 path whatever the machine chose
+PATHS_DTYPES = [("fp32", torch.bfloat16), ("bf16", torch.bfloat16), ("fp32", torch.float32)]
+
+
+@pytest.mark.parametrize("cpu_path,dtype", PATHS_DTYPES, indirect=["cpu_path"])
 @pytest.mark.parametrize("k,n", MODEL_SHAPES[:3] + ODD_SHAPES)
-def test_matmul_prefix_invariant_every_m(k, n, dtype):
+def test_matmul_prefix_invariant(k, n, dtype, cpu_path):
     a, w = _rand(256, k, dtype=dtype), _rand(n, k, dtype=dtype, seed=1)
     full = fixed.matmul(a, w)
-    for m in range(1, 257):
+    for m in PREFIXES:
         assert torch.equal(fixed.matmul(a[:m], w), full[:m]), m
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_matmul_lm_head_shape_and_row_position(dtype):
+@pytest.mark.parametrize("cpu_path,dtype", PATHS_DTYPES, indirect=["cpu_path"])
+def test_matmul_lm_head_shape_and_row_position(dtype, cpu_path):
     k, n = MODEL_SHAPES[-1]
     a, w = _rand(40, k, dtype=dtype), _rand(n, k, dtype=dtype, seed=1)
     full = fixed.matmul(a, w)
@@ -39,7 +48,7 @@ def test_matmul_lm_head_shape_and_row_position(dtype):
 
 
 @pytest.mark.parametrize("k,n", [(576, 1536), (1536, 64), (49152, 8), (576, 49152)])
-def test_matmul_thread_count_invariant(k, n):
+def test_matmul_thread_count_invariant(k, n, cpu_path):
     """The caller's thread count only changes how blocks / panels are spread over threads, never a
     block's bits. (49152, 8) is the log-softmax row sum and (1536, 64) a skinny product: multi-threaded
     MKL splits their K across threads on AVX-512, which once broke invariance on such a CPU.)"""
@@ -57,7 +66,7 @@ def test_matmul_thread_count_invariant(k, n):
         torch.set_num_threads(before)
 
 
-def test_matmul_column_shard_invariant():
+def test_matmul_column_shard_invariant(cpu_path):
     """A column-parallel shard (N/C columns) computes the same bits as those columns of the full product."""
     a, w = _rand(33, 576, dtype=torch.bfloat16), _rand(1536, 576, dtype=torch.bfloat16, seed=1)
     full = fixed.matmul(a, w)
@@ -67,8 +76,8 @@ def test_matmul_column_shard_invariant():
             assert torch.equal(fixed.matmul(a, w[r * n : (r + 1) * n]), full[:, r * n : (r + 1) * n])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_matmul_accuracy_vs_fp64(dtype):
+@pytest.mark.parametrize("cpu_path,dtype", PATHS_DTYPES, indirect=["cpu_path"])
+def test_matmul_accuracy_vs_fp64(dtype, cpu_path):
     a, w = _rand(64, 576, dtype=dtype), _rand(1536, 576, dtype=dtype, seed=1)
     ref = a.double() @ w.double().t()
     ours = fixed.matmul(a, w).double()

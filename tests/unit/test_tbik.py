@@ -1,11 +1,12 @@
 """`bio+tbik`: the row-parallel output is bitwise identical for C = 1, 2, 4, 8 (emulated shards),
-real TP over gloo equals emulated, and both all-reduce implementations give the same bits."""
+real TP over gloo equals emulated, and both all-reduce implementations give the same bits. The tree
+tests run on each CPU product path this machine has (`cpu_path`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from detaudit.backends import get_backend
@@ -23,7 +24,8 @@ def row_parallel(backend, x, w, c):
     return backend.combine([backend.row_partial(a, b, c, name="t") for a, b in zip(xs, ws)], torch.bfloat16)
 
 
-@settings(max_examples=25, deadline=None)
+# (cpu_path is chosen once per test, not per example: the health check's concern does not apply)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     m=st.integers(1, 40),
     leaf=st.integers(1, 48),
@@ -31,7 +33,7 @@ def row_parallel(backend, x, w, c):
     seed=st.integers(0, 2**16),
     scale=st.sampled_from([1e-3, 1.0, 1e3]),
 )
-def test_row_parallel_tp_invariant_property(m, leaf, n, seed, scale):
+def test_row_parallel_tp_invariant_property(m, leaf, n, seed, scale, cpu_path):
     g = torch.Generator().manual_seed(seed)
     k = 8 * leaf
     x = (torch.randn(m, k, generator=g) * scale).bfloat16()
@@ -43,7 +45,7 @@ def test_row_parallel_tp_invariant_property(m, leaf, n, seed, scale):
 
 
 @pytest.mark.parametrize("k,n", [(1536, 576), (576, 576), (6144, 64)])  # o_proj / down_proj shapes, non-power-of-two K
-def test_model_shapes_tp_and_batch_invariant(k, n):
+def test_model_shapes_tp_and_batch_invariant(k, n, cpu_path):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(33, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -55,7 +57,7 @@ def test_model_shapes_tp_and_batch_invariant(k, n):
         assert torch.equal(row_parallel(b, x[:5], w, c), ref[:5])  # and batch invariant
 
 
-def test_bio_alone_is_not_tp_invariant():
+def test_bio_alone_is_not_tp_invariant(cpu_path):
     """Negative control: without the tree, the K split changes the bits."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 1536, generator=g).bfloat16()
@@ -65,7 +67,7 @@ def test_bio_alone_is_not_tp_invariant():
     assert any(not torch.equal(row_parallel(bio, x, w, c), ref) for c in (2, 4, 8))
 
 
-def test_accuracy_vs_fp64():
+def test_accuracy_vs_fp64(cpu_path):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 1536, generator=g).bfloat16()
     w = torch.randn(576, 1536, generator=g).bfloat16()

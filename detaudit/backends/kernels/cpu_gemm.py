@@ -5,10 +5,11 @@ Every batch-invariant CPU product is a stack of block products `a[g] @ b` of one
 multi-threaded call may split K across threads (measured on an AVX-512 Xeon: a [16, 49152] @
 [49152, 8] block gave other bits with 2 threads than with 1, and `torch.bmm` of one block runs
 multi-threaded while a stack of two runs one thread per block). So here every block product runs
-with one MKL/OpenMP thread, and the parallelism is ours: whole blocks, or 64-column panels of the
-output when there are fewer blocks than threads, go to worker threads that were set to one thread
-each. A block's bits then depend only on the block and the weight, never on the thread count, the
-number of blocks, or how the work was split.
+with one MKL/OpenMP thread, and the parallelism is ours (`spread`): whole blocks, or 64-column panels
+of the output when there are fewer blocks than threads, go to the calling thread and to worker
+threads that were set to one thread each. A block's bits then depend only on the block and the
+weight, never on the thread count, the number of blocks, or how the work was split. `cpu_bf16`'s
+bf16 products are spread the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Iterator
 
 import torch
@@ -72,9 +73,9 @@ def one_thread() -> Iterator[int]:
         _set_num_threads(n)
 
 
-def _jobs(g: int, nb: int, n: int, width: int) -> list[tuple[slice, slice, slice]]:
+def _jobs(g: int, nb: int, n: int, width: int, panel: int = PANEL) -> list[tuple[slice, slice, slice]]:
     """Split g groups x nb blocks x n columns into about `width` jobs (group range, block range, column
-    range): by groups when there are enough, else by blocks, else by 64-column panels."""
+    range): by groups when there are enough, else by blocks, else by `panel`-column panels."""
     if width <= 1:
         return [(slice(0, g), slice(0, nb), slice(0, n))]
     if g >= width:
@@ -85,13 +86,35 @@ def _jobs(g: int, nb: int, n: int, width: int) -> list[tuple[slice, slice, slice
         if nb >= width:
             jobs += [(grp, slice(i * nb // width, (i + 1) * nb // width), slice(0, n)) for i in range(width)]
         else:
-            panels = -(-n // PANEL)
+            panels = -(-n // panel)
             w = min(width, panels)
             jobs += [
-                (grp, slice(0, nb), slice(i * panels // w * PANEL, min(n, (i + 1) * panels // w * PANEL)))
+                (grp, slice(0, nb), slice(i * panels // w * panel, min(n, (i + 1) * panels // w * panel)))
                 for i in range(w)
             ]
     return jobs
+
+
+def spread(g: int, nb: int, n: int, flops: float, run, panel: int = PANEL) -> None:
+    """Run `run(job)` over every (group range, block range, column range) job of g x nb x n. A product
+    big enough to pay for the hand-off is cut into one job per thread: this thread runs the first with
+    one intra-op thread, the pool's single-threaded workers the others. A smaller one runs here whole,
+    with one thread. Which thread runs a job never changes what the job computes."""
+    width = torch.get_num_threads()
+    jobs = _jobs(g, nb, n, width, panel) if width > 1 and flops >= MIN_SPLIT_FLOPS else []
+    if len(jobs) < 2:
+        with one_thread():
+            run((slice(0, g), slice(0, nb), slice(0, n)))
+        return
+    pool = _workers(len(jobs) - 1)
+    futures = [pool.submit(run, j) for j in jobs[1:]]
+    try:
+        with one_thread():
+            run(jobs[0])
+    finally:  # the workers read the caller's tensors: wait for them even when this thread's job failed
+        wait(futures)
+    for f in futures:
+        f.result()
 
 
 def block_products(a: Tensor, b: Tensor) -> Tensor:
@@ -135,13 +158,5 @@ def block_products(a: Tensor, b: Tensor) -> Tensor:
                 else:
                     dest.copy_(torch.bmm(rows, rhs.expand(rows.shape[0], k, rhs.shape[-1])))
 
-    width = torch.get_num_threads()
-    if width > 1 and 2.0 * g * nb * r * k * n >= MIN_SPLIT_FLOPS:
-        # big: every job on the pool's single-threaded workers; this thread's settings stay untouched
-        pool = _workers(width)
-        for f in [pool.submit(run, j) for j in _jobs(g, nb, n, width)]:
-            f.result()
-    else:
-        with one_thread():  # small: here, one thread (a hand-off would cost more than the product)
-            run((slice(0, g), slice(0, nb), slice(0, n)))
+    spread(g, nb, n, 2.0 * g * nb * r * k * n, run)
     return out if grouped else out[0]

@@ -1,11 +1,13 @@
 """Batch-invariant primitives: every reduction has one fixed shape, so its order never depends on the
 batch.
 
-CPU: rows are processed in zero-padded blocks of R rows, one fp32 product of fixed shape
-[R, K] @ [K, N] per block, each computed by one thread (`cpu_gemm`: the library's own threading may
-split K, and does so differently for one block than for several). A row's bits then depend on
-nothing but its own values and the weight: not on its position, the number of blocks or the thread
-count (tests/test_bio.py checks each). GPU: the Triton kernel in `triton_mm`.
+CPU: rows are processed in zero-padded blocks of R rows, one product of fixed shape [R, K] @ [K, N]
+per block, each computed by one thread (`cpu_gemm`: the library's own threading may split K, and does
+so differently for one block than for several). bf16 operands on a CPU with AVX-512 BF16 go through
+oneDNN's bf16 micro-kernel with fp32 accumulation (`cpu_bf16`: R = 8, W-column panels); everything
+else is an fp32 product (R = 16). A row's bits then depend on nothing but its own values and the
+weight: not on its position, the number of blocks or the thread count (tests/unit/test_bio.py checks
+each, on both paths). GPU: the Triton kernel in `triton_mm`.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import weakref
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import cpu_gemm, triton_attn, triton_mm, triton_rows
+from detaudit.backends.kernels import cpu_bf16, cpu_gemm, triton_attn, triton_mm, triton_rows
 
-ROWS = 16  # R: rows per fixed-shape block on CPU
+ROWS = 16  # R: rows per fixed-shape fp32 block on CPU (the bf16 path's is cpu_bf16.ROWS)
 
-# Derived copies of weights (fp32, re-laid-out), keyed by the weight's identity and dropped with it;
+# Derived copies of weights (fp32 or packed bf16, re-laid-out), keyed by the weight's identity and dropped with it;
 # rebuilt when the weight is modified in place. (A WeakKeyDictionary cannot hold tensors: their == is
 # elementwise.)
 _DERIVED: dict[tuple[int, str], tuple[int, Tensor]] = {}
@@ -64,13 +66,8 @@ def bmm_fixed(a: Tensor, b: Tensor) -> Tensor:
     """fp32 a[G, M, K] @ b[G or 1, K, N] where each product is computed in zero-padded R-row blocks."""
     g, m, k = a.shape
     n = b.shape[-1]
-    nb = -(-m // ROWS)
-    if m != nb * ROWS:
-        ap = torch.zeros(g, nb * ROWS, k, dtype=torch.float32, device=a.device)
-        ap[:, :m] = a
-    else:
-        ap = a.float()
-    ap = ap.view(g, nb, ROWS, k)
+    ap = _padded_rows(a.float())
+    nb = ap.shape[1]
     bb = b.float()
     out = cpu_gemm.block_products(ap, bb.expand(g, k, n) if bb.shape[0] == 1 else bb)
     return out.view(g, nb * ROWS, n)[:, :m]
@@ -83,10 +80,35 @@ def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype = torch.float32) -> Tens
         return triton_mm.mm(x, w, out_dtype=out_dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
+    n = w.shape[0]
     if x.is_cuda:
-        return triton_mm.mm(x2, w, out_dtype=out_dtype).reshape(*lead, w.shape[0])
+        return triton_mm.mm(x2, w, out_dtype=out_dtype).reshape(*lead, n)
+    if cpu_bf16.usable(x2, w):
+        return cpu_bf16.matmul(x2, derived(w, "bf16-panels", cpu_bf16.pack), n).reshape(*lead, n).to(out_dtype)
     out = cpu_gemm.block_products(blocks_of(x2), weight_t(w))
-    return out.view(-1, w.shape[0])[: x2.shape[0]].reshape(*lead, w.shape[0]).to(out_dtype)
+    return out.view(-1, n)[: x2.shape[0]].reshape(*lead, n).to(out_dtype)
+
+
+def describe_cpu() -> dict[str, str]:
+    """How this process computes CPU products: `cpu_gemm` is the path chosen for this machine and why;
+    `matmul_cpu` the block shapes."""
+    c = cpu_bf16.choice()
+    fp32 = (
+        f"fp32 products on zero-padded blocks of R={ROWS} rows, fixed shape [R, K] @ [K, N], "
+        "one thread per block product"
+    )
+    if not c.bf16:
+        return {
+            "cpu_gemm": c.describe(),
+            "matmul_cpu": f"{fp32} (blocks or 64-column panels spread over worker threads)",
+        }
+    return {
+        "cpu_gemm": c.describe(),
+        "matmul_cpu": "bf16 operands: bf16 x bf16 products accumulated in fp32 on zero-padded blocks of "
+        f"R={cpu_bf16.ROWS} rows, one call shape [R, K] @ [K, W] per weight (W: the widest multiple of "
+        f"{cpu_bf16.PANEL_UNIT} up to {cpu_bf16.PANEL_MAX} dividing N), one thread per call; fp32 operands "
+        f"(attention, row sums): {fp32}",
+    }
 
 
 _ONES: dict[tuple[int, str], Tensor] = {}
@@ -166,16 +188,16 @@ def attention(
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d)
     pos = q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, t * groups, 1)
     qs = qg.float() * scale
-    kf = k.reshape(g, length, d)
-    vf = v.reshape(g, length, d)
     rows = qs.shape[1]
     m = torch.full((g, rows, 1), float("-inf"), device=q.device)
     l = torch.zeros((g, rows, 1), device=q.device)
     acc = torch.zeros((g, rows, d), device=q.device)
     if t == 1:  # decode: every chunk's products in one call each, then the same recurrence (no host sync:
         # a CUDA graph can capture it)
-        out = _decode_chunks(qs, pos, kf, vf, split, m, l, acc, window)
+        out = _decode_chunks(qs, pos, k, v, split, m, l, acc, window)
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
+    kf = k.reshape(g, length, d)
+    vf = v.reshape(g, length, d)
     latest = q_pos.amax(0).tolist()  # per query index, the furthest position any request has there
     for start in range(0, length, split):
         first = next((i for i, p in enumerate(latest) if p >= start), None)
@@ -209,11 +231,41 @@ def _hidden(keys: Tensor, pos: Tensor, window: int | None) -> Tensor:
     return keys > pos if window is None else (keys > pos) | (keys <= pos - window)
 
 
+def _chunks_f32(x: Tensor, chunks: int, split: int, transpose: bool) -> Tensor:
+    """The cache x[B, Hkv, L, D] as fp32 chunks of `split` keys, zero padded: [G * chunks, split, D], or
+    [G * chunks, D, split] with `transpose` (G = B * Hkv), contiguous: the operands `batched` would make
+    from the padded cache (reshape, pad, cast, and for keys the transposed copy of `block_products`),
+    in one strided copy instead of four."""
+    bsz, hkv, length, d = x.shape
+    g, full = bsz * hkv, length // split
+    shape = (g, chunks, d, split) if transpose else (g, chunks, split, d)
+    out = torch.empty(shape, dtype=torch.float32, device=x.device)
+    keys = out.transpose(2, 3) if transpose else out  # [G, chunks, split, D] views of out
+    if full:
+        keys[:, :full].copy_(x[:, :, : full * split].reshape(g, full, split, d))
+    if full < chunks:  # the last, partial chunk and its zero padding
+        rest = length - full * split
+        keys[:, full, :rest].copy_(x[:, :, full * split :].reshape(g, rest, d))
+        keys[:, full, rest:].zero_()
+    return out.view(g * chunks, *out.shape[2:])
+
+
+def _padded_rows(a: Tensor) -> Tensor:
+    """a[G, M, K] fp32 as [G, ceil(M/R), R, K], rows zero padded: `bmm_fixed`'s left operand."""
+    g, m, k = a.shape
+    nb = -(-m // ROWS)
+    if m == nb * ROWS:
+        return a.view(g, nb, ROWS, k)
+    ap = torch.zeros(g, nb * ROWS, k, dtype=torch.float32, device=a.device)
+    ap[:, :m] = a
+    return ap.view(g, nb, ROWS, k)
+
+
 def _decode_chunks(
     qs: Tensor,
     pos: Tensor,
-    kf: Tensor,
-    vf: Tensor,
+    k: Tensor,
+    v: Tensor,
     split: int,
     m: Tensor,
     l: Tensor,
@@ -223,23 +275,21 @@ def _decode_chunks(
     """`attention`'s chunk loop for a few query rows (decode), with every chunk's scores, row sums and
     P @ V products computed by one call each: the running max is a cumulative max over the chunks'
     maxima (max is exact in any order), and the recurrence over chunks then applies the same
-    elementwise operations, chunk by chunk, as the loop. Same bits, far fewer calls."""
+    elementwise operations, chunk by chunk, as the loop. Same bits, far fewer calls. The products get
+    the operands `batched` would build from the padded cache, made in one copy each (`_chunks_f32`)."""
     g, rows, d = qs.shape
-    chunks = -(-kf.shape[1] // split)
-    pad = chunks * split - kf.shape[1]
-    if pad:
-        kf = torch.nn.functional.pad(kf, (0, 0, 0, pad))
-        vf = torch.nn.functional.pad(vf, (0, 0, 0, pad))
+    chunks = -(-k.shape[2] // split)
     q_all = qs[:, None].expand(g, chunks, rows, d).reshape(g * chunks, rows, d)
-    s = batched(q_all, kf.reshape(g * chunks, split, d)).view(g, chunks, rows, split)
+    s = cpu_gemm.block_products(_padded_rows(q_all), _chunks_f32(k, chunks, split, transpose=True))
+    s = s.view(g, chunks, -1, split)[:, :, :rows]
     keys = torch.arange(chunks * split, device=qs.device).view(1, chunks, 1, split)
     s = s.masked_fill(_hidden(keys, pos[:, None], window), float("-inf"))
     m_all = torch.cummax(s.amax(-1, keepdim=True), dim=1).values  # [g, chunks, rows, 1]
     safe = torch.where(torch.isinf(m_all), torch.zeros_like(m_all), m_all)
     p = torch.exp(s - safe)
     sums = row_sum(p)
-    pv = batched(p.reshape(g * chunks, rows, split), vf.reshape(g * chunks, split, d).transpose(1, 2))
-    pv = pv.view(g, chunks, rows, d)
+    pv = cpu_gemm.block_products(_padded_rows(p.reshape(g * chunks, rows, split)), _chunks_f32(v, chunks, split, False))
+    pv = pv.view(g, chunks, -1, d)[:, :, :rows]
     for c in range(chunks):
         alpha = torch.exp(m - safe[:, c])
         l = l * alpha + sums[:, c]

@@ -7,7 +7,9 @@ adds the ranks' subtrees along the top of the same tree. Every leaf is computed 
 C is (same shapes, same order) and leaves are added pairwise in the same order, so the result is
 bitwise identical for C = 1, 2, 4, 8.
 
-- CPU: a leaf is the fixed-shape fp32 block product of `fixed` ([R, K/8] @ [K/8, N] per R rows).
+- CPU: a leaf is the fixed-shape block product of `fixed` ([R, K/8] @ [K/8, N] per R rows): bf16
+  operands through `cpu_bf16`'s micro-kernel where this process chose it (fp32 accumulation), fp32
+  products otherwise.
 - GPU: the Triton tree kernel of `triton_mm` with NUM_LEAVES = 8/C (leaves unrolled at compile time,
   each a pipelined K loop accumulated in fp32 registers, compile-time binary-counter carries held in
   registers, one fixed reduction per dtype); on Hopper at M > 256 the Gluon kernel of `gluon_tree`,
@@ -16,9 +18,10 @@ bitwise identical for C = 1, 2, 4, 8.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import cpu_gemm, fixed, gluon_tree, triton_mm
+from detaudit.backends.kernels import cpu_bf16, cpu_gemm, fixed, gluon_tree, triton_mm
 from detaudit.errors import DetauditError
 
 TP_MAX = 8
@@ -76,28 +79,50 @@ def tree_matmul(x: Tensor, w: Tensor, tp_size: int, name: str = "") -> Tensor:
 _LEAVES: dict[tuple[int, int], int] = {}  # (K/C, C) -> leaves on a rank, for shapes leaf_plan accepted
 
 
+def _packed_bf16(w: Tensor, leaves: int, leaf: int) -> Tensor:
+    """bf16 panels of each leaf, [leaves, P, leaf2/2, W, 2] (`cpu_bf16.pack` of w[:, leaf j]; W depends on
+    N only, so a leaf is the same call whatever the TP size)."""
+    return fixed.derived(
+        w,
+        f"bf16-leaves{leaves}x{leaf}",
+        lambda d: torch.stack(
+            [cpu_bf16.pack(d[:, j * leaf : (j + 1) * leaf], cpu_bf16.LEAF_PANEL_MAX) for j in range(leaves)]
+        ),
+    )
+
+
 def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
-    m = x2.shape[0]
-    xb = fixed.blocks_of(x2)  # [nb, R, K_local]
-    nb = xb.shape[0]
-    wp = _packed(w, leaves, leaf)
+    m, n = x2.shape[0], w.shape[0]
+    if cpu_bf16.usable(x2, w):  # every leaf's products in one spread over the threads
+        if leaf % 2:  # an odd leaf: each leaf's columns blocked (padded to an even K) on their own
+            xl = torch.stack([cpu_bf16.blocks_of(x2[:, j * leaf : (j + 1) * leaf]) for j in range(leaves)])
+        else:  # the leaves as K slices of the rows' blocks: a view, the kernel takes the row stride
+            xb = cpu_bf16.blocks_of(x2)
+            xl = xb.view(xb.shape[0], cpu_bf16.ROWS, leaves, leaf).permute(2, 0, 1, 3)
+        products = cpu_bf16.products(xl, _packed_bf16(w, leaves, leaf))
+        leaf_product = lambda j: products[j]  # noqa: E731
+    else:
+        xb = fixed.blocks_of(x2)  # [nb, R, K_local]
+        wf = _packed(w, leaves, leaf)
+        leaf_product = lambda j: cpu_gemm.block_products(xb[:, :, j * leaf : (j + 1) * leaf].contiguous(), wf[j])  # noqa: E731
     stack: list[Tensor] = []  # binary-counter carries: stack[i] is a finished node of level i
     for j in range(leaves):
-        c = cpu_gemm.block_products(xb[:, :, j * leaf : (j + 1) * leaf].contiguous(), wp[j])
+        c = leaf_product(j)
         level = 0
         while (j >> level) & 1:  # a right child: left sibling + it
             c = stack.pop() + c
             level += 1
         stack.append(c)
-    return stack[0].view(nb * fixed.ROWS, -1)[:m]
+    out = stack[0]
+    return out.view(-1, out.shape[-1])[:m, :n]
 
 
 def describe() -> dict[str, str]:
     return {
         "tree": f"K cut into {TP_MAX} equal blocks (top 3 levels, TP_max={TP_MAX}); leaves added pairwise "
         "((l0+l1)+(l2+l3))+... in fp32; K % 8 != 0 is refused naming the layer",
-        "tree_matmul_cpu": f"per leaf fp32 products on zero-padded blocks of R={fixed.ROWS} rows, fixed shapes "
-        "[R, K/8] @ [K/8, N], one thread per block product",
+        "tree_matmul_cpu": "per leaf the products of matmul_cpu (cpu_gemm's path), K/8 for K; bf16 operands: "
+        f"W up to {cpu_bf16.LEAF_PANEL_MAX}",
         "tree_matmul_gpu": "Triton persistent kernel, NUM_LEAVES=8/C unrolled leaves, each a pipelined K loop "
         "into an fp32 accumulator, compile-time binary-counter carries in registers, no split-K, "
         f"no autotune; {triton_mm.describe(tree=True)}; GLUON=1: on Hopper the warp-specialised "

@@ -1,0 +1,110 @@
+"""The CPU product path: which one a machine gets (the decision table, with made-up flag sets for the
+kinds of CPU this machine is not: AVX2-only, AMX), that the backends' descriptions name it, and that
+runs made on the two paths are refused as one run. The products themselves are tested in test_bio.py
+and test_tbik.py on each path this machine has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from detaudit.backends import get_backend
+from detaudit.backends.kernels import cpu_bf16, fixed
+from detaudit.errors import DetauditError
+from detaudit.manifest import numerics_conflicts
+
+AVX2 = frozenset("fpu sse sse2 avx fma f16c avx2 bmi2".split())
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+AVX512_BF16 = AVX512 | {"avx512_bf16"}
+AMX = AVX512_BF16 | {"amx_bf16", "amx_tile", "amx_int8"}
+
+
+def _decide(setting="auto", flags=AVX512_BF16, environ=None, kernel=True, onednn=True):
+    return cpu_bf16.decide(setting, flags, environ or {}, kernel, onednn)
+
+
+def test_bf16_only_where_the_cpu_has_avx512_bf16_without_amx():
+    assert _decide() == (True, "CPU flags avx512_bf16 (no AMX): oneDNN brgemm micro-kernel, vdpbf16ps")
+    bf16, why = _decide(flags=AVX2)
+    assert not bf16 and "avx512_bf16" in why and "avx512f" in why
+    bf16, why = _decide(flags=AVX512)
+    assert not bf16 and why == "CPU flags lack avx512_bf16"
+    bf16, why = _decide(flags=AMX)
+    assert not bf16 and why.startswith("AMX CPU")
+    assert _decide(onednn=False)[0] is False
+    assert "exports no" in _decide(kernel=False)[1]
+
+
+def test_onednn_cap_below_bf16_means_fp32():
+    bf16, why = _decide(environ={"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert not bf16 and "ONEDNN_MAX_CPU_ISA=AVX2" in why
+    assert not _decide(environ={"DNNL_MAX_CPU_ISA": "avx512_core"})[0]
+    assert _decide(environ={"ONEDNN_MAX_CPU_ISA": "avx512_core_bf16"})[0]
+    assert _decide(environ={"ONEDNN_MAX_CPU_ISA": "ALL"})[0]
+
+
+def test_settings_force_or_refuse():
+    assert _decide("fp32") == (False, "DETAUDIT_CPU_GEMM=fp32")
+    assert _decide("bf16")[0]
+    for flags in (AVX2, AMX):
+        with pytest.raises(DetauditError, match="DETAUDIT_CPU_GEMM=bf16: this machine cannot"):
+            _decide("bf16", flags=flags)
+    with pytest.raises(DetauditError, match="auto, bf16, fp32"):
+        _decide("fast")
+
+
+def test_bad_setting_from_the_environment_is_refused(monkeypatch):
+    monkeypatch.setenv(cpu_bf16.ENV, "fast")
+    try:
+        with pytest.raises(DetauditError, match="DETAUDIT_CPU_GEMM must be one of"):
+            cpu_bf16.choose()
+    finally:
+        monkeypatch.delenv(cpu_bf16.ENV)
+        cpu_bf16.choose()
+
+
+def test_panel_width_divides_n_padded_to_64():
+    widths = {n: cpu_bf16.panel_width(n) for n in (64, 192, 512, 576, 1536, 49152, 37, 300)}
+    assert widths == {64: 64, 192: 192, 512: 256, 576: 192, 1536: 256, 49152: 256, 37: 64, 300: 64}
+    leaves = {n: cpu_bf16.panel_width(n, cpu_bf16.LEAF_PANEL_MAX) for n in (576, 1536, 4096, 300)}
+    assert leaves == {576: 576, 1536: 768, 4096: 1024, 300: 320}
+
+
+def test_description_names_the_path(cpu_path):
+    d = get_backend("bio+tbik").describe()
+    assert d["cpu_gemm"] == cpu_path.describe()
+    if cpu_path.bf16:
+        assert d["cpu_gemm"].startswith("bf16 inputs, fp32 accumulation: CPU flags avx512_bf16")
+        assert f"R={cpu_bf16.ROWS}" in d["matmul_cpu"] and f"R={fixed.ROWS}" in d["matmul_cpu"]
+    else:
+        assert d["cpu_gemm"] == "fp32 products: DETAUDIT_CPU_GEMM=fp32"
+        assert d["matmul_cpu"].startswith(f"fp32 products on zero-padded blocks of R={fixed.ROWS} rows")
+
+
+def test_runs_on_the_two_paths_are_not_merged():
+    """Resume and merge compare the backends' descriptions: a run's cells made on the fp32 path and new
+    ones on the bf16 path (another kind of CPU) are refused as different numerics."""
+    try:
+        cpu_bf16.choose("fp32")
+        fp32 = {"bio@tp1": {"backend": get_backend("bio").describe()}}
+        try:
+            cpu_bf16.choose("bf16")
+        except DetauditError as e:
+            pytest.skip(str(e))
+        bf16 = {"bio@tp1": {"backend": get_backend("bio").describe()}}
+    finally:
+        cpu_bf16.choose()
+    conflicts = numerics_conflicts(fp32, bf16)
+    assert conflicts and "cpu_gemm" in conflicts[0] and "matmul_cpu" in conflicts[0]
+    assert numerics_conflicts(bf16, bf16) == []
+
+
+def test_self_check_passes_and_bf16_products_match_fp32_to_rounding(cpu_path):
+    """The kernel's products are the exact bf16 products summed in fp32 (in its own order)."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(19, 200, generator=g).bfloat16()
+    w = torch.randn(130, 200, generator=g).bfloat16()
+    got, want = fixed.matmul(a, w), a.double() @ w.double().t()
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    if cpu_path.bf16:
+        assert cpu_bf16._self_check() is None
