@@ -94,7 +94,7 @@ def _server_under(pid: int) -> psutil.Process | None:
 
 @pytest.fixture(scope="module")
 def vllm_server(smollm, tmp_path_factory):
-    from detaudit.server.launch import free_port
+    from detaudit.server.launch import _pdeathsig, free_port
 
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
@@ -125,7 +125,10 @@ def vllm_server(smollm, tmp_path_factory):
         SECRET,  # the real server checks the key the audit sends (--api-key-env)
     ]
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        # dies with the test process even when pytest itself is killed (no teardown): detaudit's own hook
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_pdeathsig
+        )
     try:
         deadline = time.monotonic() + 300
         while True:
