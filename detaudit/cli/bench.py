@@ -70,6 +70,7 @@ def _print_bench(df, title: str, json_: bool, save: Optional[Path]) -> None:
                 f"triton {env['versions'].get('triton', '-')}, "
                 f"CPU capability {env.get('torch_build', {}).get('cpu_capability')}",
                 "",
+                *([f"Settings: {', '.join(f'{k} {v}' for k, v in df.attrs.items())}", ""] if df.attrs else []),
             ]
             text = "\n".join(head) + df.to_markdown(index=False, floatfmt=".4g") + "\n"
         else:

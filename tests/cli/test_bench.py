@@ -95,3 +95,15 @@ def test_bench_kernels_on_cpu_names_the_product_path():
     assert (row["M"], row["K"], row["N"]) == (8, 64, 128)
     assert 0 < row["bio_fp32_relerr"] < 1e-5 and 0 < row["tree_fp32_relerr"] < 1e-5  # fp32 sums of exact products
     assert row["bio_relerr"] < 1e-2 and row["tree_relerr"] < 1e-2  # then rounded once to bf16
+
+
+def test_saved_markdown_names_the_cpu_product_path(tmp_path):
+    """A table saved with --save FILE.md keeps the settings the printed title shows (on CPU, the product
+    path bio and the tree took), so a committed report says which path it measured."""
+    from detaudit.backends import get_backend
+
+    out = tmp_path / "k.md"
+    res = runner.invoke(app, ["bench", "kernels", "--device", "cpu", "--m", "8", "--kn", "64x128", "--save", str(out)])
+    assert res.exit_code == 0, res.output
+    settings = [line for line in out.read_text().splitlines() if line.startswith("Settings: ")]
+    assert settings and f"cpu_gemm {get_backend('bio').describe()['cpu_gemm']}" in settings[0]
