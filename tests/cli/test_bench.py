@@ -13,6 +13,7 @@ from detaudit.cli import app
 runner = CliRunner()
 
 
+@pytest.mark.slow  # three engines on a checkpoint
 def test_bench_e2e_on_cpu(tiny_llama):
     """One row per backend, bf16's ratios are 1, bad TP input is one line."""
     res = runner.invoke(
@@ -49,6 +50,7 @@ def test_bench_e2e_on_cpu(tiny_llama):
     assert res.exit_code == 2 and "TP size" in res.output
 
 
+@pytest.mark.slow  # engines on a checkpoint, several timed calls
 def test_bench_e2e_repeats_report_the_median_call(tiny_llama):
     """With --repeats the row is the median timed call, bracketed by the min and max; bad counts and
     --compare-graphs without a GPU are one line, exit 2."""

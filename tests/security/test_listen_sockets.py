@@ -41,6 +41,7 @@ _RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a child process with its own torch import and process group
 def test_dist_init_without_listen_fd_is_loopback_only():
     """`dist.init` as benchmarks and mp.spawn tests call it (a port, no inherited socket)."""
     from detaudit.builtin.dist import free_port
