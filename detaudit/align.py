@@ -294,6 +294,7 @@ def write_alignment(df: pd.DataFrame, summary: pd.DataFrame, out_dir: Path, meta
     p = out_dir / "alignment.csv"
     atomic_write_bytes(p, summary.to_csv(index=False).encode())
     files.append(p)
+    shown = shown_columns(summary)
     md = [
         "# Rollout vs trainer alignment",
         "",
@@ -304,14 +305,14 @@ def write_alignment(df: pd.DataFrame, summary: pd.DataFrame, out_dir: Path, meta
         "",
         f"Machine: {meta.get('machine', 'not recorded')}.",
         "",
-        summary[shown_columns(summary)].to_markdown(index=False, floatfmt=".3g"),
+        summary[shown].to_markdown(index=False, floatfmt=".3g"),
         "",
         "bitwise_equal_frac: share of sampled tokens whose fp32 log-probability is bitwise equal on both sides. "
         "dp = |p_rollout - p_trainer|. kl: sample estimate of KL(rollout || trainer) = mean(log p_r - log p_t).",
         "",
     ]
-    routing = [s for s in specs("align") if s.name in shown_columns(summary) and s.name in ALIGN_ROUTING_COLUMNS]
-    md += [f"{s.name}: {s.definition or s.label}." for s in routing if s.definition] + ([""] if routing else [])
+    routing = [s for s in specs("align") if s.name in shown and s.name in ALIGN_ROUTING_COLUMNS]
+    md += [f"{s.name}: {s.definition}." for s in routing if s.definition] + ([""] if routing else [])
     fig, ax = plt.subplots(figsize=(8, 4))
     for backend, g in df.groupby("backend", sort=False):
         dp = (np.exp(g["rollout_logprob"]) - np.exp(g["trainer_logprob"])).abs()

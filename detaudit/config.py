@@ -124,15 +124,29 @@ class Cell:
     def recorded(cls, cell_id: str, backend: str, tp: int, batch_size: int, suite: str) -> "Cell":
         """The cell a manifest records under `cell_id` (its load read from the id's `__bgN`): it is that
         cell only if its `id` gives `cell_id` back, which `Manifest.from_dict` requires."""
-        bg = re.search(r"__bg([0-9]{1,7})$", cell_id)
-        return cls(backend, tp, batch_size, suite, int(bg.group(1)) if bg else 0)
+        return cls(backend, tp, batch_size, suite, background_of(cell_id))
+
+    @property
+    def describe_key(self) -> str:
+        """The manifest's `backends` key of this cell's own engine description (engines that describe
+        each cell: vLLM's batch size, a server's load)."""
+        return describe_key(self.backend, self.tp, self.batch_size, self.background)
+
+
+def background_of(cell_id: str) -> int:
+    """The background load a cell id records (`__bgN`; 0 without)."""
+    bg = re.search(r"__bg([0-9]{1,7})$", cell_id)
+    return int(bg.group(1)) if bg else 0
+
+
+def describe_key(backend: object, tp: object, batch_size: object, background: int) -> str:
+    return f"{backend}@tp{tp}@bs{batch_size}" + (f"@bg{background}" if background else "")
 
 
 SERVER_APIS = ("completions", "chat")
 PROMPT_FORMATS = ("ids", "text")
 SERVER_KINDS = ("auto", "vllm", "sglang", "generic")
 BACKGROUND_PROMPTS = ("suite", "random", "mixed", "prefix")  # load patterns (server/load.py)
-DEVICE_RE = re.compile(r"cpu|cuda(:[0-9]{1,2})?")
 
 
 @dataclass(frozen=True)

@@ -231,9 +231,6 @@ class Check:
     cell: str | None = None  # the cell a cell-state check is about
 
 
-Violation = Check  # a check whose status is FAIL
-
-
 @dataclass
 class GateResult:
     results: list[Check]  # every check made, in order

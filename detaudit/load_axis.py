@@ -29,7 +29,6 @@ prompts.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from detaudit.analyze import Analysis, first_divergence, maxprob_divergence_by_position, unique_count
+from detaudit.config import background_of, describe_key
 from detaudit.engines import ENGINES
 from detaudit.manifest import Manifest
 
@@ -62,17 +62,11 @@ LOAD_COLUMNS = [
     "maxprob_div_max",
     "logprob_diff_max",
 ]
-BACKGROUND_RE = re.compile(r"__bg([0-9]{1,7})$")
 
 
 def is_server_run(manifest: Manifest) -> bool:
     info = ENGINES.get(str(manifest.config.get("engine")))
     return bool(info is not None and info.server)
-
-
-def background_of(cell_id: str) -> int:
-    m = BACKGROUND_RE.search(cell_id)
-    return int(m.group(1)) if m else 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +88,7 @@ def cell_load(manifest: Manifest, cell_id: str, backend: Any, tp: Any, batch_siz
     bg = background_of(cell_id)
     pattern = None
     if bg:
-        d = manifest.backends.get(f"{backend}@tp{tp}@bs{batch_size}@bg{bg}") or {}
+        d = manifest.backends.get(describe_key(backend, tp, batch_size, bg)) or {}
         load = d.get("load") if isinstance(d.get("load"), dict) else {}
         server = manifest.config.get("server") if isinstance(manifest.config.get("server"), dict) else {}
         pattern = load.get("background_prompts") or server.get("background_prompts")

@@ -354,8 +354,7 @@ def _record(
     check_numerics(run, {f"{cell.backend}@tp{cell.tp}": out.describe})  # (any engine: before the cell is written)
     run.manifest.backends[f"{cell.backend}@tp{cell.tp}"] = out.describe
     if info.describes_per_cell:  # vLLM: knobs of the engine that ran this batch size (servers: and load)
-        bg = f"@bg{cell.background}" if cell.background else ""
-        run.manifest.backends[f"{cell.backend}@tp{cell.tp}@bs{cell.batch_size}{bg}"] = out.describe
+        run.manifest.backends[cell.describe_key] = out.describe
     rows = _rows(cfg, cell, model, tokenizer, ps, out)
     meta = {**out.timing, "finished": now(), "tp_mode": "emulated" if out.emulated else "real"}
     if out.placement:

@@ -109,6 +109,11 @@ def serve(rank: int, conn: Connection, open_engine: Callable[[Any, dict], Any]) 
 # ---- the controller --------------------------------------------------------------------------------
 
 
+# how long a worker (or a Ray actor) may take to open its engine, loading the model, before it answers:
+# the hang timeout counts only from then on
+ENGINE_START_S = 600.0
+
+
 class WorkerPool:
     """N worker processes serving one engine; the Engine interface.
 
@@ -133,7 +138,7 @@ class WorkerPool:
         remove_on_close: str | None = None,
         hosted: bool = False,
         label: str = "TP worker",
-        start_timeout: float = 600.0,
+        start_timeout: float = ENGINE_START_S,
     ) -> None:
         self.hang_timeout, self.label = hang_timeout, label
         self.log, self.remove_on_close, self.hosted = log, remove_on_close, hosted

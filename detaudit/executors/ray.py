@@ -49,9 +49,9 @@ from typing import Any
 
 from detaudit.errors import DetauditError
 from detaudit.executors import CellGroup, CellJob, CellOutput, EventFn, OutputFn, ReferenceFn
+from detaudit.workers import ENGINE_START_S
 
 FAULT_ENV = "DETAUDIT_RAY_FAULT"  # tests: "kill:<cell id>" or "hang:<cell id>"
-ENGINE_START_S = 600.0  # how long an actor may take to open its engine (load the model) before a token
 
 
 def require_ray():

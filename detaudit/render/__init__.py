@@ -295,7 +295,7 @@ def render_summary(analysis: Analysis) -> list[Table | Text]:
             header, rows = load_rows(analysis, suite, table)
             t = Table(title=f"load: {suite} (against the sequential baseline)")
             for h in header:
-                t.add_column(h, justify="left" if is_text(h) or h == "backend" else "right", overflow="fold")
+                t.add_column(h, justify="left" if is_text(h) else "right", overflow="fold")
             for row in rows:
                 t.add_row(*row)
             out.append(t)

@@ -203,11 +203,9 @@ class OpenAIEngine:
 
     def _load_prompt(self, ids: Sequence[int]):
         """A background prompt (token ids of the load pattern) as the request carries it."""
-        if self.o.api == "chat":
+        if self.o.api == "chat":  # a background prompt may be no suite prompt: its text decoded instead
             return self._texts.get(tuple(ids)) or self._tokenizer().decode(list(ids), skip_special_tokens=True) or "x"
-        if self.o.prompt_format == "text":
-            return self._tokenizer().decode(list(ids), skip_special_tokens=False)
-        return list(map(int, ids))
+        return self._prompt(ids)
 
     def _body(self, prompt, decoding: DecodingParams, prompt_id: str, logprobs: bool = True) -> tuple[str, dict]:
         if self.o.api == "chat":

@@ -178,10 +178,7 @@ class VllmServer:
                     pass
                 now = time.monotonic()
                 if now > deadline:
-                    raise DetauditError(
-                        f"vLLM server ({self.backend}, TP {self.tp}) not healthy after {timeout:.0f} s "
-                        f"(log: {self.log_path})"
-                    )
+                    raise DetauditError(f"{self.name} not healthy after {timeout:.0f} s (log: {self.log_path})")
                 if now >= next_note:
                     next_note += PROGRESS_S
                     self.say(f"{self.name}: still starting after {now - t0:.0f} s ({self.last_log_line(errors=False)})")

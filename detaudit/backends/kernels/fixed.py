@@ -51,22 +51,23 @@ def weight_t(w: Tensor) -> Tensor:
     return derived(w, "t", lambda d: d.float().t().contiguous())
 
 
-def blocks_of(x2: Tensor, rows: int = ROWS) -> Tensor:
-    """x2[M, K] as fp32 [ceil(M/R), R, K], zero padded."""
-    m, k = x2.shape
-    nb = -(-m // rows)
-    if m == nb * rows:
-        return x2.float().reshape(nb, rows, k)
-    xp = torch.zeros(nb * rows, k, dtype=torch.float32, device=x2.device)
-    xp[:m] = x2
-    return xp.view(nb, rows, k)
+def blocks_of(x: Tensor) -> Tensor:
+    """x[..., M, K] as fp32 [..., ceil(M/R), R, K], rows zero padded: the left operand of
+    `cpu_gemm.block_products` (x2[M, K] gives [nb, R, K]; a[G, M, K] gives [G, nb, R, K])."""
+    *lead, m, k = x.shape
+    nb = -(-m // ROWS)
+    if m == nb * ROWS:
+        return x.float().reshape(*lead, nb, ROWS, k)
+    xp = torch.zeros(*lead, nb * ROWS, k, dtype=torch.float32, device=x.device)
+    xp[..., :m, :] = x
+    return xp.view(*lead, nb, ROWS, k)
 
 
 def bmm_fixed(a: Tensor, b: Tensor) -> Tensor:
     """fp32 a[G, M, K] @ b[G or 1, K, N] where each product is computed in zero-padded R-row blocks."""
     g, m, k = a.shape
     n = b.shape[-1]
-    ap = _padded_rows(a.float())
+    ap = blocks_of(a)
     nb = ap.shape[1]
     bb = b.float()
     out = cpu_gemm.block_products(ap, bb.expand(g, k, n) if bb.shape[0] == 1 else bb)
@@ -250,17 +251,6 @@ def _chunks_f32(x: Tensor, chunks: int, split: int, transpose: bool) -> Tensor:
     return out.view(g * chunks, *out.shape[2:])
 
 
-def _padded_rows(a: Tensor) -> Tensor:
-    """a[G, M, K] fp32 as [G, ceil(M/R), R, K], rows zero padded: `bmm_fixed`'s left operand."""
-    g, m, k = a.shape
-    nb = -(-m // ROWS)
-    if m == nb * ROWS:
-        return a.view(g, nb, ROWS, k)
-    ap = torch.zeros(g, nb * ROWS, k, dtype=torch.float32, device=a.device)
-    ap[:, :m] = a
-    return ap.view(g, nb, ROWS, k)
-
-
 def _decode_chunks(
     qs: Tensor,
     pos: Tensor,
@@ -280,7 +270,7 @@ def _decode_chunks(
     g, rows, d = qs.shape
     chunks = -(-k.shape[2] // split)
     q_all = qs[:, None].expand(g, chunks, rows, d).reshape(g * chunks, rows, d)
-    s = cpu_gemm.block_products(_padded_rows(q_all), _chunks_f32(k, chunks, split, transpose=True))
+    s = cpu_gemm.block_products(blocks_of(q_all), _chunks_f32(k, chunks, split, transpose=True))
     s = s.view(g, chunks, -1, split)[:, :, :rows]
     keys = torch.arange(chunks * split, device=qs.device).view(1, chunks, 1, split)
     s = s.masked_fill(_hidden(keys, pos[:, None], window), float("-inf"))
@@ -288,7 +278,7 @@ def _decode_chunks(
     safe = torch.where(torch.isinf(m_all), torch.zeros_like(m_all), m_all)
     p = torch.exp(s - safe)
     sums = row_sum(p)
-    pv = cpu_gemm.block_products(_padded_rows(p.reshape(g * chunks, rows, split)), _chunks_f32(v, chunks, split, False))
+    pv = cpu_gemm.block_products(blocks_of(p.reshape(g * chunks, rows, split)), _chunks_f32(v, chunks, split, False))
     pv = pv.view(g, chunks, -1, d)[:, :, :rows]
     for c in range(chunks):
         alpha = torch.exp(m - safe[:, c])
