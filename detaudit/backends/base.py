@@ -64,7 +64,9 @@ class Backend(Protocol):
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
     # optional flag: `FUSED_ROW_OPS = True` where `rms_norm` on GPU is `kernels.fused.rms_norm`: the
     # engine's GPU fast path (`builtin.ops.FusedOps`) then adds the residual inside that kernel and norms
-    # Qwen3's q / k heads inside its rotary kernel, with those bits
+    # Qwen3's q / k heads inside its rotary kernel, with those bits; `COLUMN_INVARIANT = True` where
+    # `linear`'s column bits do not depend on the product's width: the engine then merges q / k / v and
+    # gate / up into one product on CPU too
     def attention(
         self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None
     ) -> Tensor: ...

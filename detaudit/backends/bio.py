@@ -41,6 +41,9 @@ SPLIT = 64  # keys per attention chunk
 class BioBackend:
     name = "bio"
     FUSED_ROW_OPS = True  # rms_norm on GPU is kernels.fused.rms_norm (see backends/base.py)
+    # a product's column is computed alone (no reduction follows the column tiling), so merged q / k / v
+    # and gate / up products give the same bits as separate ones (`builtin/ops.py`)
+    COLUMN_INVARIANT = True
 
     def __init__(self) -> None:
         self._flags = TorchFlags()

@@ -8,6 +8,8 @@ import time
 import pandas as pd
 import torch
 
+from detaudit.backends.kernels.cpu_bf16 import choice
+from detaudit.backends.kernels.cpu_calls import dispatcher
 from detaudit.backends.kernels.fixed import describe_cpu
 from detaudit.config import DecodingParams, EngineOptions, EngineSettings, ModelRef
 
@@ -79,4 +81,6 @@ def bench_engine(
     df["vs_transformers"] = df["tokens_per_s"] / df["tokens_per_s"].iloc[-1]
     df.attrs.update(batch_size=batch_size, max_new_tokens=max_new_tokens, dtype=dtype, threads=torch.get_num_threads())
     df.attrs["cpu_gemm"] = describe_cpu()["cpu_gemm"]  # bio / bio+tbik's CPU product path (bf16 inputs or fp32)
+    if choice().bf16:  # how its calls were made (the same bits either way; the speed differs)
+        df.attrs["cpu_dispatch"] = dispatcher()
     return df

@@ -108,3 +108,33 @@ def test_self_check_passes_and_bf16_products_match_fp32_to_rounding(cpu_path):
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     if cpu_path.bf16:
         assert cpu_bf16._self_check() is None
+
+
+@pytest.mark.parametrize("rows, n", [(8, 512), (480, 1536)])  # one thread; split over the threads
+def test_compiled_and_python_dispatch_give_the_same_bits(monkeypatch, rows, n):
+    """The call loop compiled by numba (`cpu_loop`) and the Python loop make the same calls, so every
+    product has the same bits; with 2 threads the 480-row product is split between them."""
+    pytest.importorskip("numba")
+    from detaudit.backends.kernels import cpu_calls
+
+    try:
+        cpu_bf16.choose("bf16")
+    except DetauditError as e:
+        pytest.skip(str(e))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    w = torch.randn(n, 576, generator=g).bfloat16()
+    outs = {}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for how in ("auto", "python"):
+            monkeypatch.setenv(cpu_calls.ENV, how)
+            monkeypatch.setattr(cpu_calls, "_bound", {})
+            assert cpu_calls.dispatcher().startswith("numba" if how == "auto" else "python loop")
+            outs[how] = fixed.matmul(x, w)
+    finally:
+        torch.set_num_threads(threads)
+        cpu_bf16.choose()
+    assert torch.equal(outs["auto"], outs["python"])
+    assert torch.allclose(outs["auto"], x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)

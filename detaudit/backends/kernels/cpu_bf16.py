@@ -26,10 +26,11 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import cpu_gemm
+from detaudit.backends.kernels import cpu_calls
 from detaudit.errors import DetauditError
 
 ENV = "DETAUDIT_CPU_GEMM"
@@ -113,6 +114,7 @@ def decide(setting: str, flags: frozenset[str], environ, kernel_found: bool, one
 
 
 _kernel = None
+_kernel_addr = 0
 _chosen: Choice | None = None
 
 
@@ -143,12 +145,13 @@ def choice() -> Choice:
 def choose(setting: str | None = None) -> Choice:
     """Decide the path from `setting` (auto | bf16 | fp32; None: `DETAUDIT_CPU_GEMM`, default auto) and
     keep it for this process. Called again only by tests, to run both paths on one machine."""
-    global _chosen, _kernel
+    global _chosen, _kernel, _kernel_addr
     setting = (os.environ.get(ENV, "auto") if setting is None else setting).strip().lower()
     fn = _find_kernel()
     onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
     bf16, why = decide(setting, cpu_flags(), os.environ, fn is not None, onednn)
     _kernel = fn if bf16 else None
+    _kernel_addr = ctypes.cast(fn, ctypes.c_void_p).value if bf16 else 0
     if bf16 and (bad := _self_check()):
         if setting == "bf16":
             raise DetauditError(f"{ENV}=bf16: {bad}")
@@ -211,8 +214,7 @@ def products(a: Tensor, packed: Tensor) -> Tensor:
 
     a[G, nb, R, K2] bf16 may be a strided view (the tree's leaves are K slices of the rows' blocks) as
     long as each row is contiguous; packed[G, P, K2/2, W, 2] holds G weights packed by `pack`. All
-    calls of one product, every group's, are spread over the threads at once; a thread walks its panels
-    in the outer loop, so a panel is read from memory once for all the blocks it meets."""
+    calls of one product, every group's, are one table run over the threads at once (`cpu_calls`)."""
     g, nb, r, k2 = a.shape
     _, p, half, width, _ = packed.shape
     if r != ROWS or half * 2 != k2 or a.stride(3) != 1 or a.dtype != torch.bfloat16 or not packed.is_contiguous():
@@ -223,21 +225,16 @@ def products(a: Tensor, packed: Tensor) -> Tensor:
     fn = _kernel
     if fn is None or not torch.backends.mkldnn.enabled:  # (calling it then would abort the process)
         raise DetauditError("bf16 CPU products: oneDNN was disabled after the bf16 path was chosen")
-    a_ptr, (a_group, a_block, lda, _) = a.data_ptr(), a.stride()
-    b_ptr, b_panel = packed.data_ptr(), half * width * 2 * 2  # bytes
-    c_ptr, ldc = out.data_ptr(), p * width
-
-    def run(job: tuple[slice, slice, slice]) -> None:
-        gs, bs, cols = job
-        for gi in range(gs.start, gs.stop):
-            for q in range(cols.start // width, -(-cols.stop // width)):
-                b = b_ptr + (gi * p + q) * b_panel
-                for j in range(bs.start, bs.stop):
-                    aj = a_ptr + (gi * a_group + j * a_block) * 2
-                    cj = c_ptr + ((gi * nb + j) * r * ldc + q * width) * 4
-                    fn(r, width, k2, lda, width, ldc, False, aj, b, cj, True)
-
-    cpu_gemm.spread(g, nb, p * width, 2.0 * g * nb * r * k2 * p * width, run, panel=width)
+    a_group, a_block, lda, _ = a.stride()
+    ldc = p * width
+    # one row per call, in (group, panel, block) order: a thread's contiguous share walks a panel across
+    # the blocks it meets, so the panel is read from memory once for them
+    gi, q, j = (x.ravel() for x in np.meshgrid(np.arange(g), np.arange(p), np.arange(nb), indexing="ij"))
+    table = np.empty((gi.size, 3), dtype=np.int64)
+    table[:, 0] = a.data_ptr() + (gi * a_group + j * a_block) * 2
+    table[:, 1] = packed.data_ptr() + (gi * p + q) * (half * width * 2 * 2)  # bytes per panel
+    table[:, 2] = out.data_ptr() + ((gi * nb + j) * r * ldc + q * width) * 4
+    cpu_calls.run(fn, _kernel_addr, (r, width, k2, lda, width, ldc), table, 2.0 * g * nb * r * k2 * p * width)
     return out
 
 

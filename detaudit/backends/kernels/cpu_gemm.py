@@ -44,7 +44,7 @@ def _reset_after_fork() -> None:  # a forked child has none of the parent's work
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def _workers(n: int) -> ThreadPoolExecutor:
+def workers(n: int) -> ThreadPoolExecutor:
     """A pool of at least n single-threaded workers. A smaller pool is replaced, never shut down: a
     caller that already holds it may still be submitting to it (that was a race); its idle threads
     exit when the last holder drops it."""
@@ -106,7 +106,7 @@ def spread(g: int, nb: int, n: int, flops: float, run, panel: int = PANEL) -> No
         with one_thread():
             run((slice(0, g), slice(0, nb), slice(0, n)))
         return
-    pool = _workers(len(jobs) - 1)
+    pool = workers(len(jobs) - 1)
     futures = [pool.submit(run, j) for j in jobs[1:]]
     try:
         with one_thread():

@@ -187,7 +187,9 @@ def attention(
             qg, k.reshape(g, length, d), v.reshape(g, length, d), rows_pos, scale, split, window
         )
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d)
-    pos = q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, t * groups, 1)
+    pos = _memo(
+        plan, ("pos", hkv, groups), lambda: q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, -1, 1)
+    )
     qs = qg.float() * scale
     rows = qs.shape[1]
     m = torch.full((g, rows, 1), float("-inf"), device=q.device)
@@ -195,7 +197,7 @@ def attention(
     acc = torch.zeros((g, rows, d), device=q.device)
     if t == 1:  # decode: every chunk's products in one call each, then the same recurrence (no host sync:
         # a CUDA graph can capture it)
-        out = _decode_chunks(qs, pos, k, v, split, m, l, acc, window)
+        out = _decode_chunks(qs, pos, k, v, split, m, l, acc, window, plan)
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
     kf = k.reshape(g, length, d)
     vf = v.reshape(g, length, d)
@@ -206,11 +208,10 @@ def attention(
             continue
         r = slice(first * groups, rows)  # rows before it cannot see the chunk: exact no-ops, skipped
         kc = kf[:, start : start + split]
-        vc = vf[:, start : start + split]
         width = kc.shape[1]
         if width < split:  # pad the last chunk: same shapes for every chunk
             kc = torch.nn.functional.pad(kc, (0, 0, 0, split - width))
-            vc = torch.nn.functional.pad(vc, (0, 0, 0, split - width))
+        vc = _values_and_ones(vf[:, start : start + split], split)
         s = batched(qs[:, r], kc)  # [G, rows', split]
         keys = torch.arange(start, start + split, device=q.device).view(1, 1, -1)
         s = s.masked_fill(_hidden(keys, pos[:, r], window), float("-inf"))
@@ -219,11 +220,34 @@ def attention(
         safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp(m_old - safe)  # exp(-inf) = 0 on the first visible chunk; 1 on an unseen chunk
         p = torch.exp(s - safe)  # masked keys: exp(-inf) = 0
-        l[:, r] = l[:, r] * alpha + row_sum(p)
-        acc[:, r] = acc[:, r] * alpha + batched(p, vc.transpose(1, 2))
+        pv = batched(p, vc.transpose(1, 2))  # [G, rows', D + 1]: P @ V and, in the last column, P's row sums
+        l[:, r] = l[:, r] * alpha + pv[..., d:]
+        acc[:, r] = acc[:, r] * alpha + pv[..., :d]
         m[:, r] = m_new
     out = acc / l
     return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
+
+
+def _memo(plan: dict | None, key, make):
+    """make(), kept in the step's `plan` (shared by its layers) under `key` where there is one."""
+    if plan is None:
+        return make()
+    hit = plan.get(key)
+    if hit is None:
+        hit = plan[key] = make()
+    return hit
+
+
+def _values_and_ones(vc: Tensor, split: int) -> Tensor:
+    """fp32 [G, split, D + 1]: the chunk's values (zero rows past its end) and a column of ones, so one
+    fixed-shape product [R, split] @ [split, D + 1] gives P @ V and P's row sums (`_decode_chunks` builds
+    the same operand from the cache)."""
+    g, width, d = vc.shape
+    out = torch.empty(g, split, d + 1, dtype=torch.float32, device=vc.device)
+    out[:, :width, :d] = vc
+    out[:, width:, :d] = 0
+    out[:, :, d] = 1
+    return out
 
 
 def _hidden(keys: Tensor, pos: Tensor, window: int | None) -> Tensor:
@@ -232,16 +256,19 @@ def _hidden(keys: Tensor, pos: Tensor, window: int | None) -> Tensor:
     return keys > pos if window is None else (keys > pos) | (keys <= pos - window)
 
 
-def _chunks_f32(x: Tensor, chunks: int, split: int, transpose: bool) -> Tensor:
+def _chunks_f32(x: Tensor, chunks: int, split: int, transpose: bool, ones: bool = False) -> Tensor:
     """The cache x[B, Hkv, L, D] as fp32 chunks of `split` keys, zero padded: [G * chunks, split, D], or
     [G * chunks, D, split] with `transpose` (G = B * Hkv), contiguous: the operands `batched` would make
     from the padded cache (reshape, pad, cast, and for keys the transposed copy of `block_products`),
-    in one strided copy instead of four."""
+    in one strided copy instead of four. With `ones`, [G * chunks, split, D + 1], a column of ones last
+    (the operand of `_values_and_ones`)."""
     bsz, hkv, length, d = x.shape
     g, full = bsz * hkv, length // split
-    shape = (g, chunks, d, split) if transpose else (g, chunks, split, d)
+    shape = (g, chunks, d, split) if transpose else (g, chunks, split, d + ones)
     out = torch.empty(shape, dtype=torch.float32, device=x.device)
-    keys = out.transpose(2, 3) if transpose else out  # [G, chunks, split, D] views of out
+    keys = out.transpose(2, 3) if transpose else out[..., :d]  # [G, chunks, split, D] views of out
+    if ones:
+        out[..., d] = 1
     if full:
         keys[:, :full].copy_(x[:, :, : full * split].reshape(g, full, split, d))
     if full < chunks:  # the last, partial chunk and its zero padding
@@ -261,28 +288,34 @@ def _decode_chunks(
     l: Tensor,
     acc: Tensor,
     window: int | None = None,
+    plan: dict | None = None,
 ) -> Tensor:
-    """`attention`'s chunk loop for a few query rows (decode), with every chunk's scores, row sums and
-    P @ V products computed by one call each: the running max is a cumulative max over the chunks'
-    maxima (max is exact in any order), and the recurrence over chunks then applies the same
-    elementwise operations, chunk by chunk, as the loop. Same bits, far fewer calls. The products get
-    the operands `batched` would build from the padded cache, made in one copy each (`_chunks_f32`)."""
+    """`attention`'s chunk loop for a few query rows (decode), with every chunk's scores and P @ V
+    products (with P's row sums) computed by one call each: the running max is a cumulative max over
+    the chunks' maxima (max is exact in any order), and the recurrence over chunks then applies the
+    same elementwise operations, chunk by chunk, as the loop. Same bits, far fewer calls. The products
+    get the operands `batched` would build from the padded cache, made in one copy each
+    (`_chunks_f32`); the mask is made once per step (`plan`)."""
     g, rows, d = qs.shape
     chunks = -(-k.shape[2] // split)
     q_all = qs[:, None].expand(g, chunks, rows, d).reshape(g * chunks, rows, d)
     s = cpu_gemm.block_products(blocks_of(q_all), _chunks_f32(k, chunks, split, transpose=True))
     s = s.view(g, chunks, -1, split)[:, :, :rows]
-    keys = torch.arange(chunks * split, device=qs.device).view(1, chunks, 1, split)
-    s = s.masked_fill(_hidden(keys, pos[:, None], window), float("-inf"))
+
+    def hidden() -> Tensor:
+        keys = torch.arange(chunks * split, device=qs.device).view(1, chunks, 1, split)
+        return _hidden(keys, pos[:, None], window)
+
+    s = s.masked_fill(_memo(plan, ("hidden", g, rows, chunks, window), hidden), float("-inf"))
     m_all = torch.cummax(s.amax(-1, keepdim=True), dim=1).values  # [g, chunks, rows, 1]
     safe = torch.where(torch.isinf(m_all), torch.zeros_like(m_all), m_all)
     p = torch.exp(s - safe)
-    sums = row_sum(p)
-    pv = cpu_gemm.block_products(blocks_of(p.reshape(g * chunks, rows, split)), _chunks_f32(v, chunks, split, False))
-    pv = pv.view(g, chunks, -1, d)[:, :, :rows]
+    vs = _chunks_f32(v, chunks, split, False, ones=True)
+    pv = cpu_gemm.block_products(blocks_of(p.reshape(g * chunks, rows, split)), vs)
+    pv = pv.view(g, chunks, -1, d + 1)[:, :, :rows]
     for c in range(chunks):
         alpha = torch.exp(m - safe[:, c])
-        l = l * alpha + sums[:, c]
-        acc = acc * alpha + pv[:, c]
+        l = l * alpha + pv[:, c, :, d:]
+        acc = acc * alpha + pv[:, c, :, :d]
         m = m_all[:, c]
     return acc / l

