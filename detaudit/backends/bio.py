@@ -7,8 +7,10 @@ not depend on how many other requests share its batch (see `kernels/fixed.py`):
   IEEE precision (no TF32);
 - RMSNorm and log-softmax: row-local, the row sum as a fixed-shape product with a ones vector (CPU) or
   one program per row (GPU; RMSNorm with the residual add in one kernel, `kernels/fused.py`);
-- attention: KV cache updated before attention (the engine), KV split into chunks of a fixed size
-  (`SPLIT` keys, never a fixed number of chunks), fp32 online softmax, unseen chunks are exact no-ops;
+- attention: KV cache updated before attention (the engine); GPU and CPU without numba: KV split into
+  chunks of a fixed size (`SPLIT` keys, never a fixed number of chunks), fp32 online softmax, unseen
+  chunks are exact no-ops; CPU with numba: one compiled kernel, each query row alone over the keys it
+  sees (`kernels/cpu_attention.py`);
 - TP all-reduce: the fp32 partials summed in rank order, cast once (deterministic, but the K split still
   depends on C: `bio` is batch invariant, not TP invariant; that is `bio+tbik`); moved by an all-gather
   (small messages) or a reduce-scatter by all-to-all then an all-gather of the cast slices
@@ -32,7 +34,7 @@ from detaudit.backends.base import (
     library_versions,
     sequential_sum,
 )
-from detaudit.backends.kernels import fixed, fused, triton_mm
+from detaudit.backends.kernels import cpu_calls, fixed, fused, triton_mm
 
 SPLIT = 64  # keys per attention chunk
 
@@ -118,7 +120,7 @@ class BioBackend:
             "row (residual add fused), BLOCK fp32 lanes in order then one tree",
             "log_softmax": "fp32; row max, then the row sum of exp as for rms_norm",
             "attention": f"KV chunks of {SPLIT} keys, fp32 online softmax, masked chunks exact no-ops "
-            "(CPU: PyTorch ops; GPU: one Triton kernel, BLOCK_R=16 rows per program)",
+            "(GPU: one Triton kernel, BLOCK_R=16 rows per program; CPU: see cpu_kernels)",
             "all_reduce": "fp32 partials summed in rank order, cast once",
             "experts": "per expert, its routed rows' batch-invariant products (fp32 accumulate); each token's "
             "experts weighted and summed in top-k order in fp32",
@@ -137,9 +139,25 @@ def weighted_experts(y: Tensor, gates: Tensor) -> Tensor:
     return out
 
 
+def _rms_compiled(x: Tensor, eps: float) -> Tensor | None:
+    """fp32 x * rsqrt(mean(x^2) + eps) by the compiled row kernel (`kernels/cpu_rows.py`), or None where
+    it does not run (no numba, DETAUDIT_CPU_DISPATCH=python, a dtype other than bf16 / fp32)."""
+    rows = cpu_calls.compiled("cpu_rows")
+    if rows is None or x.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(x2.shape, dtype=torch.float32)
+    bf16 = x.dtype == torch.bfloat16
+    rows.rms_rows((x2.view(torch.int16) if bf16 else x2).numpy(), bf16, eps, out.numpy())
+    return out.view(x.shape)
+
+
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """bio's RMSNorm op by op: fp32, the row sum of squares by `fixed.row_sum`, rsqrt, cast, * weight."""
-    xf = x.float()
-    var = fixed.row_sum(xf * xf) / x.shape[-1]
-    y = xf * torch.rsqrt(var + eps)
+    """bio's RMSNorm: fp32 x * rsqrt(mean(x^2) + eps) (on CPU the compiled row kernel where it runs, else op
+    by op with the row sum of squares by `fixed.row_sum`), cast, * weight."""
+    y = _rms_compiled(x, eps) if x.device.type == "cpu" else None
+    if y is None:
+        xf = x.float()
+        var = fixed.row_sum(xf * xf) / x.shape[-1]
+        y = xf * torch.rsqrt(var + eps)
     return (y.to(x.dtype) * weight) if x.dtype != torch.float32 else y * weight

@@ -19,3 +19,15 @@ def cpu_path(request):
         pytest.skip(str(e))
     yield chosen
     cpu_bf16.choose()
+
+
+@pytest.fixture(params=["compiled", "off"])
+def cpu_kernels(request, monkeypatch):
+    """bio's CPU attention and RMSNorm on each path: the compiled kernels (numba) and the PyTorch ops
+    (DETAUDIT_CPU_COMPILED=off). The compiled run is skipped where numba is not installed."""
+    from detaudit.backends.kernels import cpu_calls
+
+    monkeypatch.setenv(cpu_calls.ENV, "auto" if request.param == "compiled" else "off")
+    if request.param == "compiled" and cpu_calls.compiled("cpu_attention") is None:
+        pytest.skip("numba not installed (the cpu extra)")
+    yield request.param

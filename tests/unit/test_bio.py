@@ -90,7 +90,7 @@ def _bitwise(got, want, what):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_row_ops_invariant_and_correct(threads):
+def test_row_ops_invariant_and_correct(threads, cpu_kernels):
     """Pinned thread counts (the rare failure this once had depended on the thread state)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -121,7 +121,7 @@ def _attn_inputs(bsz=3, hq=6, hkv=2, t=70, d=16, seed=0):
     return q, k, v, pos
 
 
-def test_attention_matches_sdpa():
+def test_attention_matches_sdpa(cpu_kernels):
     q, k, v, pos = _attn_inputs()
     b = get_backend("bio")
     ours = b.attention(q.float(), k.float(), v.float(), pos, 0.25)
@@ -129,7 +129,7 @@ def test_attention_matches_sdpa():
     assert torch.allclose(ours, ref, atol=1e-5)
 
 
-def test_attention_prefill_equals_decode():
+def test_attention_prefill_equals_decode(cpu_kernels):
     """A token's attention output is the same bits computed with all queries at once (prefill) or
     one query at a time over the cache (decode), including across the KV split boundary (70 > 64)."""
     q, k, v, pos = _attn_inputs()
@@ -140,7 +140,7 @@ def test_attention_prefill_equals_decode():
         assert torch.equal(step, prefill[:, :, t : t + 1]), t
 
 
-def test_attention_batch_and_cache_length_invariant():
+def test_attention_batch_and_cache_length_invariant(cpu_kernels):
     """A row's output does not depend on its neighbours or on how long the batch's cache is
     (chunks it cannot see are exact no-ops)."""
     q, k, v, pos = _attn_inputs(bsz=4)
@@ -151,6 +151,23 @@ def test_attention_batch_and_cache_length_invariant():
     alone = b.attention(q[:1, :, :21], k[:1, :, :21], v[:1, :, :21], short[:1, :21], 0.25)
     assert torch.equal(full[:1, :, :21], alone)
     assert torch.equal(b.attention(q[2:3], k[2:3], v[2:3], pos[2:3], 0.25), full[2:3])
+
+
+def test_attention_sliding_window_prefill_equals_decode(cpu_kernels):
+    """With a window of 24 keys, a row sees only keys pos - 24 < j <= pos, in prefill and in decode."""
+    q, k, v, pos = _attn_inputs()
+    b = get_backend("bio")
+    prefill = b.attention(q, k, v, pos, 0.25, window=24)
+    ref = get_backend("bf16").attention(q.float(), k.float(), v.float(), pos, 0.25, window=24)
+    assert torch.allclose(prefill.float(), ref, atol=2e-2)
+    for t in (0, 23, 24, 25, 69):
+        step = b.attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], pos[:, t : t + 1], 0.25, window=24)
+        assert torch.equal(step, prefill[:, :, t : t + 1]), t
+
+
+def test_compiled_kernels_are_named_in_the_description(cpu_kernels):
+    d = get_backend("bio").describe()
+    assert d["cpu_kernels"].startswith("compiled" if cpu_kernels == "compiled" else "PyTorch ops")
 
 
 def test_describe_names_configs():

@@ -21,6 +21,7 @@ runs made on CPUs of different kinds are never merged as one.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 from dataclasses import dataclass
@@ -227,15 +228,25 @@ def products(a: Tensor, packed: Tensor) -> Tensor:
         raise DetauditError("bf16 CPU products: oneDNN was disabled after the bf16 path was chosen")
     a_group, a_block, lda, _ = a.stride()
     ldc = p * width
-    # one row per call, in (group, panel, block) order: a thread's contiguous share walks a panel across
-    # the blocks it meets, so the panel is read from memory once for them
-    gi, q, j = (x.ravel() for x in np.meshgrid(np.arange(g), np.arange(p), np.arange(nb), indexing="ij"))
-    table = np.empty((gi.size, 3), dtype=np.int64)
-    table[:, 0] = a.data_ptr() + (gi * a_group + j * a_block) * 2
-    table[:, 1] = packed.data_ptr() + (gi * p + q) * (half * width * 2 * 2)  # bytes per panel
-    table[:, 2] = out.data_ptr() + ((gi * nb + j) * r * ldc + q * width) * 4
+    table = _offsets(g, p, nb, a_group, a_block, r * ldc, half * width * 2 * 2, width) + np.array(
+        [a.data_ptr(), packed.data_ptr(), out.data_ptr()], dtype=np.int64
+    )
     cpu_calls.run(fn, _kernel_addr, (r, width, k2, lda, width, ldc), table, 2.0 * g * nb * r * k2 * p * width)
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _offsets(g: int, p: int, nb: int, a_group: int, a_block: int, c_block: int, b_panel: int, width: int) -> np.ndarray:
+    """Byte offsets (A, B, C) of every call of a product, one row per call in (group, panel, block)
+    order: a thread's contiguous share of the table walks a panel across the blocks it meets, so the
+    panel is read from memory once for them. The same for every product of one shape (cached)."""
+    gi, q, j = (x.ravel() for x in np.meshgrid(np.arange(g), np.arange(p), np.arange(nb), indexing="ij"))
+    table = np.empty((gi.size, 3), dtype=np.int64)
+    table[:, 0] = (gi * a_group + j * a_block) * 2  # bf16 rows
+    table[:, 1] = (gi * p + q) * b_panel
+    table[:, 2] = ((gi * nb + j) * c_block + q * width) * 4  # fp32 output
+    table.flags.writeable = False
+    return table
 
 
 def matmul(x2: Tensor, packed: Tensor, n: int) -> Tensor:

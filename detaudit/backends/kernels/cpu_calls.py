@@ -7,7 +7,7 @@ W-column panel), each 1-100 us. Made from Python, every call releases and retake
 depends on it too) the loop over a slice of the table is compiled (`cpu_loop`, cached on disk) and
 runs with the GIL released, so a thread hands off once per product instead of once per call: the
 calls of a 480-row prefill product took 4.2 ms on one thread and 2.6 ms on two (from Python threads:
-4.7 ms). Without numba, or with DETAUDIT_CPU_DISPATCH=python, the loop stays in Python.
+4.7 ms). Without numba, or with DETAUDIT_CPU_COMPILED=off, the loop stays in Python.
 
 The threads are ours either way (`cpu_gemm`'s single-threaded pool: contiguous slices of the table,
 one per thread). numba's parallel layers are not used: its OpenMP layer loads a second OpenMP runtime,
@@ -21,6 +21,7 @@ tests/unit/test_cpu_bf16.py compares them.
 
 from __future__ import annotations
 
+import importlib
 import os
 from concurrent.futures import wait
 
@@ -29,23 +30,35 @@ import torch
 
 from detaudit.backends.kernels import cpu_gemm
 
-ENV = "DETAUDIT_CPU_DISPATCH"  # auto (numba where installed) | python
+ENV = "DETAUDIT_CPU_COMPILED"  # auto (numba's compiled code where installed) | off
 
 _bound: dict[int, object] = {}  # kernel address -> the compiled loop calling it (None: Python's)
 _why_python: str | None = None
 
 
 def _wanted() -> bool:
-    return os.environ.get(ENV, "auto").strip().lower() != "python"
+    return os.environ.get(ENV, "auto").strip().lower() != "off"
 
 
 def dispatcher() -> str:
     """How this process makes the calls: 'numba ...' or 'python loop (why)'."""
     if not _wanted():
-        return f"python loop ({ENV}=python)"
+        return f"python loop ({ENV}=off)"
     if _compiled_loop() is None:
         return f"python loop ({_why_python})"
     return "numba (the call loop compiled, the GIL released for a thread's whole slice)"
+
+
+def compiled(module: str):
+    """The compiled-kernel module `module` of this package (`cpu_attention`, `cpu_rows`) where numba is
+    installed and DETAUDIT_CPU_COMPILED allows it, else None. Unlike the call loop these kernels have
+    their own bits: `describe` names which path a process takes."""
+    if not _wanted():
+        return None
+    try:
+        return importlib.import_module(f"detaudit.backends.kernels.{module}")
+    except ImportError:
+        return None
 
 
 def _compiled_loop():
@@ -90,10 +103,16 @@ def run(fn, addr: int, shape: tuple[int, int, int, int, int, int], table: np.nda
         def part(lo: int, hi: int) -> None:
             loop(*shape, table[lo:hi])
 
-    threads = min(torch.get_num_threads(), n) if flops >= cpu_gemm.MIN_SPLIT_FLOPS else 1
-    if threads <= 1:
+    slices(n, part, min(torch.get_num_threads(), n) if flops >= cpu_gemm.MIN_SPLIT_FLOPS else 1)
+
+
+def slices(n: int, part, threads: int) -> None:
+    """part(lo, hi) over `threads` contiguous slices of range(n): the first on this thread, the others on
+    `cpu_gemm`'s single-threaded pool."""
+    if threads <= 1 or n <= 1:
         part(0, n)
         return
+    threads = min(threads, n)
     cuts = [i * n // threads for i in range(threads + 1)]
     pool = cpu_gemm.workers(threads - 1)
     futures = [pool.submit(part, cuts[i], cuts[i + 1]) for i in range(1, threads)]
@@ -103,3 +122,16 @@ def run(fn, addr: int, shape: tuple[int, int, int, int, int, int], table: np.nda
         wait(futures)
     for f in futures:
         f.result()
+
+
+def describe() -> str:
+    """The CPU kernels bio's attention and RMSNorm statistics run on in this process (part of the
+    backends' descriptions: the two paths give different bits)."""
+    if compiled("cpu_attention") is not None and compiled("cpu_rows") is not None:
+        return (
+            "compiled (numba, no fast-math): attention one query row at a time over the keys it sees "
+            "(scores in 16 fp32 lanes then pairwise, max, exp, sums in key order); RMSNorm sum of squares "
+            "the same way"
+        )
+    why = f"{ENV}=off" if not _wanted() else "numba not installed"
+    return f"PyTorch ops ({why}): attention in KV chunks with an fp32 online softmax; row sums as fixed-shape products"

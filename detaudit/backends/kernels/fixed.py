@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import cpu_bf16, cpu_gemm, triton_attn, triton_mm, triton_rows
+from detaudit.backends.kernels import cpu_bf16, cpu_calls, cpu_gemm, triton_attn, triton_mm, triton_rows
 
 ROWS = 16  # R: rows per fixed-shape fp32 block on CPU (the bf16 path's is cpu_bf16.ROWS)
 
@@ -91,9 +91,10 @@ def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype = torch.float32) -> Tens
 
 
 def describe_cpu() -> dict[str, str]:
-    """How this process computes CPU products: `cpu_gemm` is the path chosen for this machine and why;
-    `matmul_cpu` the block shapes."""
+    """How this process computes on CPU: `cpu_gemm` is the product path chosen for this machine and why,
+    `matmul_cpu` the block shapes, `cpu_kernels` whether attention and RMSNorm run compiled."""
     c = cpu_bf16.choice()
+    kernels = {"cpu_kernels": cpu_calls.describe()}
     fp32 = (
         f"fp32 products on zero-padded blocks of R={ROWS} rows, fixed shape [R, K] @ [K, N], "
         "one thread per block product"
@@ -102,6 +103,7 @@ def describe_cpu() -> dict[str, str]:
         return {
             "cpu_gemm": c.describe(),
             "matmul_cpu": f"{fp32} (blocks or 64-column panels spread over worker threads)",
+            **kernels,
         }
     return {
         "cpu_gemm": c.describe(),
@@ -109,6 +111,7 @@ def describe_cpu() -> dict[str, str]:
         f"R={cpu_bf16.ROWS} rows, one call shape [R, K] @ [K, W] per weight (W: the widest multiple of "
         f"{cpu_bf16.PANEL_UNIT} up to {cpu_bf16.PANEL_MAX} dividing N), one thread per call; fp32 operands "
         f"(attention, row sums): {fp32}",
+        **kernels,
     }
 
 
@@ -187,6 +190,9 @@ def attention(
             qg, k.reshape(g, length, d), v.reshape(g, length, d), rows_pos, scale, split, window
         )
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d)
+    if q.device.type == "cpu" and cpu_calls.compiled("cpu_attention") is not None:
+        out = _attention_compiled(qg, k, v, q_pos, scale, window, groups, plan)
+        return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
     pos = _memo(
         plan, ("pos", hkv, groups), lambda: q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, -1, 1)
     )
@@ -226,6 +232,39 @@ def attention(
         m[:, r] = m_new
     out = acc / l
     return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
+
+
+ATTENTION_SPLIT_FLOPS = 1e6  # below this one thread computes the compiled attention (a hand-off costs ~0.1 ms)
+
+
+def _attention_compiled(qg, k, v, q_pos, scale: float, window: int | None, groups: int, plan: dict | None) -> Tensor:
+    """`cpu_attention.attend` over the query rows qg[G, T*groups, D]: fp32 [G, T*groups, D], the KV
+    heads (G) split over the threads."""
+    from detaudit.backends.kernels import cpu_attention
+
+    g, rows, d = qg.shape
+    bsz, hkv, length = k.shape[0], k.shape[1], k.shape[2]
+    t = rows // groups
+    qs = (qg.float() * scale).contiguous().numpy()
+    pos = _memo(
+        plan,
+        ("pos2", hkv, groups),
+        lambda: q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, rows).contiguous().numpy(),
+    )
+    bf16 = k.dtype == torch.bfloat16
+    if bf16:  # the cache's own bits (a view: the cache slice merges B and Hkv without a copy)
+        kn, vn = (x.reshape(g, length, d).view(torch.int16).numpy() for x in (k, v))
+    else:
+        kn, vn = (x.reshape(g, length, d).float().numpy() for x in (k, v))
+    out = torch.empty(g, rows, d, dtype=torch.float32)
+    on = out.numpy()
+
+    def part(lo: int, hi: int) -> None:
+        cpu_attention.attend(qs[lo:hi], pos[lo:hi], kn[lo:hi], vn[lo:hi], bf16, window or 0, on[lo:hi])
+
+    work = 4.0 * g * rows * d * length  # flops of the scores and the weighted values, at most
+    cpu_calls.slices(g, part, torch.get_num_threads() if work >= ATTENTION_SPLIT_FLOPS else 1)
+    return out
 
 
 def _memo(plan: dict | None, key, make):
