@@ -138,3 +138,19 @@ def test_compiled_and_python_dispatch_give_the_same_bits(monkeypatch, rows, n):
         cpu_bf16.choose()
     assert torch.equal(outs["auto"], outs["off"])
     assert torch.allclose(outs["auto"], x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
+
+
+def test_describing_the_backends_imports_no_numba():
+    """Descriptions are made before any kernel runs, in vLLM's engine process too, where an early
+    llvmlite import breaks vLLM's CPU worker start-up (it scans every module's attributes): the path is
+    decided from the installed packages, and numba is imported at the first compiled call."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from detaudit.backends import get_backend; "
+        "d = get_backend('bio+tbik').describe(); "
+        "print(d['cpu_kernels'][:8], 'numba' in sys.modules, 'llvmlite' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-2:] == ["False", "False"], out

@@ -21,7 +21,9 @@ tests/unit/test_cpu_bf16.py compares them.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import os
 from concurrent.futures import wait
 
@@ -29,53 +31,71 @@ import numpy as np
 import torch
 
 from detaudit.backends.kernels import cpu_gemm
+from detaudit.errors import DetauditError
 
 ENV = "DETAUDIT_CPU_COMPILED"  # auto (numba's compiled code where installed) | off
 
 _bound: dict[int, object] = {}  # kernel address -> the compiled loop calling it (None: Python's)
-_why_python: str | None = None
+_why_not: dict[str, str] = {}  # compiled module -> why it does not run here
 
 
 def _wanted() -> bool:
     return os.environ.get(ENV, "auto").strip().lower() != "off"
 
 
-def dispatcher() -> str:
-    """How this process makes the calls: 'numba ...' or 'python loop (why)'."""
-    if not _wanted():
-        return f"python loop ({ENV}=off)"
-    if _compiled_loop() is None:
-        return f"python loop ({_why_python})"
-    return "numba (the call loop compiled, the GIL released for a thread's whole slice)"
+@functools.cache
+def _numba_installed() -> bool:
+    """Whether numba (and llvmlite) are installed, found without importing them: the descriptions are
+    made before any kernel runs, and inside vLLM's engine process an early import of llvmlite breaks
+    vLLM's own start-up (its CPU worker scans every module's attributes, and llvmlite's ffi object
+    answers any attribute). The kernels import numba at their first call."""
+    return all(importlib.util.find_spec(name) is not None for name in ("numba", "llvmlite"))
 
 
 def compiled(module: str):
-    """The compiled-kernel module `module` of this package (`cpu_attention`, `cpu_rows`) where numba is
-    installed and DETAUDIT_CPU_COMPILED allows it, else None. Unlike the call loop these kernels have
-    their own bits: `describe` names which path a process takes."""
-    if not _wanted():
+    """The compiled-code module `module` of this package (`cpu_loop`, `cpu_attention`, `cpu_rows`)
+    where numba is installed and DETAUDIT_CPU_COMPILED allows it, else None (`why_not` says why).
+    Unlike the call loop, the attention and RMSNorm kernels have their own bits, and `describe` names
+    the path before they run: a numba that is installed but cannot load is an error, not a silent
+    switch to the other path."""
+    if not _path(module):
         return None
     try:
         return importlib.import_module(f"detaudit.backends.kernels.{module}")
-    except ImportError:
-        return None
-
-
-def _compiled_loop():
-    global _why_python
-    try:
-        from detaudit.backends.kernels import cpu_loop
     except ImportError as e:
-        _why_python = f"numba not installed ({e.name}): pip install 'detaudit[cpu]' for the compiled loop"
-        return None
-    return cpu_loop
+        raise DetauditError(
+            f"numba is installed but detaudit's compiled CPU kernels cannot load ({e}); "
+            f"set {ENV}=off to use the PyTorch ops"
+        ) from e
+
+
+def why_not(module: str) -> str:
+    return _why_not.get(module, "")
+
+
+def _path(module: str) -> bool:
+    """Whether `compiled(module)` will give the module (decided without importing numba)."""
+    if not _wanted():
+        _why_not[module] = f"{ENV}=off"
+        return False
+    if not _numba_installed():
+        _why_not[module] = "numba not installed: pip install 'detaudit[cpu]'"
+        return False
+    return True
+
+
+def dispatcher() -> str:
+    """How this process makes a product's calls: 'numba ...' or 'python loop (why)'."""
+    if not _path("cpu_loop"):
+        return f"python loop ({why_not('cpu_loop')})"
+    return "numba (the call loop compiled, the GIL released for a thread's whole slice)"
 
 
 def _loop(addr: int):
     """The compiled loop calling the kernel at `addr`, or None where the loop stays in Python. One
     kernel per process (the bf16 micro-kernel): its address is bound to the loop's symbol."""
     if addr not in _bound:
-        mod = _compiled_loop() if _wanted() else None
+        mod = compiled("cpu_loop")
         if mod is not None:
             mod.bind(addr)
         _bound[addr] = None if mod is None else mod.loop
@@ -90,7 +110,9 @@ def run(fn, addr: int, shape: tuple[int, int, int, int, int, int], table: np.nda
     n = len(table)
     if n == 0:
         return
-    loop = _loop(addr)
+    # one call gains nothing from the loop (and so the one-call self-check of `cpu_bf16.choose`, which a
+    # backend description runs, imports no numba: see `_numba_installed`)
+    loop = _loop(addr) if n > 1 else None
     if loop is None:
         rows = table.tolist()
 
@@ -127,11 +149,13 @@ def slices(n: int, part, threads: int) -> None:
 def describe() -> str:
     """The CPU kernels bio's attention and RMSNorm statistics run on in this process (part of the
     backends' descriptions: the two paths give different bits)."""
-    if compiled("cpu_attention") is not None and compiled("cpu_rows") is not None:
+    if _path("cpu_attention"):
         return (
             "compiled (numba, no fast-math): attention one query row at a time over the keys it sees "
             "(scores in 16 fp32 lanes then pairwise, max, exp, sums in key order); RMSNorm sum of squares "
             "the same way"
         )
-    why = f"{ENV}=off" if not _wanted() else "numba not installed"
-    return f"PyTorch ops ({why}): attention in KV chunks with an fp32 online softmax; row sums as fixed-shape products"
+    return (
+        f"PyTorch ops ({why_not('cpu_attention')}): attention in KV chunks with an fp32 online softmax; "
+        "row sums as fixed-shape products"
+    )
