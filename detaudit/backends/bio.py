@@ -141,7 +141,7 @@ def weighted_experts(y: Tensor, gates: Tensor) -> Tensor:
 
 def _rms_compiled(x: Tensor, eps: float) -> Tensor | None:
     """fp32 x * rsqrt(mean(x^2) + eps) by the compiled row kernel (`kernels/cpu_rows.py`), or None where
-    it does not run (no numba, DETAUDIT_CPU_DISPATCH=python, a dtype other than bf16 / fp32)."""
+    it does not run (no numba, DETAUDIT_CPU_COMPILED=off, a dtype other than bf16 / fp32)."""
     rows = cpu_calls.compiled("cpu_rows")
     if rows is None or x.dtype not in (torch.bfloat16, torch.float32):
         return None

@@ -85,6 +85,25 @@ def _dot(q, k):
     return a0 + a1
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def load(src, bf16, bits):
+    """src[D] into the fp32 buffer `bits.view(float32)`: bf16 stored as int16 bits (the top half of an
+    fp32, so exact), or any value converted."""
+    if bf16:
+        for i in range(src.shape[0]):
+            bits[i] = np.uint32(np.uint16(src[i])) << 16
+    else:
+        row = bits.view(np.float32)
+        for i in range(src.shape[0]):
+            row[i] = src[i]
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _sees(j, p, window):
+    """Whether a query at position p sees key j (window 0: every key up to p)."""
+    return j <= p and (window == 0 or j > p - window)
+
+
 @numba.njit(nogil=True, cache=True)
 def attend(qs, pos, k, v, bf16, window, out):  # pragma: no cover (compiled)
     """qs[G, R, D] fp32 (scaled queries), pos[G, R] int64, k / v [G, L, D] (uint16 bf16 bits when
@@ -96,7 +115,7 @@ def attend(qs, pos, k, v, bf16, window, out):  # pragma: no cover (compiled)
     row_max = np.empty(rows, dtype=np.float32)
     sums = np.empty(rows, dtype=np.float32)
     bits = np.empty(d, dtype=np.uint32)
-    key = bits.view(np.float32)
+    key = bits.view(np.float32)  # the key or value row `load` wrote
     for g in range(g_count):
         first = length
         last = -1
@@ -109,30 +128,18 @@ def attend(qs, pos, k, v, bf16, window, out):  # pragma: no cover (compiled)
             sums[r] = 0
             out[g, r, :] = 0
         for j in range(first, last + 1):
-            if bf16:
-                for i in range(d):
-                    bits[i] = np.uint32(np.uint16(k[g, j, i])) << 16
-            else:
-                for i in range(d):
-                    key[i] = k[g, j, i]
+            load(k[g, j], bf16, bits)
             for r in range(rows):
-                p = pos[g, r]
-                if j > p or (window > 0 and j <= p - window):
+                if not _sees(j, pos[g, r], window):
                     continue
                 s = _dot(qs[g, r], key)
                 scores[r, j] = s
                 if s > row_max[r]:
                     row_max[r] = s
         for j in range(first, last + 1):
-            if bf16:
-                for i in range(d):
-                    bits[i] = np.uint32(np.uint16(v[g, j, i])) << 16
-            else:
-                for i in range(d):
-                    key[i] = v[g, j, i]
+            load(v[g, j], bf16, bits)
             for r in range(rows):
-                p = pos[g, r]
-                if j > p or (window > 0 and j <= p - window):
+                if not _sees(j, pos[g, r], window):
                     continue
                 e = np.float32(np.exp(scores[r, j] - row_max[r]))
                 sums[r] += e

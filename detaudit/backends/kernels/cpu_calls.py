@@ -9,8 +9,8 @@ runs with the GIL released, so a thread hands off once per product instead of on
 calls of a 480-row prefill product took 4.2 ms on one thread and 2.6 ms on two (from Python threads:
 4.7 ms). Without numba, or with DETAUDIT_CPU_COMPILED=off, the loop stays in Python.
 
-The threads are ours either way (`cpu_gemm`'s single-threaded pool: contiguous slices of the table,
-one per thread). numba's parallel layers are not used: its OpenMP layer loads a second OpenMP runtime,
+The threads are ours either way (`cpu_gemm.run_jobs`: contiguous slices of the table, one per
+thread). numba's parallel layers are not used: its OpenMP layer loads a second OpenMP runtime,
 whose spinning threads slowed PyTorch's own OpenMP ops here up to 70x, and its workqueue layer took
 about 200 us to start a loop.
 
@@ -25,7 +25,6 @@ import functools
 import importlib
 import importlib.util
 import os
-from concurrent.futures import wait
 
 import numpy as np
 import torch
@@ -36,7 +35,6 @@ from detaudit.errors import DetauditError
 ENV = "DETAUDIT_CPU_COMPILED"  # auto (numba's compiled code where installed) | off
 
 _bound: dict[int, object] = {}  # kernel address -> the compiled loop calling it (None: Python's)
-_why_not: dict[str, str] = {}  # compiled module -> why it does not run here
 
 
 def _wanted() -> bool:
@@ -52,13 +50,21 @@ def _numba_installed() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in ("numba", "llvmlite"))
 
 
+def _unavailable() -> str | None:
+    """Why this process runs no compiled code (decided without importing numba), or None."""
+    if not _wanted():
+        return f"{ENV}=off"
+    if not _numba_installed():
+        return "numba not installed: pip install 'detaudit[cpu]'"
+    return None
+
+
 def compiled(module: str):
     """The compiled-code module `module` of this package (`cpu_loop`, `cpu_attention`, `cpu_rows`)
-    where numba is installed and DETAUDIT_CPU_COMPILED allows it, else None (`why_not` says why).
-    Unlike the call loop, the attention and RMSNorm kernels have their own bits, and `describe` names
-    the path before they run: a numba that is installed but cannot load is an error, not a silent
-    switch to the other path."""
-    if not _path(module):
+    where numba is installed and DETAUDIT_CPU_COMPILED allows it, else None. Unlike the call loop, the
+    attention and RMSNorm kernels have their own bits, and `describe` names the path before they run:
+    a numba that is installed but cannot load is an error, not a silent switch to the other path."""
+    if _unavailable() is not None:
         return None
     try:
         return importlib.import_module(f"detaudit.backends.kernels.{module}")
@@ -69,25 +75,11 @@ def compiled(module: str):
         ) from e
 
 
-def why_not(module: str) -> str:
-    return _why_not.get(module, "")
-
-
-def _path(module: str) -> bool:
-    """Whether `compiled(module)` will give the module (decided without importing numba)."""
-    if not _wanted():
-        _why_not[module] = f"{ENV}=off"
-        return False
-    if not _numba_installed():
-        _why_not[module] = "numba not installed: pip install 'detaudit[cpu]'"
-        return False
-    return True
-
-
 def dispatcher() -> str:
     """How this process makes a product's calls: 'numba ...' or 'python loop (why)'."""
-    if not _path("cpu_loop"):
-        return f"python loop ({why_not('cpu_loop')})"
+    why = _unavailable()
+    if why is not None:
+        return f"python loop ({why})"
     return "numba (the call loop compiled, the GIL released for a thread's whole slice)"
 
 
@@ -129,33 +121,21 @@ def run(fn, addr: int, shape: tuple[int, int, int, int, int, int], table: np.nda
 
 
 def slices(n: int, part, threads: int) -> None:
-    """part(lo, hi) over `threads` contiguous slices of range(n): the first on this thread, the others on
-    `cpu_gemm`'s single-threaded pool."""
-    if threads <= 1 or n <= 1:
-        part(0, n)
-        return
-    threads = min(threads, n)
+    """part(lo, hi) over `threads` contiguous slices of range(n) (`cpu_gemm.run_jobs`: the first on this
+    thread, the others on its single-threaded pool)."""
+    threads = max(1, min(threads, n))
     cuts = [i * n // threads for i in range(threads + 1)]
-    pool = cpu_gemm.workers(threads - 1)
-    futures = [pool.submit(part, cuts[i], cuts[i + 1]) for i in range(1, threads)]
-    try:
-        part(cuts[0], cuts[1])
-    finally:  # the workers read the caller's tensors: wait for them even when this thread's part failed
-        wait(futures)
-    for f in futures:
-        f.result()
+    cpu_gemm.run_jobs([(cuts[i], cuts[i + 1]) for i in range(threads)], lambda job: part(*job))
 
 
 def describe() -> str:
     """The CPU kernels bio's attention and RMSNorm statistics run on in this process (part of the
     backends' descriptions: the two paths give different bits)."""
-    if _path("cpu_attention"):
+    why = _unavailable()
+    if why is None:
         return (
             "compiled (numba, no fast-math): attention one query row at a time over the keys it sees "
             "(scores in 16 fp32 lanes then pairwise, max, exp, sums in key order); RMSNorm sum of squares "
             "the same way"
         )
-    return (
-        f"PyTorch ops ({why_not('cpu_attention')}): attention in KV chunks with an fp32 online softmax; "
-        "row sums as fixed-shape products"
-    )
+    return f"PyTorch ops ({why}): attention in KV chunks with an fp32 online softmax; row sums as fixed-shape products"

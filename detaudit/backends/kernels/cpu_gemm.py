@@ -44,7 +44,7 @@ def _reset_after_fork() -> None:  # a forked child has none of the parent's work
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def workers(n: int) -> ThreadPoolExecutor:
+def _workers(n: int) -> ThreadPoolExecutor:
     """A pool of at least n single-threaded workers. A smaller pool is replaced, never shut down: a
     caller that already holds it may still be submitting to it (that was a race); its idle threads
     exit when the last holder drops it."""
@@ -102,11 +102,18 @@ def spread(g: int, nb: int, n: int, flops: float, run, panel: int = PANEL) -> No
     with one thread. Which thread runs a job never changes what the job computes."""
     width = torch.get_num_threads()
     jobs = _jobs(g, nb, n, width, panel) if width > 1 and flops >= MIN_SPLIT_FLOPS else []
+    run_jobs(jobs or [(slice(0, g), slice(0, nb), slice(0, n))], run)
+
+
+def run_jobs(jobs: list, run) -> None:
+    """`run(job)` for every job: the first on this thread with one intra-op thread, the others on the
+    pool's single-threaded workers (one job: all here)."""
     if len(jobs) < 2:
         with one_thread():
-            run((slice(0, g), slice(0, nb), slice(0, n)))
+            for job in jobs:
+                run(job)
         return
-    pool = workers(len(jobs) - 1)
+    pool = _workers(len(jobs) - 1)
     futures = [pool.submit(run, j) for j in jobs[1:]]
     try:
         with one_thread():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from detaudit.backends.kernels.cpu_attention import _dot
+from detaudit.backends.kernels.cpu_attention import _dot, load
 
 
 @numba.njit(nogil=True, cache=True)
@@ -23,12 +23,7 @@ def rms_rows(x, bf16, eps, out):  # pragma: no cover (compiled)
     row = bits.view(np.float32)
     eps32 = np.float32(eps)
     for r in range(m):
-        if bf16:
-            for i in range(k):
-                bits[i] = np.uint32(np.uint16(x[r, i])) << 16
-        else:
-            for i in range(k):
-                row[i] = x[r, i]
+        load(x[r], bf16, bits)
         var = _dot(row, row) / np.float32(k)
         scale = np.float32(1) / np.sqrt(var + eps32)
         for i in range(k):

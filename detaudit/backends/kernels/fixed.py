@@ -190,8 +190,9 @@ def attention(
             qg, k.reshape(g, length, d), v.reshape(g, length, d), rows_pos, scale, split, window
         )
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d)
-    if q.device.type == "cpu" and cpu_calls.compiled("cpu_attention") is not None:
-        out = _attention_compiled(qg, k, v, q_pos, scale, window, groups, plan)
+    kernel = cpu_calls.compiled("cpu_attention") if q.device.type == "cpu" else None
+    if kernel is not None:
+        out = _attention_compiled(kernel, qg, k, v, q_pos, scale, window, groups, plan)
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
     pos = _memo(
         plan, ("pos", hkv, groups), lambda: q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, -1, 1)
@@ -237,11 +238,11 @@ def attention(
 ATTENTION_SPLIT_FLOPS = 1e6  # below this one thread computes the compiled attention (a hand-off costs ~0.1 ms)
 
 
-def _attention_compiled(qg, k, v, q_pos, scale: float, window: int | None, groups: int, plan: dict | None) -> Tensor:
-    """`cpu_attention.attend` over the query rows qg[G, T*groups, D]: fp32 [G, T*groups, D], the KV
-    heads (G) split over the threads."""
-    from detaudit.backends.kernels import cpu_attention
-
+def _attention_compiled(
+    kernel, qg, k, v, q_pos, scale: float, window: int | None, groups: int, plan: dict | None
+) -> Tensor:
+    """`kernel.attend` (the `cpu_attention` module) over the query rows qg[G, T*groups, D]: fp32
+    [G, T*groups, D], the KV heads (G) split over the threads."""
     g, rows, d = qg.shape
     bsz, hkv, length = k.shape[0], k.shape[1], k.shape[2]
     t = rows // groups
@@ -260,7 +261,7 @@ def _attention_compiled(qg, k, v, q_pos, scale: float, window: int | None, group
     on = out.numpy()
 
     def part(lo: int, hi: int) -> None:
-        cpu_attention.attend(qs[lo:hi], pos[lo:hi], kn[lo:hi], vn[lo:hi], bf16, window or 0, on[lo:hi])
+        kernel.attend(qs[lo:hi], pos[lo:hi], kn[lo:hi], vn[lo:hi], bf16, window or 0, on[lo:hi])
 
     work = 4.0 * g * rows * d * length  # flops of the scores and the weighted values, at most
     cpu_calls.slices(g, part, torch.get_num_threads() if work >= ATTENTION_SPLIT_FLOPS else 1)
