@@ -130,8 +130,8 @@ def _write_flags(flags: dict[str, object]) -> None:
     m.allow_fp16_reduced_precision_reduction = bool(flags["fp16_reduced"])
 
 
-ALLREDUCE_ENV = "DETAUDIT_ALLREDUCE"  # auto (default), gather or scatter: how fixed-order all-reduces move data
-ALLREDUCE_MODES = ("auto", "gather", "scatter")
+ALLREDUCE_ENV = "DETAUDIT_ALLREDUCE"  # how fixed-order all-reduces move data (`fixed_order_all_reduce`)
+ALLREDUCE_MODES = ("auto", "nccl", "gather", "scatter", "peer")
 GATHER_MAX_BYTES = 1 << 20  # auto: below this many fp32 bytes per rank, one all-gather (latency-bound)
 
 
@@ -145,20 +145,36 @@ def allreduce_mode() -> str:
 
 
 def fixed_order_all_reduce(
-    partial: Tensor, group: ProcessGroup, dtype: torch.dtype, reduce, mode: str = "auto"
+    partial: Tensor, group: ProcessGroup, dtype: torch.dtype, reduce, mode: str = "auto", order: str = "rank"
 ) -> Tensor:
     """The ranks' fp32 partials summed by `reduce` (a fixed order over the C partials given in rank
     order: every element gets the same additions whatever the transport), cast once to `dtype`.
+    `order` names that order for the peer kernels ("rank": `sequential_sum`, "tree": `tree.tree_sum`).
 
+    - `peer`: the group's peer-memory transport (GPU groups: `builtin/peer.py`, `kernels/peer_reduce.py`):
+      each rank stores slice j of its partial into rank j's buffer, reduces and casts its own slice, and
+      reads the cast slices of the others: the bytes of `scatter`, in three kernels and two device
+      barriers; refused where the group has none (a size that does not fit while a CUDA graph is being
+      captured goes by `scatter`);
     - `gather`: all-gather every partial, reduce locally: one collective, C - 1 partials received
       (fp32) per rank: the latency-bound choice for small messages (decode);
     - `scatter`: reduce-scatter by all-to-all (rank r receives slice r of every partial), reduce the
       slice and cast it, all-gather the cast slices: (C-1)/C of the partial in fp32 plus (C-1)/C in
       `dtype` per rank, 1.5x the bytes of a bf16 ring all-reduce, C / 1.5 times fewer than `gather`;
-    - `auto`: `gather` below GATHER_MAX_BYTES of partial per rank, else `scatter`."""
+    - `nccl`: `gather` below GATHER_MAX_BYTES of partial per rank, else `scatter`;
+    - `auto`: `peer` where the group has it, else `nccl`."""
     p = partial.float().contiguous()
     c = group.size
-    if mode == "gather" or (mode == "auto" and p.numel() * 4 < GATHER_MAX_BYTES) or p.numel() < c:
+    if mode in ("auto", "peer"):
+        peer = getattr(group, "peer_all_reduce", None)
+        out = peer(p, dtype, order, required=mode == "peer") if peer is not None else None
+        if out is not None:
+            return out
+        if mode == "peer" and not (p.is_cuda and torch.cuda.is_current_stream_capturing()):
+            from detaudit.errors import DetauditError
+
+            raise DetauditError(f"{ALLREDUCE_ENV}=peer: this TP group has no peer-memory transport (GPU groups only)")
+    if mode == "gather" or (mode != "scatter" and p.numel() * 4 < GATHER_MAX_BYTES) or p.numel() < c:
         return reduce(list(group.all_gather(p).unbind(0))).to(dtype)
     flat = p.view(-1)
     n = flat.numel()

@@ -13,8 +13,8 @@ not depend on how many other requests share its batch (see `kernels/fixed.py`):
   sees (`kernels/cpu_attention.py`);
 - TP all-reduce: the fp32 partials summed in rank order, cast once (deterministic, but the K split still
   depends on C: `bio` is batch invariant, not TP invariant; that is `bio+tbik`); moved by an all-gather
-  (small messages) or a reduce-scatter by all-to-all then an all-gather of the cast slices
-  (`base.fixed_order_all_reduce`): the same additions either way.
+  (small messages) or a reduce-scatter by all-to-all then an all-gather of the cast slices, and on GPU
+  groups by peer memory over NVLink (`base.fixed_order_all_reduce`): the same additions every way.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class BioBackend:
     # a product's column is computed alone (no reduction follows the column tiling), so merged q / k / v
     # and gate / up products give the same bits as separate ones (`builtin/ops.py`)
     COLUMN_INVARIANT = True
+    REDUCE_ORDER = "rank"  # `_reduce`'s order, as the peer all-reduce kernels name it
 
     def __init__(self) -> None:
         self._flags = TorchFlags()
@@ -66,7 +67,7 @@ class BioBackend:
         return sequential_sum([p.float() for p in partials], dtype)
 
     def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor:
-        return fixed_order_all_reduce(partial, group, dtype, self._reduce, self.allreduce)
+        return fixed_order_all_reduce(partial, group, dtype, self._reduce, self.allreduce, self.REDUCE_ORDER)
 
     def _reduce(self, partials: Sequence[Tensor]) -> Tensor:
         """The cross-rank sum of fp32 partials, in fp32 (cast by the caller): rank order."""
@@ -124,8 +125,9 @@ class BioBackend:
             "all_reduce": "fp32 partials summed in rank order, cast once",
             "experts": "per expert, its routed rows' batch-invariant products (fp32 accumulate); each token's "
             "experts weighted and summed in top-k order in fp32",
-            "all_reduce_impl": f"{self.allreduce}: all-gather below {GATHER_MAX_BYTES} bytes per rank, else "
-            "reduce-scatter by all-to-all + all-gather of the cast slices",
+            "all_reduce_impl": f"{self.allreduce}: on GPU groups peer memory (push slices, reduce and cast "
+            "one's own, read the others'), elsewhere all-gather below "
+            f"{GATHER_MAX_BYTES} bytes per rank, else reduce-scatter by all-to-all + all-gather of the cast slices",
             "tf32": "off",
             **library_versions(),
         }

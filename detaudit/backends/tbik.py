@@ -1,9 +1,9 @@
 """`bio+tbik`: BIO plus Tree-Based Invariant Kernels. Row-parallel layers (o_proj, down_proj) are a
 tree matmul over one fixed 8-block tree and the TP all-reduce adds the ranks' fp32 subtrees along the
 top of the same tree, so their output is bitwise identical for TP 1, 2, 4 and 8 (see `kernels/tree.py`).
-The all-reduce moves the subtrees as bio's does (`base.fixed_order_all_reduce`: an all-gather for small
-messages, a reduce-scatter by all-to-all and an all-gather of the cast slices otherwise; the same
-additions either way)."""
+The all-reduce moves the subtrees as bio's does (`base.fixed_order_all_reduce`: peer memory on GPU
+groups; elsewhere an all-gather for small messages, a reduce-scatter by all-to-all and an all-gather of
+the cast slices otherwise; the same additions every way)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from detaudit.backends.kernels import tree
 @register_backend("bio+tbik", "tbik")
 class TbikBackend(BioBackend):
     name = "bio+tbik"
+    REDUCE_ORDER = "tree"
 
     def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor:
         return tree.tree_matmul(x, weight, tp_size, name)

@@ -4,7 +4,8 @@ calls them: a row-parallel layer's partial of `tokens` rows of `hidden` columns,
 - `library`: the bf16 backend's all-reduce of its bf16 partial (NCCL on GPU, gloo on CPU);
 - `bio` / `bio+tbik`: the backend's all-reduce of its fp32 partial into bf16, with each transport of
   `base.fixed_order_all_reduce`: `gather` (how they moved partials before reduce-scatter existed),
-  `scatter` and `auto` (what the engine uses). Every transport's output is checked bitwise against
+  `scatter`, `peer` (GPU only: peer memory over NVLink, `builtin/peer.py`) and `auto` (what the engine
+  uses). Every transport's output is checked bitwise against
   `gather`'s.
 Times are medians of `reps` calls, each synchronised; on GPU the calls replay from a CUDA graph captured
 per configuration (as the engine's graphed decode runs them), after a warm-up.
@@ -22,7 +23,7 @@ import torch.multiprocessing as mp
 
 TOKENS = (8, 32, 512, 4096, 16384)  # decode batches and prefill chunks of the engine
 HIDDEN = 4096
-MODES = ("gather", "scatter", "auto")
+MODES = ("gather", "scatter", "peer", "auto")
 
 
 def _time(fn, device: str, reps: int, group) -> float:
@@ -63,6 +64,10 @@ def _rank(rank: int, world: int, port: int, device: str, tokens, hidden: int, re
     group = dist.init(rank, world, port, dev)
     try:
         results = []
+        # the peer transport where this group has one (every rank gets the same answer)
+        peer = (
+            device == "cuda" and group.peer_all_reduce(torch.zeros(64, device=dev), torch.bfloat16, "rank") is not None
+        )
         g = torch.Generator(device=dev).manual_seed(rank)
         for t in tokens:
             partial = torch.randn(t, hidden, device=dev, generator=g)
@@ -73,9 +78,13 @@ def _rank(rank: int, world: int, port: int, device: str, tokens, hidden: int, re
                 b = get_backend(name)
                 outs = {}
                 for mode in MODES:
+                    if mode == "peer" and not peer:
+                        continue  # GPU groups with symmetric memory only
 
                     def call(b=b, mode=mode):
-                        return base.fixed_order_all_reduce(partial, group, torch.bfloat16, b._reduce, mode)
+                        return base.fixed_order_all_reduce(
+                            partial, group, torch.bfloat16, b._reduce, mode, b.REDUCE_ORDER
+                        )
 
                     outs[mode] = call()
                     row[f"{name}_{mode}_us"] = 1e6 * _time(call, device, reps, group)
@@ -102,5 +111,6 @@ def bench_allreduce(
     df.insert(1, "device", device)
     for name in ("bio", "bio+tbik"):
         for mode in MODES:
-            df[f"{name}_{mode}_x"] = df[f"{name}_{mode}_us"] / df["library_us"]
+            if f"{name}_{mode}_us" in df:
+                df[f"{name}_{mode}_x"] = df[f"{name}_{mode}_us"] / df["library_us"]
     return df

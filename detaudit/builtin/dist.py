@@ -1,7 +1,8 @@
-"""Process groups: the only module that talks to torch.distributed.
+"""Process groups: with its peer-memory transport (`peer.py`), the only module that talks to
+torch.distributed.
 
 Real TP runs one process per rank (gloo on CPU, NCCL on GPU); `TorchGroup` wraps the default process
-group with the three collectives the backends need. Emulated TP needs no group: the row-parallel layer
+group with the collectives the backends need. Emulated TP needs no group: the row-parallel layer
 computes every rank's partial in one process and calls `backend.combine`.
 """
 
@@ -25,6 +26,7 @@ class TorchGroup:
         self.size = size
         self.pg = pg
         self.store = store  # the default group's TCPStore (served by rank 0), where `init` made it
+        self._peer = None  # the peer-memory transport, made at the first peer all-reduce
 
     def all_gather(self, t: Tensor) -> Tensor:
         """Every rank's `t`, stacked in rank order: [C, *t.shape]. On NCCL gathered straight into that
@@ -49,6 +51,23 @@ class TorchGroup:
         t = t.contiguous()
         out = torch.empty_like(t)
         dist.all_to_all_single(out, t, group=self.pg)
+        return out
+
+    def peer_all_reduce(self, p: Tensor, dtype: torch.dtype, order: str, required: bool = False) -> Tensor | None:
+        """The fixed-order all-reduce of fp32 `p` over peer memory (`peer.PeerTransport`), or None where it
+        does not run: CPU / gloo groups, more than 8 ranks, no symmetric memory (`required`: that is an
+        error naming the reason), a new size while a CUDA graph is being captured."""
+        from detaudit.errors import DetauditError
+
+        if not p.is_cuda or not 2 <= self.size <= 8 or dist.get_backend(self.pg) != "nccl":
+            return None
+        if self._peer is None:
+            from detaudit.builtin.peer import PeerTransport
+
+            self._peer = PeerTransport(self.rank, self.size, self.pg)
+        out = self._peer.all_reduce(p, dtype, order)
+        if out is None and required and self._peer.reason:
+            raise DetauditError(f"the peer all-reduce does not run here: {self._peer.reason}")
         return out
 
     def barrier(self) -> None:

@@ -21,7 +21,7 @@ from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
 from detaudit.config import DecodingParams
-from detaudit.errors import DetauditError
+from detaudit.errors import CellFailed, DetauditError
 
 DEFAULT_MODEL = "smollm2-135m"
 SAMPLING = DecodingParams()  # the published sampling defaults, in one place
@@ -61,6 +61,9 @@ def handle_errors(fn):
         except DetauditError as e:
             err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
+        except CellFailed as e:  # a worker crashed where no sweep goes on past it (a benchmark): not bad input
+            err.print(f"[bold red]failed:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err.print("[yellow]interrupted[/]: completed cells are kept; rerun the same command to resume")
             raise typer.Exit(130) from None

@@ -94,5 +94,5 @@ def test_tree_sum_order():
 @pytest.mark.parametrize("name", ["bio", "bio+tbik"])
 def test_bad_allreduce_mode(monkeypatch, name):
     monkeypatch.setenv("DETAUDIT_ALLREDUCE", "ring")
-    with pytest.raises(DetauditError, match="auto, gather, scatter"):
+    with pytest.raises(DetauditError, match="auto, nccl, gather, scatter, peer"):
         get_backend(name)

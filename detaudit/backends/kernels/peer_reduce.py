@@ -1,0 +1,215 @@
+"""The fixed-order all-reduce over peer memory (NVLink), as three Triton kernels.
+
+Every rank holds one symmetric buffer that every other rank can address (`builtin/peer.py` maps
+them): a receive area R of C slices of `per` fp32 and a result area B of C slices of `per` elements of
+the output dtype. A partial of n <= C * per fp32 elements is cut into C slices; rank r owns slice r.
+
+1. `push`: rank r writes slice j of its partial into R[r] of rank j's buffer, for every j (stores
+   over NVLink; slice r into its own). Then a barrier.
+2. `reduce`: rank r adds R[0], ..., R[C-1] of its own buffer (its slice of every rank's partial, in
+   rank order) in one fixed order, in fp32, casts once and writes B[r] of its own buffer. Then a barrier.
+3. `gather`: rank r reads B[j] of every rank j's buffer into the output (loads over NVLink).
+
+Per element that is the same additions, in the same order, as `backends.base.sequential_sum` (ORDER
+"rank": ((p0 + p1) + p2) + ...) or `kernels.tree.tree_sum` (ORDER "tree": pairwise up a complete
+binary tree), then one round-to-nearest-even cast: the bits of the all-gather transport. It moves
+(C-1)/C of the partial in fp32 plus (C-1)/C in the output dtype per rank, what the reduce-scatter by
+all-to-all moves, with no staging copies and one launch per step.
+
+Buffer reuse needs no third barrier: a rank pushes into R of call n+1 only after the barrier that
+follows every rank's `reduce` of call n, and reduces into B of call n+1 only after the barrier that
+follows every rank's push of call n+1, which each rank issues after its `gather` of call n.
+
+Up to 8 ranks (C = 2, 4 or 8), each peer buffer a separate pointer argument (P0..P7; unused ones repeat
+P0), the kernels unrolled over them at compile time. The kernels run under TRITON_INTERPRET=1 with
+ordinary CPU tensors standing in for the peers' buffers (tests/unit/test_peer_reduce.py); there the
+result areas are fp32 and the cast is torch's (the interpreter's fp32 -> bf16 store truncates where the
+GPU's rounds to nearest even), as in `triton_mm`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from detaudit.backends.kernels import launch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+# elements per rank slice per program, 4 per thread: on 4x H100 the fastest of 1024-8192 elements at 4-16
+# warps at 32 to 16384 tokens x 4096 (up to 12% over 4096 / 8 warps; reports/gpu/tp-scaling)
+BLOCK = 1024
+NUM_WARPS = 8
+MAX_RANKS = 8
+ORDERS = ("rank", "tree")
+
+if triton is not None:
+
+    @triton.jit
+    def _push_kernel(src, p0, p1, p2, p3, p4, p5, p6, p7, n, per, rank, C: tl.constexpr, BLOCK: tl.constexpr):
+        """Every slice's block loaded first (local), then stored to its peer: the stores need not wait for
+        each other's loads. Unrolled for up to 8 ranks (`if C > j` is resolved at compile time)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < per
+        x0 = tl.load(src + offs, mask=inside & (offs < n), other=0.0)
+        if C > 1:
+            x1 = tl.load(src + per + offs, mask=inside & (per + offs < n), other=0.0)
+        if C > 2:
+            x2 = tl.load(src + 2 * per + offs, mask=inside & (2 * per + offs < n), other=0.0)
+            x3 = tl.load(src + 3 * per + offs, mask=inside & (3 * per + offs < n), other=0.0)
+        if C > 4:
+            x4 = tl.load(src + 4 * per + offs, mask=inside & (4 * per + offs < n), other=0.0)
+            x5 = tl.load(src + 5 * per + offs, mask=inside & (5 * per + offs < n), other=0.0)
+            x6 = tl.load(src + 6 * per + offs, mask=inside & (6 * per + offs < n), other=0.0)
+            x7 = tl.load(src + 7 * per + offs, mask=inside & (7 * per + offs < n), other=0.0)
+        mine = rank * per + offs
+        tl.store(p0 + mine, x0, mask=inside)
+        if C > 1:
+            tl.store(p1 + mine, x1, mask=inside)
+        if C > 2:
+            tl.store(p2 + mine, x2, mask=inside)
+            tl.store(p3 + mine, x3, mask=inside)
+        if C > 4:
+            tl.store(p4 + mine, x4, mask=inside)
+            tl.store(p5 + mine, x5, mask=inside)
+            tl.store(p6 + mine, x6, mask=inside)
+            tl.store(p7 + mine, x7, mask=inside)
+
+    @triton.jit
+    def _part(r, j: tl.constexpr, per, offs, mask):
+        return tl.load(r + j * per + offs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _reduce_kernel(r, b, per, rank, C: tl.constexpr, TREE: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < per
+        if TREE and C > 2:  # ((p0 + p1) + (p2 + p3)) [+ ((p4 + p5) + (p6 + p7))]
+            s = (_part(r, 0, per, offs, m) + _part(r, 1, per, offs, m)) + (
+                _part(r, 2, per, offs, m) + _part(r, 3, per, offs, m)
+            )
+            if C == 8:
+                s = s + (
+                    (_part(r, 4, per, offs, m) + _part(r, 5, per, offs, m))
+                    + (_part(r, 6, per, offs, m) + _part(r, 7, per, offs, m))
+                )
+        else:  # rank order (and the tree of two)
+            s = _part(r, 0, per, offs, m)
+            for j in tl.static_range(1, C):
+                s = s + _part(r, j, per, offs, m)
+        tl.store(b + rank * per + offs, s.to(b.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _gather_kernel(out, p0, p1, p2, p3, p4, p5, p6, p7, n, per, C: tl.constexpr, BLOCK: tl.constexpr):
+        """Every peer's block loaded first (over NVLink: C loads in flight per thread, not one), then stored."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < per
+        y0 = tl.load(p0 + offs, mask=inside & (offs < n))
+        if C > 1:
+            y1 = tl.load(p1 + per + offs, mask=inside & (per + offs < n))
+        if C > 2:
+            y2 = tl.load(p2 + 2 * per + offs, mask=inside & (2 * per + offs < n))
+            y3 = tl.load(p3 + 3 * per + offs, mask=inside & (3 * per + offs < n))
+        if C > 4:
+            y4 = tl.load(p4 + 4 * per + offs, mask=inside & (4 * per + offs < n))
+            y5 = tl.load(p5 + 5 * per + offs, mask=inside & (5 * per + offs < n))
+            y6 = tl.load(p6 + 6 * per + offs, mask=inside & (6 * per + offs < n))
+            y7 = tl.load(p7 + 7 * per + offs, mask=inside & (7 * per + offs < n))
+        tl.store(out + offs, y0, mask=inside & (offs < n))
+        if C > 1:
+            tl.store(out + per + offs, y1, mask=inside & (per + offs < n))
+        if C > 2:
+            tl.store(out + 2 * per + offs, y2, mask=inside & (2 * per + offs < n))
+            tl.store(out + 3 * per + offs, y3, mask=inside & (3 * per + offs < n))
+        if C > 4:
+            tl.store(out + 4 * per + offs, y4, mask=inside & (4 * per + offs < n))
+            tl.store(out + 5 * per + offs, y5, mask=inside & (5 * per + offs < n))
+            tl.store(out + 6 * per + offs, y6, mask=inside & (6 * per + offs < n))
+            tl.store(out + 7 * per + offs, y7, mask=inside & (7 * per + offs < n))
+
+
+def _eight(peers: Sequence[Tensor]) -> list[Tensor]:
+    if len(peers) not in (1, 2, 4, 8):
+        raise ValueError(f"peer all-reduce takes 1, 2, 4 or 8 ranks, got {len(peers)}")
+    return list(peers) + [peers[0]] * (MAX_RANKS - len(peers))
+
+
+def _run(name: str, kernel, grid: int, device: Tensor, args: tuple, constexprs: dict, slots: tuple, key) -> None:
+    """kernel[grid](*args) through a kept launch plan on CUDA (`launch`: the host cost of a JIT launch
+    is several times this all-reduce's at decode sizes), through the JIT elsewhere."""
+    if device.is_cuda:
+        plan = _PLANS.get((name, key))
+        if plan is not None:
+            plan(device.device.index, *(args[i] for i in slots))
+            return
+    first = launch.Launch.first(kernel, (grid,), args, dict(constexprs, num_warps=NUM_WARPS), slots)
+    if first is not None and device.is_cuda:
+        launch.cache_put(_PLANS, (name, key), first)
+
+
+_PLANS: dict[tuple, launch.Launch] = {}
+
+
+def _grid(per: int) -> int:
+    return -(-per // BLOCK)
+
+
+def push(src: Tensor, receive: Sequence[Tensor], rank: int, per: int) -> None:
+    """Slice j of the flat fp32 `src` (n <= C * per elements; past n: zeros) into receive[j][rank * per:],
+    for each rank j. receive[j] is rank j's R area, C * per fp32."""
+    c, n = len(receive), src.numel()
+    peers = _eight(receive)
+    key = (n, per, rank, c, tuple(p.data_ptr() for p in receive), src.data_ptr() % 16 == 0)
+    _run("push", _push_kernel, _grid(per), src, (src, *peers, n, per, rank), dict(C=c, BLOCK=BLOCK), (0,), key)
+
+
+def reduce(receive: Tensor, result: Tensor, rank: int, c: int, per: int, order: str) -> None:
+    """result[rank * per:(rank + 1) * per] = the fixed-order fp32 sum of the C slices of this rank's
+    receive area, cast to result's dtype."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    tree = order == "tree"
+    key = (per, rank, c, tree, receive.data_ptr(), result.data_ptr(), result.dtype)
+    args = (receive, result, per, rank)
+    _run("reduce", _reduce_kernel, _grid(per), receive, args, dict(C=c, TREE=tree, BLOCK=BLOCK), (), key)
+
+
+def gather(results: Sequence[Tensor], out: Tensor, per: int) -> None:
+    """out (flat, n elements) = slice j of results[j] (rank j's B area), for each rank j."""
+    c, n = len(results), out.numel()
+    peers = _eight(results)
+    key = (n, per, c, tuple(p.data_ptr() for p in results), out.dtype, out.data_ptr() % 16 == 0)
+    _run("gather", _gather_kernel, _grid(per), out, (out, *peers, n, per), dict(C=c, BLOCK=BLOCK), (0,), key)
+
+
+def slice_size(n: int, c: int) -> int:
+    """Elements per rank slice of an n-element partial: n / C rounded up to 64 elements (256-byte aligned
+    slices in every buffer)."""
+    return -(-(-(-n // c)) // 64) * 64
+
+
+def emulate(partials: Sequence[Tensor], dtype: torch.dtype, order: str) -> list[Tensor]:
+    """The three steps for C ranks in one process, ordinary tensors standing in for the peer buffers:
+    every rank's output (tests; the real transport runs them on C processes, one step apart by barriers)."""
+    c = len(partials)
+    n = partials[0].numel()
+    per = slice_size(n, c)
+    dev = partials[0].device
+    area = dtype if dev.type == "cuda" else torch.float32  # the interpreter's cast truncates: torch's below
+    recv = [torch.empty(c * per, dtype=torch.float32, device=dev) for _ in range(c)]
+    res = [torch.empty(c * per, dtype=area, device=dev) for _ in range(c)]
+    for r, p in enumerate(partials):
+        push(p.float().contiguous().view(-1), recv, r, per)
+    for r in range(c):
+        reduce(recv[r], res[r], r, c, per, order)
+    outs = []
+    for _ in range(c):
+        out = torch.empty(n, dtype=area, device=dev)
+        gather(res, out, per)
+        outs.append(out.to(dtype).view(partials[0].shape))
+    return outs

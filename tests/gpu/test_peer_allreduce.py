@@ -1,0 +1,70 @@
+"""The peer-memory all-reduce on real GPUs (2 and 4 ranks where the machine has them): bitwise the
+all-gather transport's result for bio (rank order) and bio+tbik (tree), eager and replayed from a CUDA
+graph, at decode and prefill sizes, through buffer growths, on every rank; a graph captured before a
+growth still replays afterwards (the outgrown buffer is kept: freeing it crashed `bench e2e`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA devices")]
+
+SIZES = [(3, 7), (8, 4096), (33, 4096), (513, 4096), (4096, 4096), (16, 4096), (16384, 4096)]  # grows, shrinks
+
+
+def _rank(rank, size, port, out_dir):
+    from detaudit.backends import base, get_backend
+    from detaudit.builtin import dist
+
+    torch.cuda.set_device(rank)
+    group = dist.init(rank, size, port, f"cuda:{rank}")
+    bad = []
+    try:
+        g = torch.Generator(device="cuda").manual_seed(100 + rank)
+        graphs = []  # (graph, its static input, its output, backend) of every size, replayed again at the end
+        for name in ("bio", "bio+tbik"):
+            b = get_backend(name)
+
+            def run(p, mode, b=b):
+                return base.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, mode, b.REDUCE_ORDER)
+
+            for shape in SIZES:
+                # magnitudes over six decades: an addition out of order shows in the bits
+                p = torch.randn(*shape, device="cuda", generator=g) * 10.0 ** torch.randint(
+                    -3, 3, shape, device="cuda", generator=g
+                )
+                want = run(p, "gather")
+                if not torch.equal(run(p, "peer"), want):
+                    bad.append(f"{name} eager {shape}")
+                static = p.clone()  # captured at this size (the buffer fits: allocated by the eager call)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    out = run(static, "peer")
+                for _ in range(3):  # new partials through the same graph
+                    static.copy_(torch.randn(*shape, device="cuda", generator=g))
+                    graph.replay()
+                    if not torch.equal(out, run(static.clone(), "gather")):
+                        bad.append(f"{name} graph {shape}")
+                graphs.append((graph, static, out, run, f"{name} {shape}"))
+        for graph, static, out, run, what in graphs:  # captured on buffers outgrown since
+            static.copy_(torch.randn(*static.shape, device="cuda", generator=g))
+            graph.replay()
+            if not torch.equal(out, run(static.clone(), "gather")):
+                bad.append(f"graph replayed after growth {what}")
+        transport = group._peer
+        assert transport is not None and transport.buffers is not None, transport and transport.reason
+    finally:
+        dist.shutdown(group)
+    with open(f"{out_dir}/{rank}.txt", "w") as f:
+        f.write("\n".join(bad) or "ok")
+
+
+@pytest.mark.parametrize("size", [n for n in (2, 4) if n <= torch.cuda.device_count()])
+def test_peer_allreduce_gives_the_gather_bits(tmp_path, size):
+    from detaudit.builtin.dist import free_port
+
+    mp.spawn(_rank, args=(size, free_port(), str(tmp_path)), nprocs=size, join=True)
+    for r in range(size):
+        assert (tmp_path / f"{r}.txt").read_text() == "ok", (r, (tmp_path / f"{r}.txt").read_text())
