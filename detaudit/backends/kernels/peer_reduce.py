@@ -42,8 +42,9 @@ try:
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-# elements per rank slice per program, 4 per thread: on 4x H100 the fastest of 1024-8192 elements at 4-16
-# warps at 32 to 16384 tokens x 4096 (up to 12% over 4096 / 8 warps; reports/gpu/tp-scaling)
+# elements per rank slice per program, 4 per thread: on 4x H100, of 1024 to 8192 elements at 4 to 16 warps,
+# the fastest or within 4% of it at 32 to 16384 tokens x 4096 in a one-off sweep (the kernels alone and the
+# whole all-reduce; larger blocks leave fewer programs to keep NVLink busy)
 BLOCK = 1024
 NUM_WARPS = 8
 MAX_RANKS = 8
