@@ -173,7 +173,9 @@ def fixed_order_all_reduce(
         if mode == "peer" and not (p.is_cuda and torch.cuda.is_current_stream_capturing()):
             from detaudit.errors import DetauditError
 
-            raise DetauditError(f"{ALLREDUCE_ENV}=peer: this TP group has no peer-memory transport (GPU groups only)")
+            raise DetauditError(
+                f"{ALLREDUCE_ENV}=peer: this TP group has no peer-memory transport (detaudit's NCCL groups only)"
+            )
     if mode == "gather" or (mode != "scatter" and p.numel() * 4 < GATHER_MAX_BYTES) or p.numel() < c:
         return reduce(list(group.all_gather(p).unbind(0))).to(dtype)
     flat = p.view(-1)

@@ -22,6 +22,9 @@ from torch import Tensor
 from detaudit.backends.kernels import peer_reduce
 
 MIN_SLICE = 1 << 18  # elements per rank slice of the first buffer (1 MiB of fp32 a slice)
+# a device barrier that waits longer traps (the rank's CUDA context fails, so does its cell) instead of
+# spinning for good on a peer that is gone: the process group's timeout (`dist.init`)
+BARRIER_TIMEOUT_MS = 300_000
 
 
 class PeerBuffers:
@@ -83,9 +86,9 @@ class PeerTransport:
         out = torch.empty(p.shape, dtype=dtype, device=p.device)
         # this call's slices, laid out at stride `per` in the first C * per elements of each area
         peer_reduce.push(p.view(-1), b.receive, self.rank, per)
-        b.handle.barrier(channel=0)
+        b.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         peer_reduce.reduce(b.receive[self.rank], b.result[self.rank], self.rank, self.size, per, order)
-        b.handle.barrier(channel=0)
+        b.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         peer_reduce.gather(b.result, out.view(-1), per)
         return out
 
