@@ -14,6 +14,11 @@ about `host_ms_per_step`). Ratios are to
 bf16 of the same model, TP, batch and graph mode in the same run. `cuda_graphs="both"` times every
 configuration eagerly and graphed on the same device (`graphed_speedup`: eager over graphed ms per step).
 With `DETAUDIT_TP1_GROUP=1`, real TP 1 runs in a one-rank process group (NCCL on GPU), as TP > 1 does.
+
+`profile` > 0 (in-process engines only: TP 1, or emulated TP): after the timed calls, two more calls run
+under torch.profiler, one with a single new token (prefill) and one with `new_tokens` (prefill + decode);
+per phase the `profile` top ops by self device time (self CPU time on CPU) are appended to
+`profile_rows`, decode being the second call's time per op less the first's.
 """
 
 from __future__ import annotations
@@ -35,6 +40,41 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _self_times(eng, prompts, ids, decoding, bs: int, cuda: bool) -> dict[str, tuple[int, float]]:
+    """op name -> (calls, self ms) of one generate call under torch.profiler. On CUDA the device's own
+    events (kernels, copies) by device time: a CPU-side op's self device time is its kernels' time again,
+    which would count twice."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        eng.generate(prompts, ids, decoding, bs)
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
+    if cuda:
+        events = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")] or events
+    return {e.key: (e.count, getattr(e, attr) / 1e3) for e in events}
+
+
+def profile_phases(eng, prompts, ids, decoding: DecodingParams, top: int) -> list[dict]:
+    """The `top` ops by self time of the prefill (a one-token call) and of the decode (the full call less
+    the one-token call), each with its share of the phase's profiled self time."""
+    cuda = eng.describe().get("device", "").startswith("cuda")
+    bs = len(prompts)
+    first = _self_times(eng, prompts, ids, DecodingParams(greedy=True, max_new_tokens=1), bs, cuda)
+    full = _self_times(eng, prompts, ids, decoding, bs, cuda)
+    decode = {k: (c - first.get(k, (0, 0.0))[0], ms - first.get(k, (0, 0.0))[1]) for k, (c, ms) in full.items()}
+    out = []
+    for phase, times in (("prefill", first), ("decode", decode)):
+        kept = {k: v for k, v in times.items() if v[1] > 0}
+        total = sum(ms for _, ms in kept.values()) or 1.0
+        for rank, (k, (calls, ms)) in enumerate(sorted(kept.items(), key=lambda kv: -kv[1][1])[:top], 1):
+            out.append(
+                {"phase": phase, "rank": rank, "op": k[:100], "calls": calls, "self_ms": ms, "share": ms / total}
+            )
+    return out
+
+
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab, (batch, length), generator=g).tolist()
@@ -52,6 +92,8 @@ def bench_e2e(
     cuda_graphs: bool | str = True,
     progress: Callable[[], None] | None = None,
     repeats: int = 1,
+    profile: int = 0,
+    profile_rows: list[dict] | None = None,
 ) -> pd.DataFrame:
     """`cuda_graphs`: True, False, or "both": each (model, TP, backend) runs eagerly and from CUDA graphs
     on the same device, one row each, plus `graphed_speedup` (eager ms per step over graphed)."""
@@ -100,6 +142,15 @@ def bench_e2e(
                         if repeats > 1:
                             row.update(repeats=repeats, ms_per_step_min=min(per_step), ms_per_step_max=max(per_step))
                         rows.append(row)
+                        if profile and profile_rows is not None:
+                            key = {
+                                "model": name,
+                                "tp": tp,
+                                "backend": backend,
+                                "batch": bs,
+                                "cuda_graphs": row["cuda_graphs"],
+                            }
+                            profile_rows += [{**key, **r} for r in profile_phases(eng, prompts, ids, timed, profile)]
                         if progress:
                             progress()
                 finally:

@@ -55,28 +55,33 @@ def _print_bench(df, title: str, json_: bool, save: Optional[Path]) -> None:
         ]
         print_rows(rows, list(df.columns), title=f"{title} {df.attrs}")
     if save:
-        from detaudit.runs import atomic_write_bytes
+        _save_bench(df, title, save)
 
-        if save.suffix == ".md":
-            from detaudit.fingerprint import collect
 
-            env = collect()
-            head = [
-                f"# {title}",
-                "",
-                f"Command: `{command_line()}`",
-                "",
-                f"Machine: {env.get('hardware_key')}; torch {env['versions'].get('torch')}, "
-                f"triton {env['versions'].get('triton', '-')}, "
-                f"CPU capability {env.get('torch_build', {}).get('cpu_capability')}",
-                "",
-                *([f"Settings: {', '.join(f'{k} {v}' for k, v in df.attrs.items())}", ""] if df.attrs else []),
-            ]
-            text = "\n".join(head) + df.to_markdown(index=False, floatfmt=".4g") + "\n"
-        else:
-            text = df.to_csv(index=False)
-        atomic_write_bytes(save, text.encode())
-        err.print(f"wrote {save}")
+def _save_bench(df, title: str, save: Path) -> None:
+    """The table as markdown (with the command, machine and settings) or CSV, by the file's suffix."""
+    from detaudit.runs import atomic_write_bytes
+
+    if save.suffix == ".md":
+        from detaudit.fingerprint import collect
+
+        env = collect()
+        head = [
+            f"# {title}",
+            "",
+            f"Command: `{command_line()}`",
+            "",
+            f"Machine: {env.get('hardware_key')}; torch {env['versions'].get('torch')}, "
+            f"triton {env['versions'].get('triton', '-')}, "
+            f"CPU capability {env.get('torch_build', {}).get('cpu_capability')}",
+            "",
+            *([f"Settings: {', '.join(f'{k} {v}' for k, v in df.attrs.items())}", ""] if df.attrs else []),
+        ]
+        text = "\n".join(head) + df.to_markdown(index=False, floatfmt=".4g") + "\n"
+    else:
+        text = df.to_csv(index=False)
+    atomic_write_bytes(save, text.encode())
+    err.print(f"wrote {save}")
 
 
 def _bench_prompts(model: str, suite: str, data_dir: Optional[Path]):
@@ -197,6 +202,17 @@ def bench_e2e_cmd(
             help="Timed calls per configuration; rows report the median, with the min and max ms per step.",
         ),
     ] = 1,
+    profile: Annotated[
+        int,
+        typer.Option(
+            "--profile",
+            min=0,
+            max=1000,
+            help="Also profile each configuration (torch.profiler; in-process engines: TP 1 or --tp-mode "
+            "emulated) and list its top N ops by self device time, prefill and decode apart (0: off). With "
+            "--save X.md the list is also written to X-profile.md.",
+        ),
+    ] = 0,
     json_: JsonOpt = False,
     save: SaveOpt = None,
 ):
@@ -213,6 +229,11 @@ def bench_e2e_cmd(
     bl = check_backends(parse_str_list(backends, "--backends"))
     names = parse_str_list(models, "--models")
     _check_save(save)
+    if profile and tp_mode == TpMode.real and max(tps) > 1:
+        raise DetauditError(
+            f"--profile: real TP {max(tps)} runs in worker processes, which the profiler does not see "
+            "(profile TP 1, or the same shards in process with --tp-mode emulated)"
+        )
     cfg = SweepConfig(
         model="-",
         suites=("-",),
@@ -238,8 +259,24 @@ def bench_e2e_cmd(
             cuda_graphs="both" if compare_graphs else cuda_graphs,
             progress=lambda: prog.advance(task),
             repeats=repeats,
+            profile=profile,
+            profile_rows=(prof_rows := []),
         )
-    _print_bench(df, "e2e", json_, save)
+    if not profile:
+        _print_bench(df, "e2e", json_, save)
+        return
+    import pandas as pd
+
+    prof = pd.DataFrame(prof_rows)
+    prof.attrs = {"ops": f"top {profile} per phase by self {'device' if device.startswith('cuda') else 'CPU'} time"}
+    if json_:  # one JSON document: the rows and the profile
+        print_json({"meta": df.attrs, "rows": df.to_dict(orient="records"), "profile": prof_rows})
+    else:
+        _print_bench(df, "e2e", False, None)
+        _print_bench(prof, "e2e profile", False, None)
+    if save:
+        _save_bench(df, "e2e", save)
+        _save_bench(prof, "e2e profile", save.with_name(f"{save.stem}-profile{save.suffix}"))
 
 
 @bench_app.command("kernels")
