@@ -55,11 +55,12 @@ class TorchGroup:
 
     def peer_all_reduce(self, p: Tensor, dtype: torch.dtype, order: str, required: bool = False) -> Tensor | None:
         """The fixed-order all-reduce of fp32 `p` over peer memory (`peer.PeerTransport`), or None where it
-        does not run: CPU / gloo groups, more than 8 ranks, no symmetric memory (`required`: that is an
-        error naming the reason), a new size while a CUDA graph is being captured."""
+        does not run: CPU / gloo groups, group sizes other than 2, 4 and 8 (the kernels' unrolling), no
+        symmetric memory (`required`: that is an error naming the reason), a new size while a CUDA graph is
+        being captured."""
         from detaudit.errors import DetauditError
 
-        if not p.is_cuda or not 2 <= self.size <= 8 or dist.get_backend(self.pg) != "nccl":
+        if not p.is_cuda or self.size not in (2, 4, 8) or dist.get_backend(self.pg) != "nccl":
             return None
         if self._peer is None:
             from detaudit.builtin.peer import PeerTransport
