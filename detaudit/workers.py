@@ -92,6 +92,8 @@ def serve(rank: int, conn: Connection, open_engine: Callable[[Any, dict], Any]) 
                 res = getattr(engine, "last_timings", {})
             elif cmd == "score_routing":
                 res = getattr(engine, "last_score_routing", None)
+            elif cmd == "profile":
+                res = getattr(engine, "last_profile", None)
             else:
                 raise ValueError(f"unknown command {cmd}")
             conn.send(("result", res if rank == 0 else None))
@@ -250,6 +252,12 @@ class WorkerPool:
     def last_timings(self) -> dict:
         """Rank 0's timings of the last generate call."""
         return self._call("timings", ())
+
+    @property
+    def last_profile(self) -> dict | None:
+        """Rank 0's self time per op of the last generate call made with profile=True (its own kernels and
+        collectives, profiled in its process), or None."""
+        return self._call("profile", ())
 
     @property
     def last_score_routing(self) -> list | None:

@@ -15,10 +15,10 @@ bf16 of the same model, TP, batch and graph mode in the same run. `cuda_graphs="
 configuration eagerly and graphed on the same device (`graphed_speedup`: eager over graphed ms per step).
 With `DETAUDIT_TP1_GROUP=1`, real TP 1 runs in a one-rank process group (NCCL on GPU), as TP > 1 does.
 
-`profile` > 0 (in-process engines only: TP 1, or emulated TP): after the timed calls, two more calls run
-under torch.profiler, one with a single new token (prefill) and one with `new_tokens` (prefill + decode);
-per phase the `profile` top ops by self device time (self CPU time on CPU) are appended to
-`profile_rows`, decode being the second call's time per op less the first's.
+`profile` > 0: after the timed calls, two more calls run under torch.profiler (in the engine's process;
+under real TP rank 0's, with its collectives), one with a single new token (prefill) and one with
+`new_tokens` (prefill + decode); per phase the `profile` top ops by self device time (self CPU time on CPU)
+are appended to `profile_rows`, decode being the second call's time per op less the first's.
 """
 
 from __future__ import annotations
@@ -40,29 +40,14 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _self_times(eng, prompts, ids, decoding, bs: int, cuda: bool) -> dict[str, tuple[int, float]]:
-    """op name -> (calls, self ms) of one generate call under torch.profiler. On CUDA the device's own
-    events (kernels, copies) by device time: a CPU-side op's self device time is its kernels' time again,
-    which would count twice."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    with profile(activities=acts) as prof:
-        eng.generate(prompts, ids, decoding, bs)
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
-    if cuda:
-        events = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")] or events
-    return {e.key: (e.count, getattr(e, attr) / 1e3) for e in events}
-
-
 def profile_phases(eng, prompts, ids, decoding: DecodingParams, top: int) -> list[dict]:
     """The `top` ops by self time of the prefill (a one-token call) and of the decode (the full call less
     the one-token call), each with its share of the phase's profiled self time."""
-    cuda = eng.describe().get("device", "").startswith("cuda")
     bs = len(prompts)
-    first = _self_times(eng, prompts, ids, DecodingParams(greedy=True, max_new_tokens=1), bs, cuda)
-    full = _self_times(eng, prompts, ids, decoding, bs, cuda)
+    eng.generate(prompts, ids, DecodingParams(greedy=True, max_new_tokens=1), bs, profile=True)
+    first = eng.last_profile or {}
+    eng.generate(prompts, ids, decoding, bs, profile=True)
+    full = eng.last_profile or {}
     decode = {k: (c - first.get(k, (0, 0.0))[0], ms - first.get(k, (0, 0.0))[1]) for k, (c, ms) in full.items()}
     out = []
     for phase, times in (("prefill", first), ("decode", decode)):

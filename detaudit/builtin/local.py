@@ -10,6 +10,7 @@ import torch
 
 from detaudit.backends import get_backend
 from detaudit.backends.base import ProcessGroup
+from detaudit.builtin import profiling
 from detaudit.builtin.generate import Generator
 from detaudit.builtin.layers import TPContext
 from detaudit.builtin.model import Decoder
@@ -80,6 +81,7 @@ class LocalEngine:
         )
         self.last_timings: dict = {}  # summed over the chunks of the last generate call
         self.last_score_routing: list | None = None
+        self.last_profile: dict | None = None  # of the last generate call made with profile=True
 
     def generate(
         self,
@@ -88,9 +90,16 @@ class LocalEngine:
         decoding: DecodingParams,
         batch_size: int,
         progress: ProgressFn | None = None,
+        profile: bool = False,
         **load,
     ) -> list[Generation]:
-        """`load` (a server engine's background load and prompt texts) means nothing here."""
+        """`load` (a server engine's background load and prompt texts) means nothing here. `profile`: the
+        call runs under torch.profiler and `last_profile` holds its self time per op (`profiling`)."""
+        if profile:
+            generations, self.last_profile = profiling.self_times(
+                lambda: self.generate(prompts, prompt_ids, decoding, batch_size, progress), self.device.type == "cuda"
+            )
+            return generations
         out: list[Generation] = []
         totals: dict = {}
         with self.backend.activate():

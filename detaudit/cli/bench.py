@@ -208,9 +208,9 @@ def bench_e2e_cmd(
             "--profile",
             min=0,
             max=1000,
-            help="Also profile each configuration (torch.profiler; in-process engines: TP 1 or --tp-mode "
-            "emulated) and list its top N ops by self device time, prefill and decode apart (0: off). With "
-            "--save X.md the list is also written to X-profile.md.",
+            help="Also profile each configuration (torch.profiler; real TP: rank 0, its collectives included) "
+            "and list its top N ops by self device time, prefill and decode apart (0: off). With --save X.md "
+            "the list is also written to X-profile.md.",
         ),
     ] = 0,
     json_: JsonOpt = False,
@@ -229,11 +229,6 @@ def bench_e2e_cmd(
     bl = check_backends(parse_str_list(backends, "--backends"))
     names = parse_str_list(models, "--models")
     _check_save(save)
-    if profile and tp_mode == TpMode.real and max(tps) > 1:
-        raise DetauditError(
-            f"--profile: real TP {max(tps)} runs in worker processes, which the profiler does not see "
-            "(profile TP 1, or the same shards in process with --tp-mode emulated)"
-        )
     cfg = SweepConfig(
         model="-",
         suites=("-",),
