@@ -7,8 +7,10 @@ calls them: a row-parallel layer's partial of `tokens` rows of `hidden` columns,
   `scatter`, `peer` (GPU only: peer memory over NVLink, `builtin/peer.py`) and `auto` (what the engine
   uses). Every transport's output is checked bitwise against
   `gather`'s.
-Times are medians of `reps` calls, each synchronised; on GPU the calls replay from a CUDA graph captured
-per configuration (as the engine's graphed decode runs them), after a warm-up.
+Times are medians of `reps` timed replays, each synchronised; on GPU a replay is a CUDA graph of GRAPH_CALLS
+back-to-back calls captured per configuration (as the engine's graphed decode runs them; the time is per
+call: the host's timing of a replay, about 17 us, and the ranks' start skew fall on all the calls, not
+each), after a warm-up.
 """
 
 from __future__ import annotations
@@ -24,19 +26,22 @@ import torch.multiprocessing as mp
 TOKENS = (8, 32, 512, 4096, 16384)  # decode batches and prefill chunks of the engine
 HIDDEN = 4096
 MODES = ("gather", "scatter", "peer", "auto")
+GRAPH_CALLS = 10  # calls per timed CUDA graph replay
 
 
 def _time(fn, device: str, reps: int, group) -> float:
-    """Median seconds per call (GPU: replayed from a CUDA graph of one call)."""
+    """Median seconds per call (GPU: replayed from a CUDA graph of GRAPH_CALLS calls)."""
     for _ in range(3):
         fn()
     group.barrier()
+    per_replay = 1
     if device == "cuda":
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            fn()
-        call = graph.replay
+            for _ in range(GRAPH_CALLS):
+                fn()
+        call, per_replay = graph.replay, GRAPH_CALLS
     else:
         call = fn
     times = []
@@ -48,7 +53,7 @@ def _time(fn, device: str, reps: int, group) -> float:
         call()
         if device == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        times.append((time.perf_counter() - t) / per_replay)
     return sorted(times)[len(times) // 2]
 
 

@@ -139,3 +139,21 @@ def test_bench_e2e_profile_lists_each_phase(tiny_llama, tmp_path):
     doc = json.loads(res.stdout)
     assert doc["rows"][0]["workers"] == 2
     check(doc, ["bio+tbik"], 2)
+
+
+@pytest.mark.slow  # two gloo ranks in worker processes
+def test_bench_allreduce_on_cpu():
+    """Every CPU transport (no peer memory on gloo) gives the gather's bits, and each ratio is its time over
+    the library all-reduce's."""
+    res = runner.invoke(
+        app, ["bench", "allreduce", "--device", "cpu", "--ranks", "2", "--tokens", "8,64", "--reps", "2", "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["rows"]
+    assert [r["tokens"] for r in rows] == [8, 64]
+    for r in rows:
+        assert r["bio_same_bits"] and r["bio+tbik_same_bits"], r
+        assert "bio_peer_us" not in r  # gloo: no peer-memory transport
+        for b in ("bio", "bio+tbik"):
+            for m in ("gather", "scatter", "auto"):
+                assert r[f"{b}_{m}_x"] == pytest.approx(r[f"{b}_{m}_us"] / r["library_us"]), (b, m)
