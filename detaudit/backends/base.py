@@ -144,6 +144,22 @@ def allreduce_mode() -> str:
     return mode
 
 
+def describe_allreduce(mode: str) -> str:
+    """What `fixed_order_all_reduce` does in `mode`, for a backend's description (every way, the same bits)."""
+    nccl = (
+        f"all-gather of the fp32 partials below {GATHER_MAX_BYTES} bytes per rank, else reduce-scatter by "
+        "all-to-all + all-gather of the cast slices"
+    )
+    peer = "peer memory (push each slice to its owner, reduce and cast one's own, read the others')"
+    return {
+        "auto": f"auto: {peer} on detaudit's NCCL groups of 2, 4 or 8 ranks, else {nccl}",
+        "nccl": f"nccl: {nccl}",
+        "peer": f"peer: {peer}",
+        "gather": "gather: all-gather of the fp32 partials, each rank reducing all of them",
+        "scatter": "scatter: reduce-scatter by all-to-all + all-gather of the cast slices",
+    }[mode]
+
+
 def fixed_order_all_reduce(
     partial: Tensor, group: ProcessGroup, dtype: torch.dtype, reduce, mode: str = "auto", order: str = "rank"
 ) -> Tensor:
@@ -155,7 +171,7 @@ def fixed_order_all_reduce(
       each rank stores slice j of its partial into rank j's buffer, reduces and casts its own slice, and
       reads the cast slices of the others: the bytes of `scatter`, in three kernels and two device
       barriers; refused where the group has none (a size that does not fit while a CUDA graph is being
-      captured goes by `scatter`);
+      captured goes by the `nccl` rule);
     - `gather`: all-gather every partial, reduce locally: one collective, C - 1 partials received
       (fp32) per rank: the latency-bound choice for small messages (decode);
     - `scatter`: reduce-scatter by all-to-all (rank r receives slice r of every partial), reduce the

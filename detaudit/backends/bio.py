@@ -26,10 +26,10 @@ from torch import Tensor
 
 from detaudit.backends import register_backend
 from detaudit.backends.base import (
-    GATHER_MAX_BYTES,
     ProcessGroup,
     TorchFlags,
     allreduce_mode,
+    describe_allreduce,
     fixed_order_all_reduce,
     library_versions,
     sequential_sum,
@@ -125,9 +125,7 @@ class BioBackend:
             "all_reduce": "fp32 partials summed in rank order, cast once",
             "experts": "per expert, its routed rows' batch-invariant products (fp32 accumulate); each token's "
             "experts weighted and summed in top-k order in fp32",
-            "all_reduce_impl": f"{self.allreduce}: on GPU groups peer memory (push slices, reduce and cast "
-            "one's own, read the others'), elsewhere all-gather below "
-            f"{GATHER_MAX_BYTES} bytes per rank, else reduce-scatter by all-to-all + all-gather of the cast slices",
+            "all_reduce_impl": describe_allreduce(self.allreduce),
             "tf32": "off",
             **library_versions(),
         }

@@ -15,10 +15,11 @@ bf16 of the same model, TP, batch and graph mode in the same run. `cuda_graphs="
 configuration eagerly and graphed on the same device (`graphed_speedup`: eager over graphed ms per step).
 With `DETAUDIT_TP1_GROUP=1`, real TP 1 runs in a one-rank process group (NCCL on GPU), as TP > 1 does.
 
-`profile` > 0: after the timed calls, two more calls run under torch.profiler (in the engine's process;
-under real TP rank 0's, with its collectives), one with a single new token (prefill) and one with
-`new_tokens` (prefill + decode); per phase the `profile` top ops by self device time (self CPU time on CPU)
-are appended to `profile_rows`, decode being the second call's time per op less the first's.
+`profile` > 0: after an engine's timed calls (all batch sizes: a profiler may leave the process slower),
+two more calls per batch size run under torch.profiler in the engine's process (under real TP rank 0's,
+with its collectives), one with a single new token (prefill) and one with `new_tokens` (prefill +
+decode); per phase the `profile` top ops by self device time (self CPU time on CPU) are appended to
+`profile_rows`, decode being the second call's time per op less the first's.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def bench_e2e(
             for backend, graphs in ((b, g) for b in backends for g in modes):
                 settings = EngineSettings(device=device, cuda_graphs=graphs)
                 eng = start(EngineOptions(settings, model, backend, tp, tp_mode))
+                to_profile: list[tuple[dict, list, list]] = []  # (row key, prompts, ids) per batch size
                 try:
                     for bs in batch_sizes:
                         prompts = random_prompts(bs, prompt_tokens, vocab)
@@ -127,17 +129,14 @@ def bench_e2e(
                         if repeats > 1:
                             row.update(repeats=repeats, ms_per_step_min=min(per_step), ms_per_step_max=max(per_step))
                         rows.append(row)
-                        if profile and profile_rows is not None:
-                            key = {
-                                "model": name,
-                                "tp": tp,
-                                "backend": backend,
-                                "batch": bs,
-                                "cuda_graphs": row["cuda_graphs"],
-                            }
-                            profile_rows += [{**key, **r} for r in profile_phases(eng, prompts, ids, timed, profile)]
+                        if profile:
+                            keys = ("model", "tp", "backend", "batch", "cuda_graphs")
+                            to_profile.append(({k: row[k] for k in keys}, prompts, ids))
                         if progress:
                             progress()
+                    # after every timed row of this engine: the profiler may leave a process slower
+                    for key, prompts, ids in to_profile if profile_rows is not None else ():
+                        profile_rows += [{**key, **r} for r in profile_phases(eng, prompts, ids, timed, profile)]
                 finally:
                     eng.close()
                     del eng

@@ -31,32 +31,29 @@ class PeerBuffers:
     """One rank's view of the group's symmetric buffers: its receive area R (C slices of `per` fp32)
     and result area B (C slices of `per` elements of `dtype`), and the same areas of every rank."""
 
-    def __init__(self, rank: int, size: int, pg, per: int, dtype: torch.dtype, device: torch.device) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
+    def __init__(self, buf: Tensor, handle, size: int, per: int, dtype: torch.dtype) -> None:
         rbytes = size * per * 4
-        nbytes = rbytes + size * per * dtype.itemsize
-        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        handle = _rendezvous(symm_mem, buf, pg)
-        peers = [handle.get_buffer(j, (nbytes,), torch.uint8) for j in range(size)]
+        peers = [handle.get_buffer(j, (buf.numel(),), torch.uint8) for j in range(size)]
         self.receive = [p[:rbytes].view(torch.float32) for p in peers]
         self.result = [p[rbytes:].view(dtype) for p in peers]
         self.handle, self.buf = handle, buf  # the handle keeps the mappings alive
-        self.rank, self.size, self.per, self.dtype = rank, size, per, dtype
+        self.per, self.dtype = per, dtype
 
     def fits(self, per: int, dtype: torch.dtype) -> bool:
         return per <= self.per and dtype == self.dtype
 
 
-def _rendezvous(symm_mem, buf: Tensor, pg):
+def _rendezvous(buf: Tensor, pg):
+    """Map every rank's `buf` into this rank (a collective). PyTorch before 2.9 must first enable the
+    group (later versions deprecate that call as a no-op)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
     group = pg or dist.group.WORLD
-    try:
-        return symm_mem.rendezvous(buf, group)
-    except Exception:  # older PyTorch: the group must be enabled first (deprecated later, a no-op there)
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 9):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(group.group_name)
-        return symm_mem.rendezvous(buf, group)
+    return symm_mem.rendezvous(buf, group)
 
 
 class PeerTransport:
@@ -76,11 +73,17 @@ class PeerTransport:
             return None
         n = p.numel()
         per = peer_reduce.slice_size(n, self.size)
+        if self.size * per >= 2**31:  # the kernels' int32 offsets (the same answer on every rank)
+            return None
         b = self.buffers
         if b is None or not b.fits(per, dtype):
             if torch.cuda.is_current_stream_capturing():
                 return None  # no allocation or rendezvous inside a graph: NCCL for this call
-            b = self._grow(max(per, MIN_SLICE, 2 * b.per if b is not None else 0), dtype, p.device)
+            if b is None:
+                size = max(per, MIN_SLICE)
+            else:  # at least double a buffer that is too small; the same size where only the dtype differs
+                size = max(per, 2 * b.per) if per > b.per else b.per
+            b = self._grow(size, dtype, p.device)
             if b is None:
                 return None
         out = torch.empty(p.shape, dtype=dtype, device=p.device)
@@ -93,21 +96,31 @@ class PeerTransport:
         return out
 
     def _grow(self, per: int, dtype: torch.dtype, device: torch.device) -> PeerBuffers | None:
-        """A new buffer on every rank, or None on every rank (the ranks agree on the outcome through an
-        NCCL all-reduce of a flag, so none of them waits in a barrier the others never reach). The old
-        buffer is kept, never freed: a CUDA graph captured on it may be replayed later."""
+        """A new buffer on every rank, or None on every rank: after the local allocation and after the
+        mapping (a collective) the ranks agree on the outcome through an NCCL all-reduce of a flag, so
+        none of them waits in a rendezvous or a barrier the others never reach. The old buffer is kept,
+        never freed: a CUDA graph captured on it may be replayed later."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = handle = None
         try:
-            b: PeerBuffers | None = PeerBuffers(self.rank, self.size, self.pg, per, dtype, device)
-        except Exception as e:  # no symmetric memory here (build, driver, permissions)
-            b = None
+            buf = symm_mem.empty(self.size * per * (4 + dtype.itemsize), dtype=torch.uint8, device=device)
+        except Exception as e:  # no symmetric memory here (build, driver, permissions, memory)
             self.reason = f"symmetric memory unavailable: {type(e).__name__}: {str(e)[:200]}"
-        if not self._agree(int(b is not None), device):
+        if self._agree(int(buf is not None), device):
+            try:
+                handle = _rendezvous(buf, self.pg)
+            except Exception as e:
+                self.reason = f"symmetric memory could not be mapped: {type(e).__name__}: {str(e)[:200]}"
+            if not self._agree(int(handle is not None), device):
+                handle = None
+        if handle is None:
             self.reason = self.reason or "symmetric memory unavailable on another rank"
             return None
         if self.buffers is not None:
             self.retired.append(self.buffers)
-        self.buffers = b
-        return b
+        self.buffers = PeerBuffers(buf, handle, self.size, per, dtype)
+        return self.buffers
 
     def _agree(self, ok: int, device: torch.device) -> bool:
         flag = torch.tensor([ok], dtype=torch.int32, device=device)

@@ -23,5 +23,5 @@ def self_times(call: Callable[[], Any], cuda: bool) -> tuple[Any, dict[str, tupl
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
     if cuda:
-        events = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")] or events
+        events = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
     return result, {e.key: (e.count, getattr(e, attr) / 1e3) for e in events}

@@ -136,10 +136,11 @@ def _install_row_parallel(backend, marker, op: str) -> None:
 
 def vllm_tp_group():
     """Inside a vLLM worker: vLLM's TP group (gloo on CPU, NCCL on GPU) with the collectives the
-    backends need."""
+    backends need. Not the peer-memory transport: this wrapper is made per call, and a transport's
+    buffers must live as long as the group (the fixed-order all-reduce goes through NCCL here)."""
     from vllm.distributed.parallel_state import get_tp_group
 
     from detaudit.builtin.dist import TorchGroup
 
     g = get_tp_group()
-    return TorchGroup(g.rank_in_group, g.world_size, g.device_group)
+    return TorchGroup(g.rank_in_group, g.world_size, g.device_group, peer=False)
