@@ -49,7 +49,10 @@ def profile_phases(eng, prompts, ids, decoding: DecodingParams, top: int) -> lis
     first = eng.last_profile or {}
     eng.generate(prompts, ids, decoding, bs, profile=True)
     full = eng.last_profile or {}
-    decode = {k: (c - first.get(k, (0, 0.0))[0], ms - first.get(k, (0, 0.0))[1]) for k, (c, ms) in full.items()}
+    decode = {}
+    for k, (calls, ms) in full.items():
+        calls0, ms0 = first.get(k, (0, 0.0))
+        decode[k] = (calls - calls0, ms - ms0)
     out = []
     for phase, times in (("prefill", first), ("decode", decode)):
         kept = {k: v for k, v in times.items() if v[1] > 0}
@@ -129,13 +132,13 @@ def bench_e2e(
                         if repeats > 1:
                             row.update(repeats=repeats, ms_per_step_min=min(per_step), ms_per_step_max=max(per_step))
                         rows.append(row)
-                        if profile:
+                        if profile and profile_rows is not None:
                             keys = ("model", "tp", "backend", "batch", "cuda_graphs")
                             to_profile.append(({k: row[k] for k in keys}, prompts, ids))
                         if progress:
                             progress()
                     # after every timed row of this engine: the profiler may leave a process slower
-                    for key, prompts, ids in to_profile if profile_rows is not None else ():
+                    for key, prompts, ids in to_profile:
                         profile_rows += [{**key, **r} for r in profile_phases(eng, prompts, ids, timed, profile)]
                 finally:
                     eng.close()

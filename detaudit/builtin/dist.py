@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from detaudit.errors import DetauditError
+
 
 class TorchGroup:
     """`pg`: a torch ProcessGroup (default: the default group), ranks in `pg`'s order."""
@@ -59,8 +61,6 @@ class TorchGroup:
         does not run: groups made with peer=False (vLLM's), CPU / gloo groups, sizes other than 2, 4 and 8
         (the kernels' unrolling), no symmetric memory (`required`: that is an error naming the reason), a
         new size while a CUDA graph is being captured."""
-        from detaudit.errors import DetauditError
-
         if not self.peer or not p.is_cuda or self.size not in (2, 4, 8) or dist.get_backend(self.pg) != "nccl":
             return None
         if self._peer is None:

@@ -191,7 +191,8 @@ def gather(results: Sequence[Tensor], out: Tensor, per: int) -> None:
 def slice_size(n: int, c: int) -> int:
     """Elements per rank slice of an n-element partial: n / C rounded up to 64 elements (256-byte aligned
     slices in every buffer)."""
-    return -(-(-(-n // c)) // 64) * 64
+    per = -(-n // c)
+    return -(-per // 64) * 64
 
 
 def emulate(partials: Sequence[Tensor], dtype: torch.dtype, order: str) -> list[Tensor]:
