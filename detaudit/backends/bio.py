@@ -61,6 +61,9 @@ class BioBackend:
     def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor:
         return fixed.matmul(x, weight)  # fp32 partial
 
+    def row_output(self, x: Tensor, weight: Tensor, dtype: torch.dtype, name: str = "") -> Tensor:
+        return fixed.matmul(x, weight, out_dtype=dtype)  # the partial's store rounds once, like the cast
+
     def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
         if len(partials) == 1:  # TP 1: the fp32 partial, cast once (sequential_sum's copy changes no bit)
             return partials[0].float().to(dtype)

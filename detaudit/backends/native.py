@@ -48,6 +48,9 @@ class NativeBackend:
     def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor:
         return self._product(x, weight)
 
+    def row_output(self, x: Tensor, weight: Tensor, dtype: torch.dtype, name: str = "") -> Tensor:
+        return self._product(x, weight).to(dtype)
+
     def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
         # Emulated TP: rank-order sequential sum. A real ring all-reduce adds in an order that
         # depends on the tensor size and rank count; emulation cannot reproduce it.

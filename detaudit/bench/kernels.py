@@ -113,38 +113,48 @@ def bench_kernels(
     kn_values=KN_VALUES,
     progress=None,
     eager: bool = True,
+    tp_values=(1,),
 ) -> pd.DataFrame:
-    """Per (K, N, M): graph-replayed seconds per call of cuBLAS / bio / tree (`_times`: kernel time, no
+    """Per (K, N, TP, M): graph-replayed seconds per call of cuBLAS / bio / tree (`_times`: kernel time, no
     host work) as TFLOP/s and ratios, and with `eager` the wall time per call of each called eagerly from
     Python (`_eager_per_call`: the wrapper's host cost at small M) as microseconds and as a multiple of
-    cuBLAS's eager `F.linear` (lower is better; the goal is <= 1.5x at M <= 64)."""
+    cuBLAS's eager `F.linear` (lower is better; the goal is <= 1.5x at M <= 64).
+
+    K is a rank's K at that TP size, and bio and the tree run what a row-parallel layer of the engine
+    runs there: at TP 1 the whole product rounded to `dtype` in the store (`row_output`), at TP > 1 the
+    rank's fp32 partial (`row_partial`: the tree over its 8 / TP leaves), which the all-reduce casts.
+    cuBLAS writes `dtype` either way, as bf16's layers do."""
     dev = torch.device(device)
-    rows = []
     for k, n in kn_values:
+        for tp in tp_values:  # refuse a shape the tree cannot cut before any timing
+            tree.leaf_plan(k, tp, f"--kn {k}x{n} at --tp {tp}")
+    rows = []
+    for (k, n), tp in ((kn, tp) for kn in kn_values for tp in tp_values):
         g = torch.Generator(device=dev).manual_seed(0)
         w = torch.randn(n, k, device=dev, generator=g, dtype=torch.float32).to(dtype)
         ws = _weight_copies(w)
+        out = dtype if tp == 1 else torch.float32
         for m in m_values:
             x = torch.randn(m, k, device=dev, generator=g, dtype=torch.float32).to(dtype)
             ref = x.double() @ w.double().t() if m * n * k <= 2048 * 4096 * 6144 else None
             native = lambda i=0: torch.nn.functional.linear(x, ws[i % len(ws)])  # noqa: E731
-            bio = lambda i=0: fixed.matmul(x, ws[i % len(ws)], out_dtype=dtype)  # noqa: E731 (what bio's linear runs)
-            tbik = lambda i=0: tree.tree_matmul(x, ws[i % len(ws)], 1).to(dtype)  # noqa: E731
+            bio = lambda i=0: fixed.matmul(x, ws[i % len(ws)], out_dtype=out)  # noqa: E731
+            tbik = lambda i=0, tp=tp: tree.tree_matmul(x, ws[i % len(ws)], tp, out_dtype=out)  # noqa: E731
             t_nat, t_bio, t_tree = _times((native, bio, tbik), dev)
             flops = 2 * m * n * k
             row = {
                 "M": m,
                 "K": k,
                 "N": n,
+                "tp": tp,
                 "native_tflops": flops / t_nat / 1e12,
                 "bio_tflops": flops / t_bio / 1e12,
                 "bio_ratio": t_nat / t_bio,
                 "tree_tflops": flops / t_tree / 1e12,
                 "tree_ratio": t_nat / t_tree,
             }
-            if eager:  # the wrappers as an eager caller runs them: bio's linear, the tree's row partial
-                tree_partial = lambda i=0: tree.tree_matmul(x, ws[i % len(ws)], 1)  # noqa: E731 (fp32, no cast)
-                e_nat, e_bio, e_tree = _eager_per_call((native, bio, tree_partial), dev)
+            if eager:  # the wrappers as an eager caller runs them
+                e_nat, e_bio, e_tree = _eager_per_call((native, bio, tbik), dev)
                 row.update(
                     native_eager_us=e_nat * 1e6,
                     bio_eager_us=e_bio * 1e6,
@@ -156,11 +166,11 @@ def bench_kernels(
                 row.update(
                     native_relerr=_rel_err(native(), ref),
                     bio_relerr=_rel_err(bio(), ref),
-                    tree_relerr=_rel_err(tbik(), ref),
+                    tree_relerr=_rel_err(tree.tree_matmul(x, w, tp, out_dtype=dtype), ref),
                     # before the cast to the model dtype: the fp32 partials a row-parallel layer hands to
                     # the all-reduce, where the products' own rounding shows
                     bio_fp32_relerr=_rel_err(fixed.matmul(x, w), ref),
-                    tree_fp32_relerr=_rel_err(tree.tree_matmul(x, w, 1), ref),
+                    tree_fp32_relerr=_rel_err(tree.tree_matmul(x, w, tp), ref),
                 )
             rows.append(row)
             if progress:

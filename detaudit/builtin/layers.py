@@ -78,10 +78,9 @@ class RowParallelLinear:
     all-reduce, the same elementwise add on every rank and at every TP size, so a TP-invariant reduction
     (bio+tbik) stays TP invariant.
 
-    The output is the layer's residual `delta`, which the next add + RMSNorm rounds to the model dtype
-    before adding (`ops`). At TP 1 in process without a bias that rounding *is* the combine (a backend's
-    combine of one partial is the partial cast to the model dtype: `backends/base.py`), so the partial
-    itself is returned: one cast kernel fewer per layer, the same bits."""
+    At TP 1 in process the layer is the backend's `row_output`: the product rounded once to the model
+    dtype in the kernel's store, bit for bit the combine of its one partial (`backends/base.py`), without
+    writing and re-reading an fp32 partial."""
 
     def __init__(self, shards: list[Tensor], ctx: TPContext, name: str, bias: Tensor | None = None) -> None:
         self.shards = shards
@@ -99,13 +98,10 @@ class RowParallelLinear:
             ]
             out = b.combine(partials, ctx.dtype)
         else:
-            partial = b.row_partial(x, self.shards[0], ctx.size, name=self.name)
             if ctx.group is None:  # TP 1 in process (a TP-1 process group, DETAUDIT_TP1_GROUP, all-reduces)
-                if self.bias is None:
-                    return partial
-                out = b.combine([partial], ctx.dtype)
+                out = b.row_output(x, self.shards[0], ctx.dtype, name=self.name)
             else:
-                out = b.all_reduce(partial, ctx.group, ctx.dtype)
+                out = b.all_reduce(b.row_partial(x, self.shards[0], ctx.size, name=self.name), ctx.group, ctx.dtype)
         return out if self.bias is None else out + self.bias
 
 

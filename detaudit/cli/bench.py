@@ -280,7 +280,17 @@ def bench_kernels_cmd(
     device: CudaOpt = "cuda",
     dtype: DtypeOpt = Dtype.bfloat16,
     m: Annotated[str, typer.Option("--m", help="Comma-separated M values.")] = "8,32,256,2048,8192",
-    kn: Annotated[str, typer.Option("--kn", help="Comma-separated KxN shapes.")] = "4096x4096,6144x2048",
+    kn: Annotated[str, typer.Option("--kn", help="Comma-separated KxN shapes (K: a rank's K at --tp).")] = (
+        "4096x4096,6144x2048"
+    ),
+    tp: Annotated[
+        str,
+        typer.Option(
+            "--tp",
+            help="Comma-separated TP sizes: the tree runs a rank's 8/TP leaves and, at TP > 1, bio and the tree "
+            "write the fp32 partial the all-reduce takes (at TP 1: the product rounded in the store).",
+        ),
+    ] = "1",
     json_: JsonOpt = False,
     save: SaveOpt = None,
 ):
@@ -302,10 +312,13 @@ def bench_kernels_cmd(
             raise DetauditError(f"--kn {pair}: K and N must be between 1 and {MAX_DIM}")
         shapes.append(shape)
     ms = parse_int_list(m, "--m", 1, MAX_DIM)
+    tps = parse_int_list(tp, "--tp", 1, 8)
     _check_save(save)
     with Progress(console=err, transient=True) as progress:
-        task = progress.add_task("kernels", total=len(ms) * len(shapes))
-        df = bench_kernels(device, getattr(torch, dtype.value), ms, shapes, progress=lambda: progress.advance(task))
+        task = progress.add_task("kernels", total=len(ms) * len(shapes) * len(tps))
+        df = bench_kernels(
+            device, getattr(torch, dtype.value), ms, shapes, progress=lambda: progress.advance(task), tp_values=tps
+        )
     _print_bench(df, f"kernels ({device}, {dtype.value})", json_, save)
 
 

@@ -120,11 +120,11 @@ def _install_row_parallel(backend, marker, op: str) -> None:
                 )
             marker.op(op, self.tp_rank)
             with backend.activate():
-                partial = backend.row_partial(x, self.weight, self.tp_size, name=self.prefix)
                 if self.tp_size > 1:
+                    partial = backend.row_partial(x, self.weight, self.tp_size, name=self.prefix)
                     out = backend.all_reduce(partial, vllm_tp_group(), x.dtype)
                 else:
-                    out = backend.combine([partial], x.dtype)
+                    out = backend.row_output(x, self.weight, x.dtype, name=self.prefix)
             if self.bias is not None and not self.skip_bias_add:
                 out = out + self.bias
             if not self.return_bias:

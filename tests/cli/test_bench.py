@@ -99,6 +99,20 @@ def test_bench_kernels_on_cpu_names_the_product_path():
     assert row["bio_relerr"] < 1e-2 and row["tree_relerr"] < 1e-2  # then rounded once to bf16
 
 
+def test_bench_kernels_tp_runs_a_ranks_leaf_plan():
+    """--tp 1,4: one row per TP size; K is the rank's K, so K = 64 at TP 4 is 2 leaves of 32 (its partial
+    is a subtree: fp32, not rounded, close to fp64); a K the 8-leaf tree cannot cut is refused by name
+    before any timing."""
+    args = ["bench", "kernels", "--device", "cpu", "--m", "8", "--kn", "64x32", "--tp", "1,4", "--json"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["rows"]
+    assert [r["tp"] for r in rows] == [1, 4]
+    assert all(0 < r["tree_fp32_relerr"] < 1e-5 for r in rows)
+    res = runner.invoke(app, ["bench", "kernels", "--device", "cpu", "--m", "8", "--kn", "6x32", "--tp", "2"])
+    assert res.exit_code == 2 and "--kn 6x32 at --tp 2" in res.output and "multiple of 8" in res.output, res.output
+
+
 def test_saved_markdown_names_the_cpu_product_path(tmp_path):
     """A table saved with --save FILE.md keeps the settings the printed title shows (on CPU, the product
     path bio and the tree took), so a committed report says which path it measured."""

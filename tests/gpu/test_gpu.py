@@ -90,7 +90,7 @@ def test_tma_and_pointer_paths_give_the_same_bits(k, n):
 def test_gluon_tree_kernel_gives_the_triton_bits(k, n, dtype):
     """On Hopper the tree's large-M tiling runs the warp-specialised Gluon kernel: bitwise the Triton
     tree kernel's result for every leaf count (TP 1/2/4/8 subtrees), ragged M and N (padded tiles), a
-    transposed weight view, and row prefixes."""
+    transposed weight view, row prefixes, and rounded to the model dtype in the store."""
     from detaudit.backends.kernels import gluon_tree, triton_mm
 
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -105,6 +105,10 @@ def test_gluon_tree_kernel_gives_the_triton_bits(k, n, dtype):
         ref = triton_mm.mm(x, wl, leaves=leaves, tree=True, config=triton_cfg)
         out = gluon_tree.tree_mm(x, wl, leaves)
         assert torch.equal(out, ref), leaves
+        # a TP-1 layer's tree rounded in the store (both kernels): the fp32 result's cast, bit for bit
+        assert torch.equal(gluon_tree.tree_mm(x, wl, leaves, out_dtype=dtype), ref.to(dtype)), leaves
+        rounded = triton_mm.mm(x, wl, leaves=leaves, tree=True, config=triton_cfg, out_dtype=dtype)
+        assert rounded.dtype == dtype and torch.equal(rounded, ref.to(dtype)), leaves
         assert torch.equal(gluon_tree.tree_mm(x, wl.t().contiguous().t(), leaves), ref), leaves
         for m in (257, 1000, 2048):
             assert torch.equal(gluon_tree.tree_mm(x[:m], wl, leaves), ref[:m]), (leaves, m)
@@ -272,17 +276,18 @@ def test_kept_launch_plans_give_the_jit_bits():
     triton_mm._PLANS.clear()
     for m in (1, 8, 64, 200, 1500):
         for x in (a[:m], a[1 : m + 1]):  # 16-byte aligned and not (a 2-byte offset: the pointer path)
-            for leaves, tree in ((1, False), (8, True), (4, True)):
+            bf16, fp32 = torch.bfloat16, torch.float32  # a TP-1 layer's tree is rounded in the store
+            for leaves, tree, out_dtype in ((1, False, bf16), (8, True, fp32), (4, True, fp32), (8, True, bf16)):
                 xx = x[:, : 4096 * leaves // 8] if tree else x
                 ww = w[:, : 4096 * leaves // 8] if tree else w
                 if tree:
                     xx = xx.contiguous() if x.data_ptr() % 16 == 0 else xx
                 cfg = triton_mm.tiling(torch.bfloat16, m, tree, 2048)
                 if tree and cfg.get("GLUON") and gluon_tree.supports(xx, ww, leaves):
-                    ref = gluon_tree.tree_mm(xx, ww, leaves, cfg={}).contiguous()  # cfg given: no plan kept
+                    # cfg given: no plan kept
+                    ref = gluon_tree.tree_mm(xx, ww, leaves, cfg={}, out_dtype=out_dtype).contiguous()
                 else:
-                    ref = triton_mm.mm(xx, ww, leaves, config=cfg, tree=tree, out_dtype=torch.bfloat16)
-                out_dtype = torch.float32 if tree else torch.bfloat16
+                    ref = triton_mm.mm(xx, ww, leaves, config=cfg, tree=tree, out_dtype=out_dtype)
                 first = triton_mm.mm(xx, ww, leaves, tree=tree, out_dtype=out_dtype)
                 plans = len(triton_mm._PLANS)
                 second = triton_mm.mm(xx, ww, leaves, tree=tree, out_dtype=out_dtype)

@@ -60,19 +60,29 @@ def _cuobjdump() -> str | None:
     return str(bundled) if bundled.exists() else shutil.which("cuobjdump")
 
 
-@pytest.mark.parametrize("leaves,transposed", [(8, False), (4, False), (2, False), (1, False), (8, True)])
-def test_gluon_tree_compiles_for_hopper_without_spills(hopper, leaves, transposed):
+@pytest.mark.parametrize(
+    "leaves,transposed,out_dtype",
+    [
+        (8, False, torch.float32),
+        (4, False, torch.float32),
+        (2, False, torch.float32),
+        (1, False, torch.float32),
+        (8, True, torch.float32),
+        (8, False, torch.bfloat16),  # a TP-1 layer's tree, rounded in the store
+    ],
+)
+def test_gluon_tree_compiles_for_hopper_without_spills(hopper, leaves, transposed, out_dtype):
     x = torch.empty(4096, 4096, dtype=torch.bfloat16)
     w = torch.empty(4096, 4096, dtype=torch.bfloat16)
     if transposed:
         w = w.t().contiguous().t()
-    kernel = gluon_tree.tree_mm(x, w, leaves, num_programs=132, warmup=True)
+    kernel = gluon_tree.tree_mm(x, w, leaves, num_programs=132, warmup=True, out_dtype=out_dtype)
     assert kernel.metadata.shared <= 227 * 1024
     assert "wgmma.mma_async" in kernel.asm["ptx"]
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump to read the cubin's resource usage")
-    cubin = hopper / f"tree{leaves}{transposed}.cubin"
+    cubin = hopper / f"tree{leaves}{transposed}{out_dtype}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     usage = subprocess.run(
         [tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True

@@ -8,10 +8,17 @@ What differs is the schedule. One load warp streams TMA loads of a flat sequence
 into NB shared buffers, running ahead of the MMAs across leaf and tile boundaries (the Triton kernel's
 software pipeline restarts at every unrolled leaf). The eight MMA warps only wait, issue and carry.
 Registers are the tree's real cost: a 128 x 128 fp32 tile is 64 registers per MMA thread and the warps
-get 240 after the load warp's share, so at most three tiles may be live. With 8 leaves the node of
-leaves 4..5 is parked in a per-program scratch tile and the node of leaves 0..3 in the output tile
-itself (both fp32, written and read back by the same thread), so leaves 6..7 need only two.
-The output is padded to whole tiles (the stores need no masks: 64 predicates would cost registers).
+get 240 after the load warp's share, so at most three tiles may be live (the leaf being accumulated and
+two pending nodes: what 4 leaves need; with 8 leaves a third pending node spills, which halves the
+speed). So with 8 leaves two nodes are parked while leaves 4..7 run: the node of leaves 0..3 in a
+per-program fp32 scratch tile in global memory (it stays in L2), and the node of leaves 4..5 in shared
+memory (64 KB, written and read back by the same threads), which leaves room for NB_PARKED = 5 load
+buffers. Both in shared memory leaves 3 buffers, and with one MMA in flight and one buffer being
+released that is one step of look-ahead: slower at long K; both in global memory (as before) cost
+four 64 KB transfers per tile, which every program issues at about the same time.
+The finished tile is rounded once to the output's dtype (fp32 for a TP subtree, the model dtype for a
+TP-1 layer's final result: the same RNE rounding as a cast) and stored; the output is padded to whole
+tiles (the stores need no masks: 64 predicates would cost registers).
 """
 
 from __future__ import annotations
@@ -36,8 +43,9 @@ except ImportError:  # pragma: no cover - depends on the install
     gluon = None
 
 # Measured on an H100: BLOCK_K = 64 with 6 buffers (192 KB of shared
-# memory) beat BLOCK_K = 128 with 3; 128 x 256 tiles do not fit the tree's registers.
-CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NB=6, GROUP_M=8, num_warps=8)
+# memory) beat BLOCK_K = 128 with 3; 128 x 256 tiles do not fit the tree's registers. With 8 leaves the
+# 64 KB park leaves room for 5 buffers (5 x 32 KB + 64 KB = 224 KB of Hopper's 227).
+CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NB=6, NB_PARKED=5, GROUP_M=8, num_warps=8)
 
 
 _disabled: list[str] = []  # why the kernel was turned off in this process (a failed compile), if it was
@@ -140,6 +148,7 @@ if gluon is not None:
         empty,
         out_ptr,
         scratch_ptr,
+        park,
         pid,
         NP,
         num_pid_m,
@@ -177,21 +186,20 @@ if gluon is not None:
                 if j % 2 == 0:
                     s0 = acc
                     node = acc
-                elif NUM_LEAVES == 8 and j == 5:  # leaves 4..5: parked in this program's scratch tile
-                    _store_tile(scratch_ptr, pid, 0, BLOCK_N, s0 + acc)
-                elif NUM_LEAVES == 8 and j == 7:
-                    node = s0 + acc  # leaves 6..7
-                    node = _load_tile(scratch_ptr, pid, 0, BLOCK_N, node) + node  # leaves 4..7
-                    node = _load_tile(out_ptr, pid_m, pid_n, LD, node) + node  # leaves 0..7
                 else:
-                    node = s0 + acc  # level 1
-                    if j % 4 == 1:
+                    node = s0 + acc  # level 1: leaves j-1..j
+                    if NUM_LEAVES == 8 and j == 5:
+                        park.store(node)  # leaves 4..5, read back by the same threads at leaf 7
+                    elif NUM_LEAVES == 8 and j == 7:
+                        node = park.load(layout) + node  # level 2: leaves 4..7
+                        node = _load_tile(scratch_ptr, pid, 0, BLOCK_N, node) + node  # level 3: leaves 0..7
+                    elif j % 4 == 1:
                         s1 = node
                     else:
-                        node = s1 + node  # level 2: leaves 0..3
+                        node = s1 + node  # level 2: leaves j-3..j
                         if NUM_LEAVES == 8:
-                            _store_tile(out_ptr, pid_m, pid_n, LD, node)  # parked in the output tile
-            _store_tile(out_ptr, pid_m, pid_n, LD, node)
+                            _store_tile(scratch_ptr, pid, 0, BLOCK_N, node)  # leaves 0..3 (j == 3)
+            _store_tile(out_ptr, pid_m, pid_n, LD, node.to(out_ptr.dtype.element_ty))  # one RNE rounding
 
     @gluon.jit
     def _tree_kernel(
@@ -227,6 +235,14 @@ if gluon is not None:
         for i in gl.static_range(NB):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
+        # the park for the node of leaves 4..5 (8 leaves only; a token allocation otherwise). Swizzled so
+        # that a warp's store of an accumulator register pair (8 rows x 8 columns) hits every bank twice,
+        # the minimum for 256 bytes: 8-column units XORed with the row (unswizzled rows share banks).
+        PARK_M: gl.constexpr = BLOCK_M if NUM_LEAVES == 8 else 8
+        PARK_N: gl.constexpr = BLOCK_N if NUM_LEAVES == 8 else 8
+        park = gl.allocate_shared_memory(
+            gl.float32, [PARK_M, PARK_N], gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        )
         gl.warp_specialize(
             [
                 (
@@ -238,6 +254,7 @@ if gluon is not None:
                         empty,
                         out_ptr,
                         scratch_ptr,
+                        park,
                         pid,
                         NP,
                         num_pid_m,
@@ -305,14 +322,14 @@ def supports(x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None) -> bool
     )
 
 
-def try_tree_mm(x: Tensor, w: Tensor, leaves: int) -> Tensor | None:
+def try_tree_mm(x: Tensor, w: Tensor, leaves: int, out_dtype: torch.dtype = torch.float32) -> Tensor | None:
     """`tree_mm`, or None when the kernel does not build with this Triton (Gluon is experimental and its
     API moves): it is then turned off for the process with one warning, and the caller runs the Triton
     kernel, which gives the same bits."""
     if _disabled:
         return None
     try:
-        return tree_mm(x, w, leaves)
+        return tree_mm(x, w, leaves, out_dtype=out_dtype)
     except Exception as e:  # noqa: BLE001 - any compile failure means: use the Triton kernel
         import warnings
 
@@ -326,24 +343,17 @@ def try_tree_mm(x: Tensor, w: Tensor, leaves: int) -> Tensor | None:
 
 
 class _Plan:
-    """`tree_mm` for one plan key (shapes, strides, dtype, pointer alignment) with the compiled kernel
+    """`tree_mm` for one plan key (shapes, strides, dtypes, pointer alignment) with the compiled kernel
     kept (see `launch`): per call two allocations, two descriptors from kept shapes, one launch."""
 
-    __slots__ = ("launch", "xd", "wd", "out_shape", "m", "n", "scratch")
+    __slots__ = ("launch", "xd", "wd", "out_shape", "out_dtype", "m", "n", "scratch")
 
-    def __init__(self, plan, xd, wd, out_shape, m, n, scratch) -> None:
-        self.launch, self.xd, self.wd, self.out_shape, self.m, self.n, self.scratch = (
-            plan,
-            xd,
-            wd,
-            out_shape,
-            m,
-            n,
-            scratch,
-        )
+    def __init__(self, plan, xd, wd, out_shape, out_dtype, m, n, scratch) -> None:
+        self.launch, self.xd, self.wd = plan, xd, wd
+        self.out_shape, self.out_dtype, self.m, self.n, self.scratch = out_shape, out_dtype, m, n, scratch
 
     def __call__(self, x: Tensor, w: Tensor) -> Tensor:
-        out_full = torch.empty(self.out_shape, dtype=torch.float32, device=x.device)
+        out_full = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device)
         scratch = torch.empty(self.scratch, dtype=torch.float32, device=x.device)
         self.launch(x.device.index, launch.Desc(x, *self.xd), launch.Desc(w, *self.wd), out_full, scratch)
         return out_full[: self.m, : self.n]
@@ -352,7 +362,7 @@ class _Plan:
 _PLANS: dict[tuple, _Plan] = {}
 
 
-def _key(x: Tensor, w: Tensor, leaves: int) -> tuple:
+def _key(x: Tensor, w: Tensor, leaves: int, out_dtype: torch.dtype) -> tuple:
     return (
         x.shape,
         x.stride(),
@@ -360,31 +370,39 @@ def _key(x: Tensor, w: Tensor, leaves: int) -> tuple:
         w.stride(),
         x.dtype,
         leaves,
+        out_dtype,
         x.device.index,
         x.data_ptr() % 16 == 0,
         w.data_ptr() % 16 == 0,
     )
 
 
-def plan(x: Tensor, w: Tensor, leaves: int) -> _Plan | None:
-    """The kept launch of an earlier `tree_mm(x, w, leaves)` call with the same plan key, if any."""
-    return _PLANS.get(_key(x, w, leaves))
+def plan(x: Tensor, w: Tensor, leaves: int, out_dtype: torch.dtype = torch.float32) -> _Plan | None:
+    """The kept launch of an earlier `tree_mm(x, w, leaves, out_dtype=...)` call with the same plan key."""
+    return _PLANS.get(_key(x, w, leaves, out_dtype))
 
 
 def tree_mm(
-    x: Tensor, w: Tensor, leaves: int, cfg: dict | None = None, num_programs: int | None = None, warmup: bool = False
+    x: Tensor,
+    w: Tensor,
+    leaves: int,
+    cfg: dict | None = None,
+    num_programs: int | None = None,
+    warmup: bool = False,
+    out_dtype: torch.dtype = torch.float32,
 ):
-    """fp32 x[M, K] @ w[N, K]^T (w may be a transposed [K, N] view) reduced along the fixed tree of
-    `leaves` leaves (see `supports`). `warmup`: compile only and return the compiled kernel (with a
-    mock driver this needs no GPU: tests/test_gluon_compile.py)."""
+    """x[M, K] @ w[N, K]^T (w may be a transposed [K, N] view) reduced along the fixed tree of `leaves`
+    leaves in fp32 and rounded once to `out_dtype` (see `supports`). `warmup`: compile only and return the
+    compiled kernel (with a mock driver this needs no GPU: tests/unit/test_gluon_compile.py)."""
     c = dict(CONFIG, **(cfg or {}))
     bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    nb = c["NB_PARKED"] if leaves == 8 else c["NB"]
     m, k = x.shape
     n = w.shape[0]
     if k % (leaves * bk):
         raise ValueError(f"K={k} is not {leaves} leaves of whole BLOCK_K={bk} steps")
     gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
-    out_full = torch.empty(triton.cdiv(m, bm) * bm, triton.cdiv(n, bn) * bn, dtype=torch.float32, device=x.device)
+    out_full = torch.empty(triton.cdiv(m, bm) * bm, triton.cdiv(n, bn) * bn, dtype=out_dtype, device=x.device)
     w_kn = w.stride(1) != 1
 
     def desc(t: Tensor, block: list[int]) -> TensorDescriptor:
@@ -404,19 +422,20 @@ def tree_mm(
     scratch_n = progs * bm * bn if leaves == 8 else 1
     scratch = torch.empty(scratch_n, dtype=torch.float32, device=x.device)
     args = (x_desc, w_desc, out_full, scratch, m, n, k // leaves // bk, progs, out_full.stride(0))
-    kw = dict(NUM_LEAVES=leaves, BLOCK_N=bn, W_KN=w_kn, NB=c["NB"], GROUP_M=c["GROUP_M"], num_warps=c["num_warps"])
+    kw = dict(NUM_LEAVES=leaves, BLOCK_N=bn, W_KN=w_kn, NB=nb, GROUP_M=c["GROUP_M"], num_warps=c["num_warps"])
     if warmup:
         return _tree_kernel.warmup(*args, grid=(progs,), **kw)
     first = launch.Launch.first(_tree_kernel, (progs,), args, kw, slots=(0, 1, 2, 3))
     if first is not None and cfg is None and default_progs:
         launch.cache_put(
             _PLANS,
-            _key(x, w, leaves),
+            _key(x, w, leaves, out_dtype),
             _Plan(
                 first,
                 (list(x_desc.shape), list(x_desc.strides), list(x_desc.block_shape), x_desc.layout),
                 (list(w_desc.shape), list(w_desc.strides), list(w_desc.block_shape), w_desc.layout),
                 tuple(out_full.shape),
+                out_dtype,
                 m,
                 n,
                 scratch_n,

@@ -58,8 +58,9 @@ def _packed(w: Tensor, leaves: int, leaf: int) -> Tensor:
     )
 
 
-def tree_matmul(x: Tensor, w: Tensor, tp_size: int, name: str = "") -> Tensor:
-    """This rank's subtree of x[..., K/C] @ w[N, K/C]^T, in fp32 (never cast)."""
+def tree_matmul(x: Tensor, w: Tensor, tp_size: int, name: str = "", out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """This rank's subtree of x[..., K/C] @ w[N, K/C]^T in fp32, rounded once to `out_dtype` (a TP subtree
+    stays fp32 for the all-reduce; a TP-1 layer's whole tree may be rounded to the model dtype)."""
     k_local = x.shape[-1]
     if k_local != w.shape[1]:
         raise DetauditError(f"{name or 'row-parallel layer'}: x has K={k_local}, weight has K={w.shape[1]}")
@@ -67,13 +68,14 @@ def tree_matmul(x: Tensor, w: Tensor, tp_size: int, name: str = "") -> Tensor:
         leaves = _LEAVES.get((k_local, tp_size))
         if leaves is None:
             leaves = _LEAVES[(k_local, tp_size)] = leaf_plan(k_local, tp_size, name)[1]
-        return triton_mm.mm(x if x.is_contiguous() else x.contiguous(), w, leaves=leaves, tree=True)
+        x = x if x.is_contiguous() else x.contiguous()
+        return triton_mm.mm(x, w, leaves=leaves, tree=True, out_dtype=out_dtype)
     leaf, leaves = leaf_plan(k_local, tp_size, name)
     lead, n = x.shape[:-1], w.shape[0]
     x2 = x.reshape(-1, k_local)
     if x.is_cuda:
-        return triton_mm.mm(x2.contiguous(), w, leaves=leaves, tree=True).reshape(*lead, n)
-    return tree_matmul_cpu(x2, w, leaf, leaves).reshape(*lead, n)
+        return triton_mm.mm(x2.contiguous(), w, leaves=leaves, tree=True, out_dtype=out_dtype).reshape(*lead, n)
+    return tree_matmul_cpu(x2, w, leaf, leaves).reshape(*lead, n).to(out_dtype)
 
 
 _LEAVES: dict[tuple[int, int], int] = {}  # (K/C, C) -> leaves on a rank, for shapes leaf_plan accepted

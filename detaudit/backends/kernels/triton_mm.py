@@ -1,14 +1,16 @@
 """One Triton matmul kernel for `bio` and `bio+tbik` on GPU (and CPU tensors under TRITON_INTERPRET=1).
 
-out[b] = x[b] @ w[b]^T, fp32 accumulation, written in fp32. Persistent: a fixed grid of programs walks
-the output tiles. Each tile's K loop is sequential in BLOCK_K steps over one fixed configuration per
-input dtype (no autotune, no split-K, never keyed on shape), so an output element's reduction order
-depends only on K: never on M, N, the batch, the tile's position or the other rows.
+out[b] = x[b] @ w[b]^T, fp32 accumulation, rounded once to the output's dtype in the store.
+Persistent: a fixed grid of programs walks the output tiles. Each tile's K loop is sequential in
+BLOCK_K steps over one fixed configuration per input dtype (no autotune, no split-K, never keyed on
+shape), so an output element's reduction order depends only on K: never on M, N, the batch, the tile's
+position or the other rows.
 
 `_tree_kernel` (the TBIK tree matmul) cuts K into NUM_LEAVES (1, 2, 4, 8) leaves of LEAF columns; the
 leaves are unrolled at compile time, each accumulated alone by a branch-free pipelined K loop, and the
 finished leaves are added pairwise along a complete binary tree with compile-time carries held in
-registers. Its result stays fp32 (the tree all-reduce adds ranks' subtrees before the one cast).
+registers. A rank's subtree stays fp32 (the tree all-reduce adds ranks' subtrees before the one cast);
+a TP-1 layer's whole tree is rounded once to the model dtype in the store.
 """
 
 from __future__ import annotations
@@ -508,8 +510,8 @@ def mm(
     out_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """x @ w^T for x[B?, M, K], w[B?, N, K] (w may be a strided view, e.g. a transpose), accumulated in
-    fp32 and stored as `out_dtype` (the store rounds once, like a cast); with `leaves` > 1 the K reduction
-    is the fixed tree of `leaves` equal leaves (tree results are always fp32).
+    fp32 and stored as `out_dtype` (the store rounds once, like a cast); with `leaves` > 1 (or `tree`) the
+    K reduction is the fixed tree of `leaves` equal leaves.
 
     On GPU, the first call of a plan key (shapes, strides, dtypes, pointer alignment) launches through
     the JIT and keeps the compiled kernel; later calls launch it directly (`launch`): the same kernel
@@ -554,17 +556,17 @@ def _mm(
     cfg = dict(config or (INTERPRET_CONFIG if interpret else tiling(x.dtype, m, tree, n)))
     leaf = k // leaves
     if m and n and batch == 1 and tree and cfg.get("GLUON") and gluon_tree.supports(x3[0], w3[0], leaves):
-        # the Gluon tree kernel (Hopper, many rows): the same bits as the Triton kernel's, fp32 like them
-        fast = gluon_tree.try_tree_mm(x3[0], w3[0], leaves)
+        # the Gluon tree kernel (Hopper, many rows): the same bits as the Triton kernel's
+        fast = gluon_tree.try_tree_mm(x3[0], w3[0], leaves, out_dtype)
         if fast is not None:
             if key is not None and squeeze and w.dim() == 2:  # (a batch of one 3-D x: the JIT each time)
-                g = gluon_tree.plan(x, w, leaves)
+                g = gluon_tree.plan(x, w, leaves, out_dtype)
                 if g is not None:
                     launch.cache_put(_PLANS, key, _GluonPlan(g))
             return fast.contiguous() if squeeze else fast.contiguous().unsqueeze(0)
-    # tree results stay fp32; the interpreter's fp32 -> bf16 store does not round like torch, so it
-    # stores fp32 and torch rounds below
-    store_dtype = torch.float32 if (tree or interpret) else out_dtype
+    # the interpreter's fp32 -> bf16 store does not round like torch, so it stores fp32 and torch rounds
+    # below
+    store_dtype = torch.float32 if interpret else out_dtype
     out = torch.empty(batch, m, n, dtype=store_dtype, device=x.device)
     plan: _Plan | _TmaPlan | None = None
     if m and n and batch and _use_tma(x3, w3, cfg, leaf):
@@ -606,8 +608,7 @@ def _mm(
             plan = _Plan(first, (m, n) if squeeze else (batch, m, n), store_dtype)
     if plan is not None and key is not None:
         launch.cache_put(_PLANS, key, plan)
-    if not tree:
-        out = out.to(out_dtype)  # a no-op unless the interpreter stored fp32
+    out = out.to(out_dtype)  # a no-op unless the interpreter stored fp32
     return out[0] if squeeze else out
 
 
