@@ -4,6 +4,9 @@ symmetric memory (CUDA backend: cuMem allocations shared between the processes; 
 used), and PyTorch's device-side barrier between the kernel steps. Everything it issues is stream
 ordered and allocation free after the first call of a size, so CUDA graphs capture it.
 
+Partials small enough (`peer_reduce.oneshot_fits`: decode steps) take the one-shot pair over a second,
+fixed-size symmetric area, allocated at the first such call, with its epoch counter in device memory.
+
 The buffer grows (at least doubling) when a larger partial arrives, outside graph capture only: the
 ranks see the same partial shapes in the same order, so they grow together. An outgrown buffer is kept
 (graphs captured on it stay valid): the memory held is at most about twice the largest buffer's. A size
@@ -56,6 +59,16 @@ def _rendezvous(buf: Tensor, pg):
     return symm_mem.rendezvous(buf, group)
 
 
+class OneShotArea:
+    """Every rank's one-shot area (2 halves x C slots of ONESHOT_MAX fp32) as this rank sees it, and this
+    rank's epoch and ticket counters (int32, device memory, local)."""
+
+    def __init__(self, buf: Tensor, handle, size: int) -> None:
+        self.areas = [handle.get_buffer(j, (buf.numel(),), torch.uint8).view(torch.float32) for j in range(size)]
+        self.handle, self.buf = handle, buf
+        self.counters = torch.zeros(2, dtype=torch.int32, device=buf.device)
+
+
 class PeerTransport:
     """The fixed-order all-reduce of `kernels/peer_reduce.py` on a real TP group, or None where it
     cannot run (`all_reduce` returns None; `reason` says why)."""
@@ -64,6 +77,7 @@ class PeerTransport:
         self.rank, self.size, self.pg = rank, size, pg
         self.buffers: PeerBuffers | None = None
         self.retired: list[PeerBuffers] = []  # outgrown buffers, kept alive for the graphs captured on them
+        self.oneshot: OneShotArea | None = None
         self.reason = ""
 
     def all_reduce(self, p: Tensor, dtype: torch.dtype, order: str) -> Tensor | None:
@@ -72,6 +86,8 @@ class PeerTransport:
         if self.reason:
             return None
         n = p.numel()
+        if peer_reduce.oneshot_fits(n, self.size):
+            return self._oneshot(p, dtype, order)
         per = peer_reduce.slice_size(n, self.size)
         if self.size * per >= 2**31:  # the kernels' int32 offsets (the same answer on every rank)
             return None
@@ -95,16 +111,42 @@ class PeerTransport:
         peer_reduce.gather(b.result, out.view(-1), per)
         return out
 
+    def _oneshot(self, p: Tensor, dtype: torch.dtype, order: str) -> Tensor | None:
+        o = self.oneshot
+        if o is None:
+            if torch.cuda.is_current_stream_capturing():
+                return None  # no allocation or rendezvous inside a graph: NCCL for this call
+            mapped = self._symmetric(2 * self.size * peer_reduce.ONESHOT_MAX * 4, p.device)
+            if mapped is None:
+                return None
+            o = self.oneshot = OneShotArea(*mapped, self.size)
+        out = torch.empty(p.shape, dtype=dtype, device=p.device)
+        peer_reduce.oneshot_push(p.view(-1), o.areas, self.rank, o.counters)
+        o.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        peer_reduce.oneshot_reduce(o.areas[self.rank], out.view(-1), self.size, order, o.counters)
+        return out
+
     def _grow(self, per: int, dtype: torch.dtype, device: torch.device) -> PeerBuffers | None:
-        """A new buffer on every rank, or None on every rank: after the local allocation and after the
-        mapping (a collective) the ranks agree on the outcome through an NCCL all-reduce of a flag, so
-        none of them waits in a rendezvous or a barrier the others never reach. The old buffer is kept,
+        """A new buffer on every rank, or None on every rank (see `_symmetric`). The old buffer is kept,
         never freed: a CUDA graph captured on it may be replayed later."""
+        mapped = self._symmetric(self.size * per * (4 + dtype.itemsize), device)
+        if mapped is None:
+            return None
+        if self.buffers is not None:
+            self.retired.append(self.buffers)
+        self.buffers = PeerBuffers(*mapped, self.size, per, dtype)
+        return self.buffers
+
+    def _symmetric(self, nbytes: int, device: torch.device) -> tuple[Tensor, object] | None:
+        """A symmetric buffer of nbytes and its handle on every rank, or None on every rank: after the
+        local allocation and after the mapping (a collective) the ranks agree on the outcome through an
+        NCCL all-reduce of a flag, so none of them waits in a rendezvous or a barrier the others never
+        reach."""
         import torch.distributed._symmetric_memory as symm_mem
 
         buf = handle = None
         try:
-            buf = symm_mem.empty(self.size * per * (4 + dtype.itemsize), dtype=torch.uint8, device=device)
+            buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         except Exception as e:  # no symmetric memory here (build, driver, permissions, memory)
             self.reason = f"symmetric memory unavailable: {type(e).__name__}: {str(e)[:200]}"
         if self._agree(int(buf is not None), device):
@@ -117,10 +159,7 @@ class PeerTransport:
         if handle is None:
             self.reason = self.reason or "symmetric memory unavailable on another rank"
             return None
-        if self.buffers is not None:
-            self.retired.append(self.buffers)
-        self.buffers = PeerBuffers(buf, handle, self.size, per, dtype)
-        return self.buffers
+        return buf, handle
 
     def _agree(self, ok: int, device: torch.device) -> bool:
         flag = torch.tensor([ok], dtype=torch.int32, device=device)

@@ -1,7 +1,10 @@
 """The peer-memory all-reduce on real GPUs (2 and 4 ranks where the machine has them): bitwise the
 all-gather transport's result for bio (rank order) and bio+tbik (tree), eager and replayed from a CUDA
 graph, at decode and prefill sizes, through buffer growths, on every rank; a graph captured before a
-growth still replays afterwards (the outgrown buffer is kept: freeing it crashed `bench e2e`)."""
+growth still replays afterwards (the outgrown buffer is kept: freeing it crashed `bench e2e`); the
+one-shot path of decode sizes alternates its halves through a device epoch, so a graph of an odd number
+of calls replayed between eager calls stays exact (a parity kept on the host would reuse a half that a
+slower rank may still be reading)."""
 
 from __future__ import annotations
 
@@ -53,8 +56,27 @@ def _rank(rank, size, port, out_dir):
             graph.replay()
             if not torch.equal(out, run(static.clone(), "gather")):
                 bad.append(f"graph replayed after growth {what}")
+        b = get_backend("bio+tbik")
+
+        def run(p, mode, b=b):
+            return base.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, mode, b.REDUCE_ORDER)
+
+        statics = [torch.randn(8, 4096, device="cuda", generator=g) for _ in range(3)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outs = [run(x, "peer") for x in statics]
+        for i in range(4):
+            for x in statics:
+                x.copy_(torch.randn(8, 4096, device="cuda", generator=g) * 10.0 ** (i - 2))
+            graph.replay()
+            if not all(torch.equal(o, run(x.clone(), "gather")) for o, x in zip(outs, statics)):
+                bad.append(f"odd graph of one-shot calls, replay {i}")
+            x = torch.randn(16, 4096, device="cuda", generator=g)
+            if not torch.equal(run(x, "peer"), run(x, "gather")):
+                bad.append(f"eager one-shot call after replay {i}")
         transport = group._peer
         assert transport is not None and transport.buffers is not None, transport and transport.reason
+        assert transport.oneshot is not None
     finally:
         dist.shutdown(group)
     with open(f"{out_dir}/{rank}.txt", "w") as f:

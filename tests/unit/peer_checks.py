@@ -1,8 +1,10 @@
 """Checks of the peer all-reduce kernels (`kernels/peer_reduce.py`), run by test_peer_reduce.py in a
 subprocess with TRITON_INTERPRET=1: C ranks emulated in one process (CPU tensors stand in for the peer
 buffers). Every rank's output must have the bits of the all-gather transport's reduce (rank order for
-bio, the tree for bio+tbik), and the two orders must differ on these inputs (so a kernel that added in
-the other order would fail). Exits non-zero with a message on the first failed check."""
+bio, the tree for bio+tbik), through the three-step and the one-shot kernels, and the two orders must
+differ on these inputs (so a kernel that added in the other order would fail). The one-shot pair must
+alternate the halves of its area call by call through its device epoch (which a CUDA graph replays
+correctly: no host state). Exits non-zero with a message on the first failed check."""
 
 from __future__ import annotations
 
@@ -35,7 +37,20 @@ def main() -> None:
                     outs = peer_reduce.emulate(parts, dt, order)
                     ok = all(torch.equal(o, want.to(dt)) for o in outs)
                     check(ok, f"peer all-reduce bits C={c} {shape} {order} {dt}")
+                    calls = 3 if dt == torch.float32 else 1
+                    outs, areas, counters = peer_reduce.emulate_oneshot(parts, dt, order, calls)
+                    ok = all(torch.equal(o, want.to(dt)) for o in outs)
+                    check(ok, f"one-shot all-reduce bits C={c} {shape} {order} {dt} after {calls} calls")
+                    check(all(k.tolist() == [calls, 0] for k in counters), f"epochs {calls}, tickets 0: {counters}")
+                    n, slot = parts[0].numel(), peer_reduce.ONESHOT_MAX
+                    for half in range(min(calls, 2)):  # call 1 wrote half 0, call 2 half 1 (call 3 half 0)
+                        for r, p in enumerate(parts):
+                            got = areas[(r + 1) % c][(half * c + r) * slot :][:n]
+                            check(torch.equal(got, p.view(-1)), f"half {half} slot {r} of a peer, C={c} {shape}")
     check(peer_reduce.slice_size(1, 4) == 64 and peer_reduce.slice_size(4097, 4) == 1088, "slice sizes")
+    fits = peer_reduce.oneshot_fits
+    check(fits(1 << 18, 2) and not fits((1 << 18) + 1, 2), "one-shot at 2 ranks: up to ONESHOT_MAX")
+    check(fits(32 * 4096, 4) and not fits(64 * 4096, 4) and fits(16 * 4096, 8), "one-shot: decode batches")
     print("ok")
 
 

@@ -63,7 +63,8 @@ def test_peer_buffers_grow_by_doubling_and_keep_the_old(monkeypatch):
     """The transport's buffer policy (mocked symmetric memory and kernels: the real ones need GPUs): the
     first buffer holds MIN_SLICE a slice, a larger partial at least doubles it, a dtype change alone keeps
     the size, outgrown buffers are kept (graphs may hold them), a partial past the kernels' int32 offsets
-    goes to NCCL, and a rank that cannot allocate turns the transport off with its reason."""
+    goes to NCCL, and a rank that cannot allocate turns the transport off with its reason. Decode-size
+    partials take the one-shot area instead, allocated once and never grown."""
     import torch.distributed._symmetric_memory as symm_mem
 
     from detaudit.backends.kernels import peer_reduce
@@ -73,16 +74,22 @@ def test_peer_buffers_grow_by_doubling_and_keep_the_old(monkeypatch):
     monkeypatch.setattr(peer, "_rendezvous", lambda buf, pg: _FakeHandle(buf))
     monkeypatch.setattr(peer.PeerTransport, "_agree", lambda self, ok, device: bool(ok))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    for name in ("push", "reduce", "gather"):
+    for name in ("push", "reduce", "gather", "oneshot_push", "oneshot_reduce"):
         monkeypatch.setattr(peer_reduce, name, lambda *a, **k: None)
     t = peer.PeerTransport(0, 4)
-    assert t.all_reduce(torch.zeros(8, 64), torch.bfloat16, "tree") is not None
+    assert t.all_reduce(torch.zeros(8, 64), torch.bfloat16, "tree") is not None  # one-shot
+    assert t.buffers is None and len(t.oneshot.areas) == 4
+    assert t.oneshot.areas[0].numel() == 2 * 4 * peer_reduce.ONESHOT_MAX
+    area = t.oneshot
+    t.all_reduce(torch.zeros(32, 4096), torch.bfloat16, "tree")  # still one-shot at 4 ranks, same area
+    assert t.oneshot is area and t.buffers is None
+    assert t.all_reduce(torch.zeros(64, 4096), torch.bfloat16, "tree") is not None  # three steps
     assert t.buffers.per == peer.MIN_SLICE and not t.retired
     big = peer_reduce.slice_size(3 * peer.MIN_SLICE * 4, 4)
     t.all_reduce(torch.zeros(3 * peer.MIN_SLICE, 4), torch.bfloat16, "tree")
     assert t.buffers.per == max(big, 2 * peer.MIN_SLICE) and len(t.retired) == 1
     per = t.buffers.per
-    t.all_reduce(torch.zeros(8, 64), torch.float32, "rank")  # fits, other dtype: same size
+    t.all_reduce(torch.zeros(64, 4096), torch.float32, "rank")  # fits, other dtype: same size
     assert (t.buffers.per, t.buffers.dtype, len(t.retired)) == (per, torch.float32, 2)
     huge = torch.zeros(1).expand(2**31)  # a view: no memory, only its size matters here
     assert t.all_reduce(huge, torch.float32, "rank") is None and len(t.retired) == 2

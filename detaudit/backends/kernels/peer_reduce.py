@@ -1,4 +1,5 @@
-"""The fixed-order all-reduce over peer memory (NVLink), as three Triton kernels.
+"""The fixed-order all-reduce over peer memory (NVLink), as Triton kernels: three steps for large
+partials, a one-shot pair for small ones.
 
 Every rank holds one symmetric buffer that every other rank can address (`builtin/peer.py` maps
 them): a receive area R of C slices of `per` fp32 and a result area B of C slices of `per` elements of
@@ -19,6 +20,18 @@ all-to-all moves, with no staging copies and one launch per step.
 Buffer reuse needs no third barrier: a rank pushes into R of call n+1 only after the barrier that
 follows every rank's `reduce` of call n, and reduces into B of call n+1 only after the barrier that
 follows every rank's push of call n+1, which each rank issues after its `gather` of call n.
+
+One-shot (partials whose copies to every peer stay small, `ONESHOT_BYTES`: decode steps): every rank
+holds a one-shot area of two halves of C slots of ONESHOT_MAX fp32.
+1. `oneshot_push`: rank r writes its whole partial into slot r of the current half of every rank's area.
+   Then a barrier.
+2. `oneshot_reduce`: rank r adds the C slots of the current half of its own area in the fixed order, casts
+   once and writes its output (no gather: every rank reduced everything).
+Same additions, same bits; one barrier and two launches instead of two and three. The half alternates
+call by call through an epoch counter in device memory (the push and the reduce read it, the reduce's
+last program advances it), so CUDA graph replays, which repeat the captured kernels, alternate too. A
+rank pushes into a half again only two calls later, after the barrier of the call in between, which
+every rank reaches only once its reduce of that half is done: the one barrier suffices.
 
 Up to 8 ranks (C = 2, 4 or 8), each peer buffer a separate pointer argument (P0..P7; unused ones repeat
 P0), the kernels unrolled over them at compile time. The kernels run under TRITON_INTERPRET=1 with
@@ -49,6 +62,12 @@ BLOCK = 1024
 NUM_WARPS = 8
 MAX_RANKS = 8
 ORDERS = ("rank", "tree")
+ONESHOT_MAX = 1 << 18  # elements in a one-shot slot (1 MiB of fp32: 64 tokens x 4096)
+# one-shot where a rank's copies to its peers, (C - 1) x the fp32 partial, stay within this: at 2 ranks
+# up to ONESHOT_MAX, at 4 up to 32 tokens x 4096 (decode batches), at 8 up to 16. What it saves is one
+# barrier and one launch (about 6-9 us on 2x H100 at decode sizes); what it costs is moving the whole
+# partial to every peer instead of a 1/C slice, which only pays while the partial is small.
+ONESHOT_BYTES = 2 << 20
 
 if triton is not None:
 
@@ -87,9 +106,8 @@ if triton is not None:
         return tl.load(r + j * per + offs, mask=mask, other=0.0)
 
     @triton.jit
-    def _reduce_kernel(r, b, per, rank, C: tl.constexpr, TREE: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < per
+    def _fixed_sum(r, per, offs, m, C: tl.constexpr, TREE: tl.constexpr):
+        """The fp32 sum of the C parts r[j * per + offs] in the backend's order."""
         if TREE and C > 2:  # ((p0 + p1) + (p2 + p3)) [+ ((p4 + p5) + (p6 + p7))]
             s = (_part(r, 0, per, offs, m) + _part(r, 1, per, offs, m)) + (
                 _part(r, 2, per, offs, m) + _part(r, 3, per, offs, m)
@@ -103,7 +121,52 @@ if triton is not None:
             s = _part(r, 0, per, offs, m)
             for j in tl.static_range(1, C):
                 s = s + _part(r, j, per, offs, m)
+        return s
+
+    @triton.jit
+    def _reduce_kernel(r, b, per, rank, C: tl.constexpr, TREE: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < per
+        s = _fixed_sum(r, per, offs, m, C, TREE)
         tl.store(b + rank * per + offs, s.to(b.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _oneshot_push_kernel(
+        src, p0, p1, p2, p3, p4, p5, p6, p7, n, rank, epoch, NMAX, C: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """The block of the whole partial into slot `rank` of the current half of every rank's area."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(src + offs, mask=m)
+        dst = ((tl.load(epoch) % 2) * C + rank) * NMAX + offs
+        tl.store(p0 + dst, x, mask=m)
+        if C > 1:
+            tl.store(p1 + dst, x, mask=m)
+        if C > 2:
+            tl.store(p2 + dst, x, mask=m)
+            tl.store(p3 + dst, x, mask=m)
+        if C > 4:
+            tl.store(p4 + dst, x, mask=m)
+            tl.store(p5 + dst, x, mask=m)
+            tl.store(p6 + dst, x, mask=m)
+            tl.store(p7 + dst, x, mask=m)
+
+    @triton.jit
+    def _oneshot_reduce_kernel(
+        area, out, n, epoch, done, NMAX, C: tl.constexpr, TREE: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """out = the fixed-order sum of the C slots of the current half, cast once. The program that
+        finishes last (its ticket is the last) advances the epoch: every program read it before taking
+        a ticket (the atomic's release orders that read), so none sees the next call's half."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        e = tl.load(epoch)
+        s = _fixed_sum(area + (e % 2) * C * NMAX, NMAX, offs, m, C, TREE)
+        tl.store(out + offs, s.to(out.dtype.element_ty), mask=m)
+        ticket = tl.atomic_add(done, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:
+            tl.store(done, 0)
+            tl.store(epoch, e + 1)
 
     @triton.jit
     def _gather_kernel(out, p0, p1, p2, p3, p4, p5, p6, p7, n, per, C: tl.constexpr, BLOCK: tl.constexpr):
@@ -188,11 +251,54 @@ def gather(results: Sequence[Tensor], out: Tensor, per: int) -> None:
     _run("gather", _gather_kernel, _grid(per), out, (out, *peers, n, per), dict(C=c, BLOCK=BLOCK), (0,), key)
 
 
+def oneshot_fits(n: int, c: int) -> bool:
+    """An n-element fp32 partial of C ranks takes the one-shot path."""
+    return n <= ONESHOT_MAX and (c - 1) * n * 4 <= ONESHOT_BYTES
+
+
+def oneshot_push(src: Tensor, areas: Sequence[Tensor], rank: int, counters: Tensor) -> None:
+    """The flat fp32 `src` into slot `rank` of the current half of every rank's one-shot area (areas[j]:
+    rank j's, 2 * C * ONESHOT_MAX fp32); counters[0] is the epoch (int32, device memory)."""
+    c, n = len(areas), src.numel()
+    key = (n, rank, c, tuple(a.data_ptr() for a in areas), counters.data_ptr(), src.data_ptr() % 16 == 0)
+    args = (src, *_eight(areas), n, rank, counters, ONESHOT_MAX)
+    _run("oneshot_push", _oneshot_push_kernel, -(-n // BLOCK), src, args, dict(C=c, BLOCK=BLOCK), (0,), key)
+
+
+def oneshot_reduce(area: Tensor, out: Tensor, c: int, order: str, counters: Tensor) -> None:
+    """out (flat) = the fixed-order sum of the C slots of the current half of this rank's area, cast to
+    out's dtype; then the epoch (counters[0]) advances (counters[1]: the programs' tickets, back to 0)."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    n, tree = out.numel(), order == "tree"
+    key = (n, c, tree, area.data_ptr(), counters.data_ptr(), out.dtype, out.data_ptr() % 16 == 0)
+    args = (area, out, n, counters, counters[1:], ONESHOT_MAX)
+    consts = dict(C=c, TREE=tree, BLOCK=BLOCK)
+    _run("oneshot_reduce", _oneshot_reduce_kernel, -(-n // BLOCK), out, args, consts, (1,), key)
+
+
 def slice_size(n: int, c: int) -> int:
     """Elements per rank slice of an n-element partial: n / C rounded up to 64 elements (256-byte aligned
     slices in every buffer)."""
     per = -(-n // c)
     return -(-per // 64) * 64
+
+
+def emulate_oneshot(partials: Sequence[Tensor], dtype: torch.dtype, order: str, calls: int = 1):
+    """The one-shot pair for C ranks in one process, `calls` times over the same partials: every rank's
+    output and every rank's areas and counters (tests)."""
+    c, n = len(partials), partials[0].numel()
+    dev = partials[0].device
+    out_dtype = dtype if dev.type == "cuda" else torch.float32  # the interpreter's cast truncates
+    areas = [torch.zeros(2 * c * ONESHOT_MAX, dtype=torch.float32, device=dev) for _ in range(c)]
+    counters = [torch.zeros(2, dtype=torch.int32, device=dev) for _ in range(c)]
+    outs = [torch.empty(n, dtype=out_dtype, device=dev) for _ in range(c)]
+    for _ in range(calls):
+        for r, p in enumerate(partials):
+            oneshot_push(p.float().contiguous().view(-1), areas, r, counters[r])
+        for r in range(c):
+            oneshot_reduce(areas[r], outs[r], c, order, counters[r])
+    return [o.to(dtype).view(partials[0].shape) for o in outs], areas, counters
 
 
 def emulate(partials: Sequence[Tensor], dtype: torch.dtype, order: str) -> list[Tensor]:
