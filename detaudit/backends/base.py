@@ -21,9 +21,11 @@ Shapes and conventions:
   once, x[E, R, K] @ w[E, N, K]^T, in x's dtype; `expert_matmul(x, w)` the same shapes for the down
   projection, in the backend's partial dtype; `expert_down(product, gates, tp_size, k_local, name)` the
   row-parallel down projection and each token's weighted sum of its experts' outputs: the engine's
-  `product(cols)` returns, for this rank's K columns `cols`, every (token, slot) output [T, k, N]
-  (`expert_matmul` of the rows routed to each expert), and `gates[T, k]` are fp32. It returns this rank's
-  partial [T, N], which `combine` / `all_reduce` reduce like a row-parallel layer's.
+  `product()` returns every (token, slot) output [T, k, N] over this rank's K (`expert_matmul` of the
+  rows routed to each expert), or, for a backend with `expert_leaf_plan(k_local, tp_size, name)` ->
+  (leaf, leaves), whose down weights the engine stores leaf-major, each leaf's outputs [leaves, T, k, N];
+  `gates[T, k]` are fp32. It returns this rank's partial [T, N], which `combine` / `all_reduce` reduce
+  like a row-parallel layer's.
 - `attention(q, k, v, q_pos, scale, window=None)`: q[B, Hq, T, D]; k, v[B, Hkv, L, D] are the KV cache, already
   holding the new tokens; q_pos[B, T] are the queries' absolute positions; key j is visible to a query
   at position p iff j <= p; with `window` (sliding-window attention, passed only for layers that have

@@ -86,7 +86,7 @@ class BioBackend:
     def expert_down(self, product, gates: Tensor, tp_size: int, k_local: int, name: str = "") -> Tensor:
         """Every expert's fp32 partial product of its rows, then each token's experts weighted and summed in
         top-k order in fp32."""
-        return weighted_experts(product(slice(None)), gates)
+        return weighted_experts(product(), gates)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if fused.usable(x):  # GPU: one program per row, the row's sum of squares in one fixed order
@@ -135,10 +135,11 @@ class BioBackend:
 
 
 def weighted_experts(y: Tensor, gates: Tensor) -> Tensor:
-    """sum_j gates[t, j] * y[t, j] for every token t, in j order, in fp32: y[T, k, N] (fp32) -> [T, N]."""
-    out = y[:, 0] * gates[:, :1]
+    """sum_j gates[t, j] * y[..., t, j, :] for every token t, in j order, in fp32: y[..., T, k, N] (fp32)
+    -> [..., T, N] (leading dims, such as tree leaves, each get the same elementwise ops)."""
+    out = y[..., 0, :] * gates[:, :1]
     for j in range(1, gates.shape[1]):
-        out = out + y[:, j] * gates[:, j : j + 1]
+        out = out + y[..., j, :] * gates[:, j : j + 1]
     return out
 
 

@@ -70,7 +70,7 @@ class NativeBackend:
     def expert_down(self, product, gates: Tensor, tp_size: int, k_local: int, name: str = "") -> Tensor:
         """As serving engines combine experts natively: the outputs in the model dtype, each weighted and
         the token's experts summed by the library's reduction."""
-        y = product(slice(None))  # [T, k, N]
+        y = product()  # [T, k, N]
         return (y * gates[..., None]).to(y.dtype).sum(dim=1)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:

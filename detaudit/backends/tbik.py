@@ -31,21 +31,20 @@ class TbikBackend(BioBackend):
     def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
         return tree.tree_sum([p.float() for p in partials]).to(dtype)
 
+    def expert_leaf_plan(self, k_local: int, tp_size: int, name: str = "") -> tuple[int, int]:
+        """(leaf size, leaves on this rank) of the experts' down projection: the engine stores those
+        weights leaf-major, [E, leaves, N, leaf], so that every leaf of every expert is one product."""
+        return tree.leaf_plan(k_local, tp_size, name)
+
     def expert_down(self, product, gates: Tensor, tp_size: int, k_local: int, name: str = "") -> Tensor:
         """The down projection's K is the tree's: each leaf's expert products are weighted and summed
         over the token's experts (as bio does over the whole K), and the leaves' sums are added along
         this rank's subtree; the all-reduce adds the ranks' subtrees along the top. Each leaf is computed
         and weighted the same way at every TP size, so the layer is TP invariant."""
-        leaf, leaves = tree.leaf_plan(k_local, tp_size, name)
-        stack: list[Tensor] = []  # binary-counter carries, as tree.tree_matmul_cpu adds its leaves
-        for j in range(leaves):
-            node = weighted_experts(product(slice(j * leaf, (j + 1) * leaf)), gates)
-            level = 0
-            while (j >> level) & 1:
-                node = stack.pop() + node
-                level += 1
-            stack.append(node)
-        return stack[0]
+        leaves = product()  # [leaves, T, k, N]
+        if leaves.shape[0] != tree.leaf_plan(k_local, tp_size, name)[1]:
+            raise AssertionError(f"{name}: {leaves.shape[0]} leaves of expert products, not this rank's plan")
+        return tree.pairwise(weighted_experts(leaves, gates))
 
     def _reduce(self, partials: Sequence[Tensor]) -> Tensor:
         return tree.tree_sum(list(partials))

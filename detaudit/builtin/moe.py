@@ -11,7 +11,9 @@ gate / up products are column-parallel (each rank holds its slice of every exper
 dimension); the down projection and each token's weighted sum of its experts' outputs are one
 row-parallel step (`backend.expert_down`), reduced across ranks like any row-parallel layer. Under the
 invariant backends a row's products do not depend on the other rows, so the two layouts give the same
-bits (tested).
+bits (tested). A backend that reduces the down projection along a tree (bio+tbik: `expert_leaf_plan`)
+gets the down weights stored leaf-major, [E, leaves, N, leaf], and every leaf's products at once: one
+batched product over (expert, leaf) in decode steps, one product per expert over its leaves otherwise.
 
 The routing of every token (expert ids, gates, and the margin between the k-th and the (k+1)-th router
 probability) is handed back with the layer's output for the run's routing records.
@@ -82,9 +84,15 @@ class MoE:
             for r, (g, u, d) in enumerate(zip(gates, ups, load.shards(q + down_name + ".weight", 1))):
                 gate_up[r].append(torch.cat([g, u]))
                 down[r].append(d)
-        # per rank this process holds: [E, 2 I/C, H] (gate rows, then up rows) and [E, H, I/C]
+        # per rank this process holds: [E, 2 I/C, H] (gate rows, then up rows) and [E, H, I/C], or
+        # leaf-major [E, leaves, H, leaf] where the backend reduces the down projection along a tree
         self.gate_up = [torch.stack(w) for w in gate_up]
         self.down = [torch.stack(w) for w in down]
+        plan = getattr(ctx.backend, "expert_leaf_plan", None)
+        self.leaves: tuple[int, int] | None = None
+        if plan is not None:
+            leaf, leaves = self.leaves = plan(self.down[0].shape[-1], ctx.size, self.name)
+            self.down = [d.view(d.shape[0], d.shape[1], leaves, leaf).transpose(1, 2).contiguous() for d in self.down]
 
     def route(self, h: Tensor, forced: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(expert ids [T, k], gates [T, k] fp32, margin [T] fp32) of each row of h; rows of `forced`
@@ -131,11 +139,20 @@ class Dense:
         self.index = experts * t + torch.arange(t, device=h.device)[:, None]  # token t's j-th expert's row
 
     def down(self, gates: Tensor) -> Tensor:
-        def product(cols: slice) -> Tensor:
-            y = self.b.expert_matmul(self.act[..., cols], self.down_w[..., cols])  # [E, T, N]
+        def product() -> Tensor:
+            y = self.b.expert_matmul(self.act, self.down_w)  # [E, T, N]
             return y.reshape(-1, y.shape[-1])[self.index]  # [T, k, N]
 
-        return self.b.expert_down(product, gates, self.moe.ctx.size, self.act.shape[-1], self.moe.name)
+        def leaf_products() -> Tensor:  # one product over every (expert, leaf)
+            e, t, _ = self.act.shape
+            leaf, leaves = self.moe.leaves
+            x = self.act.view(e, t, leaves, leaf).transpose(1, 2).reshape(e * leaves, t, leaf)
+            y = self.b.expert_matmul(x, self.down_w.view(e * leaves, -1, leaf))  # [E * leaves, T, N]
+            y = y.view(e, leaves, t, -1).transpose(0, 1).reshape(leaves, e * t, -1)
+            return y[:, self.index]  # [leaves, T, k, N]
+
+        fn = leaf_products if self.moe.leaves else product
+        return self.b.expert_down(fn, gates, self.moe.ctx.size, self.act.shape[-1], self.moe.name)
 
 
 class Sorted:
@@ -157,13 +174,29 @@ class Sorted:
     def down(self, gates: Tensor) -> Tensor:
         w = self.moe.down[self.rank]
 
-        def product(cols: slice) -> Tensor:
-            y = torch.cat([self.b.expert_matmul(self.act[s : s + n, cols], w[e][:, cols]) for e, s, n in self.runs])
+        def product() -> Tensor:
+            y = torch.cat([self.b.expert_matmul(self.act[s : s + n], w[e]) for e, s, n in self.runs])
             out = torch.empty_like(y)
             out[self.order] = y  # back to (token, slot) order
             return out.view(*self.shape, -1)
 
-        return self.b.expert_down(product, gates, self.moe.ctx.size, self.act.shape[-1], self.moe.name)
+        def leaf_products() -> Tensor:
+            leaf, leaves = self.moe.leaves
+            y = torch.cat([self._leaves(self.act[s : s + n], w[e], leaf, leaves) for e, s, n in self.runs], 1)
+            out = torch.empty_like(y)
+            out[:, self.order] = y  # back to (token, slot) order
+            return out.view(leaves, *self.shape, -1)
+
+        fn = leaf_products if self.moe.leaves else product
+        return self.b.expert_down(fn, gates, self.moe.ctx.size, self.act.shape[-1], self.moe.name)
+
+    def _leaves(self, x: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
+        """[leaves, R, N]: an expert's rows x[R, leaves * leaf] times each leaf w[j] [N, leaf]. On GPU one
+        product batched over the leaves (a strided view of x); on CPU one product a leaf, the 2-D path
+        the other layouts' rows are checked against."""
+        if x.is_cuda:
+            return self.b.expert_matmul(x.view(x.shape[0], leaves, leaf).transpose(0, 1), w)
+        return torch.stack([self.b.expert_matmul(x[:, j * leaf : (j + 1) * leaf], w[j]) for j in range(leaves)])
 
 
 def _silu(moe: MoE, gate_up: Tensor) -> Tensor:

@@ -49,6 +49,25 @@ def test_every_tiling_gives_the_same_bits(k, n):
     assert torch.equal(fixed.matmul(a[1000:1005], w, out_dtype=torch.bfloat16), full[1000:1005])
 
 
+@pytest.mark.parametrize("k,n", [(2048, 1536), (768, 2048), (96, 2048)])
+def test_batched_expert_tiling_gives_the_per_expert_bits(k, n):
+    """A MoE decode step's batched expert products (`batched_tiling`: 64-column tiles, BLOCK_K 32 at a
+    tree leaf's short K) give each expert's rows the bits of that expert's own 2-D product under the
+    ordinary tilings (what the per-expert layout of prefill computes), for contiguous operands and for a
+    leaf's strided K slice."""
+    from detaudit.backends.kernels import triton_mm
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(16, 8, 2 * k, device="cuda", generator=g).bfloat16()
+    w = torch.randn(16, n, 2 * k, device="cuda", generator=g).bfloat16()
+    assert triton_mm.batched_tiling(torch.bfloat16, 16, 8, k) is not None
+    for xs, ws in ((x[..., :k].contiguous(), w[..., :k].contiguous()), (x[..., k:], w[..., k:])):
+        out = triton_mm.mm(xs, ws)
+        for e in range(16):
+            assert torch.equal(out[e], triton_mm.mm(xs[e].contiguous(), ws[e])), e
+            assert torch.equal(out[e, :3], triton_mm.mm(xs[e, :3].contiguous(), ws[e])), e
+
+
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_bf16_epilogue_rounds_like_a_cast(k, n):
     """bio's linear stores bf16 from the kernel: the same bits as casting the fp32 result, and still

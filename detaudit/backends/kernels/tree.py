@@ -101,7 +101,7 @@ def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
         else:  # the leaves as K slices of the rows' blocks: a view, the kernel takes the row stride
             xb = cpu_bf16.blocks_of(x2)
             xl = xb.view(xb.shape[0], cpu_bf16.ROWS, leaves, leaf).permute(2, 0, 1, 3)
-        out = _pairwise(cpu_bf16.products(xl, _packed_bf16(w, leaves, leaf)))
+        out = pairwise(cpu_bf16.products(xl, _packed_bf16(w, leaves, leaf)))
         return out.view(-1, out.shape[-1])[:m, :n]
     xb = fixed.blocks_of(x2)  # [nb, R, K_local]
     wf = _packed(w, leaves, leaf)
@@ -117,7 +117,7 @@ def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
     return out.view(-1, out.shape[-1])[:m, :n]
 
 
-def _pairwise(leaves: Tensor) -> Tensor:
+def pairwise(leaves: Tensor) -> Tensor:
     """The tree over the leading dim of leaves[2^k, ...]: each level adds every left node to its right
     sibling in one op (node 2i + node 2i+1: the same adds, in the same pairs, as the carries above)."""
     while leaves.shape[0] > 1:
