@@ -136,7 +136,8 @@ class Dense:
         t = h.shape[0]
         x = h.unsqueeze(0).expand(moe.spec.num_experts, t, h.shape[1])
         self.act = _silu(moe, self.b.expert_linear(x, moe.gate_up[rank]))  # [E, T, I/C]
-        self.index = experts * t + torch.arange(t, device=h.device)[:, None]  # token t's j-th expert's row
+        self.experts, self.tokens = experts, torch.arange(t, device=h.device)[:, None]
+        self.index = experts * t + self.tokens  # token t's j-th expert's row
 
     def down(self, gates: Tensor) -> Tensor:
         def product() -> Tensor:
@@ -148,8 +149,9 @@ class Dense:
             leaf, leaves = self.moe.leaves
             x = self.act.view(e, t, leaves, leaf).transpose(1, 2).reshape(e * leaves, t, leaf)
             y = self.b.expert_matmul(x, self.down_w.view(e * leaves, -1, leaf))  # [E * leaves, T, N]
-            y = y.view(e, leaves, t, -1).transpose(0, 1).reshape(leaves, e * t, -1)
-            return y[:, self.index]  # [leaves, T, k, N]
+            # only the chosen rows, leaf-major: row (expert * leaves + leaf) * T + token of y
+            j = torch.arange(leaves, device=y.device)[:, None, None]
+            return y.reshape(-1, y.shape[-1])[(self.experts * leaves + j) * t + self.tokens]  # [leaves, T, k, N]
 
         fn = leaf_products if self.moe.leaves else product
         return self.b.expert_down(fn, gates, self.moe.ctx.size, self.act.shape[-1], self.moe.name)
