@@ -42,7 +42,7 @@ class TbikBackend(BioBackend):
         this rank's subtree; the all-reduce adds the ranks' subtrees along the top. Each leaf is computed
         and weighted the same way at every TP size, so the layer is TP invariant."""
         leaves = product()  # [leaves, T, k, N]
-        if leaves.shape[0] != tree.leaf_plan(k_local, tp_size, name)[1]:
+        if leaves.dim() != 4 or leaves.shape[0] != tree.leaf_plan(k_local, tp_size, name)[1]:
             raise AssertionError(f"{name}: {leaves.shape[0]} leaves of expert products, not this rank's plan")
         return tree.pairwise(weighted_experts(leaves, gates))
 

@@ -28,6 +28,9 @@ from detaudit.builtin.arch import ModelConfig
 from detaudit.builtin.layers import TPContext
 
 DENSE_TOKENS = 64  # up to this many tokens (and in every decode step) every expert sees every token
+# every leaf of every expert in one product while its fp32 output, [E * leaves, T, N], stays within this;
+# beyond it (large decode batches) one product a leaf: the same products, a leaves-th of the memory
+LEAF_BATCH_BYTES = 512 << 20
 
 _NAMES = {  # style -> (module prefix, gate, up, down)
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
@@ -144,14 +147,23 @@ class Dense:
             y = self.b.expert_matmul(self.act, self.down_w)  # [E, T, N]
             return y.reshape(-1, y.shape[-1])[self.index]  # [T, k, N]
 
-        def leaf_products() -> Tensor:  # one product over every (expert, leaf)
+        def leaf_products() -> Tensor:  # [leaves, T, k, N]
             e, t, _ = self.act.shape
-            leaf, leaves = self.moe.leaves
+            (leaf, leaves), n = self.moe.leaves, self.down_w.shape[-2]
+            if e * leaves * t * n * 4 > LEAF_BATCH_BYTES:  # one product a leaf (its K slice of every expert)
+                return torch.stack(
+                    [
+                        self.b.expert_matmul(self.act[..., j * leaf : (j + 1) * leaf], self.down_w[:, j]).reshape(
+                            -1, n
+                        )[self.index]
+                        for j in range(leaves)
+                    ]
+                )
             x = self.act.view(e, t, leaves, leaf).transpose(1, 2).reshape(e * leaves, t, leaf)
-            y = self.b.expert_matmul(x, self.down_w.view(e * leaves, -1, leaf))  # [E * leaves, T, N]
+            y = self.b.expert_matmul(x, self.down_w.view(e * leaves, n, leaf))  # [E * leaves, T, N]
             # only the chosen rows, leaf-major: row (expert * leaves + leaf) * T + token of y
             j = torch.arange(leaves, device=y.device)[:, None, None]
-            return y.reshape(-1, y.shape[-1])[(self.experts * leaves + j) * t + self.tokens]  # [leaves, T, k, N]
+            return y.reshape(-1, n)[(self.experts * leaves + j) * t + self.tokens]
 
         fn = leaf_products if self.moe.leaves else product
         return self.b.expert_down(fn, gates, self.moe.ctx.size, self.act.shape[-1], self.moe.name)

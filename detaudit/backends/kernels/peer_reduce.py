@@ -156,17 +156,20 @@ if triton is not None:
         area, out, n, epoch, done, NMAX, C: tl.constexpr, TREE: tl.constexpr, BLOCK: tl.constexpr
     ):
         """out = the fixed-order sum of the C slots of the current half, cast once. The program that
-        finishes last (its ticket is the last) advances the epoch: every program read it before taking
-        a ticket (the atomic's release orders that read), so none sees the next call's half."""
+        finishes last (its ticket is the last) advances the epoch: every warp of every program has read
+        it before its program takes a ticket (the barrier; the atomic is one thread's), so none sees the
+        next call's half. The epoch stays within 30 bits (it wraps to 0 from an odd value), so its
+        parity alternates for good and never goes negative."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
         e = tl.load(epoch)
         s = _fixed_sum(area + (e % 2) * C * NMAX, NMAX, offs, m, C, TREE)
         tl.store(out + offs, s.to(out.dtype.element_ty), mask=m)
+        tl.debug_barrier()
         ticket = tl.atomic_add(done, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
             tl.store(done, 0)
-            tl.store(epoch, e + 1)
+            tl.store(epoch, (e + 1) & 0x3FFFFFFF)
 
     @triton.jit
     def _gather_kernel(out, p0, p1, p2, p3, p4, p5, p6, p7, n, per, C: tl.constexpr, BLOCK: tl.constexpr):
