@@ -144,18 +144,16 @@ class Dense:
 
     def down(self, gates: Tensor) -> Tensor:
         def product() -> Tensor:
-            y = self.b.expert_matmul(self.act, self.down_w)  # [E, T, N]
-            return y.reshape(-1, y.shape[-1])[self.index]  # [T, k, N]
+            return self._chosen(self.b.expert_matmul(self.act, self.down_w))
 
         def leaf_products() -> Tensor:  # [leaves, T, k, N]
             e, t, _ = self.act.shape
             (leaf, leaves), n = self.moe.leaves, self.down_w.shape[-2]
             if e * leaves * t * n * 4 > LEAF_BATCH_BYTES:  # one product a leaf (its K slice of every expert)
+                mm = self.b.expert_matmul
                 return torch.stack(
                     [
-                        self.b.expert_matmul(self.act[..., j * leaf : (j + 1) * leaf], self.down_w[:, j]).reshape(
-                            -1, n
-                        )[self.index]
+                        self._chosen(mm(self.act[..., j * leaf : (j + 1) * leaf], self.down_w[:, j]))
                         for j in range(leaves)
                     ]
                 )
@@ -167,6 +165,10 @@ class Dense:
 
         fn = leaf_products if self.moe.leaves else product
         return self.b.expert_down(fn, gates, self.moe.ctx.size, self.act.shape[-1], self.moe.name)
+
+    def _chosen(self, y: Tensor) -> Tensor:
+        """The (token, slot) rows [T, k, N] of every expert's outputs y[E, T, N]."""
+        return y.reshape(-1, y.shape[-1])[self.index]
 
 
 class Sorted:
@@ -189,20 +191,23 @@ class Sorted:
         w = self.moe.down[self.rank]
 
         def product() -> Tensor:
-            y = torch.cat([self.b.expert_matmul(self.act[s : s + n], w[e]) for e, s, n in self.runs])
-            out = torch.empty_like(y)
-            out[self.order] = y  # back to (token, slot) order
-            return out.view(*self.shape, -1)
+            return self._in_token_order(
+                torch.cat([self.b.expert_matmul(self.act[s : s + n], w[e]) for e, s, n in self.runs])
+            )
 
         def leaf_products() -> Tensor:
             leaf, leaves = self.moe.leaves
             y = torch.cat([self._leaves(self.act[s : s + n], w[e], leaf, leaves) for e, s, n in self.runs], 1)
-            out = torch.empty_like(y)
-            out[:, self.order] = y  # back to (token, slot) order
-            return out.view(leaves, *self.shape, -1)
+            return self._in_token_order(y)
 
         fn = leaf_products if self.moe.leaves else product
         return self.b.expert_down(fn, gates, self.moe.ctx.size, self.act.shape[-1], self.moe.name)
+
+    def _in_token_order(self, y: Tensor) -> Tensor:
+        """y[..., T*k, N], rows sorted by expert -> [..., T, k, N] in (token, slot) order."""
+        out = torch.empty_like(y)
+        out[..., self.order, :] = y
+        return out.view(*y.shape[:-2], *self.shape, -1)
 
     def _leaves(self, x: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
         """[leaves, R, N]: an expert's rows x[R, leaves * leaf] times each leaf w[j] [N, leaf]. On GPU one

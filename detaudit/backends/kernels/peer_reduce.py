@@ -72,12 +72,28 @@ ONESHOT_BYTES = 2 << 20
 if triton is not None:
 
     @triton.jit
+    def _store_peers(p0, p1, p2, p3, p4, p5, p6, p7, off, x0, x1, x2, x3, x4, x5, x6, x7, m, C: tl.constexpr):
+        """x_j into peer j's buffer at `off`, for the C peers (unrolled; the callers load before storing)."""
+        tl.store(p0 + off, x0, mask=m)
+        if C > 1:
+            tl.store(p1 + off, x1, mask=m)
+        if C > 2:
+            tl.store(p2 + off, x2, mask=m)
+            tl.store(p3 + off, x3, mask=m)
+        if C > 4:
+            tl.store(p4 + off, x4, mask=m)
+            tl.store(p5 + off, x5, mask=m)
+            tl.store(p6 + off, x6, mask=m)
+            tl.store(p7 + off, x7, mask=m)
+
+    @triton.jit
     def _push_kernel(src, p0, p1, p2, p3, p4, p5, p6, p7, n, per, rank, C: tl.constexpr, BLOCK: tl.constexpr):
         """Every slice's block loaded first (local), then stored to its peer: the stores need not wait for
         each other's loads. Unrolled for up to 8 ranks (`if C > j` is resolved at compile time)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < per
         x0 = tl.load(src + offs, mask=inside & (offs < n), other=0.0)
+        x1, x2, x3, x4, x5, x6, x7 = x0, x0, x0, x0, x0, x0, x0  # stand-ins for the peers C leaves out
         if C > 1:
             x1 = tl.load(src + per + offs, mask=inside & (per + offs < n), other=0.0)
         if C > 2:
@@ -88,18 +104,7 @@ if triton is not None:
             x5 = tl.load(src + 5 * per + offs, mask=inside & (5 * per + offs < n), other=0.0)
             x6 = tl.load(src + 6 * per + offs, mask=inside & (6 * per + offs < n), other=0.0)
             x7 = tl.load(src + 7 * per + offs, mask=inside & (7 * per + offs < n), other=0.0)
-        mine = rank * per + offs
-        tl.store(p0 + mine, x0, mask=inside)
-        if C > 1:
-            tl.store(p1 + mine, x1, mask=inside)
-        if C > 2:
-            tl.store(p2 + mine, x2, mask=inside)
-            tl.store(p3 + mine, x3, mask=inside)
-        if C > 4:
-            tl.store(p4 + mine, x4, mask=inside)
-            tl.store(p5 + mine, x5, mask=inside)
-            tl.store(p6 + mine, x6, mask=inside)
-            tl.store(p7 + mine, x7, mask=inside)
+        _store_peers(p0, p1, p2, p3, p4, p5, p6, p7, rank * per + offs, x0, x1, x2, x3, x4, x5, x6, x7, inside, C)
 
     @triton.jit
     def _part(r, j: tl.constexpr, per, offs, mask):
@@ -139,17 +144,7 @@ if triton is not None:
         m = offs < n
         x = tl.load(src + offs, mask=m)
         dst = ((tl.load(epoch) % 2) * C + rank) * NMAX + offs
-        tl.store(p0 + dst, x, mask=m)
-        if C > 1:
-            tl.store(p1 + dst, x, mask=m)
-        if C > 2:
-            tl.store(p2 + dst, x, mask=m)
-            tl.store(p3 + dst, x, mask=m)
-        if C > 4:
-            tl.store(p4 + dst, x, mask=m)
-            tl.store(p5 + dst, x, mask=m)
-            tl.store(p6 + dst, x, mask=m)
-            tl.store(p7 + dst, x, mask=m)
+        _store_peers(p0, p1, p2, p3, p4, p5, p6, p7, dst, x, x, x, x, x, x, x, x, m, C)
 
     @triton.jit
     def _oneshot_reduce_kernel(
