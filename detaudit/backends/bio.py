@@ -34,7 +34,7 @@ from detaudit.backends.base import (
     library_versions,
     sequential_sum,
 )
-from detaudit.backends.kernels import cpu_calls, fixed, fused, triton_mm
+from detaudit.backends.kernels import cpu_calls, fixed, fused, grouped_mm, triton_mm
 
 SPLIT = 64  # keys per attention chunk
 
@@ -83,10 +83,26 @@ class BioBackend:
         """fp32 products whose row bits do not depend on the other rows (however many the expert got)."""
         return fixed.expert_matmul(x, w) if x.dim() == 3 else fixed.matmul(x, w)
 
+    def expert_runs_matmul(
+        self,
+        x: Tensor,
+        src: Tensor,
+        w: Tensor,
+        runs: grouped_mm.Runs,
+        dst: Tensor,
+        out_rows: int,
+        leaves: int = 1,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> Tensor:
+        """Every expert's rows in one launch (GPU, `grouped_mm.usable`): the bits of `expert_matmul` on
+        each expert's run, rows gathered from x[src] and stored at dst (see `grouped_mm.grouped`)."""
+        return grouped_mm.grouped(x, src, w, runs, dst, out_rows, leaves, out_dtype)
+
     def expert_down(self, product, gates: Tensor, tp_size: int, k_local: int, name: str = "") -> Tensor:
         """Every expert's fp32 partial product of its rows, then each token's experts weighted and summed in
-        top-k order in fp32."""
-        return weighted_experts(product(), gates)
+        top-k order in fp32 (on GPU in one kernel, the same ops)."""
+        y = product()
+        return grouped_mm.weighted_tree(y, gates) if grouped_mm.sums_usable(y) else weighted_experts(y, gates)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if fused.usable(x):  # GPU: one program per row, the row's sum of squares in one fixed order

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from detaudit.backends import register_backend
 from detaudit.backends.bio import BioBackend, weighted_experts
-from detaudit.backends.kernels import tree
+from detaudit.backends.kernels import grouped_mm, tree
 
 
 @register_backend("bio+tbik", "tbik")
@@ -44,6 +44,8 @@ class TbikBackend(BioBackend):
         leaves = product()  # [leaves, T, k, N]
         if leaves.dim() != 4 or leaves.shape[0] != tree.leaf_plan(k_local, tp_size, name)[1]:
             raise AssertionError(f"{name}: {leaves.shape[0]} leaves of expert products, not this rank's plan")
+        if grouped_mm.sums_usable(leaves):  # GPU: the weighted sums and the tree in one kernel, the same ops
+            return grouped_mm.weighted_tree(leaves, gates)
         return tree.pairwise(weighted_experts(leaves, gates))
 
     def _reduce(self, partials: Sequence[Tensor]) -> Tensor:

@@ -6,7 +6,8 @@ row-local, exact), their gates (renormalised to sum to 1 where the model says so
 order). The experts then run in one of two layouts: in decode steps (one token per request) and with
 few tokens, every expert computes every token (one batched product per projection: static shapes, so a
 CUDA graph can capture the step; the rows nobody chose are computed and dropped); otherwise each expert
-computes only the rows routed to it (one product per expert, the rows sorted by expert). The experts'
+computes only the rows routed to it (the rows sorted by expert: one product per expert, or on GPU under
+the invariant backends one grouped launch over every expert's run, `kernels/grouped_mm.py`). The experts'
 gate / up products are column-parallel (each rank holds its slice of every expert's intermediate
 dimension); the down projection and each token's weighted sum of its experts' outputs are one
 row-parallel step (`backend.expert_down`), reduced across ranks like any row-parallel layer. Under the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from detaudit.backends.kernels import grouped_mm
 from detaudit.builtin.arch import ModelConfig
 from detaudit.builtin.layers import TPContext
 
@@ -122,7 +124,12 @@ class MoE:
         ctx, b = self.ctx, self.ctx.backend
         experts, gates, margin = self.route(h, routing.forced_for_next())
         routing.add(experts, gates, margin)
-        layout = Dense if decode or h.shape[0] <= DENSE_TOKENS else Sorted
+        if decode or h.shape[0] <= DENSE_TOKENS:
+            layout = Dense
+        elif hasattr(b, "expert_runs_matmul") and grouped_mm.usable(h):
+            layout = Grouped
+        else:
+            layout = Sorted
         partials = [layout(self, h, experts, r).down(gates) for r in range(len(self.gate_up))]
         if ctx.emulated:
             return b.combine(partials, ctx.dtype)
@@ -216,6 +223,34 @@ class Sorted:
         if x.is_cuda:
             return self.b.expert_matmul(x.view(x.shape[0], leaves, leaf).transpose(0, 1), w)
         return torch.stack([self.b.expert_matmul(x[:, j * leaf : (j + 1) * leaf], w[j]) for j in range(leaves)])
+
+
+class Grouped:
+    """`Sorted`'s products on GPU under the invariant backends, each projection one launch over every
+    expert's run (`backend.expert_runs_matmul`): gate / up reads the tokens' rows of h in place, down
+    writes every (token, slot) row, of every leaf, at its place. No host sync, no gather or reorder of
+    rows; the same bits as `Sorted` (a row's products do not depend on the other rows)."""
+
+    def __init__(self, moe: MoE, h: Tensor, experts: Tensor, rank: int) -> None:
+        self.b, self.moe, self.rank = moe.ctx.backend, moe, rank
+        t, k = self.shape = tuple(experts.shape)
+        self.runs = grouped_mm.Runs(experts, moe.spec.num_experts, grouped_mm.BLOCK_M)
+        src = (self.runs.order // k).to(torch.int32)  # sorted row -> its token's row of h
+        gate_up = self.b.expert_runs_matmul(
+            h, src, moe.gate_up[rank], self.runs, self.runs.identity, t * k, out_dtype=h.dtype
+        )
+        self.act = _silu(moe, gate_up)  # [T*k, I/C], rows sorted by expert
+
+    def down(self, gates: Tensor) -> Tensor:
+        w, (t, k) = self.moe.down[self.rank], self.shape
+        leaves = self.moe.leaves[1] if self.moe.leaves else 1
+
+        def product() -> Tensor:  # [T, k, N], or [leaves, T, k, N]
+            dst = self.runs.order.to(torch.int32)
+            y = self.b.expert_runs_matmul(self.act, self.runs.identity, w, self.runs, dst, t * k, leaves)
+            return y.view(*y.shape[:-2], t, k, y.shape[-1])
+
+        return self.b.expert_down(product, gates, self.moe.ctx.size, self.act.shape[-1], self.moe.name)
 
 
 def _silu(moe: MoE, gate_up: Tensor) -> Tensor:

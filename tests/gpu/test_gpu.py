@@ -68,6 +68,43 @@ def test_batched_expert_tiling_gives_the_per_expert_bits(k, n):
             assert torch.equal(out[e, :3], triton_mm.mm(xs[e, :3].contiguous(), ws[e])), e
 
 
+def test_grouped_expert_products_give_the_per_expert_bits():
+    """A MoE prefill's grouped launches (`grouped_mm`, 64-row blocks of one expert) at Qwen3-30B-A3B's
+    expert shapes give every row the bits of its expert's own product by `triton_mm.mm` (whose tiling
+    follows the run's length: narrow, mid and TMA tiles all occur), the down product's leaves included;
+    `weighted_tree` gives the bits of the torch ops it replaces."""
+    from detaudit.backends.bio import weighted_experts
+    from detaudit.backends.kernels import grouped_mm, tree, triton_mm
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    t, k, e, h, inter = 600, 8, 128, 2048, 768
+    # skewed routing: low experts get long runs (TMA tiles), high ones a few rows or none
+    scores = torch.rand(t, e, device="cuda", generator=g) * torch.linspace(4, 1, e, device="cuda") ** 3
+    experts = scores.topk(k).indices
+    runs = grouped_mm.Runs(experts, e, grouped_mm.BLOCK_M)
+    order, counts = runs.order, torch.bincount(experts.reshape(-1), minlength=e).tolist()
+    x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    w_gu = torch.randn(e, 2 * inter, h, device="cuda", generator=g).bfloat16() / 32
+    gu = grouped_mm.grouped(x, (order // k).int(), w_gu, runs, runs.identity, t * k, out_dtype=torch.bfloat16)
+    act = torch.randn(t * k, inter, device="cuda", generator=g).bfloat16()
+    w_down = torch.randn(e, h, inter, device="cuda", generator=g).bfloat16() / 32
+    down = grouped_mm.grouped(act, runs.identity, w_down, runs, order.int(), t * k)
+    w_leaf = w_down.view(e, h, 8, 96).transpose(1, 2).contiguous()
+    by_leaf = grouped_mm.grouped(act, runs.identity, w_leaf, runs, order.int(), t * k, 8)
+    start = 0
+    for ex, n in enumerate(counts):
+        rows = order[start : start + n]
+        a = act[start : start + n]
+        assert torch.equal(gu[start : start + n], triton_mm.mm(x[rows // k], w_gu[ex], out_dtype=torch.bfloat16)), ex
+        assert torch.equal(down[rows], triton_mm.mm(a, w_down[ex])), ex
+        assert torch.equal(by_leaf[:, rows], triton_mm.mm(a.view(n, 8, 96).transpose(0, 1), w_leaf[ex])), ex
+        start += n
+    gates = torch.rand(t, k, device="cuda", generator=g)
+    y = by_leaf.view(8, t, k, h)
+    assert torch.equal(grouped_mm.weighted_tree(y, gates), tree.pairwise(weighted_experts(y, gates)))
+    assert torch.equal(grouped_mm.weighted_tree(y[0], gates), weighted_experts(y[0], gates))
+
+
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_bf16_epilogue_rounds_like_a_cast(k, n):
     """bio's linear stores bf16 from the kernel: the same bits as casting the fp32 result, and still

@@ -9,7 +9,8 @@ import sys
 import torch
 
 from detaudit.backends import get_backend
-from detaudit.backends.kernels import tree, triton_attn, triton_mm, triton_rows
+from detaudit.backends.bio import weighted_experts
+from detaudit.backends.kernels import grouped_mm, tree, triton_attn, triton_mm, triton_rows
 
 
 def check(cond: bool, what: str) -> None:
@@ -73,6 +74,7 @@ def main() -> None:
     check(torch.allclose(sums.double(), x.double().sum(1), atol=1e-3), "row sum accuracy")
     check(all(torch.equal(triton_rows.row_sum(x[:m]), sums[:m]) for m in (1, 4)), "row sum batch invariance")
     fused_row_ops(g)
+    grouped_experts(g)
     fast_path_end_to_end()
     gluon_fallback()
     print("ok")
@@ -202,6 +204,52 @@ def fast_path_end_to_end() -> None:
                 for a, b in zip(got, want)
             )
             check(close, f"fast path log-probs {backend}")
+
+
+def grouped_experts(g: torch.Generator) -> None:
+    """`grouped_mm`: every expert's run in one launch gives each row the bits of that expert's own
+    product by `triton_mm.mm` (rows in the same block slots: runs start blocks in both), gathered from
+    its source row and stored at its destination, every leaf apart; `weighted_tree` gives the bits of the
+    torch ops it replaces."""
+    t, k, e, h, inter, leaves = 13, 3, 6, 32, 48, 8
+    experts = torch.randint(0, e, (t, k), generator=g)
+    experts[:7, 0] = 2  # one expert past one 16-row block; expert 5 gets none
+    experts[experts == 5] = 4
+    runs = grouped_mm.Runs(experts, e, grouped_mm.INTERPRET_CONFIG["BLOCK_M"])
+    order = runs.order
+    counts = torch.bincount(experts.reshape(-1), minlength=e)
+    check(int((runs.blocks[0] >= 0).sum()) == int(((counts + 15) // 16).sum()), "one block per 16 rows of an expert")
+    x = torch.randn(t, h, generator=g).bfloat16()
+    w_gu = torch.randn(e, 2 * inter, h, generator=g).bfloat16()
+    src = (order // k).to(torch.int32)
+    gu = grouped_mm.grouped(x, src, w_gu, runs, runs.identity, t * k, out_dtype=torch.bfloat16)
+    act = torch.randn(t * k, inter, generator=g).bfloat16()  # sorted rows
+    w_down = torch.randn(e, h, inter, generator=g).bfloat16()
+    dst = order.to(torch.int32)
+    down = grouped_mm.grouped(act, runs.identity, w_down, runs, dst, t * k)
+    leaf = inter // leaves
+    w_leaf = w_down.view(e, h, leaves, leaf).transpose(1, 2).contiguous()
+    by_leaf = grouped_mm.grouped(act, runs.identity, w_leaf, runs, dst, t * k, leaves)
+    start = 0
+    for ex in range(e):
+        n = int(counts[ex])
+        if not n:
+            continue
+        rows = order[start : start + n]
+        want = triton_mm.mm(x[rows // k], w_gu[ex], out_dtype=torch.bfloat16)
+        check(torch.equal(gu[start : start + n], want), f"grouped gate/up rows of expert {ex}")
+        check(torch.equal(down[rows], triton_mm.mm(act[start : start + n], w_down[ex])), f"grouped down {ex}")
+        for j in range(leaves):
+            part = triton_mm.mm(act[start : start + n, j * leaf : (j + 1) * leaf].contiguous(), w_leaf[ex, j])
+            check(torch.equal(by_leaf[j, rows], part), f"grouped down leaf {j} of expert {ex}")
+        start += n
+    gates = torch.rand(t, k, generator=g)
+    for lv in (1, 2, 8):
+        y = torch.randn(lv, t, k, h, generator=g)
+        want = tree.pairwise(weighted_experts(y, gates))
+        check(torch.equal(grouped_mm.weighted_tree(y, gates), want), f"weighted tree of {lv} leaves")
+    y = torch.randn(t, k, h, generator=g)[:, :, ::2]  # one leaf, strided columns
+    check(torch.equal(grouped_mm.weighted_tree(y, gates), weighted_experts(y, gates)), "weighted sum, one leaf")
 
 
 def gluon_fallback() -> None:

@@ -1,0 +1,267 @@
+"""The invariant backends' MoE expert products on GPU in one launch per projection, and each token's
+weighted sum of its experts (then the leaves' tree) in one more.
+
+`Runs` sorts one step's (token, slot) rows by expert and cuts every expert's run into blocks of BLOCK_M
+rows of that expert, on the device: no host sync, whatever the routing. `grouped` computes every
+block's product with its expert's weight in one launch; a row is gathered from its source row of x and
+stored at its destination row, so the gate / up product reads the tokens' hidden states in place and
+the down product writes (token, slot) order directly (no gather, index_put or cat of fp32 rows). With
+leaves, each leaf is its own K span from zero, stored apart ([leaves, rows, N]): the tree's leaves.
+
+Bits: each output element is `triton_mm._span` over its K (or its leaf), one fp32 accumulator from zero
+fed in K order, rounded once in the store, exactly as `triton_mm.mm` computes an expert's rows, whichever
+tiles either uses (see triton_mm's note on the reduction). tests/gpu checks both against each other.
+
+`weighted_tree` is `tree.pairwise(bio.weighted_experts(y, gates))` in one pass: per leaf the token's k
+products times their gates added in slot order (a multiply, then an add: fp fusion off, as torch's
+separate ops round), then the leaves along the pairwise tree.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from detaudit.backends.kernels import triton_mm
+
+try:  # optional: GPU kernels and the interpreter tests only
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+# One config per projection shape class; a config only tiles, it never changes an element's sum.
+# Experts get ~T*k/E rows each (256 at 4,096 tokens, top 8 of 128): 64-row blocks waste at most 63
+# rows an expert. BLOCK_K 32 divides every tree leaf of Qwen3-30B-A3B's experts (768 / 8 = 96).
+BLOCK_M = 64
+CONFIG = dict(BLOCK_M=BLOCK_M, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+LEAF_CONFIG = dict(BLOCK_M=BLOCK_M, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=3)
+INTERPRET_CONFIG = dict(triton_mm.INTERPRET_CONFIG)  # the per-expert path's tiles under the interpreter
+SUM_BLOCK = 512  # columns a program of `weighted_tree` sums
+
+
+def usable(x: Tensor) -> bool:
+    """Whether `grouped` runs the products of x (GPU, half precision)."""
+    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def sums_usable(y: Tensor) -> bool:
+    """Whether `weighted_tree` runs on y (GPU)."""
+    return triton is not None and y.is_cuda
+
+
+class Runs:
+    """One MoE step's T*k (token, slot) rows sorted by expert (stable: tokens in order within an expert),
+    cut into blocks of `block_m` rows of one expert. `order[r]`: the (token, slot) row (t*k + j) of
+    sorted row r; `blocks` [3, max_blocks] int32: each block's expert (-1 past the last), first sorted
+    row and row count. max_blocks = T*k / block_m + E bounds the blocks of any routing."""
+
+    def __init__(self, experts: Tensor, num_experts: int, block_m: int) -> None:
+        flat = experts.reshape(-1)
+        self.shape = tuple(experts.shape)
+        self.order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        per = (counts + block_m - 1) // block_m
+        ends = torch.cumsum(per, 0)
+        self.max_blocks = flat.numel() // block_m + num_experts
+        b = torch.arange(self.max_blocks, device=flat.device)
+        e = torch.searchsorted(ends, b, right=True)
+        live = e < num_experts
+        ec = e.clamp(max=num_experts - 1)
+        local = b - (ends[ec] - per[ec])
+        first = starts[ec] + local * block_m
+        rows = (counts[ec] - local * block_m).clamp(max=block_m)
+        self.blocks = torch.stack([torch.where(live, e, -1), first, torch.where(live, rows, 0)]).to(torch.int32)
+        self.block_m = block_m
+        self.identity = torch.arange(flat.numel(), device=flat.device, dtype=torch.int32)
+
+
+def grouped(
+    x: Tensor,
+    src: Tensor,
+    w: Tensor,
+    runs: Runs,
+    dst: Tensor,
+    out_rows: int,
+    leaves: int = 1,
+    out_dtype: torch.dtype = torch.float32,
+    config: dict | None = None,
+) -> Tensor:
+    """out[..., dst[r], :] = x[src[r]] @ w[e(r)]^T for every sorted row r of `runs` (e(r): its expert),
+    fp32 accumulation rounded once to `out_dtype`. w: [E, N, K], or leaf-major [E, leaves, N, K/leaves]
+    with `leaves` > 1, when out is [leaves, out_rows, N], each leaf its own sum."""
+    if leaves > 1:
+        e, lv, n, leaf = w.shape
+        if lv != leaves:
+            raise AssertionError(f"{lv} leaves of weights, {leaves} asked")
+        swe, swl, swn, swk = w.stride()
+    else:
+        e, n, leaf = w.shape
+        (swe, swn, swk), swl = w.stride(), 0
+    if x.shape[1] != leaf * leaves:
+        raise AssertionError(f"x has K={x.shape[1]}, the weights {leaf * leaves}")
+    interpret = x.device.type == "cpu"
+    cfg = dict(config or (INTERPRET_CONFIG if interpret else LEAF_CONFIG if leaves > 1 else CONFIG))
+    if cfg["BLOCK_M"] != runs.block_m:
+        raise AssertionError(f"runs cut in blocks of {runs.block_m} rows, the config tiles {cfg['BLOCK_M']}")
+    cfg.pop("GROUP_M", None)
+    store = torch.float32 if interpret else out_dtype  # the interpreter's bf16 store does not round like torch
+    out = torch.empty(leaves, out_rows, n, dtype=store, device=x.device)
+    grid = (runs.max_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _grouped_kernel[grid](
+        x,
+        src,
+        w,
+        out,
+        dst,
+        runs.blocks,
+        runs.max_blocks,
+        x.shape[0],
+        n,
+        leaf,
+        *x.stride(),
+        swe,
+        swl,
+        swn,
+        swk,
+        *out.stride(),
+        NUM_LEAVES=leaves,
+        EVEN=leaf % cfg["BLOCK_K"] == 0,
+        PRECISION="ieee" if (x.dtype == torch.float32 or interpret) else "tf32",
+        UPCAST=interpret,
+        **cfg,
+    )
+    out = out.to(out_dtype)
+    return out if leaves > 1 else out[0]
+
+
+def weighted_tree(y: Tensor, gates: Tensor) -> Tensor:
+    """[T, N] fp32: the pairwise tree over the leading dim of y[leaves, T, k, N] (fp32) of each leaf's
+    sum over j in order of gates[t, j] * y[leaf, t, j, :]. The bits of `tree.pairwise(weighted_experts(y,
+    gates))`; y[T, k, N] is one leaf (`weighted_experts(y, gates)`)."""
+    y4 = y if y.dim() == 4 else y.unsqueeze(0)
+    leaves, t, k, n = y4.shape
+    out = torch.empty(t, n, dtype=torch.float32, device=y.device)
+    if t and n:
+        g = gates.float()
+        _weighted_kernel[(t, triton.cdiv(n, SUM_BLOCK))](
+            y4,
+            g,
+            out,
+            n,
+            *y4.stride(),
+            *g.stride(),
+            LEAVES=leaves,
+            SLOTS=k,
+            BLOCK=SUM_BLOCK,
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_kernel(
+        x_ptr,
+        src_ptr,
+        w_ptr,
+        out_ptr,
+        dst_ptr,
+        blocks_ptr,
+        MAX_BLOCKS,
+        X_ROWS,
+        N,
+        LEAF,
+        sxm,
+        sxk,
+        swe,
+        swl,
+        swn,
+        swk,
+        sol,
+        som,
+        son,
+        NUM_LEAVES: tl.constexpr,
+        EVEN: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        # consecutive programs: one block's column tiles, then the next block of (mostly) the same
+        # expert, so an expert's weight is read from L2 by all of its blocks
+        block = tl.program_id(0) // n_tiles
+        pid_n = tl.program_id(0) % n_tiles
+        expert = tl.load(blocks_ptr + block)
+        if expert >= 0:
+            first = tl.load(blocks_ptr + MAX_BLOCKS + block)
+            count = tl.load(blocks_ptr + 2 * MAX_BLOCKS + block)
+            offs = tl.arange(0, BLOCK_M)
+            row_ok = offs < count
+            # rows past the block's count gather row 0 and are never stored
+            src = tl.load(src_ptr + first + offs, mask=row_ok, other=0)
+            dst = tl.load(dst_ptr + first + offs, mask=row_ok, other=0)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = row_ok[:, None] & (cols < N)[None, :]
+            w_expert = w_ptr + expert.to(tl.int64) * swe
+            for j in tl.static_range(NUM_LEAVES):
+                # leaf j: x's columns j*LEAF.. times w[expert, j] (or, one leaf, all of x times w[expert])
+                acc = triton_mm._span(
+                    x_ptr + j * LEAF * sxk,
+                    w_expert + j * swl,
+                    src,
+                    X_ROWS,
+                    cols % N,
+                    0,
+                    LEAF,
+                    sxm,
+                    sxk,
+                    swn,
+                    swk,
+                    EVEN,
+                    PRECISION,
+                    UPCAST,
+                    False,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+                ptrs = out_ptr + j * sol + dst.to(tl.int64)[:, None] * som + cols[None, :] * son
+                tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _weighted_kernel(
+        y_ptr,
+        g_ptr,
+        out_ptr,
+        N,
+        syl,
+        syt,
+        sys,
+        syn,
+        sgt,
+        sgs,
+        LEAVES: tl.constexpr,
+        SLOTS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        row = y_ptr + t.to(tl.int64) * syt + cols * syn
+        s0 = tl.zeros((BLOCK,), dtype=tl.float32)
+        s1 = tl.zeros((BLOCK,), dtype=tl.float32)
+        s2 = tl.zeros((BLOCK,), dtype=tl.float32)
+        node = tl.zeros((BLOCK,), dtype=tl.float32)
+        for leaf in tl.static_range(LEAVES):
+            z = tl.load(row + leaf * syl, mask=ok, other=0.0) * tl.load(g_ptr + t * sgt)
+            for j in tl.static_range(1, SLOTS):
+                z = z + tl.load(row + leaf * syl + j * sys, mask=ok, other=0.0) * tl.load(g_ptr + t * sgt + j * sgs)
+            s0, s1, s2, node = triton_mm._carry(leaf, z, s0, s1, s2, node)
+        tl.store(out_ptr + t.to(tl.int64) * N + cols, node, mask=ok)
