@@ -144,6 +144,7 @@ class BioBackend:
             "all_reduce": "fp32 partials summed in rank order, cast once",
             "experts": "per expert, its routed rows' batch-invariant products (fp32 accumulate); each token's "
             "experts weighted and summed in top-k order in fp32",
+            "experts_gpu": grouped_mm.describe(),
             "all_reduce_impl": describe_allreduce(self.allreduce),
             "tf32": "off",
             **library_versions(),

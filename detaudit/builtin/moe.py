@@ -33,6 +33,9 @@ DENSE_TOKENS = 64  # up to this many tokens (and in every decode step) every exp
 # every leaf of every expert in one product while its fp32 output, [E * leaves, T, N], stays within this;
 # beyond it (large decode batches) one product a leaf: the same products, a leaves-th of the memory
 LEAF_BATCH_BYTES = 512 << 20
+# a prefill layout holds its fp32 expert outputs, [leaves, T, k, N], at once; past this a long prefill runs
+# the layer in pieces of tokens (every op after the router is a token's own: the same bits, a piece's memory)
+PREFILL_BYTES = 4 << 30
 
 _NAMES = {  # style -> (module prefix, gate, up, down)
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
@@ -124,13 +127,20 @@ class MoE:
         ctx, b = self.ctx, self.ctx.backend
         experts, gates, margin = self.route(h, routing.forced_for_next())
         routing.add(experts, gates, margin)
-        if decode or h.shape[0] <= DENSE_TOKENS:
+        t, step = h.shape[0], h.shape[0]
+        if decode or t <= DENSE_TOKENS:
             layout = Dense
-        elif hasattr(b, "expert_runs_matmul") and grouped_mm.usable(h):
-            layout = Grouped
         else:
-            layout = Sorted
-        partials = [layout(self, h, experts, r).down(gates) for r in range(len(self.gate_up))]
+            layout = Grouped if hasattr(b, "expert_runs_matmul") and grouped_mm.usable(h) else Sorted
+            pieces = -(-t * (self.leaves[1] if self.leaves else 1) * experts.shape[1] * h.shape[1] * 4 // PREFILL_BYTES)
+            step = -(-t // pieces)
+        partials = []
+        for r in range(len(self.gate_up)):
+            outs = [
+                layout(self, h[s : s + step], experts[s : s + step], r).down(gates[s : s + step])
+                for s in range(0, t, step)
+            ]
+            partials.append(outs[0] if len(outs) == 1 else torch.cat(outs))
         if ctx.emulated:
             return b.combine(partials, ctx.dtype)
         if ctx.group is None:  # TP 1 in process: the residual add rounds the partial (the combine of one)

@@ -141,16 +141,20 @@ def test_bio_batch_invariant_and_tbik_tp_invariant_with_routing(ckpts, name):
         assert got == ref, tp
 
 
-@pytest.mark.parametrize("backend,leaf_batch", [("bio", None), ("bio+tbik", None), ("bio+tbik", 0)])
-def test_decode_and_prefill_layouts_give_the_same_bits(ckpts, backend, leaf_batch, monkeypatch):
+@pytest.mark.parametrize(
+    "backend,patch",
+    [("bio", {}), ("bio+tbik", {}), ("bio+tbik", {"LEAF_BATCH_BYTES": 0}), ("bio+tbik", {"PREFILL_BYTES": 1 << 16})],
+)
+def test_decode_and_prefill_layouts_give_the_same_bits(ckpts, backend, patch, monkeypatch):
     """A 100-token prompt's prefill runs the chosen-rows layout (more than 64 tokens), each decode step the
     every-expert layout (bio+tbik: every leaf in one product, or with LEAF_BATCH_BYTES 0 one product a
-    leaf, as large batches run); teacher forcing scores the generated tokens in one prefill:
-    log-probabilities and routing equal the generation's bitwise."""
+    leaf, as large batches run); teacher forcing scores the generated tokens in one prefill (with a small
+    PREFILL_BYTES in pieces of tokens, as long prefills run): log-probabilities and routing equal the
+    generation's bitwise."""
     from detaudit.builtin import moe
 
-    if leaf_batch is not None:
-        monkeypatch.setattr(moe, "LEAF_BATCH_BYTES", leaf_batch)
+    for name, value in patch.items():
+        monkeypatch.setattr(moe, name, value)
     eng = local_engine(ckpts["qwen3_moe"], backend)
     prompts = [token_ids(batch=1, length=100, seed=7)[0].tolist(), token_ids(batch=1, length=30, seed=8)[0].tolist()]
     gens = eng.generate(prompts, ["a", "b"], DecodingParams(max_new_tokens=6, seed=1), 2)

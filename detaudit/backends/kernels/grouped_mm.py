@@ -51,6 +51,17 @@ def sums_usable(y: Tensor) -> bool:
     return triton is not None and y.is_cuda
 
 
+def describe() -> str:
+    def cfg(c: dict) -> str:
+        return " ".join(f"{k}={v}" for k, v in c.items())
+
+    return (
+        f"prefill: one launch a projection over every expert's {BLOCK_M}-row blocks, each element "
+        f"triton_mm's K-order sum ({cfg(CONFIG)}; tree leaves: {cfg(LEAF_CONFIG)}); decode: the batched "
+        f"products; weighted sums (and leaves' tree) in one kernel, fp fusion off"
+    )
+
+
 class Runs:
     """One MoE step's T*k (token, slot) rows sorted by expert (stable: tokens in order within an expert),
     cut into blocks of `block_m` rows of one expert. `order[r]`: the (token, slot) row (t*k + j) of
