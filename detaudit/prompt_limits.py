@@ -1,4 +1,5 @@
-"""Prompts that do not fit the model's context are refused before any model work.
+"""Prompts that do not fit the model's context, or hold token ids past its vocabulary, are refused before
+any model work.
 
 A prompt of P tokens generating up to N new tokens needs P + N positions; past the model's context
 (`max_position_embeddings`, or vLLM's `max_model_len` when that is smaller) the positions are
@@ -63,4 +64,27 @@ def check_prompt_lengths(
             f"suite {suite_name}: prompt {pid!r} is {n} tokens + --max-new-tokens {max_new_tokens} = "
             f"{n + max_new_tokens} > the model's context of {context_len} tokens{more}; "
             f"lower --max-new-tokens or remove the row (detaudit does not truncate prompts)"
+        )
+
+
+def model_vocab_size(model: ModelRef) -> int | None:
+    """`vocab_size` of the checkpoint's config (or of its `text_config`); None where it names none."""
+    for cfg in (model.config, model.config.get("text_config")):
+        n = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
+
+
+def check_prompt_vocab(
+    suite_name: str, prompt_ids: Sequence[str], token_id_lists: Sequence[Sequence[int]], vocab_size: int, path: object
+) -> None:
+    """Raise DetauditError (one line, exit 2) naming the suite, the first row and the id when a prompt holds
+    a token id outside [0, vocab_size)."""
+    bad = [(pid, t) for pid, toks in zip(prompt_ids, token_id_lists) for t in toks if not 0 <= t < vocab_size]
+    if bad:
+        pid, t = bad[0]
+        raise DetauditError(
+            f"suite {suite_name}: prompt {pid!r} has token id {t}, outside the model's vocab_size of {vocab_size}: "
+            f"the tokenizer does not match the checkpoint at {path}"
         )

@@ -2,6 +2,8 @@
 
 - a prompt longer than the model's context (prompt tokens + --max-new-tokens > max_position_embeddings)
   is refused before any model work, naming the suite, the row and the lengths (no truncation);
+- a prompt holding a token id past the model's vocab_size (a tokenizer that is not the checkpoint's)
+  is refused the same way, naming the id (it used to fail inside the first cell with a traceback);
 - `--hang-timeout` must be a finite number > 0 (with -1 every TP cell "hung")."""
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from detaudit.errors import DetauditError
-from detaudit.prompt_limits import check_prompt_lengths, model_context_len
+from detaudit.prompt_limits import check_prompt_lengths, check_prompt_vocab, model_context_len, model_vocab_size
 
 
 # ------------------------------------------------------------------ prompt lengths
@@ -152,3 +154,44 @@ def test_sweep_refuses_prompt_over_context_before_model_work(tmp_path, smollm):
     assert len(lines) == 1, res.output
     assert "suite smoke: prompt " in lines[0] and "8180" in lines[0] and "8192" in lines[0], lines[0]
     assert not list(out.rglob("*.parquet"))
+
+
+# ------------------------------------------------------------------ token ids and the vocabulary
+def test_token_ids_past_the_vocabulary_are_refused_naming_the_row(tmp_path):
+    from detaudit.config import ModelRef
+
+    check_prompt_vocab("s", ["a", "b"], [[0, 5], [9]], vocab_size=10, path=tmp_path)  # the boundary passes
+    for toks, bad in (([[0, 5], [9, 10]], 10), ([[3, -1]], -1)):
+        with pytest.raises(DetauditError) as e:
+            check_prompt_vocab("aime24", ["r1", "r2"][: len(toks)], toks, vocab_size=10, path=tmp_path)
+        msg = _one_line(e)
+        assert "suite aime24" in msg and f"token id {bad}" in msg and "vocab_size of 10" in msg, msg
+
+    def ref(config: dict) -> ModelRef:
+        return ModelRef("m", tmp_path, "?", "", config)
+
+    assert model_vocab_size(ref({"vocab_size": 300})) == 300
+    assert model_vocab_size(ref({"text_config": {"vocab_size": 7}})) == 7
+    assert model_vocab_size(ref({})) is None and model_vocab_size(ref({"vocab_size": True})) is None
+
+
+def test_sweep_refuses_a_tokenizer_past_the_vocabulary_before_model_work(tmp_path, smollm):
+    """The embedded model's tokenizer beside a checkpoint of 300 tokens: the sweep stops after tokenizing,
+    with one line naming the suite, the row and the id, and writes nothing."""
+    import json
+    import shutil
+
+    from detaudit.cli import app
+
+    model = tmp_path / "small-vocab"
+    shutil.copytree(smollm.path, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
+    out = tmp_path / "run"
+    args = ["sweep", "--model", str(model), "--suites", "smoke", "--limit", "1", "--backends", "bio"]
+    res = CliRunner().invoke(app, [*args, "--tp", "1", "--batch-sizes", "1", "--output-path", str(out)])
+    assert res.exit_code == 2, (res.output, res.exception)
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.output, res.output
+    assert "suite smoke: prompt " in lines[0] and "vocab_size of 300" in lines[0], lines[0]
+    assert not out.exists() or not any(out.rglob("*.parquet"))

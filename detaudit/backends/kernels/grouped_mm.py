@@ -215,8 +215,9 @@ if triton is not None:
             count = tl.load(blocks_ptr + 2 * MAX_BLOCKS + block)
             offs = tl.arange(0, BLOCK_M)
             row_ok = offs < count
-            # rows past the block's count gather row 0 and are never stored
-            src = tl.load(src_ptr + first + offs, mask=row_ok, other=0)
+            # rows past the block's count gather row 0 and are never stored; 64-bit row offsets (a long
+            # prefill's rows times a wide expert pass 2^31 elements)
+            src = tl.load(src_ptr + first + offs, mask=row_ok, other=0).to(tl.int64)
             dst = tl.load(dst_ptr + first + offs, mask=row_ok, other=0)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = row_ok[:, None] & (cols < N)[None, :]
