@@ -115,9 +115,9 @@ def check_model(
     by name first: nothing else about an unsupported checkpoint is worth reporting), TP sizes that divide
     the heads, and sequence lengths it computes as transformers does; every prompt plus its suite's
     `max_new_tokens` (the PromptSet's decoding, else `max_new_tokens`) fits the model's context (refused
-    per row, never truncated) and holds only token ids within its vocabulary. Other engines (vLLM,
-    servers) decide architecture support themselves."""
-    from detaudit.prompt_limits import check_prompt_lengths, check_prompt_vocab, model_context_len, model_vocab_size
+    per row, never truncated) and, for the built-in engine, holds only token ids within its vocabulary.
+    Other engines (vLLM, servers) decide architecture support themselves."""
+    from detaudit.prompt_limits import check_prompt_lengths, check_prompt_vocab, model_context_len
 
     mcfg = None
     if own_architecture:
@@ -130,10 +130,9 @@ def check_model(
         return
     context = model_context_len(model, cap=context_cap)
     new = {ps.suite: ps.decoding.max_new_tokens if ps.decoding is not None else max_new_tokens for ps in prompts}
-    vocab = model_vocab_size(model)
     for ps in prompts:
         check_prompt_lengths(ps.suite, ps.ids, ps.token_ids, new[ps.suite], context)
-        if vocab is not None:
-            check_prompt_vocab(ps.suite, ps.ids, ps.token_ids, vocab, model.path)
+        if mcfg is not None:  # the built-in engine's embedding has vocab_size rows (vLLM checks its own ids)
+            check_prompt_vocab(ps.suite, ps.ids, ps.token_ids, mcfg.vocab_size, model.path)
     if mcfg is not None:
         mcfg.check_length(max(len(t) + new[ps.suite] for ps in prompts for t in ps.token_ids))

@@ -67,15 +67,6 @@ def check_prompt_lengths(
         )
 
 
-def model_vocab_size(model: ModelRef) -> int | None:
-    """`vocab_size` of the checkpoint's config (or of its `text_config`); None where it names none."""
-    for cfg in (model.config, model.config.get("text_config")):
-        n = cfg.get("vocab_size") if isinstance(cfg, dict) else None
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            return n
-    return None
-
-
 def check_prompt_vocab(
     suite_name: str, prompt_ids: Sequence[str], token_id_lists: Sequence[Sequence[int]], vocab_size: int, path: object
 ) -> None:

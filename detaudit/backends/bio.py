@@ -91,12 +91,12 @@ class BioBackend:
         runs: grouped_mm.Runs,
         dst: Tensor,
         out_rows: int,
-        leaves: int = 1,
         out_dtype: torch.dtype = torch.float32,
     ) -> Tensor:
         """Every expert's rows in one launch (GPU, `grouped_mm.usable`): the bits of `expert_matmul` on
-        each expert's run, rows gathered from x[src] and stored at dst (see `grouped_mm.grouped`)."""
-        return grouped_mm.grouped(x, src, w, runs, dst, out_rows, leaves, out_dtype)
+        each expert's run, rows gathered from x[src] and stored at dst; leaf-major weights give every
+        leaf apart (see `grouped_mm.grouped`)."""
+        return grouped_mm.grouped(x, src, w, runs, dst, out_rows, out_dtype)
 
     def expert_down(self, product, gates: Tensor, tp_size: int, k_local: int, name: str = "") -> Tensor:
         """Every expert's fp32 partial product of its rows, then each token's experts weighted and summed in

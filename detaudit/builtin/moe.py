@@ -134,11 +134,12 @@ class MoE:
             layout = Grouped if hasattr(b, "expert_runs_matmul") and grouped_mm.usable(h) else Sorted
             pieces = -(-t * (self.leaves[1] if self.leaves else 1) * experts.shape[1] * h.shape[1] * 4 // PREFILL_BYTES)
             step = -(-t // pieces)
+        step = max(step, 1)  # no tokens: one empty piece
         partials = []
         for r in range(len(self.gate_up)):
             outs = [
                 layout(self, h[s : s + step], experts[s : s + step], r).down(gates[s : s + step])
-                for s in range(0, t, step)
+                for s in range(0, max(t, 1), step)
             ]
             partials.append(outs[0] if len(outs) == 1 else torch.cat(outs))
         if ctx.emulated:
@@ -253,11 +254,10 @@ class Grouped:
 
     def down(self, gates: Tensor) -> Tensor:
         w, (t, k) = self.moe.down[self.rank], self.shape
-        leaves = self.moe.leaves[1] if self.moe.leaves else 1
 
-        def product() -> Tensor:  # [T, k, N], or [leaves, T, k, N]
+        def product() -> Tensor:  # [T, k, N], or with leaf-major weights [leaves, T, k, N]
             dst = self.runs.order.to(torch.int32)
-            y = self.b.expert_runs_matmul(self.act, self.runs.identity, w, self.runs, dst, t * k, leaves)
+            y = self.b.expert_runs_matmul(self.act, self.runs.identity, w, self.runs, dst, t * k)
             return y.view(*y.shape[:-2], t, k, y.shape[-1])
 
         return self.b.expert_down(product, gates, self.moe.ctx.size, self.act.shape[-1], self.moe.name)

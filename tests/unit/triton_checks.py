@@ -75,6 +75,7 @@ def main() -> None:
     check(all(torch.equal(triton_rows.row_sum(x[:m]), sums[:m]) for m in (1, 4)), "row sum batch invariance")
     fused_row_ops(g)
     grouped_experts(g)
+    grouped_layout_tp_invariant()
     fast_path_end_to_end()
     gluon_fallback()
     print("ok")
@@ -227,9 +228,15 @@ def grouped_experts(g: torch.Generator) -> None:
     w_down = torch.randn(e, h, inter, generator=g).bfloat16()
     dst = order.to(torch.int32)
     down = grouped_mm.grouped(act, runs.identity, w_down, runs, dst, t * k)
-    leaf = inter // leaves
-    w_leaf = w_down.view(e, h, leaves, leaf).transpose(1, 2).contiguous()
-    by_leaf = grouped_mm.grouped(act, runs.identity, w_leaf, runs, dst, t * k, leaves)
+    # leaf-major weights, [E, leaves, N, K/leaves], at each rank's leaf count: 8 (TP 1), 4 (TP 2), 1 (TP 8)
+    by_leaves = {
+        lv: grouped_mm.grouped(
+            act, runs.identity, w_down.view(e, h, lv, inter // lv).transpose(1, 2).contiguous(), runs, dst, t * k
+        )
+        for lv in (leaves, 4, 1)
+    }
+    check(all(y.shape == (lv, t * k, h) for lv, y in by_leaves.items()), "one output per leaf, leaf dim kept")
+    check(torch.equal(by_leaves[1][0], down), "one leaf-major leaf is the whole product")
     start = 0
     for ex in range(e):
         n = int(counts[ex])
@@ -239,17 +246,50 @@ def grouped_experts(g: torch.Generator) -> None:
         want = triton_mm.mm(x[rows // k], w_gu[ex], out_dtype=torch.bfloat16)
         check(torch.equal(gu[start : start + n], want), f"grouped gate/up rows of expert {ex}")
         check(torch.equal(down[rows], triton_mm.mm(act[start : start + n], w_down[ex])), f"grouped down {ex}")
-        for j in range(leaves):
-            part = triton_mm.mm(act[start : start + n, j * leaf : (j + 1) * leaf].contiguous(), w_leaf[ex, j])
-            check(torch.equal(by_leaf[j, rows], part), f"grouped down leaf {j} of expert {ex}")
+        for lv, y in by_leaves.items():
+            leaf = inter // lv
+            for j in range(lv):
+                cols = slice(j * leaf, (j + 1) * leaf)
+                part = triton_mm.mm(act[start : start + n, cols].contiguous(), w_down[ex, :, cols])
+                check(torch.equal(y[j, rows], part), f"grouped down leaf {j} of {lv}, expert {ex}")
         start += n
     gates = torch.rand(t, k, generator=g)
-    for lv in (1, 2, 8):
+    for lv in (1, 2, 4, 8):
         y = torch.randn(lv, t, k, h, generator=g)
         want = tree.pairwise(weighted_experts(y, gates))
         check(torch.equal(grouped_mm.weighted_tree(y, gates), want), f"weighted tree of {lv} leaves")
     y = torch.randn(t, k, h, generator=g)[:, :, ::2]  # one leaf, strided columns
     check(torch.equal(grouped_mm.weighted_tree(y, gates), weighted_experts(y, gates)), "weighted sum, one leaf")
+
+
+def grouped_layout_tp_invariant() -> None:
+    """The MoE layer's grouped layout (the GPU prefill path, here on CPU tensors through the interpreter)
+    in an engine: bio+tbik on a tiny Mixtral at TP 1 and emulated TP 2 and 8 (one leaf a rank, leaf-major
+    weights of one leaf), a 100-token prefill, routing records included: bitwise equal."""
+    import tempfile
+    from pathlib import Path
+
+    sys.path[:0] = [str(Path(__file__).parents[1]), str(Path(__file__).parents[1] / "integration")]
+    import test_moe
+    from helpers import local_engine
+
+    from detaudit.config import DecodingParams
+
+    usable, block_m = grouped_mm.usable, grouped_mm.BLOCK_M
+    grouped_mm.usable = lambda x: True  # the GPU layout on CPU tensors
+    grouped_mm.BLOCK_M = grouped_mm.INTERPRET_CONFIG["BLOCK_M"]
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            path = test_moe.build("mixtral", Path(d) / "mixtral")
+            prompt = [test_moe.token_ids(batch=1, length=100, seed=7)[0].tolist()]
+            dec = DecodingParams(max_new_tokens=2, seed=1)
+            runs = {}
+            for tp in (1, 2, 8):
+                gen = local_engine(path, "bio+tbik", tp, emulated=tp > 1).generate(prompt, ["a"], dec, 1)[0]
+                runs[tp] = (gen.token_ids, gen.token_logprobs, gen.route_experts, gen.route_gates)
+    finally:
+        grouped_mm.usable, grouped_mm.BLOCK_M = usable, block_m
+    check(runs[2] == runs[1] and runs[8] == runs[1], "grouped MoE layout: emulated TP 2 and 8 == TP 1")
 
 
 def gluon_fallback() -> None:

@@ -96,25 +96,23 @@ def grouped(
     runs: Runs,
     dst: Tensor,
     out_rows: int,
-    leaves: int = 1,
     out_dtype: torch.dtype = torch.float32,
     config: dict | None = None,
 ) -> Tensor:
     """out[..., dst[r], :] = x[src[r]] @ w[e(r)]^T for every sorted row r of `runs` (e(r): its expert),
-    fp32 accumulation rounded once to `out_dtype`. w: [E, N, K], or leaf-major [E, leaves, N, K/leaves]
-    with `leaves` > 1, when out is [leaves, out_rows, N], each leaf its own sum."""
-    if leaves > 1:
-        e, lv, n, leaf = w.shape
-        if lv != leaves:
-            raise AssertionError(f"{lv} leaves of weights, {leaves} asked")
+    fp32 accumulation rounded once to `out_dtype`. w: [E, N, K] gives out [out_rows, N]; leaf-major
+    weights [E, leaves, N, K/leaves] (a tree's leaves, one at TP 8) give out [leaves, out_rows, N], each
+    leaf its own sum."""
+    if w.dim() == 4:
+        e, leaves, n, leaf = w.shape
         swe, swl, swn, swk = w.stride()
     else:
         e, n, leaf = w.shape
-        (swe, swn, swk), swl = w.stride(), 0
+        (swe, swn, swk), swl, leaves = w.stride(), 0, 1
     if x.shape[1] != leaf * leaves:
         raise AssertionError(f"x has K={x.shape[1]}, the weights {leaf * leaves}")
     interpret = x.device.type == "cpu"
-    cfg = dict(config or (INTERPRET_CONFIG if interpret else LEAF_CONFIG if leaves > 1 else CONFIG))
+    cfg = dict(config or (INTERPRET_CONFIG if interpret else LEAF_CONFIG if w.dim() == 4 else CONFIG))
     if cfg["BLOCK_M"] != runs.block_m:
         raise AssertionError(f"runs cut in blocks of {runs.block_m} rows, the config tiles {cfg['BLOCK_M']}")
     cfg.pop("GROUP_M", None)
@@ -145,7 +143,7 @@ def grouped(
         **cfg,
     )
     out = out.to(out_dtype)
-    return out if leaves > 1 else out[0]
+    return out if w.dim() == 4 else out[0]
 
 
 def weighted_tree(y: Tensor, gates: Tensor) -> Tensor:
@@ -222,6 +220,7 @@ if triton is not None:
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = row_ok[:, None] & (cols < N)[None, :]
             w_expert = w_ptr + expert.to(tl.int64) * swe
+            out_leaf = out_ptr
             for j in tl.static_range(NUM_LEAVES):
                 # leaf j: x's columns j*LEAF.. times w[expert, j] (or, one leaf, all of x times w[expert])
                 acc = triton_mm._span(
@@ -244,8 +243,9 @@ if triton is not None:
                     BLOCK_N,
                     BLOCK_K,
                 )
-                ptrs = out_ptr + j * sol + dst.to(tl.int64)[:, None] * som + cols[None, :] * son
+                ptrs = out_leaf + dst.to(tl.int64)[:, None] * som + cols[None, :] * son
                 tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                out_leaf += sol  # one leaf's stride at a time: the pointer's 64 bits, never j * sol in 32
 
     @triton.jit
     def _weighted_kernel(
@@ -272,8 +272,9 @@ if triton is not None:
         s2 = tl.zeros((BLOCK,), dtype=tl.float32)
         node = tl.zeros((BLOCK,), dtype=tl.float32)
         for leaf in tl.static_range(LEAVES):
-            z = tl.load(row + leaf * syl, mask=ok, other=0.0) * tl.load(g_ptr + t * sgt)
+            z = tl.load(row, mask=ok, other=0.0) * tl.load(g_ptr + t * sgt)
             for j in tl.static_range(1, SLOTS):
-                z = z + tl.load(row + leaf * syl + j * sys, mask=ok, other=0.0) * tl.load(g_ptr + t * sgt + j * sgs)
+                z = z + tl.load(row + j * sys, mask=ok, other=0.0) * tl.load(g_ptr + t * sgt + j * sgs)
             s0, s1, s2, node = triton_mm._carry(leaf, z, s0, s1, s2, node)
+            row += syl  # the next leaf: one stride at a time in the pointer's 64 bits
         tl.store(out_ptr + t.to(tl.int64) * N + cols, node, mask=ok)
