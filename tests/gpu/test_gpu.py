@@ -91,7 +91,7 @@ def test_grouped_expert_products_give_the_per_expert_bits():
     down = grouped_mm.grouped(act, runs.identity, w_down, runs, order.int(), t * k)
     w_leaf = w_down.view(e, h, 8, 96).transpose(1, 2).contiguous()
     by_leaf = grouped_mm.grouped(act, runs.identity, w_leaf, runs, order.int(), t * k)
-    one_leaf = w_down.view(e, h, 1, inter)  # a TP-8 rank's single leaf, leaf-major
+    one_leaf = w_down.view(e, 1, h, inter)  # a TP-8 rank's single leaf, leaf-major
     assert torch.equal(grouped_mm.grouped(act, runs.identity, one_leaf, runs, order.int(), t * k), down[None])
     start = 0
     for ex, n in enumerate(counts):
