@@ -33,8 +33,9 @@ DENSE_TOKENS = 64  # up to this many tokens (and in every decode step) every exp
 # every leaf of every expert in one product while its fp32 output, [E * leaves, T, N], stays within this;
 # beyond it (large decode batches) one product a leaf: the same products, a leaves-th of the memory
 LEAF_BATCH_BYTES = 512 << 20
-# a prefill layout holds its fp32 expert outputs, [leaves, T, k, N], at once; past this a long prefill runs
-# the layer in pieces of tokens (every op after the router is a token's own: the same bits, a piece's memory)
+# a prefill layout holds its expert products at once (gate / up [T*k, 2I/C] and the activation in the model
+# dtype, the fp32 down outputs [leaves, T, k, N]); past this a long prefill runs the layer in pieces of
+# tokens (every op after the router is a token's own: the same bits, a piece's memory)
 PREFILL_BYTES = 4 << 30
 
 _NAMES = {  # style -> (module prefix, gate, up, down)
@@ -132,7 +133,10 @@ class MoE:
             layout = Dense
         else:
             layout = Grouped if hasattr(b, "expert_runs_matmul") and grouped_mm.usable(h) else Sorted
-            pieces = -(-t * (self.leaves[1] if self.leaves else 1) * experts.shape[1] * h.shape[1] * 4 // PREFILL_BYTES)
+            # per (token, slot) row: its fp32 down outputs (per leaf) and its gate / up output and activation
+            leaves, inter = (self.leaves[1] if self.leaves else 1), self.gate_up[0].shape[1] // 2
+            row = leaves * h.shape[1] * 4 + 3 * inter * h.element_size()
+            pieces = -(-t * experts.shape[1] * row // PREFILL_BYTES)
             step = -(-t // pieces)
         step = max(step, 1)  # no tokens: one empty piece
         partials = []
