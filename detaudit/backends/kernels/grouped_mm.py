@@ -70,7 +70,6 @@ class Runs:
 
     def __init__(self, experts: Tensor, num_experts: int, block_m: int) -> None:
         flat = experts.reshape(-1)
-        self.shape = tuple(experts.shape)
         self.order = torch.sort(flat, stable=True).indices
         counts = torch.bincount(flat, minlength=num_experts)
         starts = torch.cumsum(counts, 0) - counts
