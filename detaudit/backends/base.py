@@ -16,6 +16,9 @@ Shapes and conventions:
   Used by emulated TP directly and, after an all-gather, by the default `all_reduce`. The combine of
   one partial must be the partial cast to `dtype`, bit for bit.
 - `all_reduce(partial, group, dtype)`: the single TP seam in real TP mode.
+- optional `row_all_reduce(x, w, group, dtype, name)`: a real-TP row-parallel layer in one call, bit for
+  bit `all_reduce(row_partial(x, w, C), group, dtype)`, for backends that overlap the two (bio's peer
+  transport sends each owner's rows while the next are computed).
 - mixture-of-experts layers (a backend without these cannot run MoE models): `expert_linear(x, w)` is an
   expert's column-parallel product (gate / up) of its rows, x[R, K] @ w[N, K]^T, or of every expert at
   once, x[E, R, K] @ w[E, N, K]^T, in x's dtype; `expert_matmul(x, w)` the same shapes for the down
@@ -155,7 +158,10 @@ def describe_allreduce(mode: str) -> str:
         f"all-gather of the fp32 partials below {GATHER_MAX_BYTES} bytes per rank, else reduce-scatter by "
         "all-to-all + all-gather of the cast slices"
     )
-    peer = "peer memory (push each slice to its owner, reduce and cast one's own, read the others')"
+    peer = (
+        "peer memory (push each slice to its owner, in prefills from 2^25 elements by copies of each owner's "
+        "rows while the next are computed; reduce and cast one's own, read the others')"
+    )
     return {
         "auto": f"auto: {peer} on detaudit's NCCL groups of 2, 4 or 8 ranks, else {nccl}",
         "nccl": f"nccl: {nccl}",

@@ -72,6 +72,29 @@ class BioBackend:
     def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor:
         return fixed_order_all_reduce(partial, group, dtype, self._reduce, self.allreduce, self.REDUCE_ORDER)
 
+    def row_all_reduce(
+        self, x: Tensor, weight: Tensor, group: ProcessGroup, dtype: torch.dtype, name: str = ""
+    ) -> Tensor:
+        """A real-TP row-parallel layer: `all_reduce(row_partial(x, w))`, bit for bit. Where the group's
+        peer transport takes the size (GPU prefill), the matmul runs a slice owner's rows at a time and
+        each slice travels while the next is computed (`peer.PeerTransport.row_all_reduce`); the rows'
+        values do not depend on how the rows are cut (the matmul is batch invariant)."""
+        if self.allreduce in ("auto", "peer") and x.is_cuda and x.dim() == 2:
+            fused = getattr(group, "peer_row_all_reduce", None)
+            if fused is not None:
+                x = x if x.is_contiguous() else x.contiguous()
+                out = fused(
+                    x.shape[0],
+                    weight.shape[0],
+                    dtype,
+                    self.REDUCE_ORDER,
+                    lambda r0, r1: self.row_partial(x[r0:r1], weight, group.size, name),
+                    x.device,
+                )
+                if out is not None:
+                    return out
+        return self.all_reduce(self.row_partial(x, weight, group.size, name), group, dtype)
+
     def _reduce(self, partials: Sequence[Tensor]) -> Tensor:
         """The cross-rank sum of fp32 partials, in fp32 (cast by the caller): rank order."""
         return sequential_sum(partials, torch.float32)

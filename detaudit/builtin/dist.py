@@ -61,16 +61,30 @@ class TorchGroup:
         does not run: groups made with peer=False (vLLM's), CPU / gloo groups, sizes other than 2, 4 and 8
         (the kernels' unrolling), no symmetric memory (`required`: that is an error naming the reason), a
         new size while a CUDA graph is being captured."""
-        if not self.peer or not p.is_cuda or self.size not in (2, 4, 8) or dist.get_backend(self.pg) != "nccl":
+        if self._transport(p.device) is None:
+            return None
+        out = self._peer.all_reduce(p, dtype, order)
+        if out is None and required and self._peer.reason:
+            raise DetauditError(f"the peer all-reduce does not run here: {self._peer.reason}")
+        return out
+
+    def peer_row_all_reduce(
+        self, m: int, n: int, dtype: torch.dtype, order: str, rows_partial, device: torch.device
+    ) -> Tensor | None:
+        """A row-parallel layer's matmul and all-reduce over peer memory with the transfer behind the
+        matmul (`peer.PeerTransport.row_all_reduce`), or None: then the backend's `all_reduce` (the same
+        rules decide on every rank)."""
+        transport = self._transport(device)
+        return None if transport is None else transport.row_all_reduce(m, n, dtype, order, rows_partial, device)
+
+    def _transport(self, device: torch.device):
+        if not self.peer or device.type != "cuda" or self.size not in (2, 4, 8) or dist.get_backend(self.pg) != "nccl":
             return None
         if self._peer is None:
             from detaudit.builtin.peer import PeerTransport
 
             self._peer = PeerTransport(self.rank, self.size, self.pg)
-        out = self._peer.all_reduce(p, dtype, order)
-        if out is None and required and self._peer.reason:
-            raise DetauditError(f"the peer all-reduce does not run here: {self._peer.reason}")
-        return out
+        return self._peer
 
     def barrier(self) -> None:
         dist.barrier(group=self.pg)

@@ -101,7 +101,11 @@ class RowParallelLinear:
             if ctx.group is None:  # TP 1 in process (a TP-1 process group, DETAUDIT_TP1_GROUP, all-reduces)
                 out = b.row_output(x, self.shards[0], ctx.dtype, name=self.name)
             else:
-                out = b.all_reduce(b.row_partial(x, self.shards[0], ctx.size, name=self.name), ctx.group, ctx.dtype)
+                fused = getattr(b, "row_all_reduce", None)  # the matmul and its all-reduce overlapped where it can
+                if fused is not None:
+                    out = fused(x, self.shards[0], ctx.group, ctx.dtype, name=self.name)
+                else:
+                    out = b.all_reduce(b.row_partial(x, self.shards[0], ctx.size, name=self.name), ctx.group, ctx.dtype)
         return out if self.bias is None else out + self.bias
 
 

@@ -1,8 +1,10 @@
 """The peer-memory transport of the fixed-order all-reduce (`kernels/peer_reduce.py`) for a real TP
 group on GPUs: one symmetric buffer per rank, mapped into every rank of the group by PyTorch's
 symmetric memory (CUDA backend: cuMem allocations shared between the processes; NVLink multicast is not
-used), and PyTorch's device-side barrier between the kernel steps. Everything it issues is stream
-ordered and allocation free after the first call of a size, so CUDA graphs capture it.
+used), and PyTorch's device-side barrier between the kernel steps. Everything `all_reduce` issues is
+stream ordered and allocation free after the first call of a size, so CUDA graphs capture it.
+`row_all_reduce` (large prefills, never captured) adds a side stream whose copies the layer's matmul
+feeds slice by slice.
 
 Partials small enough (`peer_reduce.oneshot_fits`: decode steps) take the one-shot pair over a second,
 fixed-size symmetric area, allocated at the first such call, with its epoch counter in device memory.
@@ -28,6 +30,12 @@ MIN_SLICE = 1 << 18  # elements per rank slice of the first buffer (1 MiB of fp3
 # a device barrier that waits longer traps (the rank's CUDA context fails, so does its cell) instead of
 # spinning for good on a peer that is gone: the process group's timeout (`dist.init`)
 BARRIER_TIMEOUT_MS = 300_000
+# `row_all_reduce` (the matmul cut by the slices' owners, each slice copied while the next is computed)
+# from this many partial elements: its C matmul launches and copies cost about 150-200 us more host time
+# per layer than one matmul and `push`, which a prefill of 4096 tokens x 4096 columns at 4 ranks does not
+# hide (`bench e2e --tp 4`: bio+tbik batch-8 prefill fell from 0.82x to 0.68x bf16), while from 16384
+# tokens the overlap wins on device time with host time to spare (batch 32: 0.82x to 0.93x).
+OVERLAP_MIN = 1 << 25
 
 
 class PeerBuffers:
@@ -78,6 +86,8 @@ class PeerTransport:
         self.buffers: PeerBuffers | None = None
         self.retired: list[PeerBuffers] = []  # outgrown buffers, kept alive for the graphs captured on them
         self.oneshot: OneShotArea | None = None
+        self.copies: torch.cuda.Stream | None = None  # the side stream of `row_all_reduce`'s copies
+        self.events: list[torch.cuda.Event] = []  # its events: each slice's rows computed, then copied
         self.reason = ""
 
     def all_reduce(self, p: Tensor, dtype: torch.dtype, order: str) -> Tensor | None:
@@ -89,6 +99,74 @@ class PeerTransport:
         if peer_reduce.oneshot_fits(n, self.size):
             return self._oneshot(p, dtype, order)
         per = peer_reduce.slice_size(n, self.size)
+        b = self._buffers(per, dtype, p.device)
+        if b is None:
+            return None
+        # this call's slices, laid out at stride `per` in the first C * per elements of each area
+        peer_reduce.push(p.view(-1), b.receive, self.rank, per)
+        return self._finish(b, p.shape, per, dtype, order)
+
+    def row_all_reduce(
+        self, m: int, n: int, dtype: torch.dtype, order: str, rows_partial, device: torch.device
+    ) -> Tensor | None:
+        """A row-parallel layer's all-reduce with its matmul cut by the slices' owners, or None where this
+        transport does not take the size now (below OVERLAP_MIN; decode sizes go by the one-shot pair, a
+        graph being captured by `all_reduce`): the same answer on every rank, from the shape, buffers and capture.
+
+        `rows_partial(r0, r1)` is this rank's fp32 partial of rows r0..r1 (the backend's batch-invariant
+        matmul: a row's values do not depend on the rows beside it). The slices are whole rows, ceil(m / C)
+        a rank; rank j's rows are computed, then copied into this rank's slot of rank j's receive area
+        by the copy engine on a side stream while the next rows are computed, this rank's own rows last.
+        The areas then hold what `push` would have put there, and the reduce and gather finish as in
+        `all_reduce`: the same bits, with the transfer behind the matmul instead of after it."""
+        if self.reason or m * n < OVERLAP_MIN or peer_reduce.oneshot_fits(m * n, self.size) or n % 64:
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            return None  # (prefill is not captured; side streams stay out of graphs)
+        rows = -(-m // self.size)
+        per = rows * n
+        b = self._buffers(per, dtype, device)
+        if b is None:
+            return None
+        main = torch.cuda.current_stream(device)
+        if self.copies is None:
+            self.copies = torch.cuda.Stream(device)
+            self.events = [torch.cuda.Event() for _ in range(self.size + 1)]
+        side, computed, copied = self.copies, self.events[:-1], self.events[-1]
+        at = self.rank * per
+        sent = []  # every slice stays referenced until main waits for the copies (no record_stream: the
+        # allocator then reuses its memory only for work ordered after them)
+        try:
+            for step in range(1, self.size + 1):
+                j = (self.rank + step) % self.size  # the other ranks' rows first, this rank's own last
+                r0, r1 = j * rows, min((j + 1) * rows, m)
+                if r0 >= r1:
+                    continue
+                part = rows_partial(r0, r1)
+                computed[step - 1].record(main)  # (re-recorded next call: a wait already issued keeps this one)
+                torch.cuda.set_stream(side)  # (a fifth of `torch.cuda.stream`'s host cost: this runs per slice)
+                side.wait_event(computed[step - 1])  # the rows are computed, the areas free (the last barrier)
+                b.receive[j][at : at + part.numel()].copy_(part.view(-1), non_blocking=True)
+                torch.cuda.set_stream(main)
+                sent.append(part)
+        finally:
+            torch.cuda.set_stream(main)
+        copied.record(side)
+        main.wait_event(copied)  # every copy has landed before this rank reaches the barrier
+        return self._finish(b, (m, n), per, dtype, order)
+
+    def _finish(self, b: PeerBuffers, shape, per: int, dtype: torch.dtype, order: str) -> Tensor:
+        """Barrier, reduce this rank's slice, barrier, read every rank's cast slice."""
+        out = torch.empty(shape, dtype=dtype, device=b.buf.device)
+        b.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        peer_reduce.reduce(b.receive[self.rank], b.result[self.rank], self.rank, self.size, per, order)
+        b.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        peer_reduce.gather(b.result, out.view(-1), per)
+        return out
+
+    def _buffers(self, per: int, dtype: torch.dtype, device: torch.device) -> PeerBuffers | None:
+        """Buffers with slices of at least `per` elements of dtype results, grown where needed outside
+        graph capture, or None."""
         if self.size * per >= 2**31:  # the kernels' int32 offsets (the same answer on every rank)
             return None
         b = self.buffers
@@ -99,17 +177,8 @@ class PeerTransport:
                 size = max(per, MIN_SLICE)
             else:  # at least double a buffer that is too small; the same size where only the dtype differs
                 size = max(per, 2 * b.per) if per > b.per else b.per
-            b = self._grow(size, dtype, p.device)
-            if b is None:
-                return None
-        out = torch.empty(p.shape, dtype=dtype, device=p.device)
-        # this call's slices, laid out at stride `per` in the first C * per elements of each area
-        peer_reduce.push(p.view(-1), b.receive, self.rank, per)
-        b.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        peer_reduce.reduce(b.receive[self.rank], b.result[self.rank], self.rank, self.size, per, order)
-        b.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        peer_reduce.gather(b.result, out.view(-1), per)
-        return out
+            b = self._grow(size, dtype, device)
+        return b
 
     def _oneshot(self, p: Tensor, dtype: torch.dtype, order: str) -> Tensor | None:
         o = self.oneshot

@@ -90,3 +90,66 @@ def test_peer_allreduce_gives_the_gather_bits(tmp_path, size):
     mp.spawn(_rank, args=(size, free_port(), str(tmp_path)), nprocs=size, join=True)
     for r in range(size):
         assert (tmp_path / f"{r}.txt").read_text() == "ok", (r, (tmp_path / f"{r}.txt").read_text())
+
+
+# (rows, a rank's K): every kernel path, with OVERLAP_MIN lowered to 0, and one shape past the real one
+ROW_SHAPES = [(300, 1024), (1030, 3072), (4096, 1024), (4097, 3072)]
+ROW_SHAPE_PAST_MIN = (8200, 1024)
+
+
+def _row_rank(rank, size, port, out_dir):
+    """A row-parallel layer through `row_all_reduce` (each owner's rows computed, then copied to it while
+    the next rows are computed) against the same layer's partial all-gathered and reduced: bitwise on
+    every rank for bio and bio+tbik, eagerly (the overlapped path) and inside a CUDA graph (where the
+    layer takes `all_reduce`)."""
+    from detaudit.backends import base, get_backend
+    from detaudit.builtin import dist, peer
+
+    torch.cuda.set_device(rank)
+    group = dist.init(rank, size, port, f"cuda:{rank}")
+    bad = []
+    try:
+        g = torch.Generator(device="cuda").manual_seed(7 + rank)
+        for name in ("bio", "bio+tbik"):
+            b = get_backend(name)
+
+            def want(x, w, b=b):
+                p = b.row_partial(x, w, size)
+                return base.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, "gather", b.REDUCE_ORDER)
+
+            for (m, k), least in [*((s, 0) for s in ROW_SHAPES), (ROW_SHAPE_PAST_MIN, peer.OVERLAP_MIN)]:
+                least, peer.OVERLAP_MIN = peer.OVERLAP_MIN, least
+                x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+                w = (torch.randn(4096, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+                calls = []
+                b.row_partial = lambda *a, b=b, calls=calls, **kw: calls.append(1) or type(b).row_partial(b, *a, **kw)
+                got = b.row_all_reduce(x, w, group, torch.bfloat16)
+                del b.row_partial
+                if not torch.equal(got, want(x, w)):
+                    bad.append(f"{name} eager {m}x{k}")
+                if len(calls) != size:  # one matmul per slice owner: the overlapped path ran
+                    bad.append(f"{name} {m}x{k}: {len(calls)} matmuls, not the overlapped path's {size}")
+                peer.OVERLAP_MIN = least
+            static = torch.randn(300, 1024, device="cuda", generator=g).to(torch.bfloat16)
+            w = (torch.randn(4096, 1024, device="cuda", generator=g) / 32).to(torch.bfloat16)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = b.row_all_reduce(static, w, group, torch.bfloat16)
+            for _ in range(3):
+                static.copy_(torch.randn(300, 1024, device="cuda", generator=g).to(torch.bfloat16))
+                graph.replay()
+                if not torch.equal(out, want(static.clone(), w)):
+                    bad.append(f"{name} graph")
+    finally:
+        dist.shutdown(group)
+    with open(f"{out_dir}/{rank}.txt", "w") as f:
+        f.write("\n".join(bad) or "ok")
+
+
+@pytest.mark.parametrize("size", [n for n in (2, 4) if n <= torch.cuda.device_count()])
+def test_row_all_reduce_overlapped_gives_the_gather_bits(tmp_path, size):
+    from detaudit.builtin.dist import free_port
+
+    mp.spawn(_row_rank, args=(size, free_port(), str(tmp_path)), nprocs=size, join=True)
+    for r in range(size):
+        assert (tmp_path / f"{r}.txt").read_text() == "ok", (r, (tmp_path / f"{r}.txt").read_text())

@@ -47,11 +47,122 @@ def main() -> None:
                         for r, p in enumerate(parts):
                             got = areas[(r + 1) % c][(half * c + r) * slot :][:n]
                             check(torch.equal(got, p.view(-1)), f"half {half} slot {r} of a peer, C={c} {shape}")
+    row_all_reduce_threads(g)
     check(peer_reduce.slice_size(1, 4) == 64 and peer_reduce.slice_size(4097, 4) == 1088, "slice sizes")
     fits = peer_reduce.oneshot_fits
     check(fits(1 << 18, 2) and not fits((1 << 18) + 1, 2), "one-shot at 2 ranks: up to ONESHOT_MAX")
     check(fits(32 * 4096, 4) and not fits(64 * 4096, 4) and fits(16 * 4096, 8), "one-shot: decode batches")
     print("ok")
+
+
+def row_all_reduce_threads(g: torch.Generator) -> None:
+    """`PeerTransport.row_all_reduce` on C ranks emulated by C threads: the real transport code, its
+    kernels under the interpreter, with what only a GPU has replaced by stand-ins (mocks): symmetric
+    memory is C CPU buffers every thread can address, the device barrier a threading barrier, streams
+    no-ops. Each rank's matmul is a function of its rows only (as the batch-invariant kernels are); every
+    rank's result must be the fixed-order sum of the whole partials, for m not a multiple of C and slices
+    that fill the areas unevenly, and the rows must be asked for the other ranks' slices first."""
+    import threading
+
+    from detaudit.builtin import peer
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+    cuda = torch.cuda
+    saved = (
+        cuda.is_current_stream_capturing,
+        cuda.current_stream,
+        cuda.Stream,
+        cuda.set_stream,
+        cuda.Event,
+    )
+    cuda.is_current_stream_capturing = lambda: False
+    cuda.current_stream = lambda device=None: Stream()
+    cuda.Stream = lambda device=None: Stream()
+    cuda.set_stream = lambda s: None
+    cuda.Event = lambda: Event()
+    kernels = threading.Lock()  # the interpreter runs one kernel at a time
+    for name in ("reduce", "gather"):
+        real = getattr(peer_reduce, name)
+
+        def locked(*a, real=real, **k):
+            with kernels:
+                return real(*a, **k)
+
+        setattr(peer_reduce, name, locked)
+    try:
+        for c in (2, 4):
+            n, m = 64, 4201  # past the one-shot sizes; rows ceil(m / C), the last slice short
+            parts = [
+                torch.randn(m, n, generator=g) * 10.0 ** torch.randint(-3, 3, (m, n), generator=g) for _ in range(c)
+            ]
+            bufs: dict[int, torch.Tensor] = {}
+            meet = threading.Barrier(c)
+
+            class Handle:
+                def __init__(self, buf):
+                    self.buf = buf
+
+                def get_buffer(self, rank, sizes, dtype):
+                    return bufs[rank].view(dtype)[: sizes[0]]
+
+                def barrier(self, channel=0, timeout_ms=0):
+                    meet.wait(timeout=60)
+
+            def empty(nbytes, dtype, device):
+                return torch.zeros(nbytes, dtype=dtype)
+
+            def rendezvous(buf, pg, bufs=bufs, meet=meet):
+                bufs[int(threading.current_thread().name)] = buf
+                meet.wait(timeout=60)
+                return Handle(buf)
+
+            import torch.distributed._symmetric_memory as symm_mem
+
+            symm_mem.empty, peer._rendezvous = empty, rendezvous
+            peer.PeerTransport._agree = lambda self, ok, device: bool(ok)
+            small = peer.PeerTransport(0, c).row_all_reduce(m, n, torch.float32, "rank", None, torch.device("cpu"))
+            check(small is None, f"below OVERLAP_MIN the caller's all_reduce runs, C={c}")
+            peer.OVERLAP_MIN = 0  # the threads' partials are small: take the overlapped path at every size
+            for order, want in (("rank", sequential_sum(parts, torch.float32)), ("tree", tree.tree_sum(parts))):
+                outs, asked = [None] * c, [[] for _ in range(c)]
+                transports = [peer.PeerTransport(r, c) for r in range(c)]
+
+                def run(r, order=order, parts=parts, outs=outs, asked=asked, transports=transports):
+                    def rows_partial(r0, r1):
+                        asked[r].append(r0)
+                        return parts[r][r0:r1].clone()
+
+                    outs[r] = transports[r].row_all_reduce(
+                        m, n, torch.float32, order, rows_partial, torch.device("cpu")
+                    )
+
+                threads = [threading.Thread(target=run, args=(r,), name=str(r)) for r in range(c)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(timeout=300)
+                rows = -(-m // c)
+                for r in range(c):
+                    check(outs[r] is not None and torch.equal(outs[r], want), f"row all-reduce C={c} rank {r} {order}")
+                    check(asked[r] == [((r + s) % c) * rows for s in range(1, c + 1)], f"row order C={c}: {asked[r]}")
+    finally:
+        (
+            cuda.is_current_stream_capturing,
+            cuda.current_stream,
+            cuda.Stream,
+            cuda.set_stream,
+            cuda.Event,
+        ) = saved
 
 
 if __name__ == "__main__":
