@@ -31,10 +31,11 @@ MIN_SLICE = 1 << 18  # elements per rank slice of the first buffer (1 MiB of fp3
 # spinning for good on a peer that is gone: the process group's timeout (`dist.init`)
 BARRIER_TIMEOUT_MS = 300_000
 # `row_all_reduce` (the matmul cut by the slices' owners, each slice copied while the next is computed)
-# from this many partial elements: its C matmul launches and copies cost about 150-200 us more host time
-# per layer than one matmul and `push`, which a prefill of 4096 tokens x 4096 columns at 4 ranks does not
-# hide (`bench e2e --tp 4`: bio+tbik batch-8 prefill fell from 0.82x to 0.68x bf16), while from 16384
-# tokens the overlap wins on device time with host time to spare (batch 32: 0.82x to 0.93x).
+# from this many partial elements (8192 tokens x 4096 columns): its C matmul launches and copies cost about
+# 150-200 us more host time per layer than one matmul and `push`, which a prefill of 4096 tokens x 4096
+# columns at 4 ranks does not hide (`bench e2e --tp 4`: bio+tbik batch-8 prefill fell from 0.82x to 0.68x
+# bf16), while at 16384 tokens the overlap wins on device time with host time to spare (batch 32: 0.82x
+# to 0.92x). 8192 tokens was not measured apart: there the device time saved is twice 4096's.
 OVERLAP_MIN = 1 << 25
 
 
@@ -117,8 +118,10 @@ class PeerTransport:
         matmul: a row's values do not depend on the rows beside it). The slices are whole rows, ceil(m / C)
         a rank; rank j's rows are computed, then copied into this rank's slot of rank j's receive area
         by the copy engine on a side stream while the next rows are computed, this rank's own rows last.
-        The areas then hold what `push` would have put there, and the reduce and gather finish as in
-        `all_reduce`: the same bits, with the transfer behind the matmul instead of after it."""
+        The areas then hold every valid element where `push` with slices of `per` = ceil(m / C) x n would
+        put it (a short last slice's tail is left as it was: the gather reads no element past m x n), and
+        the reduce and gather finish as in `all_reduce`: the same bits, with the transfer behind the
+        matmul instead of after it."""
         if self.reason or m * n < OVERLAP_MIN or peer_reduce.oneshot_fits(m * n, self.size) or n % 64:
             return None
         if torch.cuda.is_current_stream_capturing():
@@ -143,16 +146,16 @@ class PeerTransport:
                 if r0 >= r1:
                     continue
                 part = rows_partial(r0, r1)
+                sent.append(part)
                 computed[step - 1].record(main)  # (re-recorded next call: a wait already issued keeps this one)
                 torch.cuda.set_stream(side)  # (a fifth of `torch.cuda.stream`'s host cost: this runs per slice)
                 side.wait_event(computed[step - 1])  # the rows are computed, the areas free (the last barrier)
                 b.receive[j][at : at + part.numel()].copy_(part.view(-1), non_blocking=True)
                 torch.cuda.set_stream(main)
-                sent.append(part)
-        finally:
+        finally:  # also when a matmul raised: no slice is freed while a copy may still read it
             torch.cuda.set_stream(main)
-        copied.record(side)
-        main.wait_event(copied)  # every copy has landed before this rank reaches the barrier
+            copied.record(side)
+            main.wait_event(copied)  # every copy has landed before this rank reaches the barrier
         return self._finish(b, (m, n), per, dtype, order)
 
     def _finish(self, b: PeerBuffers, shape, per: int, dtype: torch.dtype, order: str) -> Tensor:

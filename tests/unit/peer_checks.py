@@ -61,7 +61,8 @@ def row_all_reduce_threads(g: torch.Generator) -> None:
     memory is C CPU buffers every thread can address, the device barrier a threading barrier, streams
     no-ops. Each rank's matmul is a function of its rows only (as the batch-invariant kernels are); every
     rank's result must be the fixed-order sum of the whole partials, for m not a multiple of C and slices
-    that fill the areas unevenly, and the rows must be asked for the other ranks' slices first."""
+    that fill the areas unevenly (the areas start as NaN: no unwritten element may reach the output), and
+    the rows must be asked for the other ranks' slices first. Below OVERLAP_MIN nothing may run."""
     import threading
 
     from detaudit.builtin import peer
@@ -77,19 +78,23 @@ def row_all_reduce_threads(g: torch.Generator) -> None:
         def record(self, stream=None):
             pass
 
+    import torch.distributed._symmetric_memory as symm_mem
+
+    saved: list[tuple[object, str, object]] = []
+
+    def patch(obj, name, value):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
     cuda = torch.cuda
-    saved = (
-        cuda.is_current_stream_capturing,
-        cuda.current_stream,
-        cuda.Stream,
-        cuda.set_stream,
-        cuda.Event,
-    )
-    cuda.is_current_stream_capturing = lambda: False
-    cuda.current_stream = lambda device=None: Stream()
-    cuda.Stream = lambda device=None: Stream()
-    cuda.set_stream = lambda s: None
-    cuda.Event = lambda: Event()
+    patch(cuda, "is_current_stream_capturing", lambda: False)
+    patch(cuda, "current_stream", lambda device=None: Stream())
+    patch(cuda, "Stream", lambda device=None: Stream())
+    patch(cuda, "set_stream", lambda s: None)
+    patch(cuda, "Event", lambda: Event())
+    patch(peer.PeerTransport, "_agree", lambda self, ok, device: bool(ok))
+    real_min = peer.OVERLAP_MIN
+    patch(peer, "OVERLAP_MIN", real_min)
     kernels = threading.Lock()  # the interpreter runs one kernel at a time
     for name in ("reduce", "gather"):
         real = getattr(peer_reduce, name)
@@ -98,7 +103,7 @@ def row_all_reduce_threads(g: torch.Generator) -> None:
             with kernels:
                 return real(*a, **k)
 
-        setattr(peer_reduce, name, locked)
+        patch(peer_reduce, name, locked)
     try:
         for c in (2, 4):
             n, m = 64, 4201  # past the one-shot sizes; rows ceil(m / C), the last slice short
@@ -118,20 +123,21 @@ def row_all_reduce_threads(g: torch.Generator) -> None:
                 def barrier(self, channel=0, timeout_ms=0):
                     meet.wait(timeout=60)
 
-            def empty(nbytes, dtype, device):
-                return torch.zeros(nbytes, dtype=dtype)
+            def empty(nbytes, dtype, device):  # all bits set: NaN wherever nothing was written
+                return torch.full((nbytes,), 255, dtype=dtype)
 
             def rendezvous(buf, pg, bufs=bufs, meet=meet):
                 bufs[int(threading.current_thread().name)] = buf
                 meet.wait(timeout=60)
                 return Handle(buf)
 
-            import torch.distributed._symmetric_memory as symm_mem
-
-            symm_mem.empty, peer._rendezvous = empty, rendezvous
-            peer.PeerTransport._agree = lambda self, ok, device: bool(ok)
-            small = peer.PeerTransport(0, c).row_all_reduce(m, n, torch.float32, "rank", None, torch.device("cpu"))
-            check(small is None, f"below OVERLAP_MIN the caller's all_reduce runs, C={c}")
+            patch(symm_mem, "empty", empty)
+            patch(peer, "_rendezvous", rendezvous)
+            peer.OVERLAP_MIN = real_min  # these partials are below it
+            small, touched = peer.PeerTransport(0, c), []
+            got = small.row_all_reduce(m, n, torch.float32, "rank", lambda *r: touched.append(r), torch.device("cpu"))
+            quiet = got is None and not touched and small.buffers is None and not small.reason
+            check(quiet, f"below OVERLAP_MIN nothing runs (the caller's all_reduce does), C={c}")
             peer.OVERLAP_MIN = 0  # the threads' partials are small: take the overlapped path at every size
             for order, want in (("rank", sequential_sum(parts, torch.float32)), ("tree", tree.tree_sum(parts))):
                 outs, asked = [None] * c, [[] for _ in range(c)]
@@ -156,13 +162,8 @@ def row_all_reduce_threads(g: torch.Generator) -> None:
                     check(outs[r] is not None and torch.equal(outs[r], want), f"row all-reduce C={c} rank {r} {order}")
                     check(asked[r] == [((r + s) % c) * rows for s in range(1, c + 1)], f"row order C={c}: {asked[r]}")
     finally:
-        (
-            cuda.is_current_stream_capturing,
-            cuda.current_stream,
-            cuda.Stream,
-            cuda.set_stream,
-            cuda.Event,
-        ) = saved
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
 
 
 if __name__ == "__main__":
