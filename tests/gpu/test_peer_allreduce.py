@@ -8,6 +8,8 @@ slower rank may still be reading)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -83,18 +85,35 @@ def _rank(rank, size, port, out_dir):
         f.write("\n".join(bad) or "ok")
 
 
-@pytest.mark.parametrize("size", [n for n in (2, 4) if n <= torch.cuda.device_count()])
-def test_peer_allreduce_gives_the_gather_bits(tmp_path, size):
+def _spawn_and_check(rank_fn, size, tmp_path):
+    """Run rank_fn(rank, size, port, out_dir) on `size` processes; each rank writes "ok" or what failed."""
     from detaudit.builtin.dist import free_port
 
-    mp.spawn(_rank, args=(size, free_port(), str(tmp_path)), nprocs=size, join=True)
+    mp.spawn(rank_fn, args=(size, free_port(), str(tmp_path)), nprocs=size, join=True)
     for r in range(size):
         assert (tmp_path / f"{r}.txt").read_text() == "ok", (r, (tmp_path / f"{r}.txt").read_text())
+
+
+@pytest.mark.parametrize("size", [n for n in (2, 4) if n <= torch.cuda.device_count()])
+def test_peer_allreduce_gives_the_gather_bits(tmp_path, size):
+    _spawn_and_check(_rank, size, tmp_path)
 
 
 # (rows, a rank's K): every kernel path, with OVERLAP_MIN lowered to 0, and one shape past the real one
 ROW_SHAPES = [(300, 1024), (1030, 3072), (4096, 1024), (4097, 3072)]
 ROW_SHAPE_PAST_MIN = (8200, 1024)
+
+
+@contextlib.contextmanager
+def _overlap_min(value):
+    """peer.OVERLAP_MIN set to `value` for the block."""
+    from detaudit.builtin import peer
+
+    kept, peer.OVERLAP_MIN = peer.OVERLAP_MIN, value
+    try:
+        yield
+    finally:
+        peer.OVERLAP_MIN = kept
 
 
 def _row_rank(rank, size, port, out_dir):
@@ -118,27 +137,22 @@ def _row_rank(rank, size, port, out_dir):
                 return base.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, "gather", b.REDUCE_ORDER)
 
             for (m, k), least in [*((s, 0) for s in ROW_SHAPES), (ROW_SHAPE_PAST_MIN, peer.OVERLAP_MIN)]:
-                least, peer.OVERLAP_MIN = peer.OVERLAP_MIN, least
                 x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
                 w = (torch.randn(4096, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
                 calls = []
                 b.row_partial = lambda *a, b=b, calls=calls, **kw: calls.append(1) or type(b).row_partial(b, *a, **kw)
-                got = b.row_all_reduce(x, w, group, torch.bfloat16)
+                with _overlap_min(least):
+                    got = b.row_all_reduce(x, w, group, torch.bfloat16)
                 del b.row_partial
                 if not torch.equal(got, want(x, w)):
                     bad.append(f"{name} eager {m}x{k}")
                 if len(calls) != size:  # one matmul per slice owner: the overlapped path ran
                     bad.append(f"{name} {m}x{k}: {len(calls)} matmuls, not the overlapped path's {size}")
-                peer.OVERLAP_MIN = least
             static = torch.randn(300, 1024, device="cuda", generator=g).to(torch.bfloat16)
             w = (torch.randn(4096, 1024, device="cuda", generator=g) / 32).to(torch.bfloat16)
             graph = torch.cuda.CUDAGraph()
-            least, peer.OVERLAP_MIN = peer.OVERLAP_MIN, 0  # past the threshold: only the capture check decides
-            try:
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    out = b.row_all_reduce(static, w, group, torch.bfloat16)
-            finally:
-                peer.OVERLAP_MIN = least
+            with _overlap_min(0), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = b.row_all_reduce(static, w, group, torch.bfloat16)  # only the capture check decides
             for _ in range(3):
                 static.copy_(torch.randn(300, 1024, device="cuda", generator=g).to(torch.bfloat16))
                 graph.replay()
@@ -152,8 +166,4 @@ def _row_rank(rank, size, port, out_dir):
 
 @pytest.mark.parametrize("size", [n for n in (2, 4) if n <= torch.cuda.device_count()])
 def test_row_all_reduce_overlapped_gives_the_gather_bits(tmp_path, size):
-    from detaudit.builtin.dist import free_port
-
-    mp.spawn(_row_rank, args=(size, free_port(), str(tmp_path)), nprocs=size, join=True)
-    for r in range(size):
-        assert (tmp_path / f"{r}.txt").read_text() == "ok", (r, (tmp_path / f"{r}.txt").read_text())
+    _spawn_and_check(_row_rank, size, tmp_path)

@@ -68,9 +68,6 @@ def row_all_reduce_threads(g: torch.Generator) -> None:
     from detaudit.builtin import peer
 
     class Stream:
-        def wait_stream(self, other):
-            pass
-
         def wait_event(self, event):
             pass
 
