@@ -3,7 +3,9 @@
 For each (model, TP, backend) one engine is built and, per batch size, a batch of random prompts of
 `prompt_tokens` ids (seeded: every backend sees the same ids) is generated greedily for `new_tokens`
 tokens with EOS disabled, after a short warm-up call (compilation, caches), `repeats` times (the rows
-report the median call; with more than one, `ms_per_step_min` / `_max` show the spread: eager decode is
+report the median call by decode ms per step, and the median of the calls' prefill rates: one eager prefill
+a call is a single sample, and on the GPU machines' hosts one in a few runs 10-20% slow; with more than one
+call, `ms_per_step_min` / `_max` and `prefill_tok_s_min` / `_max` show the spread: eager decode is
 host-bound and the GPU machines' virtualised hosts vary by up to 1.6x between runs). The engine times the prefill
 (prompts -> first logits) and the decode loop (steps -> logits, sampling, bookkeeping), synchronizing
 the device at each boundary; CUDA-graph capture is timed apart and left out of decode. `host_ms_per_step`
@@ -114,6 +116,7 @@ def bench_e2e(
                         per_step = [1e3 * t["decode_s"] / max(1, t["decode_steps"]) for t in runs]
                         median = sorted(range(repeats), key=per_step.__getitem__)[(repeats - 1) // 2]  # the median call
                         t = runs[median]
+                        prefill = [r["prompt_tokens"] / r["prefill_s"] for r in runs]
                         row = {
                             "model": name,
                             "tp": tp,
@@ -121,7 +124,7 @@ def bench_e2e(
                             "batch": bs,
                             "prompt_tokens": prompt_tokens,
                             "new_tokens": new_tokens,
-                            "prefill_tok_s": t["prompt_tokens"] / t["prefill_s"],
+                            "prefill_tok_s": sorted(prefill)[(repeats - 1) // 2],
                             "decode_tok_s": bs * max(1, t["decode_steps"]) / t["decode_s"],
                             "ms_per_step": per_step[median],
                             "host_ms_per_step": 1e3 * t["issue_s"] / max(1, t["decode_steps"]),
@@ -130,7 +133,13 @@ def bench_e2e(
                             "workers": eng.describe().get("workers", 0),
                         }
                         if repeats > 1:
-                            row.update(repeats=repeats, ms_per_step_min=min(per_step), ms_per_step_max=max(per_step))
+                            row.update(
+                                repeats=repeats,
+                                ms_per_step_min=min(per_step),
+                                ms_per_step_max=max(per_step),
+                                prefill_tok_s_min=min(prefill),
+                                prefill_tok_s_max=max(prefill),
+                            )
                         rows.append(row)
                         if profile and profile_rows is not None:
                             keys = ("model", "tp", "backend", "batch", "cuda_graphs")

@@ -52,8 +52,8 @@ def test_bench_e2e_on_cpu(tiny_llama):
 
 @pytest.mark.slow  # engines on a checkpoint, several timed calls
 def test_bench_e2e_repeats_report_the_median_call(tiny_llama):
-    """With --repeats the row is the median timed call, bracketed by the min and max; bad counts and
-    --compare-graphs without a GPU are one line, exit 2."""
+    """With --repeats the row is the median timed call (and the median prefill), bracketed by the min and
+    max; bad counts and --compare-graphs without a GPU are one line, exit 2."""
     res = runner.invoke(
         app,
         [
@@ -79,6 +79,7 @@ def test_bench_e2e_repeats_report_the_median_call(tiny_llama):
     assert res.exit_code == 0, res.output
     (row,) = json.loads(res.stdout)["rows"]
     assert row["repeats"] == 3 and row["ms_per_step_min"] <= row["ms_per_step"] <= row["ms_per_step_max"]
+    assert row["prefill_tok_s_min"] <= row["prefill_tok_s"] <= row["prefill_tok_s_max"]  # the median prefill
     for bad, says in ((["--repeats", "0"], "--repeats"), (["--compare-graphs"], "CUDA device")):
         res = runner.invoke(app, ["bench", "e2e", "--models", str(tiny_llama), "--device", "cpu", *bad])
         assert res.exit_code == 2 and says in res.output, res.output

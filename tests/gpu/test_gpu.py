@@ -43,7 +43,12 @@ def test_every_tiling_gives_the_same_bits(k, n):
     w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
     full = fixed.matmul(a, w, out_dtype=torch.bfloat16)  # the large-M tiling
     tree_full = triton_mm.mm(a, w, leaves=8)
-    for m in (1, 8, 64, 65, 300, 1024, 1025, 2048):
+    for tree in (False, True):  # decode sizes take the swapped kernel (`triton_swap`), both tile heights
+        assert (
+            triton_mm.tiling(torch.bfloat16, 8, tree, n).get("SWAP")
+            and triton_mm.tiling(torch.bfloat16, 32, tree, n)["BLOCK_M"] == 32
+        )
+    for m in (1, 8, 16, 17, 32, 33, 64, 65, 300, 1024, 1025, 2048):
         assert torch.equal(fixed.matmul(a[:m], w, out_dtype=torch.bfloat16), full[:m]), m
         assert torch.equal(triton_mm.mm(a[:m], w, leaves=8), tree_full[:m]), m
     assert torch.equal(fixed.matmul(a[1000:1005], w, out_dtype=torch.bfloat16), full[1000:1005])
@@ -185,6 +190,9 @@ def test_tree_tp_invariant(k, n, dtype):
         parts = [b.row_partial(x[:, r * kc : (r + 1) * kc], w[:, r * kc : (r + 1) * kc], c) for r in range(c)]
         assert torch.equal(b.combine(parts, dtype), one), c
         assert torch.equal(b.combine([p[:7] for p in parts], dtype), one[:7])
+        for m in (7, 32):  # a decode step's rows: each rank's subtree by the swapped kernel (bf16)
+            few = [b.row_partial(x[:m, r * kc : (r + 1) * kc], w[:, r * kc : (r + 1) * kc], c) for r in range(c)]
+            assert torch.equal(b.combine(few, dtype), one[:m]), (c, m)
 
 
 def test_row_ops_and_attention_on_cuda():

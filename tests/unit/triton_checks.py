@@ -78,6 +78,7 @@ def main() -> None:
     grouped_layout_tp_invariant()
     fast_path_end_to_end()
     gluon_fallback()
+    swapped_products(g)
     print("ok")
 
 
@@ -290,6 +291,40 @@ def grouped_layout_tp_invariant() -> None:
     finally:
         grouped_mm.usable, grouped_mm.BLOCK_M = usable, block_m
     check(runs[2] == runs[1] and runs[8] == runs[1], "grouped MoE layout: emulated TP 2 and 8 == TP 1")
+
+
+def swapped_products(g: torch.Generator) -> None:
+    """The decode kernel with the operands' roles swapped (`triton_swap`, the SWAP=1 tilings; tests/gpu checks
+    its bits against every other tiling at real shapes): accurate with uneven rows, columns and K, and its
+    tree is its own leaves' products added along the tree (the interpreter's tl.dot is numpy's: bits are
+    compared only between identical tile products)."""
+    from detaudit.errors import DetauditError
+
+    swap = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1, SWAP=1)
+    for dt in (torch.float32, torch.bfloat16):
+        for m, k, n in ((5, 128, 40), (20, 40, 16)):  # rows past one row tile, N and K not tile multiples
+            x = torch.randn(m, k, generator=g).to(dt)
+            w = torch.randn(n, k, generator=g).to(dt)
+            ref = x.double() @ w.double().t()
+            got = triton_mm.mm(x, w, config=swap)
+            check(
+                ((got.double() - ref).abs().max() < 1e-4 * ref.abs().max()).item(), f"swapped accuracy {dt} {m}x{k}x{n}"
+            )
+            if k % (8 * swap["BLOCK_K"]) == 0:
+                tree8 = triton_mm.mm(x, w, leaves=8, config=swap)
+                leaf = k // 8
+                parts = [
+                    triton_mm.mm(
+                        x[:, j * leaf : (j + 1) * leaf].contiguous(), w[:, j * leaf : (j + 1) * leaf], config=swap
+                    )
+                    for j in range(8)
+                ]
+                check(torch.equal(tree.tree_sum(parts), tree8), f"swapped tree = its leaves along the tree {dt}")
+    try:
+        triton_mm.mm(torch.randn(2, 3, 16), torch.randn(2, 8, 16), config=swap)
+        check(False, "a swapped config refuses a batch of products")
+    except DetauditError:
+        pass
 
 
 def gluon_fallback() -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import triton_mm
+from detaudit.backends.kernels import triton_carry, triton_mm
 
 try:  # optional: GPU kernels and the interpreter tests only
     import triton
@@ -274,6 +274,6 @@ if triton is not None:
             z = tl.load(row, mask=ok, other=0.0) * tl.load(g_ptr + t * sgt)
             for j in tl.static_range(1, SLOTS):
                 z = z + tl.load(row + j * sys, mask=ok, other=0.0) * tl.load(g_ptr + t * sgt + j * sgs)
-            s0, s1, s2, node = triton_mm._carry(leaf, z, s0, s1, s2, node)
+            s0, s1, s2, node = triton_carry.carry(leaf, z, s0, s1, s2, node)
             row += syl  # the next leaf: one stride at a time in the pointer's 64 bits
         tl.store(out_ptr + t.to(tl.int64) * N + cols, node, mask=ok)
