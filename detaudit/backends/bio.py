@@ -158,8 +158,8 @@ class BioBackend:
         return {
             "backend": self.name,
             **fixed.describe_cpu(),
-            "matmul_gpu": "Triton kernels (persistent; SWAP=1: up to 32 rows, operands swapped), no split-K, fp32 "
-            f"accumulate; {triton_mm.describe()}",
+            "matmul_gpu": "Triton kernels (persistent; SWAP=1: one bf16 / fp16 product of up to 32 rows, "
+            f"operands swapped, a program a tile), no split-K, fp32 accumulate; {triton_mm.describe()}",
             "rms_norm": "fp32; row sum of squares: CPU a fixed-shape product with ones; GPU one Triton program per "
             "row (residual add fused), BLOCK fp32 lanes in order then one tree",
             "log_softmax": "fp32; row max, then the row sum of exp as for rms_norm",

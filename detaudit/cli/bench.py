@@ -199,7 +199,8 @@ def bench_e2e_cmd(
             "--repeats",
             min=1,
             max=MAX_BATCH,
-            help="Timed calls per configuration; rows report the median, with the min and max ms per step.",
+            help="Timed calls per configuration; rows report the median call by ms per step and the median "
+            "prefill rate, each with its min and max.",
         ),
     ] = 1,
     profile: Annotated[

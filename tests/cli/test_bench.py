@@ -172,3 +172,42 @@ def test_bench_allreduce_on_cpu():
         for b in ("bio", "bio+tbik"):
             for m in ("gather", "scatter", "auto"):
                 assert r[f"{b}_{m}_x"] == pytest.approx(r[f"{b}_{m}_us"] / r["library_us"]), (b, m)
+
+
+def test_bench_e2e_reports_the_median_prefill_not_the_median_calls(monkeypatch):
+    """The prefill rate is the median of the calls' own prefill rates (one eager prefill a call is one
+    sample), not the prefill of the median decode call. An engine stand-in with set timings: a real
+    engine's timings cannot be set."""
+    from pathlib import Path
+
+    import detaudit.builtin as builtin
+    from detaudit.bench import e2e
+    from detaudit.builtin.arch import ModelConfig
+    from detaudit.config import ModelRef
+
+    # (prefill_s, decode_s) per call: the warm-up, then three timed calls. By decode the median call is the
+    # first timed one (2.0 s), whose prefill (1.0 s: 100 tok/s) is the fastest; the median prefill is 50.
+    calls = iter([(9.0, 9.0), (1.0, 2.0), (3.0, 1.0), (2.0, 3.0)])
+
+    class Engine:
+        last_timings: dict = {}
+
+        def generate(self, prompts, ids, decoding, batch, profile=False):
+            prefill_s, decode_s = next(calls)
+            self.last_timings = dict(
+                prompt_tokens=100, prefill_s=prefill_s, decode_s=decode_s, decode_steps=10, issue_s=0.1, capture_s=0.0
+            )
+
+        def describe(self):
+            return {}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(builtin, "start", lambda options: Engine())
+    monkeypatch.setattr(ModelConfig, "of", classmethod(lambda cls, model: type("Config", (), {"vocab_size": 50})))
+    model = ModelRef(name="stand-in", path=Path("."), architecture="LlamaForCausalLM", checksum="0")
+    (row,) = e2e.bench_e2e([model], ["bf16"], [1], [2], new_tokens=3, device="cpu", repeats=3).to_dict("records")
+    assert row["ms_per_step"] == pytest.approx(200.0)  # the median call by decode
+    assert row["prefill_tok_s"] == pytest.approx(50.0)  # the median prefill, from another call
+    assert (row["prefill_tok_s_min"], row["prefill_tok_s_max"]) == (pytest.approx(100 / 3), pytest.approx(100.0))

@@ -32,26 +32,30 @@ def test_matmul_prefix_invariant(k, n, dtype):
     assert ((full.double() - ref).norm() / ref.norm()) < 1e-5
 
 
-@pytest.mark.parametrize("k,n", SHAPES)
-def test_every_tiling_gives_the_same_bits(k, n):
-    """The output tiling follows M (narrow tiles for few rows, wide ones for many); the reduction does
-    not, so products computed under different tilings agree bitwise, plain and tree."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n", SHAPES + [(1024, 1000)])  # N = 1000: the last column tile is partial
+def test_every_tiling_gives_the_same_bits(k, n, dtype):
+    """The output tiling follows M (the swapped kernel for decode sizes, narrow tiles for few rows, wide
+    ones for many); the reduction does not, so products computed under different tilings agree bitwise,
+    plain and tree. x's columns are scaled over a wide exponent range, so the products an MMA adds differ
+    in size by up to 2^60 (bf16; 2^8 for fp16, whose range is narrow)."""
     from detaudit.backends.kernels import triton_mm
 
     g = torch.Generator(device="cuda").manual_seed(4)
-    a = torch.randn(2100, k, device="cuda", generator=g).bfloat16()
-    w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
-    full = fixed.matmul(a, w, out_dtype=torch.bfloat16)  # the large-M tiling
+    span = 30 if dtype == torch.bfloat16 else 4
+    scale = torch.exp2(torch.randint(-span, span + 1, (1, k), device="cuda", generator=g).float())
+    a = (torch.randn(2100, k, device="cuda", generator=g) * scale).to(dtype)
+    w = torch.randn(n, k, device="cuda", generator=g).to(dtype)
+    full = fixed.matmul(a, w, out_dtype=dtype)  # the large-M tiling
     tree_full = triton_mm.mm(a, w, leaves=8)
     for tree in (False, True):  # decode sizes take the swapped kernel (`triton_swap`), both tile heights
-        assert (
-            triton_mm.tiling(torch.bfloat16, 8, tree, n).get("SWAP")
-            and triton_mm.tiling(torch.bfloat16, 32, tree, n)["BLOCK_M"] == 32
-        )
+        assert triton_mm.tiling(dtype, 8, tree, n).get("SWAP") and triton_mm.tiling(dtype, 32, tree, n)["BLOCK_M"] == 32
     for m in (1, 8, 16, 17, 32, 33, 64, 65, 300, 1024, 1025, 2048):
-        assert torch.equal(fixed.matmul(a[:m], w, out_dtype=torch.bfloat16), full[:m]), m
+        assert torch.equal(fixed.matmul(a[:m], w, out_dtype=dtype), full[:m]), m
         assert torch.equal(triton_mm.mm(a[:m], w, leaves=8), tree_full[:m]), m
-    assert torch.equal(fixed.matmul(a[1000:1005], w, out_dtype=torch.bfloat16), full[1000:1005])
+        if m <= 32:  # a transposed weight view (the swapped kernel's strided loads)
+            assert torch.equal(triton_mm.mm(a[:m], w.t().contiguous().t(), leaves=8), tree_full[:m]), m
+    assert torch.equal(fixed.matmul(a[1000:1005], w, out_dtype=dtype), full[1000:1005])
 
 
 @pytest.mark.parametrize("k,n", [(2048, 1536), (768, 2048), (96, 2048)])

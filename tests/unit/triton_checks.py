@@ -302,7 +302,8 @@ def swapped_products(g: torch.Generator) -> None:
 
     swap = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1, SWAP=1)
     for dt in (torch.float32, torch.bfloat16):
-        for m, k, n in ((5, 128, 40), (20, 40, 16)):  # rows past one row tile, N and K not tile multiples
+        # rows past one row tile, N and K not tile multiples, leaves of 12 columns (uneven BLOCK_K steps)
+        for m, k, n in ((5, 128, 40), (20, 40, 16), (6, 96, 24)):
             x = torch.randn(m, k, generator=g).to(dt)
             w = torch.randn(n, k, generator=g).to(dt)
             ref = x.double() @ w.double().t()
@@ -310,7 +311,9 @@ def swapped_products(g: torch.Generator) -> None:
             check(
                 ((got.double() - ref).abs().max() < 1e-4 * ref.abs().max()).item(), f"swapped accuracy {dt} {m}x{k}x{n}"
             )
-            if k % (8 * swap["BLOCK_K"]) == 0:
+            wt = w.t().contiguous().t()  # a transposed view: strided loads
+            check(torch.equal(triton_mm.mm(x, wt, config=swap), got), f"swapped, transposed weight {dt}")
+            if k % 8 == 0:
                 tree8 = triton_mm.mm(x, w, leaves=8, config=swap)
                 leaf = k // 8
                 parts = [

@@ -10,7 +10,7 @@ bitwise identical for C = 1, 2, 4, 8.
 - CPU: a leaf is the fixed-shape block product of `fixed` ([R, K/8] @ [K/8, N] per R rows): bf16
   operands through `cpu_bf16`'s micro-kernel where this process chose it (fp32 accumulation), fp32
   products otherwise.
-- GPU: the Triton tree kernel of `triton_mm` (up to 32 rows `triton_swap`'s) with NUM_LEAVES = 8/C
+- GPU: the Triton tree kernel of `triton_mm` (bf16 / fp16 up to 32 rows: `triton_swap`'s) with NUM_LEAVES = 8/C
   (leaves unrolled at compile time, each a pipelined K loop accumulated in fp32 registers, compile-time
   binary-counter carries held in registers, one fixed reduction per dtype); on Hopper at M > 256 the
   Gluon kernel of `gluon_tree`, which computes the same bits with a warp-specialised TMA pipeline.
@@ -131,7 +131,8 @@ def describe() -> dict[str, str]:
         "((l0+l1)+(l2+l3))+... in fp32; K % 8 != 0 is refused naming the layer",
         "tree_matmul_cpu": "per leaf the products of matmul_cpu (cpu_gemm's path), K/8 for K; bf16 operands: "
         f"W up to {cpu_bf16.LEAF_PANEL_MAX}",
-        "tree_matmul_gpu": "Triton kernels (persistent; SWAP=1: up to 32 rows, operands swapped), NUM_LEAVES=8/C "
+        "tree_matmul_gpu": "Triton kernels (persistent; SWAP=1: bf16 / fp16 up to 32 rows, operands swapped, a "
+        "program a tile), NUM_LEAVES=8/C "
         "unrolled leaves, each a pipelined K loop "
         "into an fp32 accumulator, compile-time binary-counter carries in registers, no split-K, "
         f"no autotune; {triton_mm.describe(tree=True)}; GLUON=1: on Hopper the warp-specialised "

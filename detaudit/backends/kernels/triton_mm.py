@@ -1,7 +1,8 @@
-"""One Triton matmul kernel for `bio` and `bio+tbik` on GPU (and CPU tensors under TRITON_INTERPRET=1).
+"""The Triton matmul kernels of `bio` and `bio+tbik` on GPU (and CPU tensors under TRITON_INTERPRET=1).
 
 out[b] = x[b] @ w[b]^T, fp32 accumulation, rounded once to the output's dtype in the store.
-Persistent: a fixed grid of programs walks the output tiles. Each tile's K loop is sequential in
+Persistent: a fixed grid of programs walks the output tiles (bf16 / fp16 products of up to 32 rows run
+`triton_swap`'s kernel instead, one program a tile, the same reduction). Each tile's K loop is sequential in
 BLOCK_K steps over one fixed configuration per input dtype (no autotune, no split-K, never keyed on
 shape), so an output element's reduction order depends only on K: never on M, N, the batch, the tile's
 position or the other rows.
@@ -44,11 +45,12 @@ _MID_M = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_st
 _LARGE_M = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1, WS=1)
 _FP32 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
 Tilings = tuple[tuple[int | None, int, dict[str, int]], ...]
-# Up to 32 rows (decode): the weight's rows on the MMA's M side (`triton_swap`, SWAP=1), BLOCK_M rows of
-# tokens on its N side; timed on an H100 at Qwen3-8B's TP 1/2/4 shards, M = 8 and 32 (a one-off sweep of
-# BLOCK_N 32-128, BLOCK_K 64-256, 3-8 stages; every config the same bits): 64-column tiles for column
-# products, 32 for the tree (more programs at its N = 4096), 1.0-1.2x cuBLAS and 0.8-1.0x on the tree, from
-# 0.7-0.95x and 0.72-0.9x with `_SMALL_M` / `_NARROW`.
+# Up to 32 rows (decode; one 2-D bf16 / fp16 product): the weight's rows on the MMA's M side (`triton_swap`,
+# SWAP=1), BLOCK_M rows of tokens on its N side. BLOCK_N = 64 keeps Hopper's wgmma (64 rows a warpgroup),
+# the instruction every other tiling runs; 32 would fall back to mma.sync. Timed on an H100 at Qwen3-8B's
+# TP 1/2/4 shards, M = 8 and 32 (a one-off sweep of BLOCK_N 32-128, BLOCK_K 64-256, 3-8 stages; every
+# config the same bits): 0.9-1.2x cuBLAS on column products and 0.76-1.0x on the tree, from 0.68-1.04x and
+# 0.72-0.97x with `_SMALL_M` / `_NARROW` (32-column tree tiles were up to 7% faster than 64 on mma.sync).
 _SWAP16 = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=6, SWAP=1)
 _SWAP32 = dict(_SWAP16, BLOCK_M=32)
 _HALF: Tilings = (
@@ -65,8 +67,8 @@ CONFIGS: dict[torch.dtype, dict[str, int]] = {dt: t[-1][2] for dt, t in TILINGS.
 # (GLUON=1) the warp-specialised Gluon kernel of `gluon_tree`, same bits.
 _TREE_LARGE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, GLUON=1)
 _TREE_HALF: Tilings = (
-    (16, 0, dict(_SWAP16, BLOCK_N=32)),
-    (32, 0, dict(_SWAP32, BLOCK_N=32)),
+    (16, 0, _SWAP16),
+    (32, 0, _SWAP32),
     (64, 4096, dict(_SMALL_M, num_stages=6)),
     (64, 0, _NARROW),
     (256, 0, _MID_M),
