@@ -4,7 +4,7 @@ For each (model, TP, backend) one engine is built and, per batch size, a batch o
 `prompt_tokens` ids (seeded: every backend sees the same ids) is generated greedily for `new_tokens`
 tokens with EOS disabled, after a short warm-up call (compilation, caches), `repeats` times (the rows
 report the median call by decode ms per step, and the median of the calls' prefill rates: one eager prefill
-a call is a single sample, and on the GPU machines' hosts one in a few runs 10-20% slow; with more than one
+a call is a single sample, at times 5-20% slow on the GPU machines' hosts; with more than one
 call, `ms_per_step_min` / `_max` and `prefill_tok_s_min` / `_max` show the spread: eager decode is
 host-bound and the GPU machines' virtualised hosts vary by up to 1.6x between runs). The engine times the prefill
 (prompts -> first logits) and the decode loop (steps -> logits, sampling, bookkeeping), synchronizing
