@@ -8,7 +8,7 @@ stored at its destination row, so the gate / up product reads the tokens' hidden
 the down product writes (token, slot) order directly (no gather, index_put or cat of fp32 rows). With
 leaves, each leaf is its own K span from zero, stored apart ([leaves, rows, N]): the tree's leaves.
 
-Bits: each output element is `triton_mm._span` over its K (or its leaf), one fp32 accumulator from zero
+Bits: each output element is `triton_carry.span` over its K (or its leaf), one fp32 accumulator from zero
 fed in K order, rounded once in the store, exactly as `triton_mm.mm` computes an expert's rows, whichever
 tiles either uses (see triton_mm's note on the reduction). tests/gpu checks both against each other.
 
@@ -222,7 +222,7 @@ if triton is not None:
             out_leaf = out_ptr
             for j in tl.static_range(NUM_LEAVES):
                 # leaf j: x's columns j*LEAF.. times w[expert, j] (or, one leaf, all of x times w[expert])
-                acc = triton_mm._span(
+                acc = triton_carry.span(
                     x_ptr + j * LEAF * sxk,
                     w_expert + j * swl,
                     src,

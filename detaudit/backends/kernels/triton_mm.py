@@ -23,6 +23,7 @@ from torch import Tensor
 
 from detaudit.backends.kernels import gluon_tree, launch, triton_swap
 from detaudit.backends.kernels.triton_carry import carry as _carry
+from detaudit.backends.kernels.triton_carry import span as _span
 from detaudit.errors import DetauditError
 
 try:  # optional: GPU kernels and the interpreter tests only
@@ -136,59 +137,6 @@ if triton is not None:
         """(batch index, row offsets, column offsets) of a tile (see `_tile_ids`)."""
         bid, pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         return bid, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-
-    @triton.jit
-    def _span(
-        x_ptr,
-        w_ptr,
-        offs_m,
-        M,
-        cols,
-        start,
-        length,
-        sxm,
-        sxk,
-        swn,
-        swk,
-        EVEN: tl.constexpr,
-        PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
-        MASK_M: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        """fp32 x[rows, start:start+length] @ w[cols, start:start+length]^T, accumulated sequentially in
-        BLOCK_K steps from zero: the one reduction order of every output element (a leaf, or all of K).
-        Rows past M are never stored, so what they hold does not matter: they re-read valid rows
-        (offs_m % M, no mask), or with MASK_M they are not read at all (zeros; at a few rows in a
-        64-row tile that saves most of x's traffic)."""
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + (offs_m % M)[:, None] * sxm + (start + offs_k)[None, :] * sxk
-        row_ok = (offs_m < M)[:, None]
-        b_ptrs = w_ptr + (start + offs_k)[:, None] * swk + cols[None, :] * swn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, tl.cdiv(length, BLOCK_K)):
-            if EVEN:
-                if MASK_M:
-                    a = tl.load(a_ptrs, mask=row_ok, other=0.0)
-                else:
-                    a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                left = length - kk * BLOCK_K
-                if MASK_M:
-                    a = tl.load(a_ptrs, mask=(offs_k[None, :] < left) & row_ok, other=0.0)
-                else:
-                    a = tl.load(a_ptrs, mask=offs_k[None, :] < left, other=0.0)
-                b = tl.load(b_ptrs, mask=offs_k[:, None] < left, other=0.0)
-            if UPCAST:  # the CPU interpreter cannot multiply bf16 (numpy has none); bf16 x bf16 is exact in fp32
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * sxk
-            b_ptrs += BLOCK_K * swk
-        return acc
 
     @triton.jit
     def _store(out_ptr, offs_m, offs_n, M, N, som, son, value):

@@ -6,12 +6,13 @@ weight bytes in flight per SM, and on a card with more bandwidth (H200) it gains
 weight's rows fill the MMA's M side (BLOCK_N of them) and the tokens its N side (BLOCK_M = 16 or 32), as
 cuBLAS runs these shapes; one program per (column tile, row tile), the weight tile streamed once.
 
-Per output element the reduction is `triton_mm._span`'s: one fp32 accumulator from zero, fed the same
-products in K order, BLOCK_K columns a step (each MMA instruction adds its 16 K columns to the
-accumulator; which operand is the instruction's A does not change the element's terms or their order);
-in a tree each leaf is accumulated alone from zero and the leaves are added by the same compile-time
-carries; the store rounds once. tests/gpu checks these bits against the other tilings (products at M = 1
-to 256 and to 2048, bf16 and fp16, with a wide exponent range; each rank's tree at 7 and 32 rows).
+Per output element the reduction is `triton_carry.span`'s, the function every product kernel runs, here
+with the operands' roles swapped: one fp32 accumulator from zero, fed the same products in K order,
+BLOCK_K columns a step (each MMA instruction adds its 16 K columns to the accumulator; which operand is
+the instruction's A does not change the element's terms or their order); in a tree each leaf is
+accumulated alone from zero and the leaves are added by the same compile-time carries; the store rounds
+once. tests/gpu checks these bits against the other tilings (products at M = 1 to 256 and to 2048, bf16
+and fp16, with a wide exponent range; each rank's tree at 7 and 32 rows).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from detaudit.backends.kernels import launch
-from detaudit.backends.kernels.triton_carry import carry
+from detaudit.backends.kernels.triton_carry import carry, span
 
 try:  # optional: GPU kernels and the interpreter tests only
     import triton
@@ -30,49 +31,6 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 if triton is not None:
-
-    @triton.jit
-    def _span_t(
-        x_ptr,
-        w_ptr,
-        cols,
-        offs_m,
-        M,
-        start,
-        length,
-        sxm,
-        sxk,
-        swn,
-        swk,
-        EVEN: tl.constexpr,
-        PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        """fp32 w[cols, start:start+length] @ x[rows, start:start+length]^T ([BLOCK_N, BLOCK_M]), from zero
-        in BLOCK_K steps. Rows past M are not read (zeros) and never stored."""
-        offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + cols[:, None] * swn + (start + offs_k)[None, :] * swk
-        x_ptrs = x_ptr + offs_m[None, :] * sxm + (start + offs_k)[:, None] * sxk
-        row_ok = (offs_m < M)[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for kk in range(0, tl.cdiv(length, BLOCK_K)):
-            if EVEN:
-                a = tl.load(w_ptrs)
-                b = tl.load(x_ptrs, mask=row_ok, other=0.0)
-            else:
-                left = length - kk * BLOCK_K
-                a = tl.load(w_ptrs, mask=offs_k[None, :] < left, other=0.0)
-                b = tl.load(x_ptrs, mask=row_ok & (offs_k[:, None] < left), other=0.0)
-            if UPCAST:  # the CPU interpreter cannot multiply bf16 (numpy has none); bf16 x bf16 is exact in fp32
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            w_ptrs += BLOCK_K * swk
-            x_ptrs += BLOCK_K * sxk
-        return acc
 
     @triton.jit
     def _swap_kernel(
@@ -104,21 +62,24 @@ if triton is not None:
         s2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         node = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for j in tl.static_range(NUM_LEAVES):  # one leaf: the plain product over all of K
-            acc = _span_t(
-                x_ptr,
+            # `span` with the operands' roles swapped: the weight's columns on its M side, the tokens on
+            # its N side; token columns past M re-read valid rows and are never stored
+            acc = span(
                 w_ptr,
+                x_ptr,
                 cols,
-                offs_m,
-                M,
+                N,
+                offs_m % M,
                 j * LEAF,
                 LEAF,
-                sxm,
-                sxk,
                 swn,
                 swk,
+                sxm,
+                sxk,
                 EVEN,
                 PRECISION,
                 UPCAST,
+                False,
                 BLOCK_N,
                 BLOCK_M,
                 BLOCK_K,
