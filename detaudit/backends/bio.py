@@ -77,8 +77,10 @@ class BioBackend:
     ) -> Tensor:
         """A real-TP row-parallel layer: `all_reduce(row_partial(x, w))`, bit for bit. Where the group's
         peer transport takes the size (GPU prefill), the matmul runs a slice owner's rows at a time and
-        each slice travels while the next is computed (`peer.PeerTransport.row_all_reduce`); the rows'
-        values do not depend on how the rows are cut (the matmul is batch invariant)."""
+        each slice travels while the next is computed (`peer.PeerTransport.row_all_reduce`), or, where the
+        backend has a routed matmul (`routed_partial`), the matmul stores each owner's rows in its area;
+        the rows' values do not depend on how the rows are cut or where they are stored (the matmul is
+        batch invariant)."""
         if self.allreduce in ("auto", "peer") and x.is_cuda and x.dim() == 2:
             fused = getattr(group, "peer_row_all_reduce", None)
             if fused is not None:
@@ -90,10 +92,17 @@ class BioBackend:
                     self.REDUCE_ORDER,
                     lambda r0, r1: self.row_partial(x[r0:r1], weight, group.size, name),
                     x.device,
+                    lambda: self.routed_partial(x, weight, group.size, name),
                 )
                 if out is not None:
                     return out
         return self.all_reduce(self.row_partial(x, weight, group.size, name), group, dtype)
+
+    def routed_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = ""):
+        """(block, write) where this backend's row partial can store its tile rows of `block` rows into
+        places the all-reduce chooses (`peer.PeerTransport.routed_all_reduce`), else None (bio's matmul
+        has no routed epilogue)."""
+        return None
 
     def _reduce(self, partials: Sequence[Tensor]) -> Tensor:
         """The cross-rank sum of fp32 partials, in fp32 (cast by the caller): rank order."""

@@ -25,6 +25,9 @@ class TbikBackend(BioBackend):
     def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor:
         return tree.tree_matmul(x, weight, tp_size, name)
 
+    def routed_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = ""):
+        return tree.routed(x, weight, tp_size, name)
+
     def row_output(self, x: Tensor, weight: Tensor, dtype: torch.dtype, name: str = "") -> Tensor:
         return tree.tree_matmul(x, weight, 1, name, out_dtype=dtype)  # the whole tree, rounded in the store
 

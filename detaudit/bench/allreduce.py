@@ -7,6 +7,11 @@ calls them: a row-parallel layer's partial of `tokens` rows of `hidden` columns,
   `scatter`, `peer` (GPU only: peer memory over NVLink, `builtin/peer.py`) and `auto` (what the engine
   uses). Every transport's output is checked bitwise against
   `gather`'s.
+With `layer_k`, also the whole row-parallel layer as the engine runs it (`builtin/layers.py`): x[tokens,
+layer_k] @ w[hidden, layer_k] (a rank's shard: 1024 for Qwen3-8B's o_proj at TP 4, 3072 for its down_proj)
+and the all-reduce, through the backend's `row_all_reduce` where it has one (bio+tbik's routed matmul on
+Hopper, bio's overlapped copies), else `all_reduce(row_partial)`: `<backend>_layer_us`, eager (prefill is
+not graphed), each bio / bio+tbik output checked bitwise against its partial's `gather` all-reduce.
 Times are medians of `reps` timed replays, each synchronised; on GPU a replay is a CUDA graph of GRAPH_CALLS
 back-to-back calls captured per configuration (as the engine's graphed decode runs them; the time is per
 call: the host's timing of a replay, about 17 us, and the ranks' start skew fall on all the calls, not
@@ -57,7 +62,52 @@ def _time(fn, device: str, reps: int, group) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _rank(rank: int, world: int, port: int, device: str, tokens, hidden: int, reps: int, out_path: str) -> None:
+def _eager(fn, device: str, reps: int, group, calls: int = 5) -> float:
+    """Median seconds per call of `calls` back-to-back eager calls, `reps` times, after a warm-up."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        group.barrier()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def _layers(row: dict, group, dev: str, device: str, t: int, hidden: int, k: int, reps: int, g) -> None:
+    """The row-parallel layer's time per backend (see the module docstring) into `row`."""
+    from detaudit.backends import base, get_backend
+
+    x = torch.randn(t, k, device=dev, generator=g).bfloat16()
+    w = (torch.randn(hidden, k, device=dev, generator=g) / k**0.5).bfloat16()
+    row["layer_k"] = k
+    for name in ("bf16", "bio", "bio+tbik"):
+        b = get_backend(name)
+        fused = getattr(b, "row_all_reduce", None)
+
+        def layer(b=b, fused=fused):
+            if fused is not None:
+                return fused(x, w, group, torch.bfloat16)
+            return b.all_reduce(b.row_partial(x, w, group.size), group, torch.bfloat16)
+
+        with b.activate():
+            out = layer()
+            if name != "bf16":
+                p = b.row_partial(x, w, group.size)
+                want = base.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, "gather", b.REDUCE_ORDER)
+                row[f"{name}_layer_same_bits"] = bool(torch.equal(out, want))
+            row[f"{name}_layer_us"] = 1e6 * _eager(layer, device, reps, group)
+
+
+def _rank(
+    rank: int, world: int, port: int, device: str, tokens, hidden: int, reps: int, out_path: str, layer_k: int = 0
+) -> None:
     from detaudit.backends import base, get_backend
     from detaudit.builtin import dist
 
@@ -94,6 +144,8 @@ def _rank(rank: int, world: int, port: int, device: str, tokens, hidden: int, re
                     outs[mode] = call()
                     row[f"{name}_{mode}_us"] = 1e6 * _time(call, device, reps, group)
                 row[f"{name}_same_bits"] = all(torch.equal(outs["gather"], o) for o in outs.values())
+            if layer_k:
+                _layers(row, group, dev, device, t, hidden, layer_k, reps, g)
             results.append(row)
         if rank == 0:
             with open(out_path, "w") as f:
@@ -103,12 +155,19 @@ def _rank(rank: int, world: int, port: int, device: str, tokens, hidden: int, re
 
 
 def bench_allreduce(
-    world: int, device: str = "cuda", tokens=TOKENS, hidden: int = HIDDEN, reps: int = 20, tmp_dir: str = "/tmp"
+    world: int,
+    device: str = "cuda",
+    tokens=TOKENS,
+    hidden: int = HIDDEN,
+    reps: int = 20,
+    tmp_dir: str = "/tmp",
+    layer_k: int = 0,
 ) -> pd.DataFrame:
     from detaudit.builtin.dist import free_port
 
     out_path = os.path.join(tmp_dir, f"detaudit-allreduce-{os.getpid()}.json")
-    mp.spawn(_rank, args=(world, free_port(), device, tuple(tokens), hidden, reps, out_path), nprocs=world, join=True)
+    args = (world, free_port(), device, tuple(tokens), hidden, reps, out_path, layer_k)
+    mp.spawn(_rank, args=args, nprocs=world, join=True)
     with open(out_path) as f:
         df = pd.DataFrame(json.load(f))
     os.unlink(out_path)
@@ -118,4 +177,6 @@ def bench_allreduce(
         for mode in MODES:
             if f"{name}_{mode}_us" in df:
                 df[f"{name}_{mode}_x"] = df[f"{name}_{mode}_us"] / df["library_us"]
+        if f"{name}_layer_us" in df:
+            df[f"{name}_layer_x"] = df[f"{name}_layer_us"] / df["bf16_layer_us"]
     return df

@@ -69,13 +69,20 @@ class TorchGroup:
         return out
 
     def peer_row_all_reduce(
-        self, m: int, n: int, dtype: torch.dtype, order: str, rows_partial, device: torch.device
+        self, m: int, n: int, dtype: torch.dtype, order: str, rows_partial, device: torch.device, routed=None
     ) -> Tensor | None:
-        """A row-parallel layer's matmul and all-reduce over peer memory with the transfer behind the
-        matmul (`peer.PeerTransport.row_all_reduce`), or None: then the backend's `all_reduce` (the same
-        rules decide on every rank)."""
+        """A row-parallel layer's matmul and all-reduce over peer memory with the transfer in the matmul
+        (`routed()`, where the backend has one: `peer.PeerTransport.routed_all_reduce`) or behind it
+        (`peer.PeerTransport.row_all_reduce`), or None: then the backend's `all_reduce` (the same rules
+        decide on every rank)."""
         transport = self._transport(device)
-        return None if transport is None else transport.row_all_reduce(m, n, dtype, order, rows_partial, device)
+        if transport is None:
+            return None
+        if routed is not None:
+            out = transport.routed_all_reduce(m, n, dtype, order, routed, device)
+            if out is not None:
+                return out
+        return transport.row_all_reduce(m, n, dtype, order, rows_partial, device)
 
     def _transport(self, device: torch.device):
         if not self.peer or device.type != "cuda" or self.size not in (2, 4, 8) or dist.get_backend(self.pg) != "nccl":

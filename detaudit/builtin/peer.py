@@ -37,6 +37,25 @@ BARRIER_TIMEOUT_MS = 300_000
 # bf16), while at 16384 tokens the overlap wins on device time with host time to spare (batch 32: 0.82x
 # to 0.92x). 8192 tokens was not measured apart: there the device time saved is twice 4096's.
 OVERLAP_MIN = 1 << 25
+# `routed_all_reduce` (the matmul's epilogue stores each owner's rows in its area over NVLink: no push)
+# from this many partial elements (4096 tokens x 4096 columns) up to OVERLAP_MIN, where the backend has
+# a routed matmul. On 4x H100 the layer (the TP-4 matmul and its all-reduce) took 309 instead of 361 us at
+# 4096 x 1024 and 399 instead of 465 us at 4096 x 3072; at 1000 tokens 420 instead of 245 us (with few
+# tiles a program, its stores' round trips over NVLink are not hidden), so smaller partials take `push`.
+ROUTED_MIN = 1 << 24
+
+
+def route_tables(m: int, c: int, rank: int, block: int) -> tuple[int, list[int]]:
+    """Where a routed matmul (`PeerTransport.routed_all_reduce`) puts this rank's partial of m rows: the
+    slices are whole rows, `rows` = ceil(m / C) rounded up to whole tiles of `block` rows. Returns (rows,
+    route): tile row i of the kernel's schedule computes the partial's tile row route[i] = j x rows / block
+    + u (past m: zeros), owner j's u-th, stored in this rank's slot of owner j's area at its u-th tile row,
+    where `push` with slices of rows x n would put it. The schedule interleaves the owners, this rank's
+    successor first (tile row i goes to owner (rank + 1 + i) % C): the tiles a rank computes at once
+    write to every peer alike, so no owner's links take more than their share, whatever the ranks' skew."""
+    rows = -(-(-(-m // c)) // block) * block
+    tiles = rows // block
+    return rows, [((rank + 1 + i) % c) * tiles + i // c for i in range(c * tiles)]
 
 
 class PeerBuffers:
@@ -87,6 +106,7 @@ class PeerTransport:
         self.buffers: PeerBuffers | None = None
         self.retired: list[PeerBuffers] = []  # outgrown buffers, kept alive for the graphs captured on them
         self.oneshot: OneShotArea | None = None
+        self.routes: dict[tuple, tuple[Tensor, Tensor]] = {}  # (m, n, block, buffer) -> routed tables
         self.copies: torch.cuda.Stream | None = None  # the side stream of `row_all_reduce`'s copies
         self.events: list[torch.cuda.Event] = []  # its events: each slice's rows computed, then copied
         self.reason = ""
@@ -157,6 +177,41 @@ class PeerTransport:
             copied.record(side)
             main.wait_event(copied)  # every copy has landed before this rank reaches the barrier
         return self._finish(b, (m, n), per, dtype, order)
+
+    def routed_all_reduce(
+        self, m: int, n: int, dtype: torch.dtype, order: str, routed, device: torch.device
+    ) -> Tensor | None:
+        """A row-parallel layer whose matmul stores each owner's rows straight into this rank's slot of the
+        owner's receive area (NVLink stores from the matmul's epilogue: no push, no copies), then reduce
+        and gather as `all_reduce`: the same bits. `routed()` (asked only where the size fits) gives
+        (block, write) or None: `write(areas, route, rows, rank)` runs the matmul with its tile rows of
+        `block` rows placed by `route_tables` (`areas[j]`: owner j's receive area as [C x rows, n]). None
+        where this transport does not take the size (the same answer on every rank): below ROUTED_MIN,
+        from OVERLAP_MIN on (where `row_all_reduce`'s copies overlap whole slices), N not whole 128-column
+        tiles, a graph being captured (prefill is not); or where the matmul has no routed kernel here."""
+        if self.reason or not ROUTED_MIN <= m * n < OVERLAP_MIN or n % 128:
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        kernel = routed()
+        if kernel is None:
+            return None
+        block, write = kernel
+        rows = -(-(-(-m // self.size)) // block) * block
+        b = self._buffers(rows * n, dtype, device)
+        if b is None:
+            return None
+        key = (m, n, block, id(b))
+        tables = self.routes.get(key)
+        if tables is None:
+            if len(self.routes) >= 256:  # a long run of ever new prefill sizes
+                self.routes.clear()
+            rows, route = route_tables(m, self.size, self.rank, block)
+            areas = [r[: self.size * rows * n].view(self.size * rows, n) for r in b.receive]
+            tables = self.routes[key] = (areas, torch.tensor(route, dtype=torch.int32, device=device))
+        # the areas are free: every rank's reduce of the last call preceded the barrier this rank passed last
+        write(*tables, rows, self.rank)
+        return self._finish(b, (m, n), rows * n, dtype, order)
 
     def _finish(self, b: PeerBuffers, shape, per: int, dtype: torch.dtype, order: str) -> Tensor:
         """Barrier, reduce this rank's slice, barrier, read every rank's cast slice."""

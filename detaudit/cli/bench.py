@@ -336,6 +336,16 @@ def bench_allreduce_cmd(
         int, typer.Option("--hidden", min=8, max=1 << 16, help="Columns of the partial (the model's hidden size).")
     ] = 4096,
     reps: Annotated[int, typer.Option("--reps", min=1, max=MAX_BATCH)] = 20,
+    layer_k: Annotated[
+        int,
+        typer.Option(
+            "--layer-k",
+            min=0,
+            max=1 << 17,
+            help="Also time the row-parallel layer (matmul of a rank's K columns and its all-reduce) per backend, "
+            "as the engine runs it (0: off).",
+        ),
+    ] = 0,
     json_: JsonOpt = False,
     save: SaveOpt = None,
 ):
@@ -354,6 +364,9 @@ def bench_allreduce_cmd(
     if check_device(device).startswith("cuda") and max(worlds) > torch.cuda.device_count():
         raise DetauditError(f"--ranks {max(worlds)} needs {max(worlds)} GPUs; {torch.cuda.device_count()} visible")
     df = pd.concat(
-        [bench_allreduce(w, "cuda" if device.startswith("cuda") else "cpu", rows, hidden, reps) for w in worlds]
+        [
+            bench_allreduce(w, "cuda" if device.startswith("cuda") else "cpu", rows, hidden, reps, layer_k=layer_k)
+            for w in worlds
+        ]
     )
     _print_bench(df, f"allreduce ({device})", json_, save)

@@ -159,10 +159,10 @@ def test_bench_e2e_profile_lists_each_phase(tiny_llama, tmp_path):
 @pytest.mark.slow  # two gloo ranks in worker processes
 def test_bench_allreduce_on_cpu():
     """Every CPU transport (no peer memory on gloo) gives the gather's bits, and each ratio is its time over
-    the library all-reduce's."""
-    res = runner.invoke(
-        app, ["bench", "allreduce", "--device", "cpu", "--ranks", "2", "--tokens", "8,64", "--reps", "2", "--json"]
-    )
+    the library all-reduce's; with --layer-k the row-parallel layer too (bits against its partial's gather
+    all-reduce, ratios over bf16's layer)."""
+    args = ["bench", "allreduce", "--device", "cpu", "--ranks", "2", "--tokens", "8,64", "--reps", "2"]
+    res = runner.invoke(app, [*args, "--layer-k", "64", "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)["rows"]
     assert [r["tokens"] for r in rows] == [8, 64]
@@ -172,6 +172,9 @@ def test_bench_allreduce_on_cpu():
         for b in ("bio", "bio+tbik"):
             for m in ("gather", "scatter", "auto"):
                 assert r[f"{b}_{m}_x"] == pytest.approx(r[f"{b}_{m}_us"] / r["library_us"]), (b, m)
+            assert r[f"{b}_layer_same_bits"], (b, r)
+            assert r[f"{b}_layer_x"] == pytest.approx(r[f"{b}_layer_us"] / r["bf16_layer_us"]), b
+        assert r["layer_k"] == 64 and r["bf16_layer_us"] > 0
 
 
 def test_bench_e2e_reports_the_median_prefill_not_the_median_calls(monkeypatch):

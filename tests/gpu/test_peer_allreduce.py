@@ -167,3 +167,57 @@ def _row_rank(rank, size, port, out_dir):
 @pytest.mark.parametrize("size", [n for n in (2, 4) if n <= torch.cuda.device_count()])
 def test_row_all_reduce_overlapped_gives_the_gather_bits(tmp_path, size):
     _spawn_and_check(_row_rank, size, tmp_path)
+
+
+def _routed_rank(rank, size, port, out_dir):
+    """bio+tbik's row-parallel layer on Hopper where the Gluon tree kernel stores each slice owner's rows
+    straight into this rank's slot of the owner's receive area (`routed_all_reduce`; ROUTED_MIN lowered to
+    0 for the small shapes), with row counts that leave owners' slots part empty or wholly empty: bitwise
+    the all-gather's result on every rank, the routed path taken (its kernel ran once), twice in a row
+    (the areas of one call reused by the next); at the real ROUTED_MIN a prefill of 4096 rows takes it and
+    one of 1000 rows does not."""
+    from detaudit.backends import base, get_backend
+    from detaudit.backends.kernels import gluon_tree
+    from detaudit.builtin import dist, peer
+
+    torch.cuda.set_device(rank)
+    group = dist.init(rank, size, port, f"cuda:{rank}")
+    bad = []
+    real_min = peer.ROUTED_MIN
+    real = gluon_tree.tree_mm_routed
+    routed = []
+    gluon_tree.tree_mm_routed = lambda *a, **kw: routed.append(1) or real(*a, **kw)
+    try:
+        g = torch.Generator(device="cuda").manual_seed(11 + rank)
+        b = get_backend("bio+tbik")
+        cases = [(s, 0, 1) for s in (*ROW_SHAPES, (257, 1024))] + [
+            ((4096, 1024), real_min, 1),
+            ((1000, 1024), real_min, 0),
+        ]
+        for (m, k), least, runs in cases:
+            x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+            w = (torch.randn(4096, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+            p = b.row_partial(x, w, size)
+            want = base.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, "gather", b.REDUCE_ORDER)
+            peer.ROUTED_MIN = least
+            for call in range(2):
+                routed.clear()
+                got = b.row_all_reduce(x, w, group, torch.bfloat16)
+                if not torch.equal(got, want):
+                    bad.append(f"routed {m}x{k} call {call}")
+                if len(routed) != runs:
+                    bad.append(f"{m}x{k}: the routed kernel ran {len(routed)} times, not {runs}")
+    finally:
+        gluon_tree.tree_mm_routed = real
+        peer.ROUTED_MIN = real_min
+        dist.shutdown(group)
+    with open(f"{out_dir}/{rank}.txt", "w") as f:
+        f.write("\n".join(bad) or "ok")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability(0)[0] != 9, reason="the Gluon kernel is Hopper's"
+)
+@pytest.mark.parametrize("size", [n for n in (2, 4) if n <= torch.cuda.device_count()])
+def test_routed_row_all_reduce_gives_the_gather_bits(tmp_path, size):
+    _spawn_and_check(_routed_rank, size, tmp_path)

@@ -61,28 +61,36 @@ def _cuobjdump() -> str | None:
 
 
 @pytest.mark.parametrize(
-    "leaves,transposed,out_dtype",
+    "leaves,transposed,out_dtype,routed",
     [
-        (8, False, torch.float32),
-        (4, False, torch.float32),
-        (2, False, torch.float32),
-        (1, False, torch.float32),
-        (8, True, torch.float32),
-        (8, False, torch.bfloat16),  # a TP-1 layer's tree, rounded in the store
+        (8, False, torch.float32, False),
+        (4, False, torch.float32, False),
+        (2, False, torch.float32, False),
+        (1, False, torch.float32, False),
+        (8, True, torch.float32, False),
+        (8, False, torch.bfloat16, False),  # a TP-1 layer's tree, rounded in the store
+        (2, False, torch.float32, True),  # TP 4's subtree, stored into the all-reduce owners' areas
+        (4, False, torch.float32, True),
+        (1, False, torch.float32, True),
     ],
 )
-def test_gluon_tree_compiles_for_hopper_without_spills(hopper, leaves, transposed, out_dtype):
+def test_gluon_tree_compiles_for_hopper_without_spills(hopper, leaves, transposed, out_dtype, routed):
     x = torch.empty(4096, 4096, dtype=torch.bfloat16)
     w = torch.empty(4096, 4096, dtype=torch.bfloat16)
     if transposed:
         w = w.t().contiguous().t()
-    kernel = gluon_tree.tree_mm(x, w, leaves, num_programs=132, warmup=True, out_dtype=out_dtype)
+    if routed:
+        areas = [torch.empty(4096, 4096) for _ in range(4)]
+        route = torch.zeros(32, dtype=torch.int32)
+        kernel = gluon_tree.tree_mm_routed(x, w, leaves, areas, route, 1024, 1, warmup=True, num_programs=132)
+    else:
+        kernel = gluon_tree.tree_mm(x, w, leaves, num_programs=132, warmup=True, out_dtype=out_dtype)
     assert kernel.metadata.shared <= 227 * 1024
     assert "wgmma.mma_async" in kernel.asm["ptx"]
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump to read the cubin's resource usage")
-    cubin = hopper / f"tree{leaves}{transposed}{out_dtype}.cubin"
+    cubin = hopper / f"tree{leaves}{transposed}{out_dtype}{routed}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     usage = subprocess.run(
         [tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True

@@ -19,11 +19,19 @@ four 64 KB transfers per tile, which every program issues at about the same time
 The finished tile is rounded once to the output's dtype (fp32 for a TP subtree, the model dtype for a
 TP-1 layer's final result: the same RNE rounding as a cast) and stored; the output is padded to whole
 tiles (the stores need no masks: 64 predicates would cost registers).
+
+Routed (`tree_mm_routed`, a real-TP prefill's all-reduce: `builtin/peer.py`): the schedule's tile rows
+come from a table, and each finished fp32 tile goes through a 64 KB shared-memory stage by TMA into its
+all-reduce owner's receive area (another GPU's memory over NVLink, or this rank's own), so the partial
+never makes a second trip. The bulk stores are what NVLink needs: the register stores above, 32 bytes a
+row segment, moved about 100 GB/s to the peers where these reach about 280 (4x H100). Up to 4 leaves
+(TP >= 2): the stage takes the room of one load buffer, as the park does.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch import Tensor
@@ -34,11 +42,20 @@ try:  # Gluon is experimental in Triton; where it is missing the Triton kernels 
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     # the TMA load is async_copy_global_to_shared in Triton 3.6 (the GPU machines), async_load in 3.9
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # 3.6's store_wait waits for the writes; later ones by default only until the stage has been read
+    _WAIT_TAKES_READ_ONLY = gl.constexpr("read_only" in inspect.signature(tma.store_wait).parameters)
 except ImportError:  # pragma: no cover - depends on the install
     gluon = None
 
@@ -89,6 +106,42 @@ if gluon is not None:
         gl.store(_tile_ptrs(ptr, pid_m, pid_n, LD, value), value)
 
     @gluon.jit
+    def _store_routed(
+        o0, o1, o2, o3, o4, o5, o6, o7, stage, route_ptr, pid_m, pid_n, TILES, RANK_ROWS, value, C: gl.constexpr
+    ):
+        """The tile through shared memory by TMA into owner j's area (o<j>, a peer's memory or this
+        rank's own; the descriptors are separate arguments: Triton 3.6's launcher takes none inside a
+        tuple), at this rank's slot: tile row route[pid_m] = j * TILES + u is row RANK_ROWS + u * BM
+        of that area. The stage is free once the last tile's store has read it."""
+        BLOCK_M: gl.constexpr = value.shape[0]
+        BLOCK_N: gl.constexpr = value.shape[1]
+        a = gl.load(route_ptr + pid_m)
+        j = a // TILES
+        row = RANK_ROWS + (a - j * TILES) * BLOCK_M
+        tma.store_wait(0)
+        stage.store(value)
+        fence_async_shared()
+        at = [row, pid_n * BLOCK_N]
+        if j == 0:
+            _tma_store(o0, at, stage)
+        if j == 1:
+            _tma_store(o1, at, stage)
+        if C > 2:
+            if j == 2:
+                _tma_store(o2, at, stage)
+            if j == 3:
+                _tma_store(o3, at, stage)
+        if C > 4:
+            if j == 4:
+                _tma_store(o4, at, stage)
+            if j == 5:
+                _tma_store(o5, at, stage)
+            if j == 6:
+                _tma_store(o6, at, stage)
+            if j == 7:
+                _tma_store(o7, at, stage)
+
+    @gluon.jit
     def _load_tile(ptr, pid_m, pid_n, LD: gl.constexpr, like):
         return gl.load(_tile_ptrs(ptr, pid_m, pid_n, LD, like))
 
@@ -100,6 +153,7 @@ if gluon is not None:
         w_bufs,
         ready,
         empty,
+        route_ptr,
         pid,
         NP,
         num_pid_m,
@@ -109,15 +163,19 @@ if gluon is not None:
         NB: gl.constexpr,
         W_KN: gl.constexpr,
         GROUP_M: gl.constexpr,
+        ROUTED: gl.constexpr,
     ):
         """The load warp: flat step g (tile pid + (g // KSTEPS) * NP, K step g % KSTEPS) into buffer
-        g % NB, once the MMA warps have released that buffer's previous step."""
+        g % NB, once the MMA warps have released that buffer's previous step (ROUTED: the schedule's
+        tile row i computes x's tile row route[i])."""
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
         for g in range(total):
             idx = g % NB
             mbarrier.wait(empty.index(idx), ((g // NB) & 1) ^ 1)  # a fresh barrier passes parity 1
             pid_m, pid_n = _tile_of(pid + (g // KSTEPS) * NP, num_pid_m, num_pid_n, GROUP_M)
+            if ROUTED:
+                pid_m = gl.load(route_ptr + pid_m)
             k = (g % KSTEPS) * BLOCK_K
             bar = ready.index(idx)
             mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
@@ -149,6 +207,18 @@ if gluon is not None:
         out_ptr,
         scratch_ptr,
         park,
+        o0,
+        o1,
+        o2,
+        o3,
+        o4,
+        o5,
+        o6,
+        o7,
+        stage,
+        route_ptr,
+        TILES,
+        RANK_ROWS,
         pid,
         NP,
         num_pid_m,
@@ -162,10 +232,13 @@ if gluon is not None:
         NB: gl.constexpr,
         W_KN: gl.constexpr,
         GROUP_M: gl.constexpr,
+        C: gl.constexpr,
+        ROUTED: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """The MMA warps: each leaf LEAF_STEPS wgmma steps from zero (one in flight while the next is
-        issued), then carried up the tree in binary-counter order (leaf j is a compile-time constant)."""
+        issued), then carried up the tree in binary-counter order (leaf j is a compile-time constant).
+        The finished tile goes to out_ptr, or ROUTED to its owner's area (`_store_routed`)."""
         layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -199,7 +272,15 @@ if gluon is not None:
                         node = s1 + node  # level 2: leaves j-3..j
                         if NUM_LEAVES == 8:
                             _store_tile(scratch_ptr, pid, 0, BLOCK_N, node)  # leaves 0..3 (j == 3)
-            _store_tile(out_ptr, pid_m, pid_n, LD, node.to(out_ptr.dtype.element_ty))  # one RNE rounding
+            if ROUTED:
+                _store_routed(o0, o1, o2, o3, o4, o5, o6, o7, stage, route_ptr, pid_m, pid_n, TILES, RANK_ROWS, node, C)
+            else:
+                _store_tile(out_ptr, pid_m, pid_n, LD, node.to(out_ptr.dtype.element_ty))  # one RNE rounding
+        if ROUTED:  # the last stores written (not only read from the stage) before the program ends
+            if _WAIT_TAKES_READ_ONLY:
+                tma.store_wait(0, read_only=False)
+            else:
+                tma.store_wait(0)
 
     @gluon.jit
     def _tree_kernel(
@@ -207,19 +288,33 @@ if gluon is not None:
         w_desc,
         out_ptr,
         scratch_ptr,
+        o0,
+        o1,
+        o2,
+        o3,
+        o4,
+        o5,
+        o6,
+        o7,
+        route_ptr,
         M,
         N,
         LEAF_STEPS,
         NP,
+        TILES,
+        RANK_ROWS,
         LD: gl.constexpr,
         NUM_LEAVES: gl.constexpr,
         BLOCK_N: gl.constexpr,
         W_KN: gl.constexpr,
         NB: gl.constexpr,
         GROUP_M: gl.constexpr,
+        C: gl.constexpr,
+        ROUTED: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        """Persistent: program pid computes output tiles pid, pid + NP, ..."""
+        """Persistent: program pid computes output tiles pid, pid + NP, ... (ROUTED: M counts the
+        schedule's whole tile rows; see `tree_mm_routed`; else o0..o7 and `route_ptr` are unused)"""
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         gl.static_assert(BLOCK_M == 16 * num_warps)
         KSTEPS = LEAF_STEPS * NUM_LEAVES
@@ -243,6 +338,13 @@ if gluon is not None:
         park = gl.allocate_shared_memory(
             gl.float32, [PARK_M, PARK_N], gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
         )
+        # the routed store's stage (a token allocation otherwise)
+        if ROUTED:
+            stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], o0.layout)
+        else:
+            stage = gl.allocate_shared_memory(
+                gl.float32, [8, 8], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+            )
         gl.warp_specialize(
             [
                 (
@@ -255,6 +357,18 @@ if gluon is not None:
                         out_ptr,
                         scratch_ptr,
                         park,
+                        o0,
+                        o1,
+                        o2,
+                        o3,
+                        o4,
+                        o5,
+                        o6,
+                        o7,
+                        stage,
+                        route_ptr,
+                        TILES,
+                        RANK_ROWS,
                         pid,
                         NP,
                         num_pid_m,
@@ -268,6 +382,8 @@ if gluon is not None:
                         NB,
                         W_KN,
                         GROUP_M,
+                        C,
+                        ROUTED,
                         num_warps,
                     ),
                 ),
@@ -280,6 +396,7 @@ if gluon is not None:
                         w_bufs,
                         ready,
                         empty,
+                        route_ptr,
                         pid,
                         NP,
                         num_pid_m,
@@ -289,6 +406,7 @@ if gluon is not None:
                         NB,
                         W_KN,
                         GROUP_M,
+                        ROUTED,
                     ),
                 ),
             ],
@@ -382,6 +500,36 @@ def plan(x: Tensor, w: Tensor, leaves: int, out_dtype: torch.dtype = torch.float
     return _PLANS.get(_key(x, w, leaves, out_dtype))
 
 
+def _setup(x: Tensor, w: Tensor, leaves: int, c: dict, num_programs: int | None, rows: int, routed: bool):
+    """The operand descriptors, program count, scratch size, K steps a leaf and constexprs of a launch
+    over `rows` rows."""
+    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
+    k = x.shape[1]
+    if k % (leaves * bk):
+        raise ValueError(f"K={k} is not {leaves} leaves of whole BLOCK_K={bk} steps")
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
+    w_kn = w.stride(1) != 1
+    x_desc = _desc(x, [bm, bk], gdt)
+    w_desc = _desc(w.t(), [bk, bn], gdt) if w_kn else _desc(w, [bn, bk], gdt)
+    tiles = triton.cdiv(rows, bm) * triton.cdiv(w.shape[0], bn)
+    if num_programs is None:
+        num_programs = (
+            _sm_count(x.device.index or 0)
+            if x.is_cuda
+            else torch.cuda.get_device_properties(x.device).multi_processor_count
+        )
+    progs = max(1, min(tiles, num_programs))
+    scratch_n = progs * bm * bn if leaves == 8 else 1
+    # the routed store's 64 KB stage takes a buffer's room, as the park does
+    nb = c["NB_PARKED"] if leaves == 8 or routed else c["NB"]
+    kw = dict(NUM_LEAVES=leaves, BLOCK_N=bn, W_KN=w_kn, NB=nb, GROUP_M=c["GROUP_M"], num_warps=c["num_warps"])
+    return x_desc, w_desc, progs, scratch_n, k // leaves // bk, kw
+
+
+def _desc(t: Tensor, block: list[int], gdt) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+
 def tree_mm(
     x: Tensor,
     w: Tensor,
@@ -395,38 +543,17 @@ def tree_mm(
     leaves in fp32 and rounded once to `out_dtype` (see `supports`). `warmup`: compile only and return the
     compiled kernel (with a mock driver this needs no GPU: tests/unit/test_gluon_compile.py)."""
     c = dict(CONFIG, **(cfg or {}))
-    bm, bn, bk = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]
-    nb = c["NB_PARKED"] if leaves == 8 else c["NB"]
-    m, k = x.shape
-    n = w.shape[0]
-    if k % (leaves * bk):
-        raise ValueError(f"K={k} is not {leaves} leaves of whole BLOCK_K={bk} steps")
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
+    bm, bn = c["BLOCK_M"], c["BLOCK_N"]
+    m, n = x.shape[0], w.shape[0]
+    x_desc, w_desc, progs, scratch_n, steps, kw = _setup(x, w, leaves, c, num_programs, m, False)
     out_full = torch.empty(triton.cdiv(m, bm) * bm, triton.cdiv(n, bn) * bn, dtype=out_dtype, device=x.device)
-    w_kn = w.stride(1) != 1
-
-    def desc(t: Tensor, block: list[int]) -> TensorDescriptor:
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
-
-    x_desc = desc(x, [bm, bk])
-    w_desc = desc(w.t(), [bk, bn]) if w_kn else desc(w, [bn, bk])
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    default_progs = num_programs is None
-    if num_programs is None:
-        num_programs = (
-            _sm_count(x.device.index or 0)
-            if x.is_cuda
-            else torch.cuda.get_device_properties(x.device).multi_processor_count
-        )
-    progs = max(1, min(tiles, num_programs))
-    scratch_n = progs * bm * bn if leaves == 8 else 1
     scratch = torch.empty(scratch_n, dtype=torch.float32, device=x.device)
-    args = (x_desc, w_desc, out_full, scratch, m, n, k // leaves // bk, progs, out_full.stride(0))
-    kw = dict(NUM_LEAVES=leaves, BLOCK_N=bn, W_KN=w_kn, NB=nb, GROUP_M=c["GROUP_M"], num_warps=c["num_warps"])
+    args = (x_desc, w_desc, out_full, scratch, *[None] * 8, None, m, n, steps, progs, 0, 0, out_full.stride(0))
+    kw.update(C=1, ROUTED=False)
     if warmup:
         return _tree_kernel.warmup(*args, grid=(progs,), **kw)
     first = launch.Launch.first(_tree_kernel, (progs,), args, kw, slots=(0, 1, 2, 3))
-    if first is not None and cfg is None and default_progs:
+    if first is not None and cfg is None and num_programs is None:
         launch.cache_put(
             _PLANS,
             _key(x, w, leaves, out_dtype),
@@ -442,6 +569,71 @@ def tree_mm(
             ),
         )
     return out_full[:m, :n]
+
+
+def tree_mm_routed(
+    x: Tensor,
+    w: Tensor,
+    leaves: int,
+    areas: list[Tensor],
+    route: Tensor,
+    rows: int,
+    rank: int,
+    warmup: bool = False,
+    num_programs: int | None = None,
+):
+    """`tree_mm` into the all-reduce owners' areas (`peer.PeerTransport.routed_all_reduce`), in fp32:
+    areas[j] is owner j's receive area as [C * rows, N] fp32 (a peer's mapping, or this rank's own), this
+    rank's slot rows rank * rows .. (rank + 1) * rows. Tile row i of the schedule computes x's tile row
+    route[i] = j * rows / BLOCK_M + u (int32; rows past M compute zeros) and stores it by TMA at row
+    rank * rows + u * BLOCK_M of areas[j]. Each element is computed as `tree_mm` computes it (the same
+    schedule per tile, only its place differs). rows: whole tiles; N: whole BLOCK_N tiles; at most 4
+    leaves (the stage takes the park's room). The caller keeps the areas clear of other writers while
+    the kernel runs."""
+    c = dict(CONFIG)
+    bm, bn = c["BLOCK_M"], c["BLOCK_N"]
+    n = w.shape[0]
+    if n % bn or rows % bm or leaves > 4 or route.dtype != torch.int32:
+        raise ValueError("tree_mm_routed: N and rows in whole tiles, up to 4 leaves, int32 routes")
+    x_desc, w_desc, progs, scratch_n, steps, kw = _setup(x, w, leaves, c, num_programs, route.numel() * bm, True)
+    key = (x.shape, x.stride(), w.shape, w.stride(), x.dtype, leaves, route.numel(), rows, rank, x.device.index)
+    key += tuple(a.data_ptr() for a in areas) + (x.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0)
+    plan = _ROUTED.get(key)
+    scratch = torch.empty(scratch_n, dtype=torch.float32, device=x.device)
+    if plan is not None:
+        first, xd, wd = plan
+        first(x.device.index, launch.Desc(x, *xd), launch.Desc(w, *wd), scratch, route)
+        return None
+    outs = [_desc(a, [bm, bn], gl.float32) for a in areas] + [None] * (8 - len(areas))
+    args = (
+        x_desc,
+        w_desc,
+        None,
+        scratch,
+        *outs,
+        route,
+        route.numel() * bm,
+        n,
+        steps,
+        progs,
+        rows // bm,
+        rank * rows,
+        n,
+    )
+    kw.update(C=len(areas), ROUTED=True)
+    if warmup:
+        return _tree_kernel.warmup(*args, grid=(progs,), **kw)
+    first = launch.Launch.first(_tree_kernel, (progs,), args, kw, slots=(0, 1, 3, 12))
+    if first is not None:
+        xd = (list(x_desc.shape), list(x_desc.strides), list(x_desc.block_shape), x_desc.layout)
+        wd = (list(w_desc.shape), list(w_desc.strides), list(w_desc.block_shape), w_desc.layout)
+        launch.cache_put(_ROUTED, key, (first, xd, wd))
+    return None
+
+
+# routed plans: the areas' descriptors stay in the plan (the symmetric buffers outlive it: `peer.py`
+# keeps every buffer it maps), so their pointers are in the key
+_ROUTED: dict[tuple, tuple] = {}
 
 
 @functools.lru_cache(maxsize=None)

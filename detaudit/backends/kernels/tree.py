@@ -78,6 +78,27 @@ def tree_matmul(x: Tensor, w: Tensor, tp_size: int, name: str = "", out_dtype: t
     return tree_matmul_cpu(x2, w, leaf, leaves).reshape(*lead, n).to(out_dtype)
 
 
+def routed(x: Tensor, w: Tensor, tp_size: int, name: str = ""):
+    """(block, write) for `peer.PeerTransport.routed_all_reduce` where the Gluon kernel computes this
+    rank's subtree (Hopper, the large-M rows `triton_mm` gives it, up to 4 leaves: TP >= 2):
+    `write(areas, route, rows, rank)` runs `gluon_tree.tree_mm_routed`, the same bits as `tree_matmul`,
+    stored in other places. Else None."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in triton_mm.TREE_TILINGS and gluon_tree.available(x)):
+        return None
+    if not triton_mm.tiling(x.dtype, x.shape[0], True, w.shape[0], True).get("GLUON"):
+        return None
+    leaves = _LEAVES.get((x.shape[1], tp_size))
+    if leaves is None:
+        leaves = _LEAVES[(x.shape[1], tp_size)] = leaf_plan(x.shape[1], tp_size, name)[1]
+    if leaves > 4 or not gluon_tree.supports(x, w, leaves):
+        return None
+
+    def write(areas: list[Tensor], route: Tensor, rows: int, rank: int) -> None:
+        gluon_tree.tree_mm_routed(x, w, leaves, areas, route, rows, rank)
+
+    return gluon_tree.CONFIG["BLOCK_M"], write
+
+
 _LEAVES: dict[tuple[int, int], int] = {}  # (K/C, C) -> leaves on a rank, for shapes leaf_plan accepted
 
 
