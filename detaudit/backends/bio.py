@@ -99,9 +99,9 @@ class BioBackend:
         return self.all_reduce(self.row_partial(x, weight, group.size, name), group, dtype)
 
     def routed_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = ""):
-        """(block, write) where this backend's row partial can store its tile rows of `block` rows into
-        places the all-reduce chooses (`peer.PeerTransport.routed_all_reduce`), else None (bio's matmul
-        has no routed epilogue)."""
+        """`write` where this backend's row partial can store its tile rows (128 rows each) into places
+        the all-reduce chooses (`peer.PeerTransport.routed_all_reduce`), else None (bio's matmul has no
+        routed epilogue)."""
         return None
 
     def _reduce(self, partials: Sequence[Tensor]) -> Tensor:

@@ -39,41 +39,37 @@ def _time(fn, device: str, reps: int, group) -> float:
     for _ in range(3):
         fn()
     group.barrier()
-    per_replay = 1
-    if device == "cuda":
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for _ in range(GRAPH_CALLS):
-                fn()
-        call, per_replay = graph.replay, GRAPH_CALLS
-    else:
-        call = fn
-    times = []
-    for _ in range(reps):
-        group.barrier()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        call()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / per_replay)
-    return sorted(times)[len(times) // 2]
+    if device != "cuda":
+        return _median(fn, 1, device, reps, group)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    return _median(graph.replay, GRAPH_CALLS, device, reps, group)
 
 
 def _eager(fn, device: str, reps: int, group, calls: int = 5) -> float:
     """Median seconds per call of `calls` back-to-back eager calls, `reps` times, after a warm-up."""
     for _ in range(2):
         fn()
+
+    def run():
+        for _ in range(calls):
+            fn()
+
+    return _median(run, calls, device, reps, group)
+
+
+def _median(run, calls: int, device: str, reps: int, group) -> float:
+    """The median over `reps` synchronised runs of `run` (which makes `calls` calls) of its time per call."""
     times = []
     for _ in range(reps):
         group.barrier()
         if device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        for _ in range(calls):
-            fn()
+        run()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t) / calls)

@@ -73,8 +73,8 @@ class TorchGroup:
     ) -> Tensor | None:
         """A row-parallel layer's matmul and all-reduce over peer memory with the transfer in the matmul
         (`routed()`, where the backend has one: `peer.PeerTransport.routed_all_reduce`) or behind it
-        (`peer.PeerTransport.row_all_reduce`), or None: then the backend's `all_reduce` (the same rules
-        decide on every rank)."""
+        (`peer.PeerTransport.row_all_reduce`), or None: then the backend's `all_reduce`. The sizes decide
+        on every rank alike; a rank without a routed matmul pushes into the slices the others route to."""
         transport = self._transport(device)
         if transport is None:
             return None

@@ -43,9 +43,16 @@ OVERLAP_MIN = 1 << 25
 # 4096 x 1024 and 399 instead of 465 us at 4096 x 3072; at 1000 tokens 420 instead of 245 us (with few
 # tiles a program, its stores' round trips over NVLink are not hidden), so smaller partials take `push`.
 ROUTED_MIN = 1 << 24
+ROUTE_ROWS = 128  # the routed matmul's tile rows (`gluon_tree.CONFIG["BLOCK_M"]`)
 
 
-def route_tables(m: int, c: int, rank: int, block: int) -> tuple[int, list[int]]:
+def routed_size(m: int, n: int) -> bool:
+    """A partial of m x n fp32 in the routed range: `routed_all_reduce` may take it, and `all_reduce` cuts
+    it into the same slices (`route_tables`), so that the ranks need not agree on which of the two ran."""
+    return ROUTED_MIN <= m * n < OVERLAP_MIN and n % 128 == 0
+
+
+def route_tables(m: int, c: int, rank: int, block: int = ROUTE_ROWS) -> tuple[int, list[int]]:
     """Where a routed matmul (`PeerTransport.routed_all_reduce`) puts this rank's partial of m rows: the
     slices are whole rows, `rows` = ceil(m / C) rounded up to whole tiles of `block` rows. Returns (rows,
     route): tile row i of the kernel's schedule computes the partial's tile row route[i] = j x rows / block
@@ -53,9 +60,14 @@ def route_tables(m: int, c: int, rank: int, block: int) -> tuple[int, list[int]]
     where `push` with slices of rows x n would put it. The schedule interleaves the owners, this rank's
     successor first (tile row i goes to owner (rank + 1 + i) % C): the tiles a rank computes at once
     write to every peer alike, so no owner's links take more than their share, whatever the ranks' skew."""
-    rows = -(-(-(-m // c)) // block) * block
+    rows = route_rows(m, c, block)
     tiles = rows // block
     return rows, [((rank + 1 + i) % c) * tiles + i // c for i in range(c * tiles)]
+
+
+def route_rows(m: int, c: int, block: int = ROUTE_ROWS) -> int:
+    """Rows a rank's slice in the routed range: ceil(m / C) rounded up to whole tiles of `block` rows."""
+    return -(-(-(-m // c)) // block) * block
 
 
 class PeerBuffers:
@@ -106,7 +118,7 @@ class PeerTransport:
         self.buffers: PeerBuffers | None = None
         self.retired: list[PeerBuffers] = []  # outgrown buffers, kept alive for the graphs captured on them
         self.oneshot: OneShotArea | None = None
-        self.routes: dict[tuple, tuple[Tensor, Tensor]] = {}  # (m, n, block, buffer) -> routed tables
+        self.routes: dict[tuple, tuple[list[Tensor], Tensor]] = {}  # (m, n, buffer) -> (areas, route)
         self.copies: torch.cuda.Stream | None = None  # the side stream of `row_all_reduce`'s copies
         self.events: list[torch.cuda.Event] = []  # its events: each slice's rows computed, then copied
         self.reason = ""
@@ -120,6 +132,8 @@ class PeerTransport:
         if peer_reduce.oneshot_fits(n, self.size):
             return self._oneshot(p, dtype, order)
         per = peer_reduce.slice_size(n, self.size)
+        if p.dim() == 2 and routed_size(*p.shape):  # the routed matmul's slices (whole tiles of rows)
+            per = route_rows(p.shape[0], self.size) * p.shape[1]
         b = self._buffers(per, dtype, p.device)
         if b is None:
             return None
@@ -183,30 +197,27 @@ class PeerTransport:
     ) -> Tensor | None:
         """A row-parallel layer whose matmul stores each owner's rows straight into this rank's slot of the
         owner's receive area (NVLink stores from the matmul's epilogue: no push, no copies), then reduce
-        and gather as `all_reduce`: the same bits. `routed()` (asked only where the size fits) gives
-        (block, write) or None: `write(areas, route, rows, rank)` runs the matmul with its tile rows of
-        `block` rows placed by `route_tables` (`areas[j]`: owner j's receive area as [C x rows, n]). None
-        where this transport does not take the size (the same answer on every rank): below ROUTED_MIN,
-        from OVERLAP_MIN on (where `row_all_reduce`'s copies overlap whole slices), N not whole 128-column
-        tiles, a graph being captured (prefill is not); or where the matmul has no routed kernel here."""
-        if self.reason or not ROUTED_MIN <= m * n < OVERLAP_MIN or n % 128:
+        and gather as `all_reduce`: the same bits. `routed()`, asked only in the routed range, gives this
+        rank's routed matmul or None: `write(areas, route, rows, rank)` runs it with its tile rows placed
+        by `route_tables` (`areas[j]`: owner j's receive area as [C x rows, n]). None where this
+        transport does not take the size (`routed_size`: below ROUTED_MIN, from OVERLAP_MIN on, where
+        `row_all_reduce`'s copies overlap whole slices; N not whole 128-column tiles; a graph being
+        captured, which prefill never is) or this rank has no routed matmul (then the caller pushes its
+        partial with `all_reduce`, into the same slices: a rank may route while another pushes)."""
+        if self.reason or not routed_size(m, n) or torch.cuda.is_current_stream_capturing():
             return None
-        if torch.cuda.is_current_stream_capturing():
+        write = routed()
+        if write is None:
             return None
-        kernel = routed()
-        if kernel is None:
-            return None
-        block, write = kernel
-        rows = -(-(-(-m // self.size)) // block) * block
+        rows, route = route_tables(m, self.size, self.rank)
         b = self._buffers(rows * n, dtype, device)
         if b is None:
             return None
-        key = (m, n, block, id(b))
+        key = (m, n, id(b))
         tables = self.routes.get(key)
         if tables is None:
             if len(self.routes) >= 256:  # a long run of ever new prefill sizes
                 self.routes.clear()
-            rows, route = route_tables(m, self.size, self.rank, block)
             areas = [r[: self.size * rows * n].view(self.size * rows, n) for r in b.receive]
             tables = self.routes[key] = (areas, torch.tensor(route, dtype=torch.int32, device=device))
         # the areas are free: every rank's reduce of the last call preceded the barrier this rank passed last

@@ -360,6 +360,8 @@ def bench_allreduce_cmd(
     for w in worlds:
         check_tp_size(w, "--ranks")  # one process per rank, as a TP group runs
     rows = parse_int_list(tokens, "--tokens", 1, 1 << 20)
+    if layer_k % 8:
+        raise DetauditError(f"--layer-k {layer_k}: a multiple of 8 (bio+tbik cuts K into 8 tree blocks)")
     _check_save(save)
     if check_device(device).startswith("cuda") and max(worlds) > torch.cuda.device_count():
         raise DetauditError(f"--ranks {max(worlds)} needs {max(worlds)} GPUs; {torch.cuda.device_count()} visible")

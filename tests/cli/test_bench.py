@@ -156,6 +156,11 @@ def test_bench_e2e_profile_lists_each_phase(tiny_llama, tmp_path):
     check(doc, ["bio+tbik"], 2)
 
 
+def test_bench_allreduce_refuses_a_layer_k_the_tree_cannot_cut():
+    res = runner.invoke(app, ["bench", "allreduce", "--device", "cpu", "--layer-k", "12"])
+    assert res.exit_code == 2 and "--layer-k 12" in res.output and "multiple of 8" in res.output, res.output
+
+
 @pytest.mark.slow  # two gloo ranks in worker processes
 def test_bench_allreduce_on_cpu():
     """Every CPU transport (no peer memory on gloo) gives the gather's bits, and each ratio is its time over

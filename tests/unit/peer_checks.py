@@ -93,7 +93,7 @@ def row_all_reduce_threads(g: torch.Generator) -> None:
     real_min = peer.OVERLAP_MIN
     patch(peer, "OVERLAP_MIN", real_min)
     kernels = threading.Lock()  # the interpreter runs one kernel at a time
-    for name in ("reduce", "gather"):
+    for name in ("push", "reduce", "gather"):
         real = getattr(peer_reduce, name)
 
         def locked(*a, real=real, **k):
@@ -168,43 +168,46 @@ def routed_threads(c: int, m: int, n: int, parts, bufs, patch) -> None:
     """`PeerTransport.routed_all_reduce` on the threads of `row_all_reduce_threads` (its stand-ins in
     place): each rank's `write` places its partial's tile rows as the tables say (what the Gluon kernel
     does on a GPU, here by torch indexing), then the real reduce and gather kernels run. Every rank gets
-    the fixed-order sum; below ROUTED_MIN nothing runs and the kernel is not even asked for."""
+    the fixed-order sum, also where rank 0 has no routed matmul and pushes its partial with `all_reduce`
+    while the others route (the two cut the same slices); below ROUTED_MIN nothing runs and the kernel is
+    not even asked for."""
     import threading
 
     from detaudit.builtin import peer
 
-    block = 16
     patch(peer, "ROUTED_MIN", m * n + 1)
     asked = []
     small = peer.PeerTransport(0, c)
-    got = small.routed_all_reduce(m, n, torch.float32, "rank", lambda: asked.append(1), torch.device("cpu"))
+    got = small.routed_all_reduce(m, 128, torch.float32, "rank", lambda: asked.append(1), torch.device("cpu"))
     check(got is None and not asked and small.buffers is None, f"below ROUTED_MIN nothing runs, C={c}")
     peer.ROUTED_MIN, peer.OVERLAP_MIN = 0, 1 << 62  # the routed path at this size (both restored by the caller)
-    padded = 128 * -(-n // 128)  # routed partials are whole 128-column tiles
+    block, padded = peer.ROUTE_ROWS, 128 * -(-n // 128)  # routed partials are whole 128-column tiles
     wide = [torch.nn.functional.pad(p, (0, padded - n)) for p in parts]
     for order, want in (("rank", sequential_sum(wide, torch.float32)), ("tree", tree.tree_sum(wide))):
-        outs = [None] * c
-        transports = [peer.PeerTransport(r, c) for r in range(c)]
+        for pusher in (None, 0):
+            outs = [None] * c
+            transports = [peer.PeerTransport(r, c) for r in range(c)]
 
-        def run(r, order=order, outs=outs, transports=transports):
-            def write(areas, route, rows, rank):
-                tiles = rows // block
-                src = torch.cat([wide[r], torch.zeros(c * rows - m, padded)])  # past m: the kernel's zeros
-                for i, t in enumerate(route.tolist()):
-                    j, u = divmod(t, tiles)
-                    areas[j][rank * rows + u * block :][:block] = src[t * block : (t + 1) * block]
+            def run(r, order=order, outs=outs, transports=transports, pusher=pusher):
+                def write(areas, route, rows, rank):
+                    tiles = rows // block
+                    src = torch.cat([wide[r], torch.zeros(c * rows - m, padded)])  # past m: the kernel's zeros
+                    for t_row, t in enumerate(route.tolist()):
+                        j, u = divmod(t, tiles)
+                        areas[j][rank * rows + u * block :][:block] = src[t * block : (t + 1) * block]
 
-            outs[r] = transports[r].routed_all_reduce(
-                m, padded, torch.float32, order, lambda: (block, write), torch.device("cpu")
-            )
+                tr, cpu = transports[r], torch.device("cpu")
+                out = tr.routed_all_reduce(m, padded, torch.float32, order, lambda: None if r == pusher else write, cpu)
+                outs[r] = tr.all_reduce(wide[r], torch.float32, order) if r == pusher else out
 
-        threads = [threading.Thread(target=run, args=(r,), name=str(r)) for r in range(c)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        for r in range(c):
-            check(outs[r] is not None and torch.equal(outs[r], want), f"routed all-reduce C={c} rank {r} {order}")
+            threads = [threading.Thread(target=run, args=(r,), name=str(r)) for r in range(c)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+            for r in range(c):
+                ok = outs[r] is not None and torch.equal(outs[r], want)
+                check(ok, f"routed all-reduce C={c} rank {r} {order}, rank {pusher} pushing")
 
 
 if __name__ == "__main__":

@@ -79,10 +79,10 @@ def tree_matmul(x: Tensor, w: Tensor, tp_size: int, name: str = "", out_dtype: t
 
 
 def routed(x: Tensor, w: Tensor, tp_size: int, name: str = ""):
-    """(block, write) for `peer.PeerTransport.routed_all_reduce` where the Gluon kernel computes this
-    rank's subtree (Hopper, the large-M rows `triton_mm` gives it, up to 4 leaves: TP >= 2):
-    `write(areas, route, rows, rank)` runs `gluon_tree.tree_mm_routed`, the same bits as `tree_matmul`,
-    stored in other places. Else None."""
+    """`write` for `peer.PeerTransport.routed_all_reduce` where the Gluon kernel computes this rank's
+    subtree (Hopper, the large-M rows `triton_mm` gives it, up to 4 leaves: TP >= 2): `write(areas, route,
+    rows, rank)` runs `gluon_tree.tree_mm_routed` (tiles of BLOCK_M = 128 rows), the same bits as
+    `tree_matmul`, stored in other places. Else None."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype in triton_mm.TREE_TILINGS and gluon_tree.available(x)):
         return None
     if not triton_mm.tiling(x.dtype, x.shape[0], True, w.shape[0], True).get("GLUON"):
@@ -96,7 +96,7 @@ def routed(x: Tensor, w: Tensor, tp_size: int, name: str = ""):
     def write(areas: list[Tensor], route: Tensor, rows: int, rank: int) -> None:
         gluon_tree.tree_mm_routed(x, w, leaves, areas, route, rows, rank)
 
-    return gluon_tree.CONFIG["BLOCK_M"], write
+    return write
 
 
 _LEAVES: dict[tuple[int, int], int] = {}  # (K/C, C) -> leaves on a rank, for shapes leaf_plan accepted
