@@ -39,9 +39,11 @@ BARRIER_TIMEOUT_MS = 300_000
 OVERLAP_MIN = 1 << 25
 # `routed_all_reduce` (the matmul's epilogue stores each owner's rows in its area over NVLink: no push)
 # from this many partial elements (4096 tokens x 4096 columns) up to OVERLAP_MIN, where the backend has
-# a routed matmul. On 4x H100 the layer (the TP-4 matmul and its all-reduce) took 309 instead of 361 us at
-# 4096 x 1024 and 399 instead of 465 us at 4096 x 3072; at 1000 tokens 420 instead of 245 us (with few
-# tiles a program, its stores' round trips over NVLink are not hidden), so smaller partials take `push`.
+# a routed matmul. On 4x H100 (`bench allreduce --ranks 4 --tokens 4096 --layer-k 1024 / 3072`) bio+tbik's
+# TP-4 layer took 361 / 419 us where bio's, whose matmul is faster but whose partial is pushed, took 378 /
+# 474 (reports/gpu/tp-scaling). In a one-off probe (not in the repo) at 1000 tokens the routed layer was
+# slower than the pushed one (420 against 245 us: with few tiles a program, the stores' round trips over
+# NVLink are not hidden), so smaller partials are pushed.
 ROUTED_MIN = 1 << 24
 ROUTE_ROWS = 128  # the routed matmul's tile rows (`gluon_tree.CONFIG["BLOCK_M"]`)
 
