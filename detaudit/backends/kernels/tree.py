@@ -65,9 +65,7 @@ def tree_matmul(x: Tensor, w: Tensor, tp_size: int, name: str = "", out_dtype: t
     if k_local != w.shape[1]:
         raise DetauditError(f"{name or 'row-parallel layer'}: x has K={k_local}, weight has K={w.shape[1]}")
     if x.is_cuda and x.dim() == 2:  # the engine's layers: checked leaf plans, no reshapes
-        leaves = _LEAVES.get((k_local, tp_size))
-        if leaves is None:
-            leaves = _LEAVES[(k_local, tp_size)] = leaf_plan(k_local, tp_size, name)[1]
+        leaves = _leaves(k_local, tp_size, name)
         x = x if x.is_contiguous() else x.contiguous()
         return triton_mm.mm(x, w, leaves=leaves, tree=True, out_dtype=out_dtype)
     leaf, leaves = leaf_plan(k_local, tp_size, name)
@@ -87,9 +85,7 @@ def routed(x: Tensor, w: Tensor, tp_size: int, name: str = ""):
         return None
     if not triton_mm.tiling(x.dtype, x.shape[0], True, w.shape[0], True).get("GLUON"):
         return None
-    leaves = _LEAVES.get((x.shape[1], tp_size))
-    if leaves is None:
-        leaves = _LEAVES[(x.shape[1], tp_size)] = leaf_plan(x.shape[1], tp_size, name)[1]
+    leaves = _leaves(x.shape[1], tp_size, name)
     if leaves > 4 or not gluon_tree.supports(x, w, leaves):
         return None
 
@@ -100,6 +96,14 @@ def routed(x: Tensor, w: Tensor, tp_size: int, name: str = ""):
 
 
 _LEAVES: dict[tuple[int, int], int] = {}  # (K/C, C) -> leaves on a rank, for shapes leaf_plan accepted
+
+
+def _leaves(k_local: int, tp_size: int, name: str) -> int:
+    """Leaves on a rank (`leaf_plan`), memoised: the engine's layers ask at every call."""
+    leaves = _LEAVES.get((k_local, tp_size))
+    if leaves is None:
+        leaves = _LEAVES[(k_local, tp_size)] = leaf_plan(k_local, tp_size, name)[1]
+    return leaves
 
 
 def _packed_bf16(w: Tensor, leaves: int, leaf: int) -> Tensor:
