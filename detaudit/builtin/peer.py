@@ -211,15 +211,16 @@ class PeerTransport:
         write = routed()
         if write is None:
             return None
-        rows, route = route_tables(m, self.size, self.rank)
+        rows = route_rows(m, self.size)
         b = self._buffers(rows * n, dtype, device)
         if b is None:
             return None
         key = (m, n, id(b))
         tables = self.routes.get(key)
-        if tables is None:
+        if tables is None:  # (the table and views once per size and buffer, not at every layer)
             if len(self.routes) >= 256:  # a long run of ever new prefill sizes
                 self.routes.clear()
+            route = route_tables(m, self.size, self.rank)[1]
             areas = [r[: self.size * rows * n].view(self.size * rows, n) for r in b.receive]
             tables = self.routes[key] = (areas, torch.tensor(route, dtype=torch.int32, device=device))
         # the areas are free: every rank's reduce of the last call preceded the barrier this rank passed last

@@ -192,7 +192,7 @@ def routed_threads(c: int, m: int, n: int, parts, bufs, patch) -> None:
                 def write(areas, route, rows, rank):
                     tiles = rows // block
                     src = torch.cat([wide[r], torch.zeros(c * rows - m, padded)])  # past m: the kernel's zeros
-                    for t_row, t in enumerate(route.tolist()):
+                    for t in route.tolist():
                         j, u = divmod(t, tiles)
                         areas[j][rank * rows + u * block :][:block] = src[t * block : (t + 1) * block]
 

@@ -530,6 +530,11 @@ def _desc(t: Tensor, block: list[int], gdt) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
 
 
+def _fields(d: TensorDescriptor) -> tuple:
+    """What a kept plan rebuilds `d` from for another tensor of the same layout (`launch.Desc`)."""
+    return list(d.shape), list(d.strides), list(d.block_shape), d.layout
+
+
 def tree_mm(
     x: Tensor,
     w: Tensor,
@@ -559,8 +564,8 @@ def tree_mm(
             _key(x, w, leaves, out_dtype),
             _Plan(
                 first,
-                (list(x_desc.shape), list(x_desc.strides), list(x_desc.block_shape), x_desc.layout),
-                (list(w_desc.shape), list(w_desc.strides), list(w_desc.block_shape), w_desc.layout),
+                _fields(x_desc),
+                _fields(w_desc),
                 tuple(out_full.shape),
                 out_dtype,
                 m,
@@ -625,8 +630,8 @@ def tree_mm_routed(
         return _tree_kernel.warmup(*args, grid=(progs,), **kw)
     first = launch.Launch.first(_tree_kernel, (progs,), args, kw, slots=(0, 1, 3, 12))
     if first is not None and num_programs is None:
-        xd = (list(x_desc.shape), list(x_desc.strides), list(x_desc.block_shape), x_desc.layout)
-        wd = (list(w_desc.shape), list(w_desc.strides), list(w_desc.block_shape), w_desc.layout)
+        xd = _fields(x_desc)
+        wd = _fields(w_desc)
         launch.cache_put(_ROUTED, key, (first, xd, wd))
     return None
 
