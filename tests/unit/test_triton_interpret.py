@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("triton")
 
 
-@pytest.mark.slow  # a subprocess interpreting every kernel: 35 s, too long for the inner loop
+@pytest.mark.slow  # a subprocess interpreting every kernel: 35 s (AVX-512) to 150 s (2-core AVX2)
 def test_triton_kernels_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     script = Path(__file__).with_name("triton_checks.py")

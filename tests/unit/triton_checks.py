@@ -7,10 +7,30 @@ from __future__ import annotations
 import sys
 
 import torch
+from triton.runtime import interpreter
 
 from detaudit.backends import get_backend
 from detaudit.backends.bio import weighted_experts
 from detaudit.backends.kernels import grouped_mm, tree, triton_attn, triton_mm, triton_rows
+
+
+def _slot_free_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's `tl.dot` is `np.matmul`, and numpy's BLAS may give a row other bits in another
+    slot of the block (its micro-kernel's edge paths: seen on a CPU without AVX-512). A GPU MMA does not,
+    and these checks test the kernels' own slot independence, so here every element of the product is
+    the same sequence of fp32 multiplies and adds over k, whatever its row, column or block shape (no
+    BLAS, no FMA). The accumulator is added after the product, as the interpreter does."""
+    if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+        raise NotImplementedError("fp8 dot: not used by these kernels")
+    out = d.data.dtype
+    x, y = a.data.astype(out), b.data.astype(out)
+    acc = x[..., :, 0:1] * y[..., 0:1, :]
+    for k in range(1, x.shape[-1]):
+        acc = acc + x[..., :, k : k + 1] * y[..., k : k + 1, :]
+    return interpreter.TensorHandle(acc + d.data, d.dtype.scalar)
+
+
+interpreter.InterpreterBuilder.create_dot = _slot_free_dot
 
 
 def check(cond: bool, what: str) -> None:
@@ -31,8 +51,8 @@ def main() -> None:
             check(((full.double() - ref).abs().max() < 1e-4 * ref.abs().max()).item(), f"accuracy {dt} {k}x{n}")
             for m in range(1, 41):
                 check(torch.equal(triton_mm.mm(x[:m], w), full[:m]), f"mm prefix {dt} {k}x{n} m={m}")
-            # (no row-position check here: the interpreter's tl.dot is numpy's BLAS, whose bits for a row
-            # can depend on its slot in the block; tests/gpu checks row positions on the real kernel)
+            for start in (1, 7, 17):  # a row in another slot of its block (the dot above is slot-free)
+                check(torch.equal(triton_mm.mm(x[start:], w), full[start:]), f"mm row slot {dt} {k}x{n} {start}")
             # the tree kernel: rank r of C owns K/C columns; subtrees combined along the top of the tree
             if k % 8 == 0:
                 one = triton_mm.mm(x, w, leaves=8)
@@ -266,7 +286,9 @@ def grouped_experts(g: torch.Generator) -> None:
 def grouped_layout_tp_invariant() -> None:
     """The MoE layer's grouped layout (the GPU prefill path, here on CPU tensors through the interpreter)
     in an engine: bio+tbik on a tiny Mixtral at TP 1 and emulated TP 2 and 8 (one leaf a rank, leaf-major
-    weights of one leaf), a 100-token prefill, routing records included: bitwise equal."""
+    weights of one leaf), a 72-token prefill (past moe.DENSE_TOKENS, so the grouped layout runs: about 36
+    rows an expert, two full blocks and a partial one under the interpreter's tiles), routing records
+    included: bitwise equal."""
     import tempfile
     from pathlib import Path
 
@@ -277,12 +299,13 @@ def grouped_layout_tp_invariant() -> None:
     from detaudit.config import DecodingParams
 
     usable, block_m = grouped_mm.usable, grouped_mm.BLOCK_M
-    grouped_mm.usable = lambda x: True  # the GPU layout on CPU tensors
+    asked = []
+    grouped_mm.usable = lambda x: asked.append(x.shape[0]) or True  # the GPU layout on CPU tensors
     grouped_mm.BLOCK_M = grouped_mm.INTERPRET_CONFIG["BLOCK_M"]
     try:
         with tempfile.TemporaryDirectory() as d:
             path = test_moe.build("mixtral", Path(d) / "mixtral")
-            prompt = [test_moe.token_ids(batch=1, length=100, seed=7)[0].tolist()]
+            prompt = [test_moe.token_ids(batch=1, length=72, seed=7)[0].tolist()]
             dec = DecodingParams(max_new_tokens=2, seed=1)
             runs = {}
             for tp in (1, 2, 8):
@@ -290,6 +313,7 @@ def grouped_layout_tp_invariant() -> None:
                 runs[tp] = (gen.token_ids, gen.token_logprobs, gen.route_experts, gen.route_gates)
     finally:
         grouped_mm.usable, grouped_mm.BLOCK_M = usable, block_m
+    check(bool(asked), "grouped MoE layout: the prefill never took the grouped layout")
     check(runs[2] == runs[1] and runs[8] == runs[1], "grouped MoE layout: emulated TP 2 and 8 == TP 1")
 
 
