@@ -25,12 +25,12 @@ def smollm():
     return resolve_model("smollm2-135m", auto_prepare=True)
 
 
-def _tiny(kind: str, path: Path) -> Path:
+def _tiny(kind: str, path: Path, vocab_size: int = 300) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     common = dict(
-        vocab_size=300,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -59,6 +59,17 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     return _tiny("qwen3", tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with the embedded model's tokenizer (vocab 49152; `--model DIR` takes it), for the
+    tests of the executors and of the run directory (kill and resume, shards, locks, Ray placement): what
+    they check does not depend on the model, and on a CPU without AVX-512 the real model's sweeps cost
+    CI minutes each. Tests of numerics keep the real model."""
+    from helpers import with_embedded_tokenizer
+
+    return with_embedded_tokenizer(_tiny("llama", tmp_path_factory.mktemp("tiny-sweep"), vocab_size=49152))
 
 
 def pytest_collection_modifyitems(config, items):

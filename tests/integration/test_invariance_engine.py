@@ -3,8 +3,8 @@
 - `bio`: every prompt's tokens and top-k logprobs are identical at batch sizes 1/8/16/32, greedy and
   seeded sampling.
 - `bio+tbik`: additionally identical at TP 1/2/4/8 (emulated shards here; real TP in test_sweep_cpu.py).
-- `bf16`: the negative control. It is run the same way and the divergence it finds is reported
-  (printed with -s and recorded as a pytest warning); it must not silently agree.
+- `bf16`: the negative control (batch sizes 1 vs 8 and 32). It is run the same way and the divergence it
+  finds is reported (printed with -s and recorded as a pytest warning); it must not silently agree.
 """
 
 from __future__ import annotations
@@ -85,12 +85,14 @@ def test_bio_is_not_tp_invariant(smollm, prompts, capsys):
 
 
 def test_bf16_negative_control(smollm, prompts, capsys):
-    """bf16 at batch sizes 1 vs 8/16/32: reports how many prompts diverge (measured on the 2-core AVX2 CI
-    CPU: 7 of 8 at each batch size: oneDNN's bf16 GEMM and SDPA change with the batch shape)."""
+    """bf16 at batch sizes 1 vs 8 and 32: reports how many prompts diverge (measured on the 2-core AVX2 CI
+    CPU: 7 of 8 at each of 8/16/32: the bf16 GEMM and SDPA change with the batch shape). Batch 16 is left
+    out: without AVX-512 bf16 PyTorch's fallback GEMM makes this the suite's slowest real-model test, and
+    the two ends of the grid show the control works."""
     ids, pids = prompts
     eng = local_engine(smollm, "bf16", 1)
     ref = eng.generate(ids[:8], pids[:8], GREEDY, batch_size=1)
-    report = {bs: _diverging(eng.generate(ids[:bs], pids[:bs], GREEDY, batch_size=bs)[:8], ref) for bs in (8, 16, 32)}
+    report = {bs: _diverging(eng.generate(ids[:bs], pids[:bs], GREEDY, batch_size=bs)[:8], ref) for bs in (8, 32)}
     msg = "bf16 negative control, prompts (of 8) whose greedy tokens/logprobs differ from batch size 1: " + ", ".join(
         f"bs {bs}: {n}" for bs, n in report.items()
     )

@@ -1,10 +1,11 @@
 """`detaudit sweep --executor ray` on a private Ray runtime (started by the executor on 127.0.0.1).
 
 One local sweep and one Ray sweep of the same tiny grid (TP 1/2 x batch 1/2 x bf16 / bio+tbik, 2 smoke
-prompts, 3 new tokens); in the Ray sweep the actor of a TP 2 group exits (os._exit) after computing one
-cell and before returning it (DETAUDIT_RAY_FAULT), so that cell is retried on a new actor and
-placement group. The Ray run's records equal the local run's bit for bit, the analysis is the same,
-and no Ray process the test started outlives the sweep."""
+prompts, 3 new tokens) on a tiny random Llama with the embedded tokenizer (the executor is under test,
+not the model: conftest's `tiny_sweep_model`); in the Ray sweep the actor of a TP 2 group exits
+(os._exit) after computing one cell and before returning it (DETAUDIT_RAY_FAULT), so that cell is
+retried on a new actor and placement group. The Ray run's records equal the local run's bit for bit,
+the analysis is the same, and no Ray process the test started outlives the sweep."""
 
 from __future__ import annotations
 
@@ -71,12 +72,13 @@ def _ray_children(before: set[int]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, smollm):
+def runs(tmp_path_factory, tiny_sweep_model):
     pytest.importorskip("ray")
+    grid = [*GRID, "--model", str(tiny_sweep_model)]
     base = tmp_path_factory.mktemp("ray")
     local, remote = base / "local", base / "ray"
     t0 = time.monotonic()
-    res = runner.invoke(app, ["sweep", *GRID, "--output-path", str(local)])
+    res = runner.invoke(app, ["sweep", *grid, "--output-path", str(local)])
     assert res.exit_code == 0, res.output
     t1 = time.monotonic()
     before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -84,7 +86,7 @@ def runs(tmp_path_factory, smollm):
     mp.setenv(FAULT_ENV, f"kill:{KILLED}")
     try:
         res = runner.invoke(
-            app, ["sweep", *GRID, "--output-path", str(remote), "--executor", "ray", "--max-retries", "1"]
+            app, ["sweep", *grid, "--output-path", str(remote), "--executor", "ray", "--max-retries", "1"]
         )
     finally:
         mp.undo()
@@ -115,7 +117,7 @@ def test_ray_records_equal_local_bit_for_bit(runs):
 
 
 @pytest.mark.slow
-def test_killed_actor_retries_its_cell_and_the_analysis_is_the_same(runs):
+def test_killed_actor_retries_its_cell_and_the_analysis_is_the_same(runs, tiny_sweep_model):
     local, remote, output, _ = runs
     m = json.loads((remote / "manifest.json").read_text())
     assert m["executor"]["name"] == "ray" and m["executor"]["max_retries"] == 1 and m["executor"]["ray_version"]
@@ -130,7 +132,8 @@ def test_killed_actor_retries_its_cell_and_the_analysis_is_the_same(runs):
     rows = [cli_json(runner.invoke(app, ["analyze", str(run), "--json"])) for run in (local, remote)]
     assert rows[0] == rows[1]
     # resuming the Ray run computes nothing (and starts no Ray runtime)
-    res = runner.invoke(app, ["sweep", *GRID, "--output-path", str(remote), "--executor", "ray"])
+    grid = [*GRID, "--model", str(tiny_sweep_model)]
+    res = runner.invoke(app, ["sweep", *grid, "--output-path", str(remote), "--executor", "ray"])
     assert res.exit_code == 0 and "0 cell(s) computed, 8 skipped" in res.output, res.output
 
 
@@ -157,7 +160,7 @@ def test_recorded_address_has_no_credentials():
 
 
 @pytest.mark.slow
-def test_ctrl_c_kills_actors_removes_placement_groups_and_stops_ray(smollm):
+def test_ctrl_c_kills_actors_removes_placement_groups_and_stops_ray(tiny_sweep_model):
     """KeyboardInterrupt in the driver once a group's actor and placement group exist: both are gone before
     the executor shuts down the Ray runtime it started, and no Ray process is left."""
     ray = pytest.importorskip("ray")
@@ -168,7 +171,7 @@ def test_ctrl_c_kills_actors_removes_placement_groups_and_stops_ray(smollm):
     from detaudit.executors.ray import RayExecutor
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    opts = engine_options(smollm, "bio+tbik", 2)
+    opts = engine_options(tiny_sweep_model, "bio+tbik", 2)
     groups = [CellGroup(opts, [CellJob("c1", 1, ["p"], [[1, 2]], "c1", DecodingParams(greedy=True, max_new_tokens=2))])]
     ex = RayExecutor(num_cpus=2)
     seen: dict = {}
@@ -235,12 +238,13 @@ HUNG = "smoke__bio-tbik__tp1__bs2"  # its first attempt stops producing tokens i
 
 
 @pytest.fixture(scope="module")
-def gpu_path_sweep(tmp_path_factory, smollm):
+def gpu_path_sweep(tmp_path_factory, tiny_sweep_model):
     """One Ray sweep on the GPU scheduling path (two logical GPUs) in which HUNG's actor hangs on its
     first attempt: both claims below are read from it (one sweep, not two: this is CI's time)."""
     pytest.importorskip("ray")
     out = tmp_path_factory.mktemp("ray-gpu") / "r"
-    res = _ray_sweep_in_subprocess(out, smollm.path, timeout_s=600, hang_timeout=20, env={FAULT_ENV: f"hang:{HUNG}"})
+    env = {FAULT_ENV: f"hang:{HUNG}"}
+    res = _ray_sweep_in_subprocess(out, tiny_sweep_model, timeout_s=600, hang_timeout=20, env=env)
     return res, json.loads((out / "manifest.json").read_text())["cells"]
 
 

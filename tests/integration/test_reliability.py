@@ -1,5 +1,7 @@
-"""Reliability on the real model and real processes (no mocks of the failures): SIGKILL and resume,
-the run-directory lock, TP worker crash / hang, sharded sweeps and merge."""
+"""Reliability with real processes (no mocks of the failures): SIGKILL and resume, the run-directory
+lock, TP worker crash / hang, sharded sweeps and merge. The sweeps run a tiny random Llama with the
+embedded tokenizer (conftest's `tiny_sweep_model`): what is checked is the run directory and the
+processes, and the real model's compute cost minutes of CI on a CPU without AVX-512."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ GRID = [
     "--limit",
     "2",
     "--max-new-tokens",
-    "4",
+    "32",  # each cell lasts long enough that a kill lands while the next one runs (a kill follows one cell)
     "--backends",
     "bf16,bio",
     "--tp",
@@ -48,12 +50,14 @@ def _workers() -> list[psutil.Process]:
     return out
 
 
-def _sweep_cmd(out: Path, *extra: str, grid: list[str] = GRID) -> list[str]:
+def _sweep_cmd(model: Path, out: Path, *extra: str, grid: list[str] = GRID) -> list[str]:
     return [
         sys.executable,
         "-c",
         "from detaudit.cli import main; main()",
         "sweep",
+        "--model",
+        str(model),
         *grid,
         "--output-path",
         str(out),
@@ -63,10 +67,10 @@ def _sweep_cmd(out: Path, *extra: str, grid: list[str] = GRID) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def clean_run(smollm, tmp_path_factory) -> Path:
+def clean_run(tiny_sweep_model, tmp_path_factory) -> Path:
     """The GRID swept once, uninterrupted: what a killed-and-resumed or sharded run must reproduce."""
     out = tmp_path_factory.mktemp("clean") / "run"
-    subprocess.run(_sweep_cmd(out), check=True, capture_output=True)
+    subprocess.run(_sweep_cmd(tiny_sweep_model, out), check=True, capture_output=True)
     return out
 
 
@@ -91,7 +95,7 @@ def _until(proc: subprocess.Popen, ready) -> None:
         time.sleep(0.02)
 
 
-def test_kill_and_resume(clean_run, tmp_path):
+def test_kill_and_resume(clean_run, tiny_sweep_model, tmp_path):
     """SIGKILL three times, each time as soon as one more cell is complete (the next one is then being
     computed), then resume: no completed cell is recomputed and the result is the uninterrupted run's.
     The kills follow the sweep's progress, not a clock."""
@@ -99,7 +103,7 @@ def test_kill_and_resume(clean_run, tmp_path):
     recomputed = 0
     for attempt in range(3):
         before = _cell_files(out)
-        proc = subprocess.Popen(_sweep_cmd(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(_sweep_cmd(tiny_sweep_model, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _until(proc, lambda: len(_cell_files(out)) > len(before))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -107,7 +111,7 @@ def test_kill_and_resume(clean_run, tmp_path):
         recomputed += sum(1 for name, mtime in before.items() if after.get(name) != mtime)
     before = _cell_files(out)
     assert 3 <= len(before) < 6, len(before)  # each kill came after one more cell and before the last
-    done = subprocess.run(_sweep_cmd(out), capture_output=True, text=True)
+    done = subprocess.run(_sweep_cmd(tiny_sweep_model, out), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     after = _cell_files(out)
     recomputed += sum(1 for name, mtime in before.items() if after.get(name) != mtime)
@@ -116,13 +120,13 @@ def test_kill_and_resume(clean_run, tmp_path):
     _same_records(out, clean_run)
 
 
-def test_second_sweep_into_same_dir_is_refused_and_lock_does_not_outlive_a_kill(smollm, tmp_path):
+def test_second_sweep_into_same_dir_is_refused_and_lock_does_not_outlive_a_kill(tiny_sweep_model, tmp_path):
     out = tmp_path / "run"
-    first = subprocess.Popen(_sweep_cmd(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(_sweep_cmd(tiny_sweep_model, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _until(first, lambda: (out / "manifest.json").exists())  # it holds the lock
         first.send_signal(signal.SIGSTOP)  # and keeps it, however fast this machine would finish the grid
-        second = subprocess.run(_sweep_cmd(out), capture_output=True, text=True)
+        second = subprocess.run(_sweep_cmd(tiny_sweep_model, out), capture_output=True, text=True)
         assert first.poll() is None, "the first sweep ended before the second was refused"
         assert second.returncode == 2, second.stderr
         assert "another sweep is writing to" in second.stderr, second.stderr
@@ -131,18 +135,20 @@ def test_second_sweep_into_same_dir_is_refused_and_lock_does_not_outlive_a_kill(
         first.send_signal(signal.SIGKILL)
         first.wait()
     # the lock died with its holder: a new sweep resumes
-    third = subprocess.run(_sweep_cmd(out), capture_output=True, text=True)
+    third = subprocess.run(_sweep_cmd(tiny_sweep_model, out), capture_output=True, text=True)
     assert third.returncode == 0, third.stderr
 
 
 @pytest.mark.parametrize("fault", ["crash:1", "hang:0"])
-def test_tp_worker_failure_fails_the_cell_and_the_sweep_goes_on(smollm, tmp_path, monkeypatch, fault):
+def test_tp_worker_failure_fails_the_cell_and_the_sweep_goes_on(tiny_sweep_model, tmp_path, monkeypatch, fault):
     out = tmp_path / "run"
     monkeypatch.setenv("DETAUDIT_FAULT_INJECT", fault)
     res = runner.invoke(
         app,
         [
             "sweep",
+            "--model",
+            str(tiny_sweep_model),
             "--suites",
             "smoke",
             "--limit",
@@ -170,11 +176,11 @@ def test_tp_worker_failure_fails_the_cell_and_the_sweep_goes_on(smollm, tmp_path
     assert not _workers()  # no orphans
 
 
-def test_shards_merge_to_the_whole(clean_run, tmp_path):
+def test_shards_merge_to_the_whole(clean_run, tiny_sweep_model, tmp_path):
     parts = []
     for i in (1, 2):
         part = tmp_path / f"part{i}"
-        subprocess.run(_sweep_cmd(part, "--shard", f"{i}/2"), check=True, capture_output=True)
+        subprocess.run(_sweep_cmd(tiny_sweep_model, part, "--shard", f"{i}/2"), check=True, capture_output=True)
         parts.append(str(part))
     merged = tmp_path / "merged"
     res = runner.invoke(app, ["merge", *parts, "--output-path", str(merged)])
@@ -183,12 +189,12 @@ def test_shards_merge_to_the_whole(clean_run, tmp_path):
     assert (merged / "prompts.parquet").read_bytes() == (clean_run / "prompts.parquet").read_bytes()
     other = tmp_path / "other"  # another seed (one cell is enough: merge compares the settings first)
     one_cell = [*GRID[: GRID.index("--backends")], "--backends", "bio", "--tp", "1", "--batch-sizes", "1"]
-    subprocess.run(_sweep_cmd(other, "--seed", "1", grid=one_cell), check=True, capture_output=True)
+    subprocess.run(_sweep_cmd(tiny_sweep_model, other, "--seed", "1", grid=one_cell), check=True, capture_output=True)
     bad = runner.invoke(app, ["merge", parts[0], str(other), "--output-path", str(tmp_path / "m2")])
     assert bad.exit_code == 2 and "decoding" in bad.output.lower()
 
 
-def test_resume_refuses_cells_computed_with_other_numerics(clean_run, tmp_path):
+def test_resume_refuses_cells_computed_with_other_numerics(clean_run, tiny_sweep_model, tmp_path):
     """A run directory whose cells an older detaudit computed with another RMSNorm (the manifest records
     each backend's description): resuming it with more cells is refused in one line before any engine
     runs, and nothing in it changes; merging it with a run of this detaudit is refused the same way."""
@@ -202,7 +208,8 @@ def test_resume_refuses_cells_computed_with_other_numerics(clean_run, tmp_path):
     manifest["backends"]["bio@tp1"]["backend"]["rms_norm"] = "an older definition"
     (old / "manifest.json").write_text(json.dumps(manifest))
     before = _cell_files(old)
-    res = runner.invoke(app, ["sweep", *GRID[:-1], "1,2,4,8", "--output-path", str(old), "--no-analyze"])
+    more = [*GRID[:-1], "1,2,4,8", "--model", str(tiny_sweep_model)]
+    res = runner.invoke(app, ["sweep", *more, "--output-path", str(old), "--no-analyze"])
     one_line_error(res, "computed with other numerics")
     assert "bio@tp1 (rms_norm)" in res.output and _cell_files(old) == before
     res = runner.invoke(app, ["merge", str(clean_run), str(old), "--output-path", str(tmp_path / "merged")])

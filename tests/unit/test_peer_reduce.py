@@ -19,6 +19,7 @@ from detaudit.errors import DetauditError
 pytest.importorskip("triton")
 
 
+@pytest.mark.slow  # a subprocess interpreting the peer kernels on emulated ranks: 40-90 s
 def test_peer_kernels_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     script = Path(__file__).with_name("peer_checks.py")
