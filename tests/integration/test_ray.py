@@ -72,9 +72,13 @@ def _ray_children(before: set[int]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_sweep_model):
+def grid(tiny_sweep_model) -> list[str]:
+    return [*GRID, "--model", str(tiny_sweep_model)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, grid):
     pytest.importorskip("ray")
-    grid = [*GRID, "--model", str(tiny_sweep_model)]
     base = tmp_path_factory.mktemp("ray")
     local, remote = base / "local", base / "ray"
     t0 = time.monotonic()
@@ -117,7 +121,7 @@ def test_ray_records_equal_local_bit_for_bit(runs):
 
 
 @pytest.mark.slow
-def test_killed_actor_retries_its_cell_and_the_analysis_is_the_same(runs, tiny_sweep_model):
+def test_killed_actor_retries_its_cell_and_the_analysis_is_the_same(runs, grid):
     local, remote, output, _ = runs
     m = json.loads((remote / "manifest.json").read_text())
     assert m["executor"]["name"] == "ray" and m["executor"]["max_retries"] == 1 and m["executor"]["ray_version"]
@@ -132,7 +136,6 @@ def test_killed_actor_retries_its_cell_and_the_analysis_is_the_same(runs, tiny_s
     rows = [cli_json(runner.invoke(app, ["analyze", str(run), "--json"])) for run in (local, remote)]
     assert rows[0] == rows[1]
     # resuming the Ray run computes nothing (and starts no Ray runtime)
-    grid = [*GRID, "--model", str(tiny_sweep_model)]
     res = runner.invoke(app, ["sweep", *grid, "--output-path", str(remote), "--executor", "ray"])
     assert res.exit_code == 0 and "0 cell(s) computed, 8 skipped" in res.output, res.output
 

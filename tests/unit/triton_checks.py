@@ -20,7 +20,7 @@ def _slot_free_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     and these checks test the kernels' own slot independence, so here every element of the product is
     the same sequence of fp32 multiplies and adds over k, whatever its row, column or block shape (no
     BLAS, no FMA). The accumulator is added after the product, as the interpreter does."""
-    if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+    if any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b)):
         raise NotImplementedError("fp8 dot: not used by these kernels")
     out = d.data.dtype
     x, y = a.data.astype(out), b.data.astype(out)
