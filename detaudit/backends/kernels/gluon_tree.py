@@ -18,7 +18,12 @@ released that is one step of look-ahead: slower at long K; both in global memory
 four 64 KB transfers per tile, which every program issues at about the same time.
 The finished tile is rounded once to the output's dtype (fp32 for a TP subtree, the model dtype for a
 TP-1 layer's final result: the same RNE rounding as a cast) and stored; the output is padded to whole
-tiles (the stores need no masks: 64 predicates would cost registers).
+tiles (the stores need no masks: 64 predicates would cost registers). With 8 leaves the park is free
+once leaf 7 has read it, so it is the tile's stage: written in the 128-byte swizzle and stored by TMA,
+which runs while the next tile's MMAs do (the park is written again at leaf 5, after a store_wait);
+tree 0.69-0.76x -> 0.71-0.78x cuBLAS at TP 1 on one H100 (reports/gpu/tp-scaling/README.md). With
+fewer leaves the tile goes from registers: a 64 KB fp32 stage would take a load buffer, and with 5
+buffers it measured slower at K = 1024 and 3072 (2 leaves; same report).
 
 Routed (`tree_mm_routed`, a real-TP prefill's all-reduce: `builtin/peer.py`): the schedule's tile rows
 come from a table, and each finished fp32 tile goes through a 64 KB shared-memory stage by TMA into its
@@ -56,6 +61,8 @@ try:  # Gluon is experimental in Triton; where it is missing the Triton kernels 
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     # 3.6's store_wait waits for the writes; later ones by default only until the stage has been read
     _WAIT_TAKES_READ_ONLY = gl.constexpr("read_only" in inspect.signature(tma.store_wait).parameters)
+    # a shared buffer seen as another dtype / layout: `_reinterpret` in 3.6, `reinterpret` in 3.9
+    _NEW_REINTERPRET = gl.constexpr(hasattr(getattr(gl, "shared_memory_descriptor", object), "reinterpret"))
 except (ImportError, AttributeError, TypeError, ValueError):  # pragma: no cover - depends on the install
     gluon = None  # (a Gluon whose API moved: the Triton kernels run, as where it is missing)
 
@@ -262,6 +269,7 @@ if gluon is not None:
                 else:
                     node = s0 + acc  # level 1: leaves j-1..j
                     if NUM_LEAVES == 8 and j == 5:
+                        tma.store_wait(0)  # the park is the last tile's stage: its store has read it
                         park.store(node)  # leaves 4..5, read back by the same threads at leaf 7
                     elif NUM_LEAVES == 8 and j == 7:
                         node = park.load(layout) + node  # level 2: leaves 4..7
@@ -274,9 +282,17 @@ if gluon is not None:
                             _store_tile(scratch_ptr, pid, 0, BLOCK_N, node)  # leaves 0..3 (j == 3)
             if ROUTED:
                 _store_routed(o0, o1, o2, o3, o4, o5, o6, o7, stage, route_ptr, pid_m, pid_n, TILES, RANK_ROWS, node, C)
+            elif NUM_LEAVES == 8:  # by TMA from the park (free once leaf 7 has read it) into o0
+                if _NEW_REINTERPRET:
+                    st = park.reinterpret(o0.dtype, [BLOCK_M, BLOCK_N], o0.layout)
+                else:
+                    st = park._reinterpret(o0.dtype, [BLOCK_M, BLOCK_N], o0.layout)
+                st.store(node.to(o0.dtype))  # one RNE rounding, as a cast
+                fence_async_shared()
+                _tma_store(o0, [pid_m * BLOCK_M, pid_n * BLOCK_N], st)
             else:
                 _store_tile(out_ptr, pid_m, pid_n, LD, node.to(out_ptr.dtype.element_ty))  # one RNE rounding
-        if ROUTED:  # the last stores written (not only read from the stage) before the program ends
+        if ROUTED or NUM_LEAVES == 8:  # the last stores written (not only read from the stage) before the end
             if _WAIT_TAKES_READ_ONLY:
                 tma.store_wait(0, read_only=False)
             else:
@@ -311,6 +327,7 @@ if gluon is not None:
         GROUP_M: gl.constexpr,
         C: gl.constexpr,
         ROUTED: gl.constexpr,
+        PARK_LAYOUT: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Persistent: program pid computes output tiles pid, pid + NP, ... (ROUTED: M counts the
@@ -330,14 +347,16 @@ if gluon is not None:
         for i in gl.static_range(NB):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        # the park for the node of leaves 4..5 (8 leaves only; a token allocation otherwise). Swizzled so
-        # that a warp's store of an accumulator register pair (8 rows x 8 columns) hits every bank twice,
-        # the minimum for 256 bytes: 8-column units XORed with the row (unswizzled rows share banks).
-        PARK_M: gl.constexpr = BLOCK_M if NUM_LEAVES == 8 else 8
-        PARK_N: gl.constexpr = BLOCK_N if NUM_LEAVES == 8 else 8
-        park = gl.allocate_shared_memory(
-            gl.float32, [PARK_M, PARK_N], gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-        )
+        # the park for the node of leaves 4..5, and the finished tile's TMA stage once leaf 7 has read it
+        # (8 leaves only; a token allocation otherwise). fp32 in the 128-byte swizzle TMA reads: its
+        # 16-byte units XORed with the row, so a warp's store of an accumulator register pair (8 rows x 8
+        # columns) hits every bank twice, the minimum for 256 bytes.
+        if NUM_LEAVES == 8:
+            park = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], PARK_LAYOUT)
+        else:
+            park = gl.allocate_shared_memory(
+                gl.float32, [8, 8], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+            )
         # the routed store's stage (a token allocation otherwise)
         if ROUTED:
             stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], o0.layout)
@@ -464,16 +483,18 @@ class _Plan:
     """`tree_mm` for one plan key (shapes, strides, dtypes, pointer alignment) with the compiled kernel
     kept (see `launch`): per call two allocations, two descriptors from kept shapes, one launch."""
 
-    __slots__ = ("launch", "xd", "wd", "out_shape", "out_dtype", "m", "n", "scratch")
+    __slots__ = ("launch", "xd", "wd", "od", "out_shape", "out_dtype", "m", "n", "scratch")
 
-    def __init__(self, plan, xd, wd, out_shape, out_dtype, m, n, scratch) -> None:
-        self.launch, self.xd, self.wd = plan, xd, wd
+    def __init__(self, plan, xd, wd, od, out_shape, out_dtype, m, n, scratch) -> None:
+        self.launch, self.xd, self.wd, self.od = plan, xd, wd, od
         self.out_shape, self.out_dtype, self.m, self.n, self.scratch = out_shape, out_dtype, m, n, scratch
 
     def __call__(self, x: Tensor, w: Tensor) -> Tensor:
         out_full = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device)
         scratch = torch.empty(self.scratch, dtype=torch.float32, device=x.device)
-        self.launch(x.device.index, launch.Desc(x, *self.xd), launch.Desc(w, *self.wd), out_full, scratch)
+        xd, wd = launch.Desc(x, *self.xd), launch.Desc(w, *self.wd)
+        od = launch.Desc(out_full, *self.od) if self.od is not None else None
+        self.launch(x.device.index, xd, wd, out_full, scratch, od)
         return out_full[: self.m, : self.n]
 
 
@@ -507,7 +528,7 @@ def _setup(x: Tensor, w: Tensor, leaves: int, c: dict, num_programs: int | None,
     k = x.shape[1]
     if k % (leaves * bk):
         raise ValueError(f"K={k} is not {leaves} leaves of whole BLOCK_K={bk} steps")
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
+    gdt = _GL_DTYPES[x.dtype]
     w_kn = w.stride(1) != 1
     x_desc = _desc(x, [bm, bk], gdt)
     w_desc = _desc(w.t(), [bk, bn], gdt) if w_kn else _desc(w, [bn, bk], gdt)
@@ -522,8 +543,15 @@ def _setup(x: Tensor, w: Tensor, leaves: int, c: dict, num_programs: int | None,
     scratch_n = progs * bm * bn if leaves == 8 else 1
     # the routed store's 64 KB stage takes a buffer's room, as the park does
     nb = c["NB_PARKED"] if leaves == 8 or routed else c["NB"]
-    kw = dict(NUM_LEAVES=leaves, BLOCK_N=bn, W_KN=w_kn, NB=nb, GROUP_M=c["GROUP_M"], num_warps=c["num_warps"])
+    park = gl.NVMMASharedLayout.get_default_for([bm, bn], gl.float32)
+    kw = dict(NUM_LEAVES=leaves, BLOCK_N=bn, W_KN=w_kn, NB=nb, GROUP_M=c["GROUP_M"], PARK_LAYOUT=park)
+    kw["num_warps"] = c["num_warps"]
     return x_desc, w_desc, progs, scratch_n, k // leaves // bk, kw
+
+
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+if gluon is not None:
+    _GL_DTYPES = {k: getattr(gl, v) for k, v in _GL_DTYPES.items()}
 
 
 def _desc(t: Tensor, block: list[int], gdt) -> TensorDescriptor:
@@ -553,11 +581,14 @@ def tree_mm(
     x_desc, w_desc, progs, scratch_n, steps, kw = _setup(x, w, leaves, c, num_programs, m, False)
     out_full = torch.empty(triton.cdiv(m, bm) * bm, triton.cdiv(n, bn) * bn, dtype=out_dtype, device=x.device)
     scratch = torch.empty(scratch_n, dtype=torch.float32, device=x.device)
-    args = (x_desc, w_desc, out_full, scratch, *[None] * 8, None, m, n, steps, progs, 0, 0, out_full.stride(0))
+    # 8 leaves store by TMA (from the park, which costs no load buffer), fewer from registers: a 64 KB
+    # stage would take a buffer, which measured slower at short K (reports/gpu/kernels/README.md)
+    o_desc = _desc(out_full, [bm, bn], _GL_DTYPES[out_dtype]) if leaves == 8 else None
+    args = (x_desc, w_desc, out_full, scratch, o_desc, *[None] * 7, None, m, n, steps, progs, 0, 0, out_full.stride(0))
     kw.update(C=1, ROUTED=False)
     if warmup:
         return _tree_kernel.warmup(*args, grid=(progs,), **kw)
-    first = launch.Launch.first(_tree_kernel, (progs,), args, kw, slots=(0, 1, 2, 3))
+    first = launch.Launch.first(_tree_kernel, (progs,), args, kw, slots=(0, 1, 2, 3, 4))
     if first is not None and cfg is None and num_programs is None:
         launch.cache_put(
             _PLANS,
@@ -566,6 +597,7 @@ def tree_mm(
                 first,
                 _fields(x_desc),
                 _fields(w_desc),
+                _fields(o_desc) if o_desc is not None else None,
                 tuple(out_full.shape),
                 out_dtype,
                 m,
