@@ -21,7 +21,7 @@ TP-1 layer's final result: the same RNE rounding as a cast) and stored; the outp
 tiles (the stores need no masks: 64 predicates would cost registers). With 8 leaves the park is free
 once leaf 7 has read it, so it is the tile's stage: written in the 128-byte swizzle and stored by TMA,
 which runs while the next tile's MMAs do (the park is written again at leaf 5, after a store_wait);
-tree 0.69-0.76x -> 0.71-0.78x cuBLAS at TP 1 on one H100 (reports/gpu/tp-scaling/README.md). With
+tree 0.68-0.76x -> 0.71-0.78x cuBLAS at TP 1 on one H100 (reports/gpu/tp-scaling/README.md). With
 fewer leaves the tile goes from registers: a 64 KB fp32 stage would take a load buffer, and with 5
 buffers it measured slower at K = 1024 and 3072 (2 leaves; same report).
 
@@ -481,7 +481,7 @@ def try_tree_mm(x: Tensor, w: Tensor, leaves: int, out_dtype: torch.dtype = torc
 
 class _Plan:
     """`tree_mm` for one plan key (shapes, strides, dtypes, pointer alignment) with the compiled kernel
-    kept (see `launch`): per call two allocations, two descriptors from kept shapes, one launch."""
+    kept (see `launch`): per call two allocations, the descriptors from kept shapes, one launch."""
 
     __slots__ = ("launch", "xd", "wd", "od", "out_shape", "out_dtype", "m", "n", "scratch")
 
@@ -582,7 +582,7 @@ def tree_mm(
     out_full = torch.empty(triton.cdiv(m, bm) * bm, triton.cdiv(n, bn) * bn, dtype=out_dtype, device=x.device)
     scratch = torch.empty(scratch_n, dtype=torch.float32, device=x.device)
     # 8 leaves store by TMA (from the park, which costs no load buffer), fewer from registers: a 64 KB
-    # stage would take a buffer, which measured slower at short K (reports/gpu/kernels/README.md)
+    # stage would take a buffer, which measured slower at short K (reports/gpu/tp-scaling/README.md)
     o_desc = _desc(out_full, [bm, bn], _GL_DTYPES[out_dtype]) if leaves == 8 else None
     args = (x_desc, w_desc, out_full, scratch, o_desc, *[None] * 7, None, m, n, steps, progs, 0, 0, out_full.stride(0))
     kw.update(C=1, ROUTED=False)
