@@ -29,6 +29,8 @@ Shapes and conventions:
   (leaf, leaves), whose down weights the engine stores leaf-major, each leaf's outputs [leaves, T, k, N];
   `gates[T, k]` are fp32. It returns this rank's partial [T, N], which `combine` / `all_reduce` reduce
   like a row-parallel layer's.
+- `silu_mul(gate, up)`: the MLP's activation, silu(gate) * up in gate's dtype; gate is often a strided
+  column slice of a merged gate / up product, whose width changes with the TP size.
 - `attention(q, k, v, q_pos, scale, window=None)`: q[B, Hq, T, D]; k, v[B, Hkv, L, D] are the KV cache, already
   holding the new tokens; q_pos[B, T] are the queries' absolute positions; key j is visible to a query
   at position p iff j <= p; with `window` (sliding-window attention, passed only for layers that have
@@ -70,6 +72,7 @@ class Backend(Protocol):
     def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor: ...
     def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor: ...
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor: ...  # silu(gate) * up, in gate's dtype
     # optional flag: `FUSED_ROW_OPS = True` where `rms_norm` on GPU is `kernels.fused.rms_norm`: the
     # engine's GPU fast path (`builtin.ops.FusedOps`) then adds the residual inside that kernel and norms
     # Qwen3's q / k heads inside its rotary kernel, with those bits; `COLUMN_INVARIANT = True` where

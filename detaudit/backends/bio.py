@@ -136,6 +136,9 @@ class BioBackend:
         y = product()
         return grouped_mm.weighted_tree(y, gates) if grouped_mm.sums_usable(y) else weighted_experts(y, gates)
 
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        return fixed.silu_mul(gate, up)
+
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if fused.usable(x):  # GPU: one program per row, the row's sum of squares in one fixed order
             return fused.rms_norm(x, weight, eps)[0]
@@ -169,6 +172,8 @@ class BioBackend:
             **fixed.describe_cpu(),
             "matmul_gpu": "Triton kernels (persistent; SWAP=1: one bf16 / fp16 product of up to 32 rows, "
             f"operands swapped, a program a tile), no split-K, fp32 accumulate; {triton_mm.describe()}",
+            "silu_mul": "fp32 gate / (1 + exp(-gate)), rounded to the model dtype, * up; CPU: exp by torch's vml "
+            "kernel, the same code for every element",
             "rms_norm": "fp32; row sum of squares: CPU a fixed-shape product with ones; GPU one Triton program per "
             "row (residual add fused), BLOCK fp32 lanes in order then one tree",
             "log_softmax": "fp32; row max, then the row sum of exp as for rms_norm",

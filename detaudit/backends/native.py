@@ -73,6 +73,9 @@ class NativeBackend:
         y = product()  # [T, k, N]
         return (y * gates[..., None]).to(y.dtype).sum(dim=1)
 
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        return F.silu(gate) * up
+
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if fused.usable(x):  # GPU: one program per row, as serving engines' fused RMSNorm kernels
             return fused.rms_norm(x, weight, eps)[0]

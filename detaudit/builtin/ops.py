@@ -9,7 +9,7 @@ The steps:
 - `rope_store(q, k, v, step, cache, qk_norm)`: Qwen3's per-head q / k RMSNorm (`qk_norm`), the rotary
   embedding of q and k, and the writes of k and v into the cache rows `step.slots`; returns q as
   [B, Hq, T, D];
-- `silu_mul(gate, up)`: silu(gate) * up.
+- `silu_mul(gate, up)`: silu(gate) * up (the backend's).
 
 With `merge_projections` the column-parallel layers compute q / k / v (and gate / up) as one product
 per rank, as serving engines do on GPUs. On CPU the invariant backends merge too (`COLUMN_INVARIANT`: a
@@ -19,7 +19,6 @@ costs per layer and changes no bit; bf16 keeps transformers' separate products t
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from detaudit.backends.base import Backend
@@ -53,7 +52,7 @@ class TorchOps:
         return q
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
-        return F.silu(gate) * up
+        return self.backend.silu_mul(gate, up)
 
 
 class FusedOps(TorchOps):

@@ -9,19 +9,18 @@ on the thread count or the batch).
   (that function is batch, length and prefill/decode invariant).
 - Rotary: detaudit's `Rotary` / `apply_rotary` (fp32 angles, rotate-half in the model dtype) instead of
   vLLM's C++ kernel and its precomputed cos/sin cache.
-- SiLU-and-mul: `silu(gate) * up` in the model dtype, as the built-in MLP computes it.
+- SiLU-and-mul: the backend's `silu_mul`, as the built-in MLP computes it.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def install(backend, marker, tp_rank) -> None:
     _install_attention(backend, marker, tp_rank)
     _install_rotary(marker, tp_rank)
-    _install_silu_and_mul(marker, tp_rank)
+    _install_silu_and_mul(backend, marker, tp_rank)
 
 
 def _kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +134,7 @@ def _install_rotary(marker, tp_rank) -> None:
         forward_cpu = forward_native
 
 
-def _install_silu_and_mul(marker, tp_rank) -> None:
+def _install_silu_and_mul(backend, marker, tp_rank) -> None:
     from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers.activation import SiluAndMul
 
@@ -144,6 +143,7 @@ def _install_silu_and_mul(marker, tp_rank) -> None:
         def forward_native(self, x):
             marker.op("silu_and_mul", tp_rank())
             d = x.shape[-1] // 2
-            return F.silu(x[..., :d].contiguous()) * x[..., d:]
+            with backend.activate():
+                return backend.silu_mul(x[..., :d], x[..., d:])
 
         forward_cpu = forward_native

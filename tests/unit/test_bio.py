@@ -112,6 +112,28 @@ def test_row_ops_invariant_and_correct(threads, cpu_kernels):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("backend", ["bio", "bio+tbik"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_bits_do_not_depend_on_the_shard_width(backend, dtype):
+    """A rank's gate is a strided column slice of its merged gate / up product, as wide as I / C: each
+    element's fp32 bits must not depend on that width, the slice's stride or the element's place (with
+    F.silu, shards narrower than 32 columns took a scalar path with other bits: TP 4 of a 64-wide MLP
+    differed from TP 1 at fp32)."""
+    b = get_backend(backend)
+    inter, rows = 64, 37
+    gate_up = _rand(rows, 2 * inter, dtype=dtype) * 4
+    full = b.silu_mul(gate_up[:, :inter], gate_up[:, inter:])  # TP 1's merged product
+    for tp in (2, 4, 8):
+        w = inter // tp
+        for r in range(tp):  # rank r's own merged product [rows, 2w]: gate then up columns
+            merged = torch.cat([gate_up[:, r * w : (r + 1) * w], gate_up[:, inter + r * w : inter + (r + 1) * w]], 1)
+            _bitwise(b.silu_mul(merged[:, :w], merged[:, w:]), full[:, r * w : (r + 1) * w], f"tp {tp} rank {r}")
+    for m in (1, 5, 36):  # a row alone or among others
+        _bitwise(b.silu_mul(gate_up[:m, :inter], gate_up[:m, inter:]), full[:m], f"rows {m}")
+    ref = torch.nn.functional.silu(gate_up[:, :inter].double()) * gate_up[:, inter:].double()
+    assert torch.allclose(full.double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+
+
 def _attn_inputs(bsz=3, hq=6, hkv=2, t=70, d=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(bsz, hq, t, d, generator=g).bfloat16()

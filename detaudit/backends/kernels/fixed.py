@@ -115,6 +115,25 @@ def describe_cpu() -> dict[str, str]:
     }
 
 
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up, each element by the same instructions wherever it sits (CPU: the result of an
+    element depends on nothing but its own gate and up values).
+
+    `F.silu` on CPU computes vectors of 2 x the SIMD width with a vector formula and the elements left
+    over (a row narrower than that, the tail of a strided slice) with a scalar one whose exp is libm's:
+    the two differ in the last bit of about 4% of fp32 elements. A rank's gate is a column slice of its
+    merged gate / up product, so its width, and which path an element takes, changed with the TP size
+    (and with the batch at a tail): that broke bio+tbik's TP invariance at fp32 on shards narrower than
+    32 columns. Here exp is `torch.exp`, whose CPU kernel (vml) runs every element, tails and strided
+    inputs included, through the same vector code; negation, the add and the division are IEEE
+    operations, exact alike in scalar and vector code. The formula is PyTorch's vector one, in fp32,
+    rounded once to the gate's dtype. GPU: `F.silu` (one thread an element, the same code for each)."""
+    if gate.device.type != "cpu":
+        return torch.nn.functional.silu(gate) * up
+    g = gate.float()
+    return (g / (torch.exp(-g) + 1)).to(gate.dtype) * up
+
+
 _ONES: dict[tuple[int, str], Tensor] = {}
 
 
