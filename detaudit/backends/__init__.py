@@ -25,14 +25,7 @@ def register_backend(*names: str):
 
 
 def _load_builtin() -> None:
-    from detaudit.backends import native  # noqa: F401
-
-    for mod in ("detaudit.backends.bio", "detaudit.backends.tbik"):
-        try:
-            __import__(mod)
-        except ModuleNotFoundError as e:  # a backend module not written yet
-            if e.name != mod:
-                raise
+    from detaudit.backends import bio, native, tbik  # noqa: F401 (they register on import)
 
 
 def _load_entry_points() -> None:
@@ -54,7 +47,10 @@ def get_backend(name: str) -> Backend:
     names = available()
     if name not in BACKENDS:
         raise DetauditError(f"unknown backend {name!r}; known backends: {', '.join(names)}")
-    return BACKENDS[name]()
+    backend = BACKENDS[name]()
+    if not isinstance(backend, Backend):  # a plugin written against the old protocol: abilities unknown
+        raise DetauditError(f"backend {name!r} does not subclass detaudit.backends.Backend (the backend contract)")
+    return backend
 
 
 def check_backends(names, option: str = "--backends") -> tuple[str, ...]:
@@ -68,6 +64,15 @@ def check_backends(names, option: str = "--backends") -> tuple[str, ...]:
     return tuple(names)
 
 
+def describe_machine() -> dict[str, str]:
+    """How this machine's CPU runs the invariant backends' products and row kernels, and why (for
+    `doctor`): the product path (`cpu_gemm`) and whether the compiled kernels run (`cpu_kernels`)."""
+    from detaudit.backends.kernels import fixed
+
+    d = fixed.describe_cpu()
+    return {"cpu_gemm": d["cpu_gemm"], "cpu_kernels": d["cpu_kernels"]}
+
+
 __all__ = [
     "Backend",
     "ProcessGroup",
@@ -76,4 +81,5 @@ __all__ = [
     "get_backend",
     "available",
     "check_backends",
+    "describe_machine",
 ]

@@ -1,88 +1,232 @@
-"""The Backend protocol: how every reduction of a forward pass is computed.
+"""The backend contract: how every reduction of a forward pass is computed.
 
-A backend decides how matmuls, RMSNorm, log-softmax, attention and the tensor-parallel (TP)
-all-reduce are computed. The engine's layers call these methods explicitly; nothing else in the
-engine performs a reduction that can change with batch size or TP size.
+`Backend` declares every ability a model layer may use, each with its default; a backend subclasses it
+and overrides what it computes its own way. Model layers make one call each and never ask what a
+backend can do (the model of vLLM's `quant_method`: a layer calls `self.quant_method.apply(...)`):
 
-Shapes and conventions:
-- `linear(x, w)`: x[..., K] @ w[N, K]^T, returned in x.dtype. Column-parallel and replicated layers.
-- `row_partial(x, w, tp_size)`: this rank's partial sum of a row-parallel layer (o_proj, down_proj);
-  x[..., K/C], w[N, K/C]; `name` is the layer's name, for error messages. The dtype of the partial is the
-  backend's choice (tbik keeps fp32).
-- `row_output(x, w, dtype)`: a TP-1 row-parallel layer's whole product rounded once to `dtype`, bit for
-  bit `combine([row_partial(x, w, 1)], dtype)`, in one kernel where the backend can (the GPU kernels
-  round in their store: an fp32 output tile is never written).
-- `combine(partials, dtype)`: the fixed-order reduction of all C partials, given in rank order.
-  Used by emulated TP directly and, after an all-gather, by the default `all_reduce`. The combine of
-  one partial must be the partial cast to `dtype`, bit for bit.
-- `all_reduce(partial, group, dtype)`: the single TP seam in real TP mode.
-- optional `row_all_reduce(x, w, group, dtype, name)`: a real-TP row-parallel layer in one call, bit for
-  bit `all_reduce(row_partial(x, w, C), group, dtype)`, for backends that overlap the two (bio's peer
-  transport sends each owner's rows while the next are computed).
-- mixture-of-experts layers (a backend without these cannot run MoE models): `expert_linear(x, w)` is an
-  expert's column-parallel product (gate / up) of its rows, x[R, K] @ w[N, K]^T, or of every expert at
-  once, x[E, R, K] @ w[E, N, K]^T, in x's dtype; `expert_matmul(x, w)` the same shapes for the down
-  projection, in the backend's partial dtype; `expert_down(product, gates, tp_size, k_local, name)` the
-  row-parallel down projection and each token's weighted sum of its experts' outputs: the engine's
-  `product()` returns every (token, slot) output [T, k, N] over this rank's K (`expert_matmul` of the
-  rows routed to each expert), or, for a backend with `expert_leaf_plan(k_local, tp_size, name)` ->
-  (leaf, leaves), whose down weights the engine stores leaf-major, each leaf's outputs [leaves, T, k, N];
-  `gates[T, k]` are fp32. It returns this rank's partial [T, N], which `combine` / `all_reduce` reduce
-  like a row-parallel layer's.
-- `silu_mul(gate, up)`: the MLP's activation, silu(gate) * up in gate's dtype; gate is often a strided
-  column slice of a merged gate / up product, whose width changes with the TP size.
-- `attention(q, k, v, q_pos, scale, window=None)`: q[B, Hq, T, D]; k, v[B, Hkv, L, D] are the KV cache, already
-  holding the new tokens; q_pos[B, T] are the queries' absolute positions; key j is visible to a query
-  at position p iff j <= p; with `window` (sliding-window attention, passed only for layers that have
-  one) iff p - window < j <= p. Returns [B, Hq, T, D] in q.dtype.
+- `linear(x, w)`: x[..., K] @ w[N, K]^T in x.dtype: column-parallel and replicated layers;
+- `row_parallel(x, shards, ctx, name)`: a row-parallel layer (o_proj, down_proj) whole: this process's
+  K-slices' products and their TP combine (`combine` in emulated TP, `row_output` at TP 1 in process,
+  `all_reduce` of `row_partial` in real TP), rounded once to `ctx.dtype`;
+- `experts(h, experts, gates, weights, ctx, decode, name)`: a mixture-of-experts MLP after its router,
+  over the weights `expert_weights` laid out for this backend (`backends/experts.py`);
+- `row_ops(device, head_dim)`: the per-token steps between the products (add + RMSNorm, q / k norm +
+  rotary + cache write, silu * up), PyTorch ops around this backend's reductions or one fused GPU kernel
+  each (`backends/row_ops.py`);
+- `attention(q, k, v, q_pos, scale, window, plan)` with a per-step memo `attention_plan(...)`;
+- `rms_norm`, `silu_mul`, `log_softmax`: row-local;
+- `describe()`: how it computes, for the manifest; `activate()`: its numeric switches, restored in
+  `finally`, re-entrant.
+
+The pieces `row_parallel` and the experts are built from, which emulated TP, the vLLM plugin, the
+benchmarks and the tests also call:
+- `row_partial(x, w, tp_size, name)`: this rank's partial sum of a row-parallel layer, x[..., K/C],
+  w[N, K/C]; its dtype is the backend's choice (bio and bio+tbik keep fp32);
+- `row_output(x, w, dtype, name)`: a TP-1 layer's product rounded once to `dtype`, bit for bit
+  `combine([row_partial(x, w, 1)], dtype)`, in one kernel where the backend can;
+- `combine(partials, dtype)`: the fixed-order reduction of all C partials, in rank order; the combine of
+  one partial is the partial cast to `dtype`, bit for bit;
+- `all_reduce(partial, group, dtype)`: the same reduction across real TP ranks (the one TP seam);
+- experts: `expert_linear(x, w)` (gate / up of an expert's rows, x[R, K] @ w[N, K]^T, or of every expert,
+  x[E, R, K] @ w[E, N, K]^T, in x's dtype), `expert_matmul(x, w)` (the same shapes for the down
+  projection, in the backend's partial dtype), `expert_down(product, gates, tp_size, k_local, name)`
+  (the down projection and each token's weighted sum over its experts: `product()` gives every (token,
+  slot) output [T, k, N], or, where `expert_leaf_plan` is not None, every tree leaf's [leaves, T, k, N];
+  gates [T, k] fp32), `expert_leaf_plan(k_local, tp_size, name)` ((leaf, leaves) where the down
+  projection's K is reduced along a tree, else None), `grouped_experts(h)` (whether every expert's rows
+  go in one launch per projection, `expert_runs_matmul`).
+
+Conventions: `attention`'s q[B, Hq, T, D]; k, v[B, Hkv, L, D] are the KV cache, already holding the new
+tokens; q_pos[B, T] the queries' absolute positions; key j is visible to a query at p iff j <= p, with a
+sliding `window` iff p - window < j <= p. `silu_mul`'s gate is often a strided column slice of a merged
+gate / up product, whose width changes with the TP size.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
-from typing import Iterator, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from detaudit.backends import experts as layouts
+from detaudit.backends.row_ops import TorchOps
 
-@runtime_checkable
-class ProcessGroup(Protocol):
-    """A TP process group. Implementations live in detaudit.builtin.dist (the only place that talks
-    to torch.distributed)."""
+
+class ProcessGroup:
+    """A TP process group: `builtin/dist.py`'s `TorchGroup` (the only place, with the peer transport
+    `backends/peer.py`, that talks to torch.distributed). A group without a peer-memory transport keeps
+    the defaults below (None: the caller moves the partials through the group's collectives)."""
 
     rank: int
     size: int
 
-    def all_gather(self, t: Tensor) -> Tensor: ...  # [C, *t.shape], rank order
-    def all_reduce_sum(self, t: Tensor) -> Tensor: ...
-    def all_to_all(self, t: Tensor) -> Tensor: ...  # t[C, ...]: row j to rank j; rows received, rank order
+    def all_gather(self, t: Tensor) -> Tensor:  # [C, *t.shape], rank order
+        raise NotImplementedError
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def all_to_all(self, t: Tensor) -> Tensor:  # t[C, ...]: row j to rank j; rows received, rank order
+        raise NotImplementedError
+
+    def peer_all_reduce(self, p: Tensor, dtype: torch.dtype, order: str, required: bool = False) -> Tensor | None:
+        """The fixed-order all-reduce of fp32 `p` over peer memory, or None where the group has none."""
+        return None
+
+    def peer_row_all_reduce(
+        self, m: int, n: int, dtype: torch.dtype, order: str, rows_partial, device: torch.device, routed=None
+    ) -> Tensor | None:
+        """A row-parallel layer's product and all-reduce with the transfer overlapped, or None."""
+        return None
 
 
-@runtime_checkable
-class Backend(Protocol):
-    name: str
+@dataclass
+class TPContext:
+    """Where a layer runs: its backend, the TP size C, this process's rank (0 in emulated mode), whether
+    this process computes every rank's shards (emulated), its process group (real TP; None at TP 1 in
+    process) and the model dtype."""
 
-    def activate(self) -> contextlib.AbstractContextManager[None]: ...
-    def linear(self, x: Tensor, weight: Tensor) -> Tensor: ...
-    def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor: ...
-    def row_output(self, x: Tensor, weight: Tensor, dtype: torch.dtype, name: str = "") -> Tensor: ...
-    def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor: ...
-    def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor: ...
-    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
-    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor: ...  # silu(gate) * up, in gate's dtype
-    # optional flag: `FUSED_ROW_OPS = True` where `rms_norm` on GPU is `kernels.fused.rms_norm`: the
-    # engine's GPU fast path (`builtin.ops.FusedOps`) then adds the residual inside that kernel and norms
-    # Qwen3's q / k heads inside its rotary kernel, with those bits; `COLUMN_INVARIANT = True` where
-    # `linear`'s column bits do not depend on the product's width: the engine then merges q / k / v and
-    # gate / up into one product on CPU too
+    backend: Backend
+    size: int
+    rank: int
+    emulated: bool
+    group: ProcessGroup | None = None
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def local_ranks(self) -> range:
+        """Ranks whose shards this process holds."""
+        return range(self.size) if self.emulated else range(self.rank, self.rank + 1)
+
+    def reduce(self, partials: list[Tensor]) -> Tensor:
+        """This process's partials (one per local rank) reduced across the TP group: the backend's
+        combine in emulated TP, its all-reduce in real TP; at TP 1 in process the partial itself (the
+        caller's residual add rounds it, bit for bit the combine of one partial)."""
+        b = self.backend
+        if self.emulated:
+            return b.combine(partials, self.dtype)
+        if self.group is None:
+            return partials[0]
+        return b.all_reduce(partials[0], self.group, self.dtype)
+
+
+class Backend:
+    """The contract (see the module docstring). `name`: the registry name; `COLUMN_INVARIANT`: a
+    column's bits of `linear` do not depend on how many columns share the product (merged q / k / v and
+    gate / up then give the same bits as separate products, so the engine merges them on CPU too);
+    `REDUCE_ORDER`: the order the fixed-order all-reduce adds in ("rank" or "tree", as the peer kernels
+    name them)."""
+
+    name = "?"
+    COLUMN_INVARIANT = False
+    REDUCE_ORDER = "rank"
+
+    def __init__(self) -> None:
+        self._flags = TorchFlags()
+
+    def activate(self) -> contextlib.AbstractContextManager[None]:
+        return self._flags.activate()
+
+    def describe(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    # ---- products
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def row_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = "") -> Tensor:
+        raise NotImplementedError
+
+    def row_output(self, x: Tensor, weight: Tensor, dtype: torch.dtype, name: str = "") -> Tensor:
+        return self.combine([self.row_partial(x, weight, 1, name)], dtype)
+
+    def combine(self, partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def row_parallel(self, x: Tensor, shards: Sequence[Tensor], ctx: TPContext, name: str = "") -> Tensor:
+        """A row-parallel layer: x[..., K/C * local ranks] times this process's weight shards, combined
+        across the TP ranks, in ctx.dtype."""
+        if ctx.emulated:
+            k = shards[0].shape[1]
+            parts = [self.row_partial(x[..., i * k : (i + 1) * k], w, ctx.size, name) for i, w in enumerate(shards)]
+            return self.combine(parts, ctx.dtype)
+        if ctx.group is None:  # TP 1 in process (a TP-1 process group, DETAUDIT_TP1_GROUP, all-reduces)
+            return self.row_output(x, shards[0], ctx.dtype, name)
+        return self.row_group(x, shards[0], ctx.group, ctx.dtype, name)
+
+    def row_group(self, x: Tensor, weight: Tensor, group: ProcessGroup, dtype: torch.dtype, name: str = "") -> Tensor:
+        """A real-TP rank's row-parallel layer, bit for bit `all_reduce(row_partial(x, w, C))`; a backend
+        may overlap the two."""
+        return self.all_reduce(self.row_partial(x, weight, group.size, name), group, dtype)
+
+    # ---- mixture of experts (`backends/experts.py`)
+    def expert_weights(self, gate_up: list[Tensor], down: list[Tensor], ctx: TPContext, name: str = ""):
+        """The experts' weights laid out for this backend, per local rank: gate_up [E, 2 I/C, H] (gate rows,
+        then up rows), down [E, H, I/C] (leaf-major [E, leaves, H, leaf] where `expert_leaf_plan` says)."""
+        return layouts.ExpertWeights.of(self, gate_up, down, ctx, name)
+
+    def experts(
+        self, h: Tensor, experts: Tensor, gates: Tensor, weights, ctx: TPContext, decode: bool, name: str = ""
+    ) -> Tensor:
+        """The MLP's output for h[T, H] given each token's experts [T, k] and fp32 gates [T, k], reduced
+        across the TP ranks (a partial at TP 1 in process, as `TPContext.reduce` says)."""
+        return layouts.run(self, h, experts, gates, weights, ctx, decode, name)
+
+    def expert_linear(self, x: Tensor, w: Tensor) -> Tensor:
+        raise NotImplementedError(f"backend {self.name} runs no mixture-of-experts layer")
+
+    def expert_matmul(self, x: Tensor, w: Tensor) -> Tensor:
+        raise NotImplementedError(f"backend {self.name} runs no mixture-of-experts layer")
+
+    def expert_down(self, product, gates: Tensor, tp_size: int, k_local: int, name: str = "") -> Tensor:
+        raise NotImplementedError(f"backend {self.name} runs no mixture-of-experts layer")
+
+    def expert_leaf_plan(self, k_local: int, tp_size: int, name: str = "") -> tuple[int, int] | None:
+        return None
+
+    def grouped_experts(self, h: Tensor) -> bool:
+        return False
+
+    def expert_runs_matmul(self, x, src, w, runs, dst, out_rows: int, out_dtype: torch.dtype = torch.float32):
+        raise NotImplementedError(f"backend {self.name} has no grouped expert products")
+
+    # ---- row-local steps
+    def row_ops(self, device: torch.device, head_dim: int):
+        """The engine's per-token steps (`backends/row_ops.py`), chosen once per model load."""
+        return TorchOps(self)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        raise NotImplementedError
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        return F.silu(gate) * up
+
+    def log_softmax(self, logits: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def attention_plan(self, q_pos: Tensor, kv_len: int, window: int | None = None) -> dict:
+        """A memo shared by the layers of one forward step (same positions), passed to `attention`."""
+        return {}
+
     def attention(
-        self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None = None
-    ) -> Tensor: ...
-    def log_softmax(self, logits: Tensor) -> Tensor: ...
-    def describe(self) -> dict[str, str]: ...
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_pos: Tensor,
+        scale: float,
+        window: int | None = None,
+        plan: dict | None = None,
+    ) -> Tensor:
+        raise NotImplementedError
 
 
 class TorchFlags:
@@ -139,91 +283,6 @@ def _write_flags(flags: dict[str, object]) -> None:
     torch.backends.cudnn.allow_tf32 = bool(flags["cudnn_tf32"])
     m.allow_bf16_reduced_precision_reduction = bool(flags["bf16_reduced"])
     m.allow_fp16_reduced_precision_reduction = bool(flags["fp16_reduced"])
-
-
-ALLREDUCE_ENV = "DETAUDIT_ALLREDUCE"  # how fixed-order all-reduces move data (`fixed_order_all_reduce`)
-ALLREDUCE_MODES = ("auto", "nccl", "gather", "scatter", "peer")
-GATHER_MAX_BYTES = 1 << 20  # auto: below this many fp32 bytes per rank, one all-gather (latency-bound)
-
-
-def allreduce_mode() -> str:
-    from detaudit.errors import DetauditError
-
-    mode = os.environ.get(ALLREDUCE_ENV, "auto")
-    if mode not in ALLREDUCE_MODES:
-        raise DetauditError(f"{ALLREDUCE_ENV} must be one of {', '.join(ALLREDUCE_MODES)}, got {mode[:20]!r}")
-    return mode
-
-
-def describe_allreduce(mode: str) -> str:
-    """What `fixed_order_all_reduce` does in `mode`, for a backend's description (every way, the same bits)."""
-    nccl = (
-        f"all-gather of the fp32 partials below {GATHER_MAX_BYTES} bytes per rank, else reduce-scatter by "
-        "all-to-all + all-gather of the cast slices"
-    )
-    peer = (
-        "peer memory (push each slice to its owner, in prefills from 2^25 elements by copies of each owner's "
-        "rows while the next are computed; reduce and cast one's own, read the others')"
-    )
-    return {
-        "auto": f"auto: {peer} on detaudit's NCCL groups of 2, 4 or 8 ranks, else {nccl}",
-        "nccl": f"nccl: {nccl}",
-        "peer": f"peer: {peer}",
-        "gather": "gather: all-gather of the fp32 partials, each rank reducing all of them",
-        "scatter": "scatter: reduce-scatter by all-to-all + all-gather of the cast slices",
-    }[mode]
-
-
-def fixed_order_all_reduce(
-    partial: Tensor, group: ProcessGroup, dtype: torch.dtype, reduce, mode: str = "auto", order: str = "rank"
-) -> Tensor:
-    """The ranks' fp32 partials summed by `reduce` (a fixed order over the C partials given in rank
-    order: every element gets the same additions whatever the transport), cast once to `dtype`.
-    `order` names that order for the peer kernels ("rank": `sequential_sum`, "tree": `tree.tree_sum`).
-
-    - `peer`: the group's peer-memory transport (GPU groups: `builtin/peer.py`, `kernels/peer_reduce.py`):
-      each rank stores slice j of its partial into rank j's buffer, reduces and casts its own slice, and
-      reads the cast slices of the others: the bytes of `scatter`, in three kernels and two device
-      barriers; refused where the group has none (a size that does not fit while a CUDA graph is being
-      captured goes by the `nccl` rule);
-    - `gather`: all-gather every partial, reduce locally: one collective, C - 1 partials received
-      (fp32) per rank: the latency-bound choice for small messages (decode);
-    - `scatter`: reduce-scatter by all-to-all (rank r receives slice r of every partial), reduce the
-      slice and cast it, all-gather the cast slices: (C-1)/C of the partial in fp32 plus (C-1)/C in
-      `dtype` per rank, 1.5x the bytes of a bf16 ring all-reduce, C / 1.5 times fewer than `gather`;
-    - `nccl`: `gather` below GATHER_MAX_BYTES of partial per rank, else `scatter`;
-    - `auto`: `peer` where the group has it, else `nccl`."""
-    p = partial.float().contiguous()
-    c = group.size
-    if mode in ("auto", "peer"):
-        peer = getattr(group, "peer_all_reduce", None)
-        out = peer(p, dtype, order, required=mode == "peer") if peer is not None else None
-        if out is not None:
-            return out
-        if mode == "peer" and not (p.is_cuda and torch.cuda.is_current_stream_capturing()):
-            from detaudit.errors import DetauditError
-
-            raise DetauditError(
-                f"{ALLREDUCE_ENV}=peer: this TP group has no peer-memory transport (detaudit's NCCL groups only)"
-            )
-    if mode == "gather" or (mode != "scatter" and p.numel() * 4 < GATHER_MAX_BYTES) or p.numel() < c:
-        return reduce(list(group.all_gather(p).unbind(0))).to(dtype)
-    flat = p.view(-1)
-    n = flat.numel()
-    per = -(-n // c)
-    if per * c != n:
-        flat = torch.nn.functional.pad(flat, (0, per * c - n))
-    mine = group.all_to_all(flat.view(c, per))  # [C, per]: slice `rank` of every rank's partial
-    reduced = reduce(list(mine.unbind(0))).to(dtype)
-    return group.all_gather(reduced).view(-1)[:n].view(partial.shape)
-
-
-def sequential_sum(partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
-    """(((p0 + p1) + p2) + ...) in rank order, in the partials' dtype, then cast."""
-    acc = partials[0] if len(partials) > 1 else partials[0].clone()  # (the first add allocates the sum)
-    for p in partials[1:]:
-        acc = acc + p
-    return acc.to(dtype)
 
 
 def library_versions() -> dict[str, str]:

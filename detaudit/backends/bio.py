@@ -25,35 +25,25 @@ import torch
 from torch import Tensor
 
 from detaudit.backends import register_backend
-from detaudit.backends.base import (
-    ProcessGroup,
-    TorchFlags,
-    allreduce_mode,
-    describe_allreduce,
-    fixed_order_all_reduce,
-    library_versions,
-    sequential_sum,
-)
+from detaudit.backends.allreduce import allreduce_mode, describe_allreduce, fixed_order_all_reduce, sequential_sum
+from detaudit.backends.base import Backend, ProcessGroup, library_versions
 from detaudit.backends.kernels import cpu_calls, fixed, fused, grouped_mm, triton_mm
+from detaudit.backends.row_ops import fused_or_torch
 
 SPLIT = 64  # keys per attention chunk
 
 
 @register_backend("bio")
-class BioBackend:
+class BioBackend(Backend):
     name = "bio"
-    FUSED_ROW_OPS = True  # rms_norm on GPU is kernels.fused.rms_norm (see backends/base.py)
     # a product's column is computed alone (no reduction follows the column tiling), so merged q / k / v
-    # and gate / up products give the same bits as separate ones (`builtin/ops.py`)
+    # and gate / up products give the same bits as separate ones (`backends/row_ops.py`)
     COLUMN_INVARIANT = True
     REDUCE_ORDER = "rank"  # `_reduce`'s order, as the peer all-reduce kernels name it
 
     def __init__(self) -> None:
-        self._flags = TorchFlags()
+        super().__init__()
         self.allreduce = allreduce_mode()
-
-    def activate(self):
-        return self._flags.activate()
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         return fixed.matmul(x, weight, out_dtype=x.dtype)
@@ -72,9 +62,7 @@ class BioBackend:
     def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor:
         return fixed_order_all_reduce(partial, group, dtype, self._reduce, self.allreduce, self.REDUCE_ORDER)
 
-    def row_all_reduce(
-        self, x: Tensor, weight: Tensor, group: ProcessGroup, dtype: torch.dtype, name: str = ""
-    ) -> Tensor:
+    def row_group(self, x: Tensor, weight: Tensor, group: ProcessGroup, dtype: torch.dtype, name: str = "") -> Tensor:
         """A real-TP row-parallel layer: `all_reduce(row_partial(x, w))`, bit for bit. Where the group's
         peer transport takes the size (GPU prefill), the matmul runs a slice owner's rows at a time and
         each slice travels while the next is computed (`peer.PeerTransport.row_all_reduce`), or, where the
@@ -82,20 +70,18 @@ class BioBackend:
         the rows' values do not depend on how the rows are cut or where they are stored (the matmul is
         batch invariant)."""
         if self.allreduce in ("auto", "peer") and x.is_cuda and x.dim() == 2:
-            fused = getattr(group, "peer_row_all_reduce", None)
-            if fused is not None:
-                x = x if x.is_contiguous() else x.contiguous()
-                out = fused(
-                    x.shape[0],
-                    weight.shape[0],
-                    dtype,
-                    self.REDUCE_ORDER,
-                    lambda r0, r1: self.row_partial(x[r0:r1], weight, group.size, name),
-                    x.device,
-                    lambda: self.routed_partial(x, weight, group.size, name),
-                )
-                if out is not None:
-                    return out
+            x = x if x.is_contiguous() else x.contiguous()
+            out = group.peer_row_all_reduce(
+                x.shape[0],
+                weight.shape[0],
+                dtype,
+                self.REDUCE_ORDER,
+                lambda r0, r1: self.row_partial(x[r0:r1], weight, group.size, name),
+                x.device,
+                lambda: self.routed_partial(x, weight, group.size, name),
+            )
+            if out is not None:
+                return out
         return self.all_reduce(self.row_partial(x, weight, group.size, name), group, dtype)
 
     def routed_partial(self, x: Tensor, weight: Tensor, tp_size: int, name: str = ""):
@@ -130,11 +116,17 @@ class BioBackend:
         leaf apart (see `grouped_mm.grouped`)."""
         return grouped_mm.grouped(x, src, w, runs, dst, out_rows, out_dtype)
 
+    def grouped_experts(self, h: Tensor) -> bool:
+        return grouped_mm.usable(h)
+
     def expert_down(self, product, gates: Tensor, tp_size: int, k_local: int, name: str = "") -> Tensor:
         """Every expert's fp32 partial product of its rows, then each token's experts weighted and summed in
         top-k order in fp32 (on GPU in one kernel, the same ops)."""
         y = product()
         return grouped_mm.weighted_tree(y, gates) if grouped_mm.sums_usable(y) else weighted_experts(y, gates)
+
+    def row_ops(self, device, head_dim: int):
+        return fused_or_torch(self, device, head_dim)  # its GPU rms_norm is the fused kernel
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         return fixed.silu_mul(gate, up)

@@ -12,17 +12,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from detaudit.backends import register_backend
-from detaudit.backends.base import ProcessGroup, TorchFlags, library_versions, sequential_sum
+from detaudit.backends.allreduce import sequential_sum
+from detaudit.backends.base import Backend, ProcessGroup, library_versions
 from detaudit.backends.kernels import fused
+from detaudit.backends.row_ops import fused_or_torch
 
 
 @register_backend("bf16", "native")
-class NativeBackend:
+class NativeBackend(Backend):
     name = "bf16"
-    FUSED_ROW_OPS = True  # rms_norm on GPU is kernels.fused.rms_norm (see backends/base.py)
 
     def __init__(self) -> None:
-        self._flags = TorchFlags()
+        super().__init__()
         self._transposed: dict[int, tuple[Tensor, Tensor]] = {}  # id(weight) -> (weight, weight.t())
 
     def _product(self, x: Tensor, weight: Tensor) -> Tensor:
@@ -38,9 +39,6 @@ class NativeBackend:
         if hit is None or hit[0] is not weight:
             hit = self._transposed[id(weight)] = (weight, weight.t())
         return torch.mm(x, hit[1])
-
-    def activate(self):
-        return self._flags.activate()
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         return self._product(x, weight)
@@ -73,8 +71,11 @@ class NativeBackend:
         y = product()  # [T, k, N]
         return (y * gates[..., None]).to(y.dtype).sum(dim=1)
 
+    def row_ops(self, device, head_dim: int):
+        return fused_or_torch(self, device, head_dim)  # its GPU rms_norm is the fused kernel
+
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
-        return F.silu(gate) * up
+        return fused.silu_mul(gate, up) if fused.usable(gate) else F.silu(gate) * up  # the same bits
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if fused.usable(x):  # GPU: one program per row, as serving engines' fused RMSNorm kernels

@@ -3,14 +3,14 @@ calls them: a row-parallel layer's partial of `tokens` rows of `hidden` columns,
 
 - `library`: the bf16 backend's all-reduce of its bf16 partial (NCCL on GPU, gloo on CPU);
 - `bio` / `bio+tbik`: the backend's all-reduce of its fp32 partial into bf16, with each transport of
-  `base.fixed_order_all_reduce`: `gather` (how they moved partials before reduce-scatter existed),
-  `scatter`, `peer` (GPU only: peer memory over NVLink, `builtin/peer.py`) and `auto` (what the engine
+  `allreduce.fixed_order_all_reduce`: `gather` (how they moved partials before reduce-scatter existed),
+  `scatter`, `peer` (GPU only: peer memory over NVLink, `backends/peer.py`) and `auto` (what the engine
   uses). Every transport's output is checked bitwise against
   `gather`'s.
 With `layer_k`, also the whole row-parallel layer as the engine runs it (`builtin/layers.py`): x[tokens,
 layer_k] @ w[hidden, layer_k] (a rank's shard: 1024 for Qwen3-8B's o_proj at TP 4, 3072 for its down_proj)
-and the all-reduce, through the backend's `row_all_reduce` where it has one (bio+tbik's routed matmul on
-Hopper, bio's overlapped copies), else `all_reduce(row_partial)`: `<backend>_layer_us`, eager (prefill is
+and the all-reduce, through the backend's `row_group` (bio+tbik's routed matmul on Hopper, bio's overlapped
+copies; elsewhere `all_reduce(row_partial)`): `<backend>_layer_us`, eager (prefill is
 not graphed), each bio / bio+tbik output checked bitwise against its partial's `gather` all-reduce.
 Times are medians of `reps` timed replays, each synchronised; on GPU a replay is a CUDA graph of GRAPH_CALLS
 back-to-back calls captured per configuration (as the engine's graphed decode runs them; the time is per
@@ -78,25 +78,22 @@ def _median(run, calls: int, device: str, reps: int, group) -> float:
 
 def _layers(row: dict, group, dev: str, device: str, t: int, hidden: int, k: int, reps: int, g) -> None:
     """The row-parallel layer's time per backend (see the module docstring) into `row`."""
-    from detaudit.backends import base, get_backend
+    from detaudit.backends import allreduce, get_backend
 
     x = torch.randn(t, k, device=dev, generator=g).bfloat16()
     w = (torch.randn(hidden, k, device=dev, generator=g) / k**0.5).bfloat16()
     row["layer_k"] = k
     for name in ("bf16", "bio", "bio+tbik"):
         b = get_backend(name)
-        fused = getattr(b, "row_all_reduce", None)
 
-        def layer(b=b, fused=fused):
-            if fused is not None:
-                return fused(x, w, group, torch.bfloat16)
-            return b.all_reduce(b.row_partial(x, w, group.size), group, torch.bfloat16)
+        def layer(b=b):
+            return b.row_group(x, w, group, torch.bfloat16)
 
         with b.activate():
             out = layer()
             if name != "bf16":
                 p = b.row_partial(x, w, group.size)
-                want = base.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, "gather", b.REDUCE_ORDER)
+                want = allreduce.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, "gather", b.REDUCE_ORDER)
                 row[f"{name}_layer_same_bits"] = bool(torch.equal(out, want))
             row[f"{name}_layer_us"] = 1e6 * _eager(layer, device, reps, group)
 
@@ -104,7 +101,7 @@ def _layers(row: dict, group, dev: str, device: str, t: int, hidden: int, k: int
 def _rank(
     rank: int, world: int, port: int, device: str, tokens, hidden: int, reps: int, out_path: str, layer_k: int = 0
 ) -> None:
-    from detaudit.backends import base, get_backend
+    from detaudit.backends import allreduce, get_backend
     from detaudit.builtin import dist
 
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
@@ -133,7 +130,7 @@ def _rank(
                         continue  # GPU groups with symmetric memory only
 
                     def call(b=b, mode=mode):
-                        return base.fixed_order_all_reduce(
+                        return allreduce.fixed_order_all_reduce(
                             partial, group, torch.bfloat16, b._reduce, mode, b.REDUCE_ORDER
                         )
 

@@ -1,4 +1,4 @@
-"""Process groups: with its peer-memory transport (`peer.py`), the only module that talks to
+"""Process groups: with its peer-memory transport (`backends/peer.py`), the only module that talks to
 torch.distributed.
 
 Real TP runs one process per rank (gloo on CPU, NCCL on GPU); `TorchGroup` wraps the default process
@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from detaudit.backends.base import ProcessGroup
 from detaudit.errors import DetauditError
 
 
-class TorchGroup:
+class TorchGroup(ProcessGroup):
     """`pg`: a torch ProcessGroup (default: the default group), ranks in `pg`'s order."""
 
     def __init__(self, rank: int, size: int, pg=None, store=None, peer: bool = True) -> None:
@@ -88,7 +89,7 @@ class TorchGroup:
         if not self.peer or device.type != "cuda" or self.size not in (2, 4, 8) or dist.get_backend(self.pg) != "nccl":
             return None
         if self._peer is None:
-            from detaudit.builtin.peer import PeerTransport
+            from detaudit.backends.peer import PeerTransport
 
             self._peer = PeerTransport(self.rank, self.size, self.pg)
         return self._peer

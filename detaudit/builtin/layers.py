@@ -1,5 +1,6 @@
-"""Parallel layers. Every reduction goes through the active Backend; collectives only through
-`backend.all_reduce` (real TP) or `backend.combine` (emulated TP).
+"""Parallel layers. Every reduction goes through the layer's backend: a column-parallel part is
+`backend.linear`, a row-parallel layer one `backend.row_parallel` call (its products and its TP
+combine: `backend.combine` in emulated TP, the backend's all-reduce in real TP).
 
 A layer holds a list of weight shards: one (this rank's) in real TP, all C in emulated TP.
 Sharding (Megatron): q/k/v and gate/up are column-parallel (split the output dim, no cross-rank
@@ -11,27 +12,11 @@ inputs by identical ops at every TP size.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from detaudit.backends.base import Backend, ProcessGroup
-
-
-@dataclass
-class TPContext:
-    backend: Backend
-    size: int  # C, the TP size
-    rank: int  # this process's rank (0 in emulated mode)
-    emulated: bool
-    group: ProcessGroup | None = None
-    dtype: torch.dtype = torch.bfloat16
-
-    @property
-    def local_ranks(self) -> range:
-        """Ranks whose shards this process holds."""
-        return range(self.size) if self.emulated else range(self.rank, self.rank + 1)
+from detaudit.backends.base import TPContext
 
 
 class ColumnParallelLinear:
@@ -78,9 +63,9 @@ class RowParallelLinear:
     all-reduce, the same elementwise add on every rank and at every TP size, so a TP-invariant reduction
     (bio+tbik) stays TP invariant.
 
-    At TP 1 in process the layer is the backend's `row_output`: the product rounded once to the model
-    dtype in the kernel's store, bit for bit the combine of its one partial (`backends/base.py`), without
-    writing and re-reading an fp32 partial."""
+    At TP 1 in process the backend computes the product rounded once to the model dtype in the kernel's
+    store (`row_output`), bit for bit the combine of its one partial (`backends/base.py`), without writing
+    and re-reading an fp32 partial."""
 
     def __init__(self, shards: list[Tensor], ctx: TPContext, name: str, bias: Tensor | None = None) -> None:
         self.shards = shards
@@ -89,23 +74,7 @@ class RowParallelLinear:
         self.bias = bias
 
     def __call__(self, x: Tensor) -> Tensor:
-        ctx, b = self.ctx, self.ctx.backend
-        if ctx.emulated:
-            k = self.shards[0].shape[1]
-            partials = [
-                b.row_partial(x[..., i * k : (i + 1) * k], w, ctx.size, name=self.name)
-                for i, w in enumerate(self.shards)
-            ]
-            out = b.combine(partials, ctx.dtype)
-        else:
-            if ctx.group is None:  # TP 1 in process (a TP-1 process group, DETAUDIT_TP1_GROUP, all-reduces)
-                out = b.row_output(x, self.shards[0], ctx.dtype, name=self.name)
-            else:
-                fused = getattr(b, "row_all_reduce", None)  # the matmul and its all-reduce overlapped where it can
-                if fused is not None:
-                    out = fused(x, self.shards[0], ctx.group, ctx.dtype, name=self.name)
-                else:
-                    out = b.all_reduce(b.row_partial(x, self.shards[0], ctx.size, name=self.name), ctx.group, ctx.dtype)
+        out = self.ctx.backend.row_parallel(x, self.shards, self.ctx, self.name)
         return out if self.bias is None else out + self.bias
 
 
@@ -151,9 +120,3 @@ def scaled_inv_freq(inv_freq: Tensor, rope) -> Tensor:
     smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
     is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

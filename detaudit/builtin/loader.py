@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from detaudit.builtin.layers import TPContext
+from detaudit.backends.base import TPContext
 from detaudit.config import ModelRef
 from detaudit.errors import DetauditError
 

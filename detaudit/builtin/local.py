@@ -9,10 +9,9 @@ from typing import Sequence
 import torch
 
 from detaudit.backends import get_backend
-from detaudit.backends.base import ProcessGroup
+from detaudit.backends.base import ProcessGroup, TPContext
 from detaudit.builtin import profiling
 from detaudit.builtin.generate import Generator
-from detaudit.builtin.layers import TPContext
 from detaudit.builtin.model import Decoder
 from detaudit.config import DecodingParams, EngineOptions
 from detaudit.records import Generation, ProgressFn

@@ -1,7 +1,8 @@
 """Llama / Qwen2 / Qwen3 / Mistral decoder with Hugging Face parameter names. Plain tensors, inference
 only; every numeric reduction goes through the backend held by the TPContext, and the per-token steps
-through the ops chosen at load (`ops.py`: PyTorch, or the GPU kernels). What a checkpoint's config asks
-for is read (and anything unimplemented refused) by `arch.ModelConfig.of`."""
+through the row ops the backend chose at load (`backends/row_ops.py`: PyTorch, or the GPU kernels).
+What a checkpoint's config asks for is read (and anything unimplemented refused) by
+`arch.ModelConfig.of`."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from detaudit.backends.base import TPContext
+from detaudit.backends.row_ops import TorchOps
 from detaudit.builtin.arch import ModelConfig
-from detaudit.builtin.layers import ColumnParallelLinear, RMSNorm, Rotary, RowParallelLinear, TPContext
+from detaudit.builtin.layers import ColumnParallelLinear, RMSNorm, Rotary, RowParallelLinear
 from detaudit.builtin.loader import open_weights
 from detaudit.builtin.moe import MoE, Routing
-from detaudit.builtin.ops import TorchOps, choose
 from detaudit.config import ModelRef
 from detaudit.errors import DetauditError
 
@@ -49,7 +51,7 @@ class Block:
             self.qk_norm = (q_norm.weight, k_norm.weight, cfg.rms_norm_eps)
         self.o_proj = row("self_attn.o_proj", cfg.o_bias)
         self.post_attention_layernorm = norm("post_attention_layernorm")
-        self.moe = MoE(i, cfg, load, ctx, ops) if cfg.moe is not None and cfg.moe.layers[i] else None
+        self.moe = MoE(i, cfg, load, ctx) if cfg.moe is not None and cfg.moe.layers[i] else None
         if self.moe is None:
             self.gate_up_proj = column(["mlp.gate_proj", "mlp.up_proj"], cfg.mlp_bias)
             self.down_proj = row("mlp.down_proj", cfg.mlp_bias)
@@ -64,7 +66,7 @@ class Block:
         q = self.ops.rope_store(q, k, v, step, cache, self.qk_norm)
         k_cache, v_cache = step.visible(cache)
         attn = self.backend.attention(
-            q, k_cache, v_cache, step.pos, self.head_dim**-0.5, **step.attention_kwargs(self.window)
+            q, k_cache, v_cache, step.pos, self.head_dim**-0.5, self.window, step.plan(self.window)
         )
         delta = self.o_proj(attn.transpose(1, 2).reshape(step.B * step.T, -1))
         h, x = self.ops.add_norm(x, delta, self.post_attention_layernorm)
@@ -77,7 +79,7 @@ class Block:
 class StepPlan:
     """What every layer of one forward step shares, computed once per step: rotary cos / sin, the
     cache rows the step's keys and values go to, how many cache slots attention reads, and the
-    backend's per-step attention inputs (`backend.attention_plan`, where it has one: bf16's mask), and the
+    backend's per-step attention inputs (`backend.attention_plan`: bf16's mask, bio's row positions), and the
     routing the MoE layers record."""
 
     __slots__ = ("B", "T", "head_dim", "pos", "cos", "sin", "kv_len", "slots", "routing", "_backend", "_plans")
@@ -105,17 +107,12 @@ class StepPlan:
             return k, v
         return k[:, :, : self.kv_len], v[:, :, : self.kv_len]
 
-    def attention_kwargs(self, window: int | None) -> dict:
-        """Keyword arguments of `backend.attention` for a layer with this `window` (None: full attention;
-        a sliding window is passed only where the layer has one, so backends without the keyword still
-        run every full-attention model)."""
+    def plan(self, window: int | None) -> dict:
+        """The backend's per-step attention memo for layers with this `window` (`attention_plan`), made by
+        the first such layer of the step."""
         hit = self._plans.get(window)
         if hit is None:
-            hit = {} if window is None else {"window": window}
-            make = getattr(self._backend, "attention_plan", None)
-            if make is not None:
-                hit["plan"] = make(self.pos, self.kv_len, window)
-            self._plans[window] = hit
+            hit = self._plans[window] = self._backend.attention_plan(self.pos, self.kv_len, window)
         return hit
 
 
@@ -125,7 +122,7 @@ class Decoder:
         cfg.check_tp(ctx.size)
         self.ctx = ctx
         self.device = device
-        self.ops = choose(ctx.backend, device, cfg.head_dim)
+        self.ops = ctx.backend.row_ops(device, cfg.head_dim)
         with open_weights(model, ctx, device) as load:
             self.embed_tokens = load.full("model.embed_tokens.weight")
             self.layers = [Block(i, cfg, load, ctx, self.ops) for i in range(cfg.num_layers)]

@@ -158,13 +158,12 @@ def _engine_state(info) -> str:
 def doctor(json_: JsonOpt = False):
     """Print the environment fingerprint and check the installation."""
     from detaudit import fingerprint
-    from detaudit.backends import available
-    from detaudit.backends.kernels import cpu_calls
+    from detaudit.backends import available, describe_machine
     from detaudit.engines import ENGINES
 
     env = fingerprint.collect()
     checks = {"backends": ", ".join(available()), "engines": ", ".join(map(_engine_state, ENGINES.values()))}
-    checks["cpu_kernels"] = cpu_calls.describe()  # compiled (the cpu extra) or PyTorch ops, and why
+    checks.update(describe_machine())  # the CPU product path and compiled kernels (the cpu extra), and why
     try:
         from detaudit.models import list_models
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent
 
-# lowest first; a module may import its own layer and the ones below it
+# lowest first; a module may import its own layer and the ones below it. An entry names a top-level module
+# or package of detaudit, or a subpackage ("backends.kernels"), which then is a layer of its own: a
+# module belongs to the longest entry its dotted name starts with
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "paths", "__init__"),
     (
@@ -33,6 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
         "progress",
         "workers",
     ),
+    ("backends.kernels",),
     ("suites", "models", "backends", "runs"),
     ("builtin",),
     ("vllm", "server"),
@@ -43,6 +46,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("cli", "__main__", "devtools"),
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+# layers only some may import, however high the importer: the kernels are the backends' own (a model
+# layer asks its backend, which owns its kernels, layouts and collectives); the benchmarks time them
+PRIVATE = {"backends.kernels": ("backends", "backends.kernels", "bench")}
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:
@@ -73,10 +79,12 @@ def imports(path: Path, package: Path = PACKAGE) -> set[str]:
 
 
 def layer(module: str) -> tuple[str, int]:
-    top = module.split(".")[1] if "." in module else "__init__"
-    if top not in LAYER_OF:
-        raise SystemExit(f"detaudit.devtools.imports: {module} is in no layer; add {top!r} to LAYERS")
-    return top, LAYER_OF[top]
+    parts = module.split(".")[1:] or ["__init__"]
+    for n in range(len(parts), 0, -1):
+        key = ".".join(parts[:n])
+        if key in LAYER_OF:
+            return key, LAYER_OF[key]
+    raise SystemExit(f"detaudit.devtools.imports: {module} is in no layer; add {parts[0]!r} to LAYERS")
 
 
 def check(package: Path = PACKAGE) -> list[str]:
@@ -89,6 +97,8 @@ def check(package: Path = PACKAGE) -> list[str]:
             dep_top, dep_level = layer(dep)
             if dep_level > level:
                 problems.append(f"{mod} (layer {level}: {top}) imports {dep} (layer {dep_level}: {dep_top})")
+            elif dep_top in PRIVATE and top not in PRIVATE[dep_top]:
+                problems.append(f"{mod} (layer {level}: {top}) imports {dep}, a kernel")
             if dep != mod:
                 graph[mod].add(dep)
     return problems + [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]

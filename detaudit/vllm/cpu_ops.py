@@ -110,7 +110,8 @@ def _install_rotary(marker, tp_rank) -> None:
     from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    from detaudit.builtin.layers import Rotary, apply_rotary
+    from detaudit.backends.row_ops import apply_rotary
+    from detaudit.builtin.layers import Rotary
 
     @CustomOp.register_oot(name="RotaryEmbedding")
     class DetauditRotaryEmbedding(RotaryEmbedding):

@@ -13,7 +13,7 @@ from helpers import local_engine
 from typer.testing import CliRunner
 
 from detaudit import models, synthetic
-from detaudit.builtin.layers import TPContext
+from detaudit.backends.base import TPContext
 from detaudit.cli import app
 from detaudit.config import DecodingParams
 

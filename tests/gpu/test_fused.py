@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from detaudit.backends import get_backend
 from detaudit.backends.kernels import fused
-from detaudit.builtin.layers import Rotary, apply_rotary
+from detaudit.backends.row_ops import apply_rotary
+from detaudit.builtin.layers import Rotary
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 pytest.importorskip("triton")

@@ -375,26 +375,25 @@ def test_kept_launch_plans_give_the_jit_bits():
 
 
 def test_gpu_fast_path_gives_the_reference_bits(smollm_gpu, monkeypatch):
-    """The engine's GPU fast path (`ops.FusedOps`: merged q/k/v and gate/up products, the fused add + norm,
-    rotary and silu kernels) against its reference path (`ops.TorchOps`: separate products, PyTorch ops
-    around the backend's reductions), end to end on the embedded model, eager and graphed, bitwise for the
-    invariant backends."""
+    """The engine's GPU fast path (`row_ops.FusedOps`: the fused add + norm and rotary kernels) against its
+    reference path (`row_ops.TorchOps`: PyTorch ops around the backend's reductions), end to end on the
+    embedded model, eager and graphed, bitwise for the invariant backends."""
     from helpers import local_engine
 
-    from detaudit.builtin import model, ops
+    from detaudit.backends import get_backend, row_ops
     from detaudit.config import DecodingParams
 
     ids, pids = _smoke(smollm_gpu)
     dec = DecodingParams(max_new_tokens=16)
     for backend in ("bio", "bio+tbik"):
         fast = local_engine(smollm_gpu, backend, 1, device="cuda")
-        assert isinstance(fast.model.ops, ops.FusedOps)
+        assert isinstance(fast.model.ops, row_ops.FusedOps)
         want = _out(fast.generate(ids[:8], pids[:8], dec, 8))
         with monkeypatch.context() as m:
-            m.setattr(model, "choose", lambda backend, device, head_dim: ops.TorchOps(backend))
+            m.setattr(type(get_backend(backend)), "row_ops", lambda b, device, head_dim: row_ops.TorchOps(b))
             for graphs in (False, True):
                 ref = local_engine(smollm_gpu, backend, 1, device="cuda", cuda_graphs=graphs)
-                assert isinstance(ref.model.ops, ops.TorchOps)
+                assert isinstance(ref.model.ops, row_ops.TorchOps)
                 assert _out(ref.generate(ids[:8], pids[:8], dec, 8)) == want, (backend, graphs)
 
 

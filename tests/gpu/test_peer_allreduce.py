@@ -20,7 +20,7 @@ SIZES = [(3, 7), (8, 4096), (33, 4096), (513, 4096), (4096, 4096), (16, 4096), (
 
 
 def _rank(rank, size, port, out_dir):
-    from detaudit.backends import base, get_backend
+    from detaudit.backends import allreduce, get_backend
     from detaudit.builtin import dist
 
     torch.cuda.set_device(rank)
@@ -33,7 +33,7 @@ def _rank(rank, size, port, out_dir):
             b = get_backend(name)
 
             def run(p, mode, b=b):
-                return base.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, mode, b.REDUCE_ORDER)
+                return allreduce.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, mode, b.REDUCE_ORDER)
 
             for shape in SIZES:
                 # magnitudes over six decades: an addition out of order shows in the bits
@@ -61,7 +61,7 @@ def _rank(rank, size, port, out_dir):
         b = get_backend("bio+tbik")
 
         def run(p, mode, b=b):
-            return base.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, mode, b.REDUCE_ORDER)
+            return allreduce.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, mode, b.REDUCE_ORDER)
 
         statics = [torch.randn(8, 4096, device="cuda", generator=g) for _ in range(3)]
         graph = torch.cuda.CUDAGraph()
@@ -107,7 +107,7 @@ ROW_SHAPE_PAST_MIN = (8200, 1024)
 @contextlib.contextmanager
 def _overlap_min(value):
     """peer.OVERLAP_MIN set to `value` for the block."""
-    from detaudit.builtin import peer
+    from detaudit.backends import peer
 
     kept, peer.OVERLAP_MIN = peer.OVERLAP_MIN, value
     try:
@@ -117,12 +117,12 @@ def _overlap_min(value):
 
 
 def _row_rank(rank, size, port, out_dir):
-    """A row-parallel layer through `row_all_reduce` (each owner's rows computed, then copied to it while
+    """A row-parallel layer through `row_group` (each owner's rows computed, then copied to it while
     the next rows are computed) against the same layer's partial all-gathered and reduced: bitwise on
     every rank for bio and bio+tbik, eagerly (the overlapped path) and inside a CUDA graph (where the
     layer takes `all_reduce`)."""
-    from detaudit.backends import base, get_backend
-    from detaudit.builtin import dist, peer
+    from detaudit.backends import allreduce, get_backend, peer
+    from detaudit.builtin import dist
 
     torch.cuda.set_device(rank)
     group = dist.init(rank, size, port, f"cuda:{rank}")
@@ -134,7 +134,7 @@ def _row_rank(rank, size, port, out_dir):
 
             def want(x, w, b=b):
                 p = b.row_partial(x, w, size)
-                return base.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, "gather", b.REDUCE_ORDER)
+                return allreduce.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, "gather", b.REDUCE_ORDER)
 
             for (m, k), least in [*((s, 0) for s in ROW_SHAPES), (ROW_SHAPE_PAST_MIN, peer.OVERLAP_MIN)]:
                 x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -142,7 +142,7 @@ def _row_rank(rank, size, port, out_dir):
                 calls = []
                 b.row_partial = lambda *a, b=b, calls=calls, **kw: calls.append(1) or type(b).row_partial(b, *a, **kw)
                 with _overlap_min(least):
-                    got = b.row_all_reduce(x, w, group, torch.bfloat16)
+                    got = b.row_group(x, w, group, torch.bfloat16)
                 del b.row_partial
                 if not torch.equal(got, want(x, w)):
                     bad.append(f"{name} eager {m}x{k}")
@@ -152,7 +152,7 @@ def _row_rank(rank, size, port, out_dir):
             w = (torch.randn(4096, 1024, device="cuda", generator=g) / 32).to(torch.bfloat16)
             graph = torch.cuda.CUDAGraph()
             with _overlap_min(0), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = b.row_all_reduce(static, w, group, torch.bfloat16)  # only the capture check decides
+                out = b.row_group(static, w, group, torch.bfloat16)  # only the capture check decides
             for _ in range(3):
                 static.copy_(torch.randn(300, 1024, device="cuda", generator=g).to(torch.bfloat16))
                 graph.replay()
@@ -176,9 +176,9 @@ def _routed_rank(rank, size, port, out_dir):
     the all-gather's result on every rank, the routed path taken (its kernel ran once), twice in a row
     (the areas of one call reused by the next); at the real ROUTED_MIN a prefill of 4096 rows takes it and
     one of 1000 rows does not."""
-    from detaudit.backends import base, get_backend
+    from detaudit.backends import allreduce, get_backend, peer
     from detaudit.backends.kernels import gluon_tree
-    from detaudit.builtin import dist, peer
+    from detaudit.builtin import dist
 
     torch.cuda.set_device(rank)
     group = dist.init(rank, size, port, f"cuda:{rank}")
@@ -198,11 +198,11 @@ def _routed_rank(rank, size, port, out_dir):
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
             w = (torch.randn(4096, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
             p = b.row_partial(x, w, size)
-            want = base.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, "gather", b.REDUCE_ORDER)
+            want = allreduce.fixed_order_all_reduce(p, group, torch.bfloat16, b._reduce, "gather", b.REDUCE_ORDER)
             peer.ROUTED_MIN = least
             for call in range(2):
                 routed.clear()
-                got = b.row_all_reduce(x, w, group, torch.bfloat16)
+                got = b.row_group(x, w, group, torch.bfloat16)
                 if not torch.equal(got, want):
                     bad.append(f"routed {m}x{k} call {call}")
                 if len(routed) != runs:

@@ -151,7 +151,7 @@ def test_decode_and_prefill_layouts_give_the_same_bits(ckpts, backend, patch, mo
     leaf, as large batches run); teacher forcing scores the generated tokens in one prefill (with a small
     PREFILL_BYTES in pieces of tokens, as long prefills run): log-probabilities and routing equal the
     generation's bitwise."""
-    from detaudit.builtin import moe
+    from detaudit.backends import experts as moe
 
     for name, value in patch.items():
         monkeypatch.setattr(moe, name, value)

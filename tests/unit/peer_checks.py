@@ -65,7 +65,7 @@ def row_all_reduce_threads(g: torch.Generator) -> None:
     the rows must be asked for the other ranks' slices first. Below OVERLAP_MIN nothing may run."""
     import threading
 
-    from detaudit.builtin import peer
+    from detaudit.backends import peer
 
     class Stream:
         def wait_event(self, event):
@@ -173,7 +173,7 @@ def routed_threads(c: int, m: int, n: int, parts, bufs, patch) -> None:
     not even asked for."""
     import threading
 
-    from detaudit.builtin import peer
+    from detaudit.backends import peer
 
     patch(peer, "ROUTED_MIN", m * n + 1)
     asked = []

@@ -19,9 +19,28 @@ def test_an_upward_import_and_a_cycle_are_found(tmp_path):
     (pkg / "builtin" / "a.py").write_text("from detaudit.builtin import b\n")
     (pkg / "builtin" / "b.py").write_text("def f():\n    from .a import x\n")
     problems = check(pkg)
-    assert "detaudit.errors (layer 0: errors) imports detaudit.cli (layer 9: cli)" in problems
+    assert "detaudit.errors (layer 0: errors) imports detaudit.cli (layer 10: cli)" in problems
     assert "import cycle: detaudit.cli -> detaudit.errors -> detaudit.cli" in problems
     assert "import cycle: detaudit.builtin.a -> detaudit.builtin.b -> detaudit.builtin.a" in problems
+
+
+def test_kernels_sit_below_the_backends_and_the_model(tmp_path):
+    """`backends.kernels` is a layer of its own: a kernel importing its backend, or the built-in model
+    importing a kernel (the model asks its backend), is an upward import / a skipped layer."""
+    pkg = tmp_path / "detaudit"
+    for d in ("backends/kernels", "builtin"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "backends" / "bio.py").write_text("from detaudit.backends.kernels import fixed\n")
+    (pkg / "backends" / "kernels" / "fixed.py").write_text("from detaudit.backends import bio\n")
+    (pkg / "builtin" / "moe.py").write_text("from detaudit.backends.kernels import fixed\n")
+    problems = check(pkg)
+    assert (
+        "detaudit.backends.kernels.fixed (layer 2: backends.kernels) imports detaudit.backends.bio (layer 3: backends)"
+        in problems
+    )
+    assert "detaudit.builtin.moe (layer 4: builtin) imports detaudit.backends.kernels.fixed, a kernel" in problems
 
 
 def test_cycles_reports_each_once():

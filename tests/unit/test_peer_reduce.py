@@ -68,8 +68,8 @@ def test_peer_buffers_grow_by_doubling_and_keep_the_old(monkeypatch):
     partials take the one-shot area instead, allocated once and never grown."""
     import torch.distributed._symmetric_memory as symm_mem
 
+    from detaudit.backends import peer
     from detaudit.backends.kernels import peer_reduce
-    from detaudit.builtin import peer
 
     monkeypatch.setattr(symm_mem, "empty", lambda n, dtype, device: torch.empty(n, dtype=dtype))
     monkeypatch.setattr(peer, "_rendezvous", lambda buf, pg: _FakeHandle(buf))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detaudit.builtin.peer import route_tables
+from detaudit.backends.peer import route_tables
 
 
 @pytest.mark.parametrize("c", [2, 4, 8])

@@ -126,7 +126,8 @@ def fused_row_ops(g: torch.Generator) -> None:
     import torch.nn.functional as F
 
     from detaudit.backends.kernels import fused
-    from detaudit.builtin.layers import Rotary, apply_rotary
+    from detaudit.backends.row_ops import apply_rotary
+    from detaudit.builtin.layers import Rotary
 
     b, t, hq, hkv, d, length = 2, 3, 4, 2, 16, 9
     q, k, v = (torch.randn(b * t, h * d, generator=g) for h in (hq, hkv, hkv))
@@ -175,16 +176,16 @@ def fused_row_ops(g: torch.Generator) -> None:
 
 
 def fast_path_end_to_end() -> None:
-    """The engine with its GPU fast path (`ops.FusedOps`: merged projections, the fused add + norm, rotary
-    with Qwen3's q / k norms inside, silu) forced onto CPU tensors runs the whole decoder and agrees with
-    the reference path (`ops.TorchOps`) on a tiny random Qwen3 in fp32: the same greedy tokens, log-probs
+    """The engine with its GPU fast path (`row_ops.FusedOps`: merged projections, the fused add + norm, rotary
+    with Qwen3's q / k norms inside) forced onto CPU tensors runs the whole decoder and agrees with
+    the reference path (`row_ops.TorchOps`) on a tiny random Qwen3 in fp32: the same greedy tokens, log-probs
     within fp32 rounding. (Bitwise on a GPU: tests/gpu.)"""
     import tempfile
     from pathlib import Path
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from detaudit.builtin import model, ops
+    from detaudit.backends import get_backend, row_ops
     from detaudit.builtin.local import LocalEngine
     from detaudit.config import DecodingParams, EngineOptions, EngineSettings
     from detaudit.models import resolve_model
@@ -213,13 +214,15 @@ def fast_path_end_to_end() -> None:
         for backend in ("bf16", "bio+tbik"):
             options = EngineOptions(EngineSettings(dtype="float32"), ref, backend)
             want = LocalEngine(options).generate(prompts, ids, dec, 2)
-            chosen, model.choose = model.choose, lambda b, device, head_dim: ops.FusedOps(b)
+            cls = type(get_backend(backend))
+            chosen = cls.row_ops
+            cls.row_ops = lambda b, device, head_dim: row_ops.FusedOps(b)
             try:
                 eng = LocalEngine(options)
                 got = eng.generate(prompts, ids, dec, 2)
             finally:
-                model.choose = chosen
-            check(isinstance(eng.model.ops, ops.FusedOps), "the fast path was taken")
+                cls.row_ops = chosen
+            check(isinstance(eng.model.ops, row_ops.FusedOps), "the fast path was taken")
             check([g.token_ids for g in got] == [g.token_ids for g in want], f"fast path tokens {backend}")
             close = all(
                 torch.allclose(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), atol=1e-4)
@@ -286,7 +289,7 @@ def grouped_experts(g: torch.Generator) -> None:
 def grouped_layout_tp_invariant() -> None:
     """The MoE layer's grouped layout (the GPU prefill path, here on CPU tensors through the interpreter)
     in an engine: bio+tbik on a tiny Mixtral at TP 1 and emulated TP 2 and 8 (one leaf a rank, leaf-major
-    weights of one leaf), a 72-token prefill (past moe.DENSE_TOKENS, so the grouped layout runs: about 36
+    weights of one leaf), a 72-token prefill (past experts.DENSE_TOKENS, so the grouped layout runs: about 36
     rows an expert, two full blocks and a partial one under the interpreter's tiles), routing records
     included: bitwise equal."""
     import tempfile

@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import cpu_bf16, cpu_calls, cpu_gemm, triton_attn, triton_mm, triton_rows
+from detaudit.backends.kernels import cpu_bf16, cpu_calls, cpu_gemm, fused, triton_attn, triton_mm, triton_rows
 
 ROWS = 16  # R: rows per fixed-shape fp32 block on CPU (the bf16 path's is cpu_bf16.ROWS)
 
@@ -127,9 +127,10 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     32 columns. Here exp is `torch.exp`, whose CPU kernel (vml) runs every element, tails and strided
     inputs included, through the same vector code; negation, the add and the division are IEEE
     operations, exact alike in scalar and vector code. The formula is PyTorch's vector one, in fp32,
-    rounded once to the gate's dtype. GPU: `F.silu` (one thread an element, the same code for each)."""
+    rounded once to the gate's dtype. GPU: `fused.silu_mul` (the bits of F.silu * up: one thread an
+    element, the same code for each) where Triton runs, else F.silu."""
     if gate.device.type != "cpu":
-        return torch.nn.functional.silu(gate) * up
+        return fused.silu_mul(gate, up) if fused.usable(gate) else torch.nn.functional.silu(gate) * up
     g = gate.float()
     return (g / (torch.exp(-g) + 1)).to(gate.dtype) * up
 

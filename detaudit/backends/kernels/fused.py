@@ -1,5 +1,5 @@
 """One-launch GPU kernels for the decoder's per-token ops, which eager PyTorch runs as dozens of small
-kernels per layer (the engine's GPU fast path, `builtin.ops.FusedOps`):
+kernels per layer (the engine's GPU fast path, `backends.row_ops.FusedOps`):
 
 - `rms_norm`: residual add (optional) and RMSNorm of each row, one program per row. Both GPU
   backends' RMSNorm *is* this kernel (a definition, not a copy of the op-by-op bits): a row's sum of
@@ -9,7 +9,7 @@ kernels per layer (the engine's GPU fast path, `builtin.ops.FusedOps`):
   residual sum once to the model dtype, the normalised row once before the weight product.
 - `rope_store`: rotary embedding of q and k and the KV-cache writes of k and v, one launch (with
   Qwen3's per-head q / k RMSNorm first: `rms_norm`'s statements for a row of D, the same bits). The same
-  bits as `layers.apply_rotary` followed by the two `index_copy_`: every product and the sum are
+  bits as `row_ops.apply_rotary` followed by the two `index_copy_`: every product and the sum are
   rounded to the model dtype as PyTorch's bf16 ops round them (fp32 products of bf16 values are exact).
 - `silu_mul`: `silu(gate) * up` with PyTorch's formula (x / (1 + exp(-x)) with the accurate expf and
   an IEEE division), rounded where the two ops round: the same bits.

@@ -25,7 +25,7 @@ tree 0.68-0.76x -> 0.71-0.78x cuBLAS at TP 1 on one H100 (reports/gpu/tp-scaling
 fewer leaves the tile goes from registers: a 64 KB fp32 stage would take a load buffer, and with 5
 buffers it measured slower at K = 1024 and 3072 (2 leaves; same report).
 
-Routed (`tree_mm_routed`, a real-TP prefill's all-reduce: `builtin/peer.py`): the schedule's tile rows
+Routed (`tree_mm_routed`, a real-TP prefill's all-reduce: `backends/peer.py`): the schedule's tile rows
 come from a table, and each finished fp32 tile goes through a 64 KB shared-memory stage by TMA into its
 all-reduce owner's receive area (another GPU's memory over NVLink, or this rank's own), so the partial
 never makes a second trip. The bulk stores are what NVLink needs: the register stores above, 32 bytes a

@@ -1,7 +1,7 @@
 """The fixed-order all-reduce over peer memory (NVLink), as Triton kernels: three steps for large
 partials, a one-shot pair for small ones.
 
-Every rank holds one symmetric buffer that every other rank can address (`builtin/peer.py` maps
+Every rank holds one symmetric buffer that every other rank can address (`backends/peer.py` maps
 them): a receive area R of C slices of `per` fp32 and a result area B of C slices of `per` elements of
 the output dtype. A partial of n <= C * per fp32 elements is cut into C slices; rank r owns slice r.
 

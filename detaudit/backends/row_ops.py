@@ -1,15 +1,16 @@
-"""How the decoder's per-token steps run: `TorchOps`, the reference (PyTorch ops around the backend's
-reductions), or `FusedOps`, the GPU fast path (one Triton kernel per step). One of the two is chosen
-once, when the model loads (`choose`); the decoder's code is the same for both, and so are the bits
-(tests/gpu and the interpreter checks compare the kernels with the PyTorch ops they replace).
+"""How the decoder's per-token steps between the products run, chosen once per model load by the
+backend (`Backend.row_ops`): `TorchOps`, PyTorch ops around the backend's reductions, or `FusedOps`, the
+GPU fast path (one Triton kernel per step, `kernels/fused.py`). The decoder's code is the same for both,
+and so are the bits (tests/gpu and the interpreter checks compare the kernels with the PyTorch ops they
+replace).
 
 The steps:
 - `add_norm(x, delta, norm)`: the residual sum s = x + delta (delta rounded to x's dtype first; x
-  itself before the first layer) and its RMSNorm: (normed, s);
+  itself before the first layer) and its RMSNorm (`norm.weight`, `norm.eps`): (normed, s);
 - `rope_store(q, k, v, step, cache, qk_norm)`: Qwen3's per-head q / k RMSNorm (`qk_norm`), the rotary
   embedding of q and k, and the writes of k and v into the cache rows `step.slots`; returns q as
   [B, Hq, T, D];
-- `silu_mul(gate, up)`: silu(gate) * up (the backend's).
+- `silu_mul(gate, up)`: the backend's silu(gate) * up.
 
 With `merge_projections` the column-parallel layers compute q / k / v (and gate / up) as one product
 per rank, as serving engines do on GPUs. On CPU the invariant backends merge too (`COLUMN_INVARIANT`: a
@@ -19,22 +20,25 @@ costs per layer and changes no bit; bf16 keeps transformers' separate products t
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from detaudit.backends.base import Backend
 from detaudit.backends.kernels import fused
-from detaudit.builtin.layers import RMSNorm, apply_rotary
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF's rotate-half rotary embedding: elementwise products and one add per element, in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 class TorchOps:
-    merge_projections = False
-
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend) -> None:
         self.backend = backend
-        if getattr(backend, "COLUMN_INVARIANT", False):
-            self.merge_projections = True
+        self.merge_projections = backend.COLUMN_INVARIANT
 
-    def add_norm(self, x: Tensor, delta: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Tensor]:
+    def add_norm(self, x: Tensor, delta: Tensor | None, norm) -> tuple[Tensor, Tensor]:
         s = x if delta is None else x + delta.to(x.dtype)
         return self.backend.rms_norm(s, norm.weight, norm.eps), s
 
@@ -56,13 +60,16 @@ class TorchOps:
 
 
 class FusedOps(TorchOps):
-    """The same steps as one Triton kernel each (`backends/kernels/fused.py`): the add + RMSNorm is the
-    backend's own GPU RMSNorm kernel (`FUSED_ROW_OPS`), the rotary and silu kernels round where the
-    PyTorch ops round."""
+    """The same steps as one Triton kernel each (`kernels/fused.py`): the add + RMSNorm is the backend's
+    own GPU RMSNorm kernel, the rotary kernel rounds where the PyTorch ops round (silu * up is the
+    backend's, on GPU `fused.silu_mul` already). Only for a backend whose GPU `rms_norm` is that kernel
+    (`fused_or_torch`)."""
 
-    merge_projections = True
+    def __init__(self, backend) -> None:
+        super().__init__(backend)
+        self.merge_projections = True
 
-    def add_norm(self, x: Tensor, delta: Tensor | None, norm: RMSNorm) -> tuple[Tensor, Tensor]:
+    def add_norm(self, x: Tensor, delta: Tensor | None, norm) -> tuple[Tensor, Tensor]:
         y, s = fused.rms_norm(x, norm.weight, norm.eps, delta)
         return y, (x if s is None else s)
 
@@ -72,16 +79,10 @@ class FusedOps(TorchOps):
             q, k, v, step.cos, step.sin, k_cache, v_cache, step.slots, step.B, step.T, step.head_dim, qk_norm
         )
 
-    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
-        return fused.silu_mul(gate, up)
 
-
-def choose(backend: Backend, device, head_dim: int) -> TorchOps:
+def fused_or_torch(backend, device, head_dim: int) -> TorchOps:
     """`FusedOps` where its kernels run (a CUDA device, Triton installed, a head size the rotary kernel
-    takes) and the backend's GPU row ops are those kernels; `TorchOps` otherwise."""
-    import torch
-
+    takes), `TorchOps` otherwise: for backends whose GPU RMSNorm is `fused.rms_norm` (bf16, bio,
+    bio+tbik)."""
     probe = torch.empty(0, device=device)
-    if getattr(backend, "FUSED_ROW_OPS", False) and fused.rope_usable(probe, head_dim):
-        return FusedOps(backend)
-    return TorchOps(backend)
+    return FusedOps(backend) if fused.rope_usable(probe, head_dim) else TorchOps(backend)
