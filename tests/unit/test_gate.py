@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import one_line_error
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -187,6 +188,24 @@ def test_bad_policy_is_detaudit_error(tmp_path, text, match):
     run = make_run(tmp_path / "r", invariant_cells())
     with pytest.raises(DetauditError, match=match):
         gate(run, write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p.mkdir(), "is a directory, not a file"),
+        (lambda p: p.write_bytes(b"backends:\n  bio+tbik: {unique_mean: {max: 1}}  # caf\xe9\n"), "not UTF-8"),
+        (lambda p: p.symlink_to(p), "symbolic links"),  # an OSError root gets too (a mode-0 file it reads)
+    ],
+    ids=["directory", "not-utf8", "symlink-loop"],
+)
+def test_a_policy_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, make, message):
+    policy = tmp_path / "policy.yaml"
+    make(policy)
+    run = make_run(tmp_path / "r", invariant_cells())
+    one_line_error(CliRunner().invoke(app, ["gate", str(run), "--policy", str(policy)]), f"policy file {policy}")
+    with pytest.raises(DetauditError, match=message):
+        load_policy(policy)
 
 
 def test_bad_run_input_is_detaudit_error(tmp_path):
