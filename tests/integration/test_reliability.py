@@ -6,6 +6,7 @@ processes, and the real model's compute cost minutes of CI on a CPU without AVX-
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ GRID = [
     "--limit",
     "2",
     "--max-new-tokens",
-    "32",  # each cell lasts long enough that a kill lands while the next one runs (a kill follows one cell)
+    "32",
     "--backends",
     "bf16,bio",
     "--tp",
@@ -50,11 +51,48 @@ def _workers() -> list[psutil.Process]:
     return out
 
 
-def _sweep_cmd(model: Path, out: Path, *extra: str, grid: list[str] = GRID) -> list[str]:
+# `detaudit sweep` that stops itself (SIGSTOP) at one point of its work, once one more cell is complete:
+# `cell-done` (the cell file written and the manifest saying so), `file-written` (the cell file written,
+# the manifest not yet updated) or `computing` (the next cell's generation begun). A test kills it there:
+# where a kill lands follows the sweep's own steps, not how fast this machine runs them.
+STOP_AT_ENV = "DETAUDIT_TEST_STOP_AT"
+STOPPING_SWEEP = """
+import os, signal
+from detaudit.builtin.local import LocalEngine
+from detaudit.runs import RunDir
+
+point, done = os.environ["DETAUDIT_TEST_STOP_AT"], []
+stop = lambda: os.kill(os.getpid(), signal.SIGSTOP)
+write_bytes, write, generate = RunDir.write_cell_bytes, RunDir.write_cell, LocalEngine.generate
+
+def write_bytes_then_stop(self, *a, **k):
+    write_bytes(self, *a, **k)
+    if point == "file-written":
+        stop()
+
+def write_then_stop(self, *a, **k):
+    write(self, *a, **k)
+    done.append(1)
+    if point == "cell-done":
+        stop()
+
+def generate_after_a_cell(self, *a, **k):
+    if point == "computing" and done:
+        stop()
+    return generate(self, *a, **k)
+
+RunDir.write_cell_bytes, RunDir.write_cell = write_bytes_then_stop, write_then_stop
+LocalEngine.generate = generate_after_a_cell
+from detaudit.cli import main
+main()
+"""
+
+
+def _sweep_cmd(model: Path, out: Path, *extra: str, grid: list[str] = GRID, code: str = "") -> list[str]:
     return [
         sys.executable,
         "-c",
-        "from detaudit.cli import main; main()",
+        code or "from detaudit.cli import main; main()",
         "sweep",
         "--model",
         str(model),
@@ -87,30 +125,40 @@ def _cell_files(out: Path) -> dict[str, float]:
     return {p.name: p.stat().st_mtime_ns for p in (out / "cells").glob("*.parquet")} if (out / "cells").exists() else {}
 
 
-def _until(proc: subprocess.Popen, ready) -> None:
-    """Wait until `ready()` holds while `proc` runs (a sweep that ends first fails the test: it was
-    never interrupted where the test meant to)."""
-    while not ready():
-        assert proc.poll() is None, f"the sweep ended (exit {proc.returncode}) before the point it was to be killed at"
-        time.sleep(0.02)
+def _stopping_sweep(model: Path, out: Path, point: str) -> subprocess.Popen:
+    """A sweep started with `STOPPING_SWEEP`, returned once it has stopped itself at `point` (a sweep that
+    ends first fails the test: it never reached the point it was to be killed at)."""
+    env = {**os.environ, STOP_AT_ENV: point}
+    log = out.parent / f"{out.name}-{point}.log"  # a file, not a pipe: a full pipe would block the sweep
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(_sweep_cmd(model, out, code=STOPPING_SWEEP), env=env, stdout=f, stderr=f)
+    while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise AssertionError(f"the sweep ended (exit {proc.returncode}) before {point}: {tail}")
+        time.sleep(0.02)  # polling only: the sweep decides when it stops
+    return proc
 
 
 def test_kill_and_resume(clean_run, tiny_sweep_model, tmp_path):
-    """SIGKILL three times, each time as soon as one more cell is complete (the next one is then being
-    computed), then resume: no completed cell is recomputed and the result is the uninterrupted run's.
-    The kills follow the sweep's progress, not a clock."""
+    """SIGKILL three times, each once one more cell is complete: with the manifest updated, with the cell
+    file written but the manifest not yet updated, and with the next cell's generation begun; then resume:
+    no completed cell is recomputed and the result is the uninterrupted run's."""
     out = tmp_path / "killed"
     recomputed = 0
-    for attempt in range(3):
+    for point in ("cell-done", "file-written", "computing"):
         before = _cell_files(out)
-        proc = subprocess.Popen(_sweep_cmd(tiny_sweep_model, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _until(proc, lambda: len(_cell_files(out)) > len(before))
+        proc = _stopping_sweep(tiny_sweep_model, out, point)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         after = _cell_files(out)
+        assert len(after) == len(before) + 1 and set(before) <= set(after), (point, before, after)
         recomputed += sum(1 for name, mtime in before.items() if after.get(name) != mtime)
+        manifest = json.loads((out / "manifest.json").read_text())
+        (new,) = set(after) - set(before)
+        assert (manifest["cells"][new.removesuffix(".parquet")]["state"] == "done") == (point != "file-written")
     before = _cell_files(out)
-    assert 3 <= len(before) < 6, len(before)  # each kill came after one more cell and before the last
+    assert len(before) == 3, before
     done = subprocess.run(_sweep_cmd(tiny_sweep_model, out), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     after = _cell_files(out)
@@ -122,10 +170,8 @@ def test_kill_and_resume(clean_run, tiny_sweep_model, tmp_path):
 
 def test_second_sweep_into_same_dir_is_refused_and_lock_does_not_outlive_a_kill(tiny_sweep_model, tmp_path):
     out = tmp_path / "run"
-    first = subprocess.Popen(_sweep_cmd(tiny_sweep_model, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = _stopping_sweep(tiny_sweep_model, out, "cell-done")  # it holds the lock, stopped mid-grid
     try:
-        _until(first, lambda: (out / "manifest.json").exists())  # it holds the lock
-        first.send_signal(signal.SIGSTOP)  # and keeps it, however fast this machine would finish the grid
         second = subprocess.run(_sweep_cmd(tiny_sweep_model, out), capture_output=True, text=True)
         assert first.poll() is None, "the first sweep ended before the second was refused"
         assert second.returncode == 2, second.stderr

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import resource
-import time
 
 import pytest
 
@@ -180,18 +179,20 @@ def test_cell_ids_that_could_be_paths_are_refused(tmp_path, cell_id):
         RunDir(tmp_path).cell_path(cell_id)
 
 
-def _hold(path, ready):
+def _hold(path, ready, never):
     with RunDir(path).locked():
         ready.set()
-        time.sleep(30)
+        never.wait()  # holds the lock until it is killed
 
 
+@pytest.mark.slow  # a forked process
 def test_lock_refuses_second_writer_and_dies_with_holder(tmp_path):
     ctx = mp.get_context("fork")
-    ready = ctx.Event()
-    p = ctx.Process(target=_hold, args=(tmp_path / "r", ready))
+    ready, never = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_hold, args=(tmp_path / "r", ready, never))
     p.start()
-    assert ready.wait(10)
+    while not ready.wait(0.05):  # polling: the holder decides when it holds the lock
+        assert p.is_alive(), f"the lock holder died first (exit {p.exitcode})"
     with pytest.raises(DetauditError, match="another sweep is writing"):
         with RunDir(tmp_path / "r").locked():
             pass
