@@ -187,3 +187,27 @@ def assert_loopback_only(socks: list[tuple[int, str, int]]) -> None:
     assert socks, "no listening socket seen: the check would prove nothing"
     bad = [s for s in socks if not is_loopback(s[1])]
     assert not bad, f"sockets listening on a non-loopback address: {bad} (all: {socks})"
+
+
+# ---------------------------------------------------------------- optional extras
+
+
+def installed(module: str) -> bool:
+    """Whether `module` is installed at all (found, not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def require(module: str, extra: str):
+    """`module`, imported for real; the test (or, at module level, the module) is skipped only when it is
+    not installed at all (`pip install 'detaudit[EXTRA]'`). An extra installed but broken (a missing or
+    incompatible dependency, an import that raises) fails instead: `pytest.importorskip` would skip it,
+    and a broken install would read as a passing run."""
+    import importlib
+
+    import pytest
+
+    if not installed(module):
+        pytest.skip(f"{module} is not installed (pip install 'detaudit[{extra}]')", allow_module_level=True)
+    return importlib.import_module(module)

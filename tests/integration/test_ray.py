@@ -16,7 +16,7 @@ import time
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from helpers import cli_json, one_line_error
+from helpers import cli_json, one_line_error, require
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -87,7 +87,7 @@ def grid(tiny_sweep_model) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, grid):
-    pytest.importorskip("ray")
+    require("ray", "ray")
     base = tmp_path_factory.mktemp("ray")
     local, remote = base / "local", base / "ray"
     t0 = time.monotonic()
@@ -170,7 +170,7 @@ def test_recorded_address_has_no_credentials():
 def test_ctrl_c_kills_actors_removes_placement_groups_and_stops_ray(tiny_sweep_model):
     """KeyboardInterrupt in the driver once a group's actor and placement group exist: both are gone before
     the executor shuts down the Ray runtime it started, and no Ray process is left."""
-    ray = pytest.importorskip("ray")
+    ray = require("ray", "ray")
     from helpers import engine_options
 
     from detaudit.config import DecodingParams
@@ -242,7 +242,7 @@ HUNG = "smoke__bio-tbik__tp1__bs2"  # its first attempt stops producing tokens i
 def gpu_path_sweep(tmp_path_factory, tiny_sweep_model):
     """One Ray sweep on the GPU scheduling path (two logical GPUs) in which HUNG's actor hangs on its
     first attempt: both claims below are read from it (one sweep, not two: this is CI's time)."""
-    pytest.importorskip("ray")
+    require("ray", "ray")
     out = tmp_path_factory.mktemp("ray-gpu") / "r"
     env = {FAULT_ENV: f"hang:{HUNG}"}
     res = _ray_sweep_in_subprocess(out, tiny_sweep_model, timeout_s=600, hang_timeout=20, env=env)

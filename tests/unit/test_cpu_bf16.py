@@ -114,7 +114,9 @@ def test_self_check_passes_and_bf16_products_match_fp32_to_rounding(cpu_path):
 def test_compiled_and_python_dispatch_give_the_same_bits(monkeypatch, rows, n):
     """The call loop compiled by numba (`cpu_loop`) and the Python loop make the same calls, so every
     product has the same bits; with 2 threads the 480-row product is split between them."""
-    pytest.importorskip("numba")
+    from helpers import require
+
+    require("numba", "cpu")
     from detaudit.backends.kernels import cpu_calls
 
     try:

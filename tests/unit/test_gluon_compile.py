@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import require
 
-triton = pytest.importorskip("triton")
+triton = require("triton", "triton")
 from detaudit.backends.kernels import gluon_tree  # noqa: E402
 
 pytestmark = [
