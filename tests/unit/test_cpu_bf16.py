@@ -142,6 +142,7 @@ def test_compiled_and_python_dispatch_give_the_same_bits(monkeypatch, rows, n):
     assert torch.allclose(outs["auto"], x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_describing_the_backends_imports_no_numba():
     """Descriptions are made before any kernel runs, in vLLM's engine process too, where an early
     llvmlite import breaks vLLM's CPU worker start-up (it scans every module's attributes): the path is
