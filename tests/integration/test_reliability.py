@@ -6,16 +6,14 @@ processes, and the real model's compute cost minutes of CI on a CPU without AVX-
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import cli_json
+from helpers import cli_json, stopped_sweep
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -51,48 +49,11 @@ def _workers() -> list[psutil.Process]:
     return out
 
 
-# `detaudit sweep` that stops itself (SIGSTOP) at one point of its work, once one more cell is complete:
-# `cell-done` (the cell file written and the manifest saying so), `file-written` (the cell file written,
-# the manifest not yet updated) or `computing` (the next cell's generation begun). A test kills it there:
-# where a kill lands follows the sweep's own steps, not how fast this machine runs them.
-STOP_AT_ENV = "DETAUDIT_TEST_STOP_AT"
-STOPPING_SWEEP = """
-import os, signal
-from detaudit.builtin.local import LocalEngine
-from detaudit.runs import RunDir
-
-point, done = os.environ["DETAUDIT_TEST_STOP_AT"], []
-stop = lambda: os.kill(os.getpid(), signal.SIGSTOP)
-write_bytes, write, generate = RunDir.write_cell_bytes, RunDir.write_cell, LocalEngine.generate
-
-def write_bytes_then_stop(self, *a, **k):
-    write_bytes(self, *a, **k)
-    if point == "file-written":
-        stop()
-
-def write_then_stop(self, *a, **k):
-    write(self, *a, **k)
-    done.append(1)
-    if point == "cell-done":
-        stop()
-
-def generate_after_a_cell(self, *a, **k):
-    if point == "computing" and done:
-        stop()
-    return generate(self, *a, **k)
-
-RunDir.write_cell_bytes, RunDir.write_cell = write_bytes_then_stop, write_then_stop
-LocalEngine.generate = generate_after_a_cell
-from detaudit.cli import main
-main()
-"""
-
-
-def _sweep_cmd(model: Path, out: Path, *extra: str, grid: list[str] = GRID, code: str = "") -> list[str]:
+def _sweep_cmd(model: Path, out: Path, *extra: str, grid: list[str] = GRID) -> list[str]:
     return [
         sys.executable,
         "-c",
-        code or "from detaudit.cli import main; main()",
+        "from detaudit.cli import main; main()",
         "sweep",
         "--model",
         str(model),
@@ -125,19 +86,8 @@ def _cell_files(out: Path) -> dict[str, float]:
     return {p.name: p.stat().st_mtime_ns for p in (out / "cells").glob("*.parquet")} if (out / "cells").exists() else {}
 
 
-def _stopping_sweep(model: Path, out: Path, point: str) -> subprocess.Popen:
-    """A sweep started with `STOPPING_SWEEP`, returned once it has stopped itself at `point` (a sweep that
-    ends first fails the test: it never reached the point it was to be killed at)."""
-    env = {**os.environ, STOP_AT_ENV: point}
-    log = out.parent / f"{out.name}-{point}.log"  # a file, not a pipe: a full pipe would block the sweep
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(_sweep_cmd(model, out, code=STOPPING_SWEEP), env=env, stdout=f, stderr=f)
-    while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:]
-            raise AssertionError(f"the sweep ended (exit {proc.returncode}) before {point}: {tail}")
-        time.sleep(0.02)  # polling only: the sweep decides when it stops
-    return proc
+def _stopping_sweep(model: Path, out: Path, point: str):
+    return stopped_sweep(_sweep_cmd(model, out)[3:], out.parent / f"{out.name}-{point}.log", point)
 
 
 def test_kill_and_resume(clean_run, tiny_sweep_model, tmp_path):
