@@ -3,7 +3,7 @@
 Cells are matched by id (suite, backend, TP, batch size[, load]) among each run's completed cells; a
 cell completed in one run only is listed as such. Two cells are equal when every record holds the same
 bits in every numeric field (`records.NUMERIC_FIELDS`: output token ids, chosen-token, top-k and
-teacher-forced log-probabilities, top-k ids), compared bit pattern for bit pattern, never with a
+teacher-forced log-probabilities, top-k ids, MoE routing), compared bit pattern for bit pattern, never with a
 tolerance. For a cell that differs: its first difference (field, prompt, position), the number of
 prompts whose outputs differ, the earliest position where outputs diverge, and the published max
 probability divergence between the two cells. Where the manifests differ (what decides the bits first:

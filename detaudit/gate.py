@@ -104,8 +104,13 @@ def load_policy(path: str | os.PathLike | None = None) -> Policy:
             text = Path(path).read_text()
         except FileNotFoundError:
             raise DetauditError(f"policy file {path} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise DetauditError(f"cannot read policy file {path}: {e}") from None
+        except IsADirectoryError:
+            raise DetauditError(f"policy file {path} is a directory, not a file") from None
+        except OSError as e:
+            raise DetauditError(f"cannot read policy file {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            where = f"bad byte at offset {e.start}"
+            raise DetauditError(f"cannot read policy file {path}: not UTF-8 text ({where})") from None
     try:
         obj = yaml.safe_load(text)
     except yaml.YAMLError as e:

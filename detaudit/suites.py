@@ -42,6 +42,7 @@ from pathlib import Path
 from detaudit import paths
 from detaudit.errors import DetauditError
 from detaudit.generation import GenerationKwargs
+from detaudit.suite_paths import TRUST_FLAG
 from detaudit.suite_render import render_rows
 from detaudit.suite_yaml import Spec, decode, load_spec, one_line, read_bytes
 
@@ -261,7 +262,22 @@ def _json_rows(spec: Spec, files: list[Path], raws: dict[Path, bytes]) -> Rows:
             yield from _jsonl_rows(f, text)
 
 
-def _rows(spec: Spec, data_dir: Path | None, limit: int | None) -> tuple[bytes, str, Rows]:
+def _mirror_file(spec: Spec, data_dir: Path, trust_paths: bool) -> Path:
+    """`<data_dir>/<local_file>`, which must resolve inside the data dir: a mirror is shared like data, and a
+    symlink in it must not make a sweep read (and record as prompts) a file from elsewhere on the machine."""
+    file = data_dir / spec.local_file
+    if not file.exists():
+        raise DetauditError(f"suite {spec.name}: data dir {data_dir} has no {spec.local_file}")
+    resolved, root = file.resolve(), data_dir.resolve()
+    if not trust_paths and not resolved.is_relative_to(root):
+        raise DetauditError(
+            f"suite {spec.name}: {file} resolves to {resolved}, outside the data dir {root} (copy the file into "
+            f"the data dir, or pass {TRUST_FLAG})"
+        )
+    return file
+
+
+def _rows(spec: Spec, data_dir: Path | None, limit: int | None, trust_paths: bool) -> tuple[bytes, str, Rows]:
     if spec.docs is not None:
         return b"", "inline", ((f"{spec.path} docs[{i}]", d) for i, d in enumerate(spec.docs))
     if data_dir is not None and spec.local_file:
@@ -270,9 +286,7 @@ def _rows(spec: Spec, data_dir: Path | None, limit: int | None) -> tuple[bytes, 
             raise DetauditError(
                 f"data dir {data_dir} does not exist or is not a directory (from --data-dir / DETAUDIT_DATA_DIR)"
             )
-        file = data_dir / spec.local_file
-        if not file.exists():
-            raise DetauditError(f"suite {spec.name}: data dir {data_dir} has no {spec.local_file}")
+        file = _mirror_file(spec, data_dir, trust_paths)
         raw = read_bytes(file, "data file")
         return raw, f"mirror:{spec.local_file}", _jsonl_rows(file, decode(file, raw, "data file"))
     if not spec.dataset_path:
@@ -314,8 +328,8 @@ def load_suite(name: str, data_dir: Path | None = None, limit: int | None = None
     Rows: the YAML's inline `docs`; else `<data_dir>/<local_file>` when a data dir is given and the
     suite has a `local_file`; else its own files or hub dataset. `limit` keeps the first N rows, before
     any of the rest is parsed or rendered (the checksum still covers the whole source, so record the limit
-    beside it). Paths the suite names must lie in its directory unless `trust_paths`. Every bad input
-    raises a one-line DetauditError.
+    beside it). Paths the suite names must lie in its directory, and the mirror file in the data dir
+    (symlinks resolved), unless `trust_paths`. Every bad input raises a one-line DetauditError.
     """
     if limit is not None and limit < 1:
         raise DetauditError(f"--limit must be >= 1 (got {limit})")
@@ -325,7 +339,7 @@ def load_suite(name: str, data_dir: Path | None = None, limit: int | None = None
         raise DetauditError(
             f"{path}: built-in suite `task` must match its file name ({path.stem!r}, got {spec.name!r})"
         )
-    data, source, rows = _rows(spec, data_dir, limit)
+    data, source, rows = _rows(spec, data_dir, limit, trust_paths)
     rendered, ungraded = render_rows(spec.name, spec.doc_to_text, spec.doc_to_target, spec.doc_to_id, rows, limit)
     if not rendered:
         raise DetauditError(f"suite {spec.name}: no prompts ({source} holds no rows)")

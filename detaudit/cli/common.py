@@ -177,7 +177,8 @@ TrustSuitePathsOpt = Annotated[
         "--trust-suite-paths",
         help=(
             "Let suite files read outside their own directory (absolute, ../ or symlinked include / data_files / "
-            "data_dir, a local dataset_path, file:// URLs); recorded in the manifest."
+            "data_dir, a local dataset_path, file:// URLs) and a --data-dir file be a symlink to elsewhere; "
+            "recorded in the manifest."
         ),
         rich_help_panel="model and suites",
     ),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from helpers import one_line_error
 from typer.testing import CliRunner
+from unit.record_flips import CELLS3, FLIPS, LAST, TP3, moe_cells3
 from unit.test_analyze import BF16, TBIK, diverging_bf16, invariant_cells, make_run
 
 from detaudit.cli import app
@@ -107,3 +108,47 @@ def test_runs_with_no_common_cell_exit_2(tmp_path):
     a = make_run(tmp_path / "a", {k: v for k, v in cells().items() if k in BF16.values()})
     b = make_run(tmp_path / "b", {k: v for k, v in cells().items() if k in TBIK.values()})
     one_line_error(diff(a, b), "no completed cell in common")
+
+
+def moe_run(path, flip=None):
+    """Three agreeing bio+tbik configurations of an MoE run (`unit.record_flips`), with `flip` applied to
+    record p1 of the third one."""
+    cells = moe_cells3()
+    if flip is not None:
+        flip.change(cells[LAST][1])
+    return make_run(path, cells, backends=("bio+tbik",), tp=TP3)
+
+
+@pytest.fixture(scope="module")
+def moe_a(tmp_path_factory):
+    return moe_run(tmp_path_factory.mktemp("moe") / "a")
+
+
+@pytest.mark.parametrize("flip", FLIPS, ids=[f.id for f in FLIPS])
+def test_one_changed_number_of_any_field_in_the_third_cell_exits_1(moe_a, tmp_path, flip):
+    """Every numeric field is compared, routing included (expert ids, gates, margins, generated and
+    teacher-forced), in every cell: the change sits in the third of three."""
+    res = diff(moe_a, moe_run(tmp_path / "b", flip), "--json")
+    assert res.exit_code == 1, res.output
+    by_cell = {c["cell"]: c for c in json.loads(res.stdout)["cells"]}
+    assert {c: d["status"] for c, d in by_cell.items()} == {
+        CELLS3[1]: "equal",
+        CELLS3[2]: "equal",
+        LAST: "differs",
+    }
+    want = {"field": flip.field, "prompt_id": "p1", "position": flip.position, "repeat": 0}
+    assert by_cell[LAST]["first_difference"] == want and by_cell[LAST]["records_differ"] == 1
+    assert by_cell[LAST]["outputs_differ"] == (flip.field == "output_token_ids")
+
+
+def test_three_agreeing_cells_are_equal_and_each_cell_is_compared(moe_a, tmp_path):
+    res = diff(moe_a, moe_run(tmp_path / "b"))
+    assert res.exit_code == 0 and "3 of 3 cells completed in both runs are bitwise equal." in res.output
+    res = diff(moe_a, moe_run(tmp_path / "g", FLIPS[8]))  # a routing gate of the third cell
+    assert res.exit_code == 1 and "2 of 3 cells completed in both runs are bitwise equal, 1 differ" in res.output
+    assert f"{FLIPS[8].field}, prompt p1, position {FLIPS[8].position}" in res.output
+    cells = moe_cells3()
+    for cell in CELLS3.values():  # the middle cell too
+        cells[cell][2]["token_logprobs"][0] = float(np.nextafter(np.float32(cells[cell][2]["token_logprobs"][0]), 0))
+    report = json.loads(diff(moe_a, make_run(tmp_path / "c", cells, backends=("bio+tbik",), tp=TP3), "--json").stdout)
+    assert [(c["status"], c["records_differ"]) for c in report["cells"]] == [("differs", 1)] * 3

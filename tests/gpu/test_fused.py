@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import require
 
 from detaudit.backends import get_backend
 from detaudit.backends.kernels import fused
@@ -14,7 +15,7 @@ from detaudit.backends.row_ops import apply_rotary
 from detaudit.builtin.layers import Rotary
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-pytest.importorskip("triton")
+require("triton", "triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

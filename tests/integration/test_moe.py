@@ -126,6 +126,34 @@ def test_greedy_tokens_match_transformers(ckpts, name):
         assert all(len(m) == layers and min(m) >= 0 for m in gens[0].route_margins)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_recorded_routing_is_layer_major_as_transformers_routes(ckpts, name):
+    """Each position's recorded expert ids are layer-major (MoE layer by layer, its top k within each) and
+    each layer's set is the one transformers' router of that layer picks. Mixtral's 3 MoE layers of top 2
+    tell layer-major from k-major (with layers == top-k, as qwen3_moe's 2 of 2, both split the same)."""
+    from transformers import AutoModelForCausalLM
+
+    ids = token_ids(batch=1, length=16, seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpts[name]), dtype=torch.float32).eval()
+    with torch.no_grad():
+        routers = hf(ids, output_router_logits=True).router_logits  # one [T, experts] per MoE layer
+    k = MODELS[name]["num_experts_per_tok"]
+    eng = local_engine(ckpts[name], "bio", dtype="float32")
+    eng.score([ids[0, :1].tolist()], [ids[0, 1:].tolist()], 1)  # the routing of positions 0 .. T-2
+    experts, gates, margins = eng.last_score_routing[0]
+    assert len(experts) == ids.shape[1] - 1 and all(len(e) == len(routers) * k for e in experts)
+    compared = 0
+    for t, row in enumerate(experts):
+        for layer, logits in enumerate(routers):
+            top = torch.sort(logits[t].softmax(-1), descending=True).values
+            if top[k - 1] - top[k] < 1e-4:  # a near tie: fp32 rounding may pick either expert
+                continue
+            want = set(torch.topk(logits[t], k).indices.tolist())
+            assert set(row[layer * k : (layer + 1) * k]) == want, (t, layer, row)
+            compared += 1
+    assert compared >= len(experts) * len(routers) * 3 // 4, compared
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_bio_batch_invariant_and_tbik_tp_invariant_with_routing(ckpts, name):
     prompts = [token_ids(batch=1, length=n, seed=n)[0].tolist() for n in (5, 9, 14, 3)]

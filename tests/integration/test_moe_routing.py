@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow  # engines and TP-2 worker processes on a transfor
 
 runner = CliRunner()
 MOE_LAYERS = 2  # the qwen3_moe checkpoint's layer 1 is a dense MLP
+TOP_K = 2
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +39,16 @@ def test_sweep_reports_routing_and_tbik_routes_invariantly(moe_ckpt, tmp_path):
     res = runner.invoke(app, args, env={"COLUMNS": "250"})
     assert res.exit_code == 0, res.output
     assert "rerouted" in res.output and "near ties" in res.output  # the printed summary's routing columns
-    table = pq.read_table(out / "cells" / "smoke__bio-tbik__tp2__bs2.parquet").to_pandas()
-    for _, r in table.iterrows():  # every generated and teacher-forced position's routing is recorded
-        assert len(r["route_experts"]) == len(r["output_token_ids"]) == len(r["route_margins"])
-        assert all(len(e) == MOE_LAYERS * 2 for e in r["route_experts"]) and r["tf_route_experts"] is not None
+    cells = sorted((out / "cells").glob("*.parquet"))
+    assert len(cells) == 8
+    for path in cells:  # every generated and teacher-forced position's routing, in every cell of both backends
+        for r in pq.read_table(path).to_pylist():
+            for prefix, positions in (("", len(r["output_token_ids"])), ("tf_", len(r["tf_token_logprobs"]))):
+                experts, gates, margins = (r[f"{prefix}route_{c}"] for c in ("experts", "gates", "margins"))
+                assert len(experts) == len(gates) == len(margins) == positions > 0, (path.name, prefix)
+                assert all(len(e) == len(g) == MOE_LAYERS * TOP_K for e, g in zip(experts, gates)), path.name
+                assert all(len(m) == MOE_LAYERS for m in margins), path.name
+                assert all(0 < x <= 1 for g in gates for x in g) and all(x >= 0 for m in margins for x in m)
     rows = {r["backend"]: r for r in cli_json(runner.invoke(app, ["analyze", str(out), "--json"]))}
     tbik = rows["bio+tbik"]
     assert tbik["cells"] == 4 and tbik["unique_mean"] == 1 and tbik["maxprob_div_mean"] == 0

@@ -16,7 +16,7 @@ import time
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from helpers import cli_json, one_line_error
+from helpers import cli_json, one_line_error, require
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -71,6 +71,15 @@ def _ray_children(before: set[int]) -> list[str]:
     return out
 
 
+def _ray_left(before: set[int], guard_s: float = 120.0) -> list[str]:
+    """`_ray_children` once Ray's shutdown has reaped them, polled until none is left; `guard_s` only stops
+    a hang (Ray takes seconds), it does not measure anything."""
+    deadline = time.monotonic() + guard_s
+    while (left := _ray_children(before)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 @pytest.fixture(scope="module")
 def grid(tiny_sweep_model) -> list[str]:
     return [*GRID, "--model", str(tiny_sweep_model)]
@@ -78,7 +87,7 @@ def grid(tiny_sweep_model) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, grid):
-    pytest.importorskip("ray")
+    require("ray", "ray")
     base = tmp_path_factory.mktemp("ray")
     local, remote = base / "local", base / "ray"
     t0 = time.monotonic()
@@ -96,12 +105,7 @@ def runs(tmp_path_factory, grid):
         mp.undo()
     assert res.exit_code == 0, res.output
     t2 = time.monotonic()
-    leftover = _ray_children(before)
-    for _ in range(30):  # Ray's shutdown reaps its processes within a few seconds
-        if not leftover:
-            break
-        time.sleep(0.5)
-        leftover = _ray_children(before)
+    leftover = _ray_left(before)
     print(f"local sweep {t1 - t0:.0f} s, ray sweep {t2 - t1:.0f} s")
     return local, remote, res.output, leftover
 
@@ -166,7 +170,7 @@ def test_recorded_address_has_no_credentials():
 def test_ctrl_c_kills_actors_removes_placement_groups_and_stops_ray(tiny_sweep_model):
     """KeyboardInterrupt in the driver once a group's actor and placement group exist: both are gone before
     the executor shuts down the Ray runtime it started, and no Ray process is left."""
-    ray = pytest.importorskip("ray")
+    ray = require("ray", "ray")
     from helpers import engine_options
 
     from detaudit.config import DecodingParams
@@ -195,13 +199,7 @@ def test_ctrl_c_kills_actors_removes_placement_groups_and_stops_ray(tiny_sweep_m
         ex.run(groups, lambda _: None, lambda out: None, progress)
     assert seen["pgs"] == {"REMOVED"} and seen["alive"] == []
     assert not ray.is_initialized()
-    leftover = _ray_children(before)
-    for _ in range(30):
-        if not leftover:
-            break
-        time.sleep(0.5)
-        leftover = _ray_children(before)
-    assert leftover == []
+    assert _ray_left(before) == []
 
 
 def _ray_sweep_in_subprocess(out, model_path, timeout_s: float, hang_timeout: float = 300.0, env=None):
@@ -244,7 +242,7 @@ HUNG = "smoke__bio-tbik__tp1__bs2"  # its first attempt stops producing tokens i
 def gpu_path_sweep(tmp_path_factory, tiny_sweep_model):
     """One Ray sweep on the GPU scheduling path (two logical GPUs) in which HUNG's actor hangs on its
     first attempt: both claims below are read from it (one sweep, not two: this is CI's time)."""
-    pytest.importorskip("ray")
+    require("ray", "ray")
     out = tmp_path_factory.mktemp("ray-gpu") / "r"
     env = {FAULT_ENV: f"hang:{HUNG}"}
     res = _ray_sweep_in_subprocess(out, tiny_sweep_model, timeout_s=600, hang_timeout=20, env=env)

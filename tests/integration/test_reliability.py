@@ -9,12 +9,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import cli_json
+from helpers import cli_json, stopped_sweep
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -28,7 +27,7 @@ GRID = [
     "--limit",
     "2",
     "--max-new-tokens",
-    "32",  # each cell lasts long enough that a kill lands while the next one runs (a kill follows one cell)
+    "32",
     "--backends",
     "bf16,bio",
     "--tp",
@@ -87,30 +86,29 @@ def _cell_files(out: Path) -> dict[str, float]:
     return {p.name: p.stat().st_mtime_ns for p in (out / "cells").glob("*.parquet")} if (out / "cells").exists() else {}
 
 
-def _until(proc: subprocess.Popen, ready) -> None:
-    """Wait until `ready()` holds while `proc` runs (a sweep that ends first fails the test: it was
-    never interrupted where the test meant to)."""
-    while not ready():
-        assert proc.poll() is None, f"the sweep ended (exit {proc.returncode}) before the point it was to be killed at"
-        time.sleep(0.02)
+def _stopping_sweep(model: Path, out: Path, point: str):
+    return stopped_sweep(_sweep_cmd(model, out)[3:], out.parent / f"{out.name}-{point}.log", point)
 
 
 def test_kill_and_resume(clean_run, tiny_sweep_model, tmp_path):
-    """SIGKILL three times, each time as soon as one more cell is complete (the next one is then being
-    computed), then resume: no completed cell is recomputed and the result is the uninterrupted run's.
-    The kills follow the sweep's progress, not a clock."""
+    """SIGKILL three times, each once one more cell is complete: with the manifest updated, with the cell
+    file written but the manifest not yet updated, and with the next cell's generation begun; then resume:
+    no completed cell is recomputed and the result is the uninterrupted run's."""
     out = tmp_path / "killed"
     recomputed = 0
-    for attempt in range(3):
+    for point in ("cell-done", "file-written", "computing"):
         before = _cell_files(out)
-        proc = subprocess.Popen(_sweep_cmd(tiny_sweep_model, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _until(proc, lambda: len(_cell_files(out)) > len(before))
+        proc = _stopping_sweep(tiny_sweep_model, out, point)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         after = _cell_files(out)
+        assert len(after) == len(before) + 1 and set(before) <= set(after), (point, before, after)
         recomputed += sum(1 for name, mtime in before.items() if after.get(name) != mtime)
+        manifest = json.loads((out / "manifest.json").read_text())
+        (new,) = set(after) - set(before)
+        assert (manifest["cells"][new.removesuffix(".parquet")]["state"] == "done") == (point != "file-written")
     before = _cell_files(out)
-    assert 3 <= len(before) < 6, len(before)  # each kill came after one more cell and before the last
+    assert len(before) == 3, before
     done = subprocess.run(_sweep_cmd(tiny_sweep_model, out), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     after = _cell_files(out)
@@ -122,10 +120,8 @@ def test_kill_and_resume(clean_run, tiny_sweep_model, tmp_path):
 
 def test_second_sweep_into_same_dir_is_refused_and_lock_does_not_outlive_a_kill(tiny_sweep_model, tmp_path):
     out = tmp_path / "run"
-    first = subprocess.Popen(_sweep_cmd(tiny_sweep_model, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = _stopping_sweep(tiny_sweep_model, out, "cell-done")  # it holds the lock, stopped mid-grid
     try:
-        _until(first, lambda: (out / "manifest.json").exists())  # it holds the lock
-        first.send_signal(signal.SIGSTOP)  # and keeps it, however fast this machine would finish the grid
         second = subprocess.run(_sweep_cmd(tiny_sweep_model, out), capture_output=True, text=True)
         assert first.poll() is None, "the first sweep ended before the second was refused"
         assert second.returncode == 2, second.stderr

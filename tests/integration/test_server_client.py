@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -139,13 +138,13 @@ def test_wrong_model(fake, tmp_path):
 
 @pytest.mark.parametrize("mode", ["hang", "trickle"])
 def test_request_timeout_is_a_deadline(fake, tmp_path, mode):
-    """A server that never answers, and one that answers a byte every 0.3 s (each read is quick, the
-    answer never ends), both end the sweep at the deadline of one request."""
+    """A server that does not answer for 30 s, and one that answers a byte every 0.3 s for a minute (each
+    read is quick, the whole is late), both end the sweep at the deadline of one request: told by the
+    message, not by a clock (a client without the deadline would get the late answers: a completion, then
+    a malformed one)."""
     fake.mode = mode
-    t0 = time.monotonic()
     res = sweep(fake.url, tmp_path / "run", "--concurrency", "1", "--request-timeout", "1.5")
     one_line_exit_2(res, "no complete answer within 1.5 s")
-    assert time.monotonic() - t0 < 15
 
 
 def test_credentials_in_url_refused(fake, tmp_path):
@@ -204,13 +203,15 @@ def test_prefix_load_pattern(fake, tmp_path):
 @pytest.mark.slow  # a 4-cell sweep of a deliberately slow fake, then every report format
 def test_server_audit_report_has_the_load_axis(fake, tmp_path):
     """A concurrency 1/2 x background 0/2 x 2-repeat audit of a server whose numerics move with its load
-    (the fake's `load-variant`): the report names every cell by its load (cells table columns, agreement
+    (the fake's `load-variant`: the sequential cell, which runs first, answered alone; every request of
+    the others under load): the report names every cell by its load (cells table columns, agreement
     labels), gives the headline "N requests, K distinct completions" and one row per configuration
     against the sequential baseline, with the exact divergence the fake put in."""
     from detaudit.analyze import analyze
     from detaudit.render import cell_labels
 
     fake.mode = "load-variant"
+    fake.alone = 4  # the sequential baseline's 2 prompts x 2 repeats
     run = tmp_path / "run"
     res = sweep(fake.url, run, "--concurrency", "1,2", "--background-load", "0,2", "--repeats", "2")
     assert res.exit_code == 0, res.output
@@ -222,7 +223,7 @@ def test_server_audit_report_has_the_load_axis(fake, tmp_path):
     for r in rows:
         per_prompt.setdefault(r["prompt_id"], set()).add(tuple(r["output_token_ids"]))
     k = sum(len(v) for v in per_prompt.values())
-    assert len(rows) == 16 and k > 2  # the loaded configurations changed some completions
+    assert len(rows) == 16 and k == 4  # per prompt: the answer alone and the answer under load
     headline = (
         f"smoke / bf16: 16 requests, {k} distinct completions (2 prompts; at most "
         f"{max(len(v) for v in per_prompt.values())} for one prompt) over 4 load configurations"
@@ -239,7 +240,7 @@ def test_server_audit_report_has_the_load_axis(fake, tmp_path):
     assert base["baseline"] == "True" and base["differ"] == "0" and base["distinct_max"] == "1"
     assert base["identical"] == base["compared"] == "2"  # its second sends, bitwise its first
     assert base["maxprob_div_max"] == "0.0" and base["logprob_diff_max"] == "0.0"  # alone: bitwise the same
-    for label in ("c1/bg2 suite", "c2/bg2 suite"):  # always loaded: every request moved, from its third token on
+    for label in ("c1/bg2 suite", "c2/bg0", "c2/bg2 suite"):  # loaded: every request moved from its third token
         r = load[label]
         assert r["differ"] == r["compared"] == "4" and r["identical"] == "0" and r["first_div_min"] == "2", r
         assert float(r["logprob_diff_max"]) == pytest.approx(0.01, abs=1e-5), r

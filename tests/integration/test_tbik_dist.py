@@ -75,24 +75,41 @@ def test_real_tp8_engine_equals_tp1_bitwise(tiny_llama):
     assert got[0] != got[1]  # the sampled run is not the greedy one: both paths were compared
 
 
-def _await(path, limit_s: float = 120.0) -> bool:
-    """Whether `path` appears within `limit_s` (a guard against a hang, far above any real wait)."""
+def _await(*paths, limit_s: float = 120.0) -> bool:
+    """Whether one of `paths` appears within `limit_s` (a guard against a hang, far above any real wait)."""
     import time
 
     deadline = time.monotonic() + limit_s
-    while not path.exists():
+    while not any(p.exists() for p in paths):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
     return True
 
 
+class _Asked:
+    """Rank 0's store, marking `marker` the first time rank 0 asks whether the other ranks have left
+    (`add(key, 0)`) and they have not: from then on it is waiting for them."""
+
+    def __init__(self, store, marker, others: int) -> None:
+        self.store, self.marker, self.others = store, marker, others
+
+    def add(self, key, amount):
+        value = self.store.add(key, amount)
+        if amount == 0 and value < self.others:
+            self.marker.touch()
+        return value
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
 def _leave(rank, size, port, wait, out_dir):
-    """Rank 0 leaves first; rank 1 leaves (a) after rank 0 entered `dist.shutdown` (`wait` long: rank 0
-    must still be waiting, so it returns after rank 1 began leaving) or (b) only after rank 0 returned
-    (`wait` short: rank 0 must give up on its own). Markers in `out_dir` say what each one saw."""
+    """Rank 0 leaves first; rank 1 leaves (a) once rank 0 is waiting for it in `dist.shutdown` (it asked
+    the store whether rank 1 left, and it had not) or has returned (`wait` long: a rank 0 that waits
+    returns only after rank 1 began leaving), or (b) only after rank 0 returned (`wait` short: rank 0 must
+    give up on its own). Markers in `out_dir` say what each one saw; no step waits for a time."""
     import json
-    import time
     from pathlib import Path
 
     torch.set_num_threads(1)
@@ -100,14 +117,14 @@ def _leave(rank, size, port, wait, out_dir):
     group = dist.init(rank, size, port, "cpu")
     group.barrier()
     if rank == 0:
-        (out / "0.entered").touch()
+        group.store = _Asked(group.store, out / "0.waiting", size - 1)
         dist.shutdown(group, wait_s=wait)
         seen = {"leaving_when_returned": (out / "1.leaving").exists()}
         (out / "0.returned").touch()
     else:
         if wait > 10:
-            seen = {"entered": _await(out / "0.entered")}
-            time.sleep(0.5)  # a rank 0 that did not wait would be gone by now: it would miss the marker below
+            _await(out / "0.waiting", out / "0.returned")
+            seen = {"waiting": (out / "0.waiting").exists() and not (out / "0.returned").exists()}
         else:
             seen = {"returned": _await(out / "0.returned")}
         (out / "1.leaving").touch()
@@ -125,6 +142,6 @@ def test_rank0_serves_the_store_until_the_others_left(tmp_path, wait):
     mp.spawn(_leave, args=(2, dist.free_port(), wait, str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
     if wait > 10:
-        assert r1["entered"] and r0["leaving_when_returned"], (r0, r1)  # it waited for rank 1
+        assert r1["waiting"] and r0["leaving_when_returned"], (r0, r1)  # it waited for rank 1
     else:
         assert r1["returned"] and not r0["leaving_when_returned"], (r0, r1)  # it gave up, rank 1 still there

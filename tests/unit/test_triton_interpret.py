@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import require
 
-pytest.importorskip("triton")
+require("triton", "triton")
 
 
 @pytest.mark.slow  # a subprocess interpreting every kernel: 35 s (AVX-512) to 150 s (2-core AVX2)
