@@ -9,17 +9,21 @@
 #             vLLM bio+tbik == built-in bio+tbik by diff)
 #     diff    AIME24 + AMC23, greedy, TP 1, batch 8: vLLM bio+tbik against the built-in engine's bio+tbik
 #     grid    the published grid: AIME24 + AMC23, TP 1/2/4 (as many as there are GPUs) x batch 8/16/32,
-#             BACKENDS (default bf16,vllm-bi,bio,bio+tbik), one run directory per backend, then merged
+#             BACKENDS (default bf16,vllm-bi,bio,bio+tbik), one run directory per backend, then every
+#             backend's run so far merged (the backends can be split over calls: BACKENDS=bf16,vllm-bi)
 #     bench   detaudit bench vllm: the backends side by side at each TP, prefill- and decode-heavy
 #     server  --engine vllm-server: 1,000 temperature-0 completions of one prompt (single), then the
 #             AIME24 prompts under mixed and prefix background load; distinct completions per backend
+#     moe     qwen3-30b-a3b-shaped (written as safetensors) at TP 2/4 under bf16 / vllm-bi, and the refusal
+#             of bio+tbik for it, by name
 #     pack    the run directories (manifests and cells, no logs) as one tar.gz
 #
 # Every table goes to $OUT (at most 8 files come back from a device call: one .md per step and the
 # tarball); run directories stay in $RUNS (/tmp survives between the calls of a warm machine).
 # Knobs (environment): NEW (max new tokens, grid / diff, default 128), BACKENDS, TPS (default: 1,2,4
 # capped by the GPU count), BENCH_MODEL (default qwen3-8b-shaped), BENCH_TPS, SERVER_BACKENDS (default
-# bf16,vllm-bi,bio+tbik), SERVER_REPEATS (default 1000), SERVER_NEW (default 128).
+# bf16,vllm-bi,bio+tbik), SERVER_REPEATS (default 1000), SERVER_NEW (default 128), SERVER_PATTERNS
+# (default "mixed prefix"), SERVER_LIMIT (AIME24 prompts under load; default all 30).
 # vLLM runs eager everywhere here (--no-cuda-graphs): its torch.compile and graph capture would cost
 # tens of seconds per engine start, twelve starts per grid; the plugin's backends run eager anyway.
 set -uo pipefail
@@ -65,15 +69,14 @@ step_diff() {
 }
 
 step_grid() {
-  local runs=()
   for b in ${BACKENDS//,/ }; do
     say "grid $b"
     $D sweep "${COMMON[@]}" --suites aime24,amc23 --tp "$TPS" --batch-sizes 8,16,32 --backends "$b" \
-      --max-new-tokens "$NEW" --output-path "$RUNS/grid-${b//+/-}" --no-analyze
-    runs+=("$RUNS/grid-${b//+/-}")
+      --max-new-tokens "$NEW" --output-path "$RUNS/grid-b-${b//+/-}" --no-analyze
   done
-  rm -rf "$RUNS/grid"
-  $D merge "${runs[@]}" -o "$RUNS/grid"
+  # every backend's run so far (an earlier call may have run the others), merged into one
+  rm -rf "$RUNS/grid" "$RUNS/grid-report"
+  $D merge "$RUNS"/grid-b-* -o "$RUNS/grid"
   $D report "$RUNS/grid" --format md,csv -o "$RUNS/grid-report"
   { echo '# vLLM grid'; echo '```'; $D analyze "$RUNS/grid"; echo '```'; cat "$RUNS"/grid-report/*.md; } \
     > "$OUT/grid.md" 2>&1
@@ -93,14 +96,29 @@ step_server() {
   say "server single: one prompt x ${SERVER_REPEATS:-1000}"
   $D sweep "${s[@]}" --suites aime24 --limit 1 --repeats "${SERVER_REPEATS:-1000}" --concurrency 100 \
     --output-path "$RUNS/server-single"
-  for p in mixed prefix; do
+  local limit=()
+  [ -n "${SERVER_LIMIT:-}" ] && limit=(--limit "$SERVER_LIMIT")
+  for p in ${SERVER_PATTERNS:-mixed prefix}; do
     say "server $p"
-    $D sweep "${s[@]}" --suites aime24 --repeats 2 --concurrency 1,16 --background-load 16 \
+    $D sweep "${s[@]}" --suites aime24 "${limit[@]}" --repeats 2 --concurrency 8 --background-load 0,16 \
       --background-prompts "$p" --output-path "$RUNS/server-$p"
   done
-  { for r in single mixed prefix; do echo "# server: $r"; echo '```'; $D analyze "$RUNS/server-$r"; echo '```'; done; } \
+  { for r in "$RUNS"/server-*/; do echo "# server: $(basename "$r")"; echo '```'; $D analyze "$r"; echo '```'; done; } \
     > "$OUT/server.md" 2>&1
   grep -h "requests," "$OUT/server.md"
+}
+
+step_moe() {
+  # Qwen3-30B-A3B's shapes (61 GB of weights written on the GPU): vLLM's own MoE kernels only (bf16,
+  # vllm-bi); under bio / bio+tbik vLLM's fused MoE layer is refused by name (docs/vllm.md)
+  time $D models prepare qwen3-30b-a3b-shaped --safetensors --device cuda
+  local tps=$(python3 -c "print(','.join(str(t) for t in (2, 4) if t <= $NGPU))")
+  $D sweep "${COMMON[@]}" --model qwen3-30b-a3b-shaped --suites aime24 --limit 8 --tp "$tps" --batch-sizes 4,8 \
+    --backends bf16,vllm-bi --max-new-tokens "$NEW" --output-path "$RUNS/moe" --no-analyze
+  { echo '# qwen3-30b-a3b-shaped under vLLM'; echo '```'; $D analyze "$RUNS/moe"; echo '```';
+    $D sweep "${COMMON[@]}" --model qwen3-30b-a3b-shaped --suites aime24 --limit 1 --tp 2 --batch-sizes 1 \
+      --backends bio+tbik --output-path "$RUNS/moe-refused" 2>&1 | tail -1; } > "$OUT/moe.md" 2>&1
+  tail -8 "$OUT/moe.md"
 }
 
 step_pack() {

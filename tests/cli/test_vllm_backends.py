@@ -63,3 +63,43 @@ def test_doctor_says_in_one_line_whether_vllm_matches_torch(monkeypatch):
         and "torch 2.9.1 is installed" in line
         and "vllm==0.25.1 for torch==2.11.0" in line
     )
+
+
+@pytest.mark.parametrize("backend,want", [("bf16", "0"), ("vllm-bi", "1"), ("bio", "0"), ("bio+tbik", "0")])
+def test_an_inherited_batch_invariant_switch_never_reaches_vllm(monkeypatch, backend, want):
+    from detaudit.vllm.host import BACKEND_ENV, engine_env
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0" if want == "1" else "1")
+    env = engine_env(backend, 2, "cuda", "/tmp/m")
+    assert env["VLLM_BATCH_INVARIANT"] == want and env[BACKEND_ENV] == backend
+
+
+def test_execution_mode_per_backend_and_device():
+    from detaudit.vllm.host import engine_mode
+
+    for b in ("bio", "bio+tbik"):
+        for graphs in (True, False):
+            m = engine_mode(b, "cuda", graphs)
+            assert (
+                m["enforce_eager"] is True
+                and m["attention_backend"] == "CUSTOM"
+                and "forced" in m["enforce_eager_reason"]
+            )
+        assert "attention_backend" not in engine_mode(b, "cpu", True)
+    for b in ("bf16", "vllm-bi"):
+        assert engine_mode(b, "cuda", True)["enforce_eager"] is False
+        assert engine_mode(b, "cuda", False)["enforce_eager"] is True
+        assert engine_mode(b, "cpu", True)["enforce_eager"] is True
+        assert "attention_backend" not in engine_mode(b, "cuda", True)
+
+
+def test_a_plugin_that_did_not_load_is_named():
+    from detaudit.vllm.host import plugin_missing
+
+    assert "entry point (vllm.general_plugins) is missing" in plugin_missing("bio", [], ran=False)
+    assert "entry point" in plugin_missing("bf16", [], ran=True)
+    idle = [{"pid": 1, "ops": [], "seen": {}}]
+    assert plugin_missing("bio+tbik", idle, ran=True)  # loaded but patched nothing: not the plugin's numbers
+    assert plugin_missing("bio+tbik", idle, ran=False) is None
+    assert plugin_missing("vllm-bi", idle, ran=True) is None  # records only
+    assert plugin_missing("bio", [{"ops": ["linear"]}], ran=True) is None
