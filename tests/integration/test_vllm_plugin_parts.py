@@ -85,6 +85,18 @@ def test_paged_step_gives_the_builtin_attention_bits(attn):
     output = torch.zeros(query.shape[0] + 2, heads, d, dtype=torch.bfloat16)  # two padded rows stay untouched
     impl.forward(None, query, None, None, cache, meta, output)
     assert hasattr(meta, "_detaudit_plan")  # built once per step, shared by the step's layers
+    # what the attention kernel is handed: each request's keys / values in position order and zeros past
+    # its length, as in the built-in engine's cache (the GPU kernel multiplies masked keys' zero weights
+    # by their values: a stale NaN there would poison the row; CPU kernels skip them)
+    keys = gpu_attn._gather(cache.unbind(1)[0], meta._detaudit_plan)
+    values = gpu_attn._gather(cache.unbind(1)[1], meta._detaudit_plan)
+    longest = max(c + n for c, n in requests)
+    for i, (ctx, new) in enumerate(requests):
+        n = ctx + new
+        for got, want in ((keys[i], seqs[i][0]), (values[i], seqs[i][1])):
+            full = torch.zeros(kv_heads, longest, d, dtype=torch.bfloat16)
+            full[:, :n] = want.transpose(0, 1)
+            assert torch.equal(got.view(torch.int16), full.view(torch.int16)), f"request {i}'s gathered cache"
     for i, (ctx, new) in enumerate(requests):
         k, v = seqs[i]
         n = ctx + new
