@@ -54,11 +54,11 @@ def bench_vllm(
     plans = {
         w: (
             workload_prompts(w, batch_size, prompt_tokens, vocab),
-            DecodingParams(greedy=True, max_new_tokens=1 if w == "prefill" else new_tokens, logprobs=1),
+            DecodingParams(greedy=True, max_new_tokens=1 if w == "prefill" else new_tokens),
         )
         for w in workloads
     }
-    warm = DecodingParams(greedy=True, max_new_tokens=2, logprobs=1)
+    warm = DecodingParams(greedy=True, max_new_tokens=2)
     rows = []
     for tp in tps:
         for backend in backends:
