@@ -62,6 +62,8 @@ class EngineInfo:
     describes_per_cell: bool = False  # its facts depend on the cell's batch size and load (recorded per cell)
     spans_nodes: bool = False  # on GPUs it can place its own TP ranks across a Ray cluster
     check_model: Callable[[ModelRef, SweepConfig], None] | None = None  # refuses a model it cannot run as asked
+    # backends computed by the engine's own kernels, which detaudit's registry cannot provide: name -> what
+    native_backends: dict[str, str] = field(default_factory=dict)
 
 
 ENGINES: dict[str, EngineInfo] = {}
@@ -79,6 +81,24 @@ def get_engine(name: str) -> EngineInfo:
     if info.requires is not None:
         info.requires()
     return info
+
+
+def native_backend_names() -> tuple[str, ...]:
+    """Every registered engine's own backends (accepted as backend names, then checked per engine)."""
+    return tuple(dict.fromkeys(n for info in ENGINES.values() for n in info.native_backends))
+
+
+def check_engine_backends(info: EngineInfo, names, option: str = "--backends") -> None:
+    """A backend another engine computes with its own kernels is refused by name for this one."""
+    for name in names:
+        if name in info.native_backends:
+            continue
+        owners = [e.name for e in ENGINES.values() if name in e.native_backends]
+        if owners:
+            raise DetauditError(
+                f"{option} {name} is {ENGINES[owners[0]].native_backends[name]}: it runs under "
+                f"--engine {' or '.join(owners)} only, not --engine {info.name}"
+            )
 
 
 def check_tp_mode(info: EngineInfo, tp_mode: str) -> None:
@@ -121,10 +141,26 @@ def _require_vllm() -> None:
     require_vllm()
 
 
+VLLM_BI = (
+    "vLLM's own batch-invariant mode (VLLM_BATCH_INVARIANT=1: vLLM's kernels, the detaudit plugin inactive; CUDA only)"
+)
+VLLM_NATIVE = {"vllm-bi": VLLM_BI}
+
+
+def _check_vllm_backends(cfg: SweepConfig) -> None:
+    """vLLM's batch-invariant mode has kernels on CUDA only (vLLM's CPU platform has none)."""
+    if "vllm-bi" in cfg.backends and not cfg.engine.cuda:
+        raise DetauditError(
+            f"--backends vllm-bi needs --device cuda (vLLM's batch-invariant kernels are GPU only; --device "
+            f"{cfg.engine.device})"
+        )
+
+
 def _vllm_model_check(model: ModelRef, cfg: SweepConfig) -> None:
-    """The detaudit plugin covers vLLM's dense layers, not its fused MoE layer."""
+    """The detaudit plugin covers vLLM's dense layers, not its fused MoE layer (bf16 and vllm-bi run
+    vLLM's own MoE kernels)."""
     is_moe = any(model.config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    invariant = [b for b in cfg.backends if b != "bf16"]
+    invariant = [b for b in cfg.backends if b not in ("bf16", *VLLM_NATIVE)]
     if is_moe and invariant:
         raise DetauditError(
             f"--engine {cfg.engine.name} with --backends {','.join(invariant)}: {model.name} is a mixture-of-experts "
@@ -161,6 +197,7 @@ def _check_vllm_server(cfg: SweepConfig) -> None:
     from detaudit.server.hooks import check_started_server
 
     check_started_server(cfg)
+    _check_vllm_backends(cfg)
 
 
 def _require_httpx() -> None:
@@ -199,7 +236,9 @@ register_engine(
         max_context=VLLM_MAX_MODEL_LEN,
         describes_per_cell=True,
         spans_nodes=True,
+        check=_check_vllm_backends,
         check_model=_vllm_model_check,
+        native_backends=VLLM_NATIVE,
     )
 )
 register_engine(
@@ -225,5 +264,6 @@ register_engine(
         check=_check_vllm_server,
         describes_per_cell=True,
         check_model=_vllm_model_check,
+        native_backends=VLLM_NATIVE,
     )
 )

@@ -18,7 +18,7 @@ from rich.markup import escape
 
 from detaudit import fingerprint
 from detaudit.config import Cell, DecodingParams, EngineOptions, ModelRef, SweepConfig
-from detaudit.engines import EngineInfo, check_tp_mode, get_engine
+from detaudit.engines import EngineInfo, check_engine_backends, check_tp_mode, get_engine, native_backend_names
 from detaudit.errors import DetauditError
 from detaudit.executors import CellGroup, CellJob, CellOutput, get_executor
 from detaudit.inputs import PromptSet, check_model, eos_ids, load_suites, tokenize, tokenizer_for
@@ -54,8 +54,9 @@ def validate(cfg: SweepConfig) -> EngineInfo:
     """Everything about the grid that can be refused before any work; the engine's registry entry."""
     from detaudit.backends import check_backends
 
-    check_backends(cfg.backends)
+    check_backends(cfg.backends, native=native_backend_names())
     info = get_engine(cfg.engine.name)
+    check_engine_backends(info, cfg.backends)
     check_tp_mode(info, cfg.tp_mode)
     if not info.server and (cfg.repeats != 1 or any(cfg.background_load) or cfg.engine.server):
         raise DetauditError(

@@ -7,6 +7,11 @@ from its own generator seeded by sha256(seed, parameter name), N(0, 0.02) for ma
 norms, so every machine and every TP rank builds the same model. Preparing it writes only
 `config.json`, the manifest, and the embedded model's tokenizer (ids are only ids here: the text of
 a random model means nothing, its numerics are what is audited).
+
+Engines that read files (vLLM) need the weights written: `models prepare NAME --safetensors` draws the
+same tensors (the same generators, on the given device: a CUDA generator's stream is not a CPU one's)
+and writes them as safetensors shards with their index; the built-in engine then reads those files
+too, so both engines compute from the same bytes. The manifest records where they were drawn.
 """
 
 from __future__ import annotations
@@ -116,6 +121,81 @@ def prepare(name: str, dest: Path, tokenizer_dir: Path) -> dict:
     }
 
 
+SHARD_BYTES = 4 << 30  # safetensors shards of at most this many bytes (what hub checkpoints use)
+
+
+def parameter_names(cfg: dict) -> list[str]:
+    """Every parameter of a preset's model, in checkpoint order."""
+    names = ["model.embed_tokens.weight"]
+    dense = [
+        "input_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "post_attention_layernorm",
+    ]
+    for i in range(cfg["num_hidden_layers"]):
+        parts = list(dense)
+        if cfg.get("num_experts"):
+            parts.append("mlp.gate")
+            projections = ("gate_proj", "up_proj", "down_proj")
+            parts += [f"mlp.experts.{e}.{p}" for e in range(cfg["num_experts"]) for p in projections]
+        else:
+            parts += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+        names += [f"model.layers.{i}.{p}.weight" for p in parts]
+    names.append("model.norm.weight")
+    if not cfg.get("tie_word_embeddings"):
+        names.append("lm_head.weight")
+    return names
+
+
+def make(cfg: dict, name: str, seed: int, std: float, dtype: torch.dtype, device) -> Tensor:
+    """One parameter: ones for norms, else N(0, std) from its own generator seeded by sha256(seed, name)."""
+    shape = _shape(cfg, name)
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=dtype, device=device)
+    s = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+    g = torch.Generator(device=device).manual_seed(s)
+    return (torch.randn(shape, generator=g, device=device) * std).to(dtype)
+
+
+def write_safetensors(dest: Path, cfg: dict, device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Draw every parameter on `device` and write them into `dest` as safetensors shards of at most
+    SHARD_BYTES plus `model.safetensors.index.json` (hub layout). Returns the manifest's note."""
+    from safetensors.torch import save_file
+
+    names = parameter_names(cfg)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = torch.Size(_shape(cfg, name)).numel() * torch.finfo(dtype).bits // 8
+        if shards[-1] and size + n > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    weight_map = {}
+    total = 0
+    for k, group in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: make(cfg, name, SEED, STD, dtype, device).cpu() for name in group}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        save_file(tensors, str(dest / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, fname))
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return {"file_format": "safetensors", "generated_on": torch.device(device).type, "dtype": str(dtype)}
+
+
+def has_weights(path: Path) -> bool:
+    """Whether a prepared synthetic model's weights were written as files (`write_safetensors`)."""
+    return any(Path(path).glob("*.safetensors"))
+
+
 def _shape(cfg: dict, name: str) -> tuple[int, ...]:
     h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv, v = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d, cfg["vocab_size"]
@@ -168,12 +248,7 @@ class RandomWeights:
         pass
 
     def _make(self, name: str) -> Tensor:
-        shape = _shape(self.cfg, name)
-        if len(shape) == 1:
-            return torch.ones(shape, dtype=self.ctx.dtype, device=self.device)
-        seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
-        g = torch.Generator(device=self.device).manual_seed(seed)
-        return (torch.randn(shape, generator=g, device=self.device) * self.std).to(self.ctx.dtype)
+        return make(self.cfg, name, self.seed, self.std, self.ctx.dtype, self.device)
 
     def full(self, name: str) -> Tensor:
         return self._make(name)

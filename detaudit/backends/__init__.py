@@ -53,9 +53,10 @@ def get_backend(name: str) -> Backend:
     return backend
 
 
-def check_backends(names, option: str = "--backends") -> tuple[str, ...]:
-    """Every name registered and none twice: refused before any model work."""
-    known = available()
+def check_backends(names, option: str = "--backends", native: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Every name registered (or in `native`: backends an engine computes with its own kernels, checked
+    per engine by `engines.check_engine_backends`) and none twice: refused before any model work."""
+    known = available() + [n for n in native if n not in BACKENDS]
     for name in names:
         if name not in known:
             raise DetauditError(f"unknown backend {str(name)[:40]!r}; known backends: {', '.join(known)}")

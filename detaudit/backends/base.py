@@ -10,7 +10,7 @@ backend can do (the model of vLLM's `quant_method`: a layer calls `self.quant_me
   `all_reduce` of `row_partial` in real TP), rounded once to `ctx.dtype`;
 - `experts(h, experts, gates, weights, ctx, decode, name)`: a mixture-of-experts MLP after its router,
   over the weights `expert_weights` laid out for this backend (`backends/experts.py`);
-- `row_ops(device, head_dim)`: the per-token steps between the products (add + RMSNorm, q / k norm +
+- `row_ops(device)`: the per-token steps between the products (add + RMSNorm, q / k norm +
   rotary + cache write, silu * up), PyTorch ops around this backend's reductions or one fused GPU kernel
   each (`backends/row_ops.py`);
 - `attention(q, k, v, q_pos, scale, window, plan)` with a per-step memo `attention_plan(...)`;
@@ -199,7 +199,7 @@ class Backend:
         raise NotImplementedError(f"backend {self.name} has no grouped expert products")
 
     # ---- row-local steps
-    def row_ops(self, device: torch.device, head_dim: int):
+    def row_ops(self, device: torch.device):
         """The engine's per-token steps (`backends/row_ops.py`), chosen once per model load."""
         return TorchOps(self)
 

@@ -125,8 +125,8 @@ class BioBackend(Backend):
         y = product()
         return grouped_mm.weighted_tree(y, gates) if grouped_mm.sums_usable(y) else weighted_experts(y, gates)
 
-    def row_ops(self, device, head_dim: int):
-        return fused_or_torch(self, device, head_dim)  # its GPU rms_norm is the fused kernel
+    def row_ops(self, device):
+        return fused_or_torch(self, device)  # its GPU rms_norm is the fused kernel
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         return fixed.silu_mul(gate, up)

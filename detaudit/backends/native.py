@@ -71,8 +71,8 @@ class NativeBackend(Backend):
         y = product()  # [T, k, N]
         return (y * gates[..., None]).to(y.dtype).sum(dim=1)
 
-    def row_ops(self, device, head_dim: int):
-        return fused_or_torch(self, device, head_dim)  # its GPU rms_norm is the fused kernel
+    def row_ops(self, device):
+        return fused_or_torch(self, device)  # its GPU rms_norm is the fused kernel
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         return fused.silu_mul(gate, up) if fused.usable(gate) else F.silu(gate) * up  # the same bits

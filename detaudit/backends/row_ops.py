@@ -61,9 +61,9 @@ class TorchOps:
 
 class FusedOps(TorchOps):
     """The same steps as one Triton kernel each (`kernels/fused.py`): the add + RMSNorm is the backend's
-    own GPU RMSNorm kernel, the rotary kernel rounds where the PyTorch ops round (silu * up is the
-    backend's, on GPU `fused.silu_mul` already). Only for a backend whose GPU `rms_norm` is that kernel
-    (`fused_or_torch`)."""
+    own GPU RMSNorm kernel, the rotary kernel rounds where the PyTorch ops round (a head size it does not
+    take goes op by op, with the same bits; silu * up is the backend's, on GPU `fused.silu_mul` already).
+    Only for a backend whose GPU `rms_norm` is that kernel (`fused_or_torch`)."""
 
     def __init__(self, backend) -> None:
         super().__init__(backend)
@@ -74,15 +74,15 @@ class FusedOps(TorchOps):
         return y, (x if s is None else s)
 
     def rope_store(self, q: Tensor, k: Tensor, v: Tensor, step, cache, qk_norm: tuple | None) -> Tensor:
+        if not fused.rope_usable(q, step.head_dim):  # a head size the rotary kernel does not take
+            return super().rope_store(q, k, v, step, cache, qk_norm)
         k_cache, v_cache = cache
         return fused.rope_store(
             q, k, v, step.cos, step.sin, k_cache, v_cache, step.slots, step.B, step.T, step.head_dim, qk_norm
         )
 
 
-def fused_or_torch(backend, device, head_dim: int) -> TorchOps:
-    """`FusedOps` where its kernels run (a CUDA device, Triton installed, a head size the rotary kernel
-    takes), `TorchOps` otherwise: for backends whose GPU RMSNorm is `fused.rms_norm` (bf16, bio,
-    bio+tbik)."""
-    probe = torch.empty(0, device=device)
-    return FusedOps(backend) if fused.rope_usable(probe, head_dim) else TorchOps(backend)
+def fused_or_torch(backend, device) -> TorchOps:
+    """`FusedOps` where its kernels run (a CUDA device, Triton installed), `TorchOps` otherwise: for
+    backends whose GPU RMSNorm is `fused.rms_norm` (bf16, bio, bio+tbik)."""
+    return FusedOps(backend) if fused.usable(torch.empty(0, device=device)) else TorchOps(backend)

@@ -81,6 +81,6 @@ def open_weights(model: ModelRef, ctx: TPContext, device: torch.device):
     """The checkpoint's safetensors, or a synthetic model's seeded random weights (`detaudit.synthetic`)."""
     from detaudit import synthetic
 
-    if synthetic.is_synthetic(model.path):
+    if synthetic.is_synthetic(model.path) and not synthetic.has_weights(model.path):  # (written ones: read them)
         return synthetic.RandomWeights(model.path, model.config, ctx, device)
     return ShardLoader(model.path, ctx, device)

@@ -122,7 +122,7 @@ class Decoder:
         cfg.check_tp(ctx.size)
         self.ctx = ctx
         self.device = device
-        self.ops = ctx.backend.row_ops(device, cfg.head_dim)
+        self.ops = ctx.backend.row_ops(device)
         with open_weights(model, ctx, device) as load:
             self.embed_tokens = load.full("model.embed_tokens.weight")
             self.layers = [Block(i, cfg, load, ctx, self.ops) for i in range(cfg.num_layers)]

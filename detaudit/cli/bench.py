@@ -127,41 +127,86 @@ def bench_engine_cmd(
 @handle_errors
 def bench_vllm_cmd(
     model: ModelOpt = DEFAULT_MODEL,
-    suite: SuiteOpt = "smoke",
-    data_dir: DataDirOpt = None,
-    backends: BackendsOpt = ALL_BACKENDS,
+    backends: Annotated[
+        Optional[str],
+        typer.Option(
+            "--backends",
+            help="Comma-separated: bf16, vllm-bi (CUDA), bio, bio+tbik (default: all that run on the device).",
+        ),
+    ] = None,
     tp: Annotated[str, typer.Option("--tp")] = "1,2",
-    batch_size: BatchOpt = 8,
-    max_new_tokens: NewTokOpt = 32,
+    batch_size: BatchOpt = 16,
+    prompt_tokens: Annotated[
+        int, typer.Option("--prompt-tokens", min=1, max=4000, help="The prefill workload's random prompt length.")
+    ] = 1024,
+    new_tokens: Annotated[
+        int, typer.Option("--new-tokens", min=2, max=4000, help="The decode workload's new tokens per request.")
+    ] = 128,
+    workloads: Annotated[str, typer.Option("--workloads", help="prefill, decode or both.")] = "prefill,decode",
+    cuda_graphs: Annotated[
+        bool,
+        typer.Option(
+            "--cuda-graphs/--no-cuda-graphs",
+            help="bf16 / vllm-bi on CUDA: vLLM's torch.compile + CUDA graphs (the plugin's backends always run "
+            "eager); default eager, the plugin's execution mode.",
+        ),
+    ] = False,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, max=100, help="Timed calls per workload (best).")] = 2,
     dtype: DtypeOpt = Dtype.bfloat16,
     device: DeviceOpt = "cpu",
     json_: JsonOpt = False,
     save: SaveOpt = None,
 ):
-    """vLLM tokens/s with bf16 (vLLM's kernels) vs bio / bio+tbik (detaudit's plugin), per TP size."""
+    """vLLM tokens/s of bf16 (vLLM's kernels), vllm-bi (its batch-invariant mode), bio / bio+tbik (detaudit's
+    plugin), per TP size, on a prefill-heavy and a decode-heavy workload; ratios to bf16 from the same run."""
     from detaudit.backends import check_backends
-    from detaudit.bench.vllm import bench_vllm
-    from detaudit.config import check_device, check_tp_size, parse_int_list, parse_str_list
-    from detaudit.vllm import require_vllm
+    from detaudit.bench.vllm import WORKLOADS, bench_vllm
+    from detaudit.config import EngineSettings, SweepConfig, check_device, check_tp_size, parse_int_list, parse_str_list
+    from detaudit.engines import check_engine_backends, get_engine, native_backend_names
+    from detaudit.inputs import tokenizer_for
+    from detaudit.models import resolve_model
+    from detaudit.sweep import validate_devices
+    from detaudit.vllm import MAX_MODEL_LEN, require_vllm
 
-    require_vllm()
-    bl, tps = check_backends(parse_str_list(backends, "--backends")), parse_int_list(tp, "--tp")
+    check_device(device)
+    cuda = device.startswith("cuda")
+    default = "bf16,vllm-bi,bio,bio+tbik" if cuda else "bf16,bio,bio+tbik"
+    bl = check_backends(parse_str_list(backends or default, "--backends"), native=native_backend_names())
+    tps = parse_int_list(tp, "--tp")
     for t in tps:
         check_tp_size(t)
-    check_device(device)
+    wl = parse_str_list(workloads, "--workloads")
+    for w in wl:
+        if w not in WORKLOADS:
+            raise DetauditError(f"--workloads {w[:20]!r}: expected {' or '.join(WORKLOADS)}")
+    if prompt_tokens + 2 > MAX_MODEL_LEN or new_tokens + 32 > MAX_MODEL_LEN:
+        raise DetauditError(f"--prompt-tokens / --new-tokens: a request must fit vLLM's {MAX_MODEL_LEN} tokens")
     _check_save(save)
-    ref, prompts = _bench_prompts(model, suite, data_dir)
+    require_vllm()
+    info = get_engine("vllm")
+    check_engine_backends(info, bl)
+    cfg = SweepConfig(
+        model="-", suites=("-",), backends=bl, tp=tps, batch_sizes=(batch_size,), engine=EngineSettings(device=device)
+    )
+    info.check(cfg)  # vllm-bi: CUDA only
+    validate_devices(cfg)
+    ref = resolve_model(model, auto_prepare=True, console=err)
+    vocab = min(int(ref.config.get("vocab_size") or 32000), len(tokenizer_for(ref.path)))
     with Progress(console=err) as prog:
         task = prog.add_task("vLLM engines", total=len(bl) * len(tps))
         df = bench_vllm(
             ref,
-            prompts,
             backends=bl,
             tps=tps,
+            vocab=vocab,
             batch_size=batch_size,
-            max_new_tokens=max_new_tokens,
+            prompt_tokens=prompt_tokens,
+            new_tokens=new_tokens,
+            workloads=wl,
             dtype=dtype.value,
             device=device,
+            cuda_graphs=cuda_graphs,
+            repeats=repeats,
             progress=lambda: prog.advance(task),
         )
     _print_bench(df, "vllm", json_, save)

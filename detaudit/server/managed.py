@@ -25,7 +25,9 @@ class VllmServerEngine:
             device=s.device,
             max_num_seqs=max(eo.max_batch_size, 1) + eo.max_background,
             log_dir=eo.log_dir or Path("."),
+            cuda_graphs=s.cuda_graphs,
         )
+        self.checked = False
         try:
             o = ServerOptions.of(
                 eo, base_url=self.server.base_url, api_key_env=None, server_model=str(eo.model.path), server_kind="vllm"
@@ -44,9 +46,17 @@ class VllmServerEngine:
 
     def generate(self, *args, **kwargs):
         try:
-            return self.client.generate(*args, **kwargs)
+            out = self.client.generate(*args, **kwargs)
         except DetauditError as e:
             raise self._check(e) from None
+        if not self.checked:  # once answers came: the plugin ran in the server's processes
+            from detaudit.vllm.host import plugin_missing, read_markers
+
+            why = plugin_missing(self.server.backend, read_markers(self.server.markers), ran=True)
+            if why:
+                raise DetauditError(f"{self.server.name}: {why}")
+            self.checked = True
+        return out
 
     def score(self, *args, **kwargs):
         try:
@@ -55,19 +65,21 @@ class VllmServerEngine:
             raise self._check(e) from None
 
     def describe(self) -> dict[str, Any]:
-        from detaudit.backends import get_backend
-        from detaudit.vllm.host import read_markers
+        from detaudit.vllm.host import attention_backends, backend_description, plugin_label, read_markers
 
         d = self.client.describe()
         b = self.server.backend
+        markers = read_markers(self.server.markers)
         d.update(
             server_command=self.server.command_line(),
             server_env=self.server.env_added,
             server_startup_s=round(self.server.startup_s, 1),
             server_log=str(self.server.log_path),
-            backend=({"backend": "bf16", "kernels": "vLLM's own"} if b == "bf16" else get_backend(b).describe()),
-            plugin="off (native vLLM kernels)" if b == "bf16" else f"detaudit plugin: {b}",
-            plugin_markers=read_markers(self.server.markers),
+            server_mode=self.server.mode,
+            backend=backend_description(b, str(d.get("server", {}).get("version", ""))),
+            plugin=plugin_label(b),
+            attention_backend=attention_backends(markers),
+            plugin_markers=markers,
         )
         d["server"]["base_url"] = "detaudit-started (127.0.0.1, free port)"
         return d

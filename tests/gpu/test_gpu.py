@@ -391,7 +391,7 @@ def test_gpu_fast_path_gives_the_reference_bits(smollm_gpu, monkeypatch):
         assert isinstance(fast.model.ops, row_ops.FusedOps)
         want = _out(fast.generate(ids[:8], pids[:8], dec, 8))
         with monkeypatch.context() as m:
-            m.setattr(type(get_backend(backend)), "row_ops", lambda b, device, head_dim: row_ops.TorchOps(b))
+            m.setattr(type(get_backend(backend)), "row_ops", lambda b, device: row_ops.TorchOps(b))
             for graphs in (False, True):
                 ref = local_engine(smollm_gpu, backend, 1, device="cuda", cuda_graphs=graphs)
                 assert isinstance(ref.model.ops, row_ops.TorchOps)

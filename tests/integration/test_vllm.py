@@ -106,8 +106,11 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys, monkeypatch):
         assert desc["knobs"]["enable_prefix_caching"] is False and desc["knobs"]["enforce_eager"] is True
         assert desc["knobs"]["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         markers = desc["plugin_markers"]
+        assert desc["knobs"]["env"]["VLLM_BATCH_INVARIANT"] == "0"  # set per backend, never inherited
+        assert markers and all(m["seen"]["VLLM_BATCH_INVARIANT"] == 0 for m in markers)
+        assert desc["attention_backend"] != "not recorded"  # what vLLM chose, as the plugin saw it
         if backend == "bf16":
-            assert markers == []
+            assert all(not m["ops"] for m in markers)  # the plugin only records: nothing patched
             continue
         ranks = {m["tp_rank"]: m for m in markers if m["ops"]}
         assert set(ranks) == set(range(tp)), (key, markers)

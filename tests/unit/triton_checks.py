@@ -216,7 +216,7 @@ def fast_path_end_to_end() -> None:
             want = LocalEngine(options).generate(prompts, ids, dec, 2)
             cls = type(get_backend(backend))
             chosen = cls.row_ops
-            cls.row_ops = lambda b, device, head_dim: row_ops.FusedOps(b)
+            cls.row_ops = lambda b, device: row_ops.FusedOps(b)
             try:
                 eng = LocalEngine(options)
                 got = eng.generate(prompts, ids, dec, 2)

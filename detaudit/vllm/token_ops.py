@@ -1,0 +1,85 @@
+"""Rotary embedding and SiLU-and-mul inside vLLM for `bio` / `bio+tbik`, on CPU and GPU alike: the
+built-in engine's own functions, so that a vLLM rollout and the built-in engine compute these steps of
+every token with the same ops (vLLM's C++ / CUDA kernels would round elsewhere).
+
+- Rotary: detaudit's `Rotary` / `apply_rotary` (fp32 angles, rotate-half in the model dtype) instead of
+  vLLM's kernel and its precomputed cos / sin cache. Only vLLM's plain `RotaryEmbedding` (the default,
+  unscaled full-width neox rotary) is replaced; building any other rotary class (Llama-3 / YaRN / linear
+  scaling, M-RoPE, partial rotary, ...) under the plugin fails, naming it, instead of running vLLM's
+  kernel unseen.
+- SiLU-and-mul: the backend's `silu_mul`, what the built-in engine's MLP runs (on GPU the fused kernel,
+  the bits of `F.silu(gate) * up`; on CPU bio's position-independent formula).
+
+Both classes replace vLLM's through its out-of-tree registration (`CustomOp.register_oot`) and override
+`forward` itself, so vLLM's per-platform dispatch (its CUDA kernel, a compiled native path) never runs.
+"""
+
+from __future__ import annotations
+
+
+def install(backend, marker, tp_rank) -> None:
+    _install_rotary(backend, marker, tp_rank)
+    _install_silu_and_mul(backend, marker, tp_rank)
+
+
+def _install_rotary(backend, marker, tp_rank) -> None:
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding, RotaryEmbeddingBase
+
+    from detaudit.backends.row_ops import apply_rotary
+    from detaudit.builtin.layers import Rotary
+
+    class DetauditRotaryEmbedding(RotaryEmbedding):
+        """The default (unscaled) rotary embedding as the built-in engine computes it."""
+
+        def forward(self, positions, query, key=None):
+            if not self.is_neox_style or self.rotary_dim != self.head_size:
+                raise NotImplementedError(
+                    f"detaudit {backend.name}: only full-width rotate-half (neox) rotary runs through the plugin "
+                    f"(this layer: neox={self.is_neox_style}, rotary_dim {self.rotary_dim} of {self.head_size})"
+                )
+            marker.op("rotary", tp_rank())
+            if not hasattr(self, "_detaudit_rotary"):
+                self._detaudit_rotary = Rotary(self.head_size, float(self.base), positions.device)
+            pos = positions.flatten()
+            cos, sin = self._detaudit_rotary.cos_sin(pos[None], query.dtype)  # [1, 1, T, D]
+            cos, sin = cos[0, 0][:, None], sin[0, 0][:, None]  # [T, 1, D]
+
+            def rotate(x):
+                return apply_rotary(x.view(pos.shape[0], -1, self.head_size), cos, sin).reshape(x.shape)
+
+            return rotate(query), (rotate(key) if key is not None else None)
+
+        forward_native = forward_cpu = forward_cuda = forward
+
+    CustomOp.register_oot(DetauditRotaryEmbedding, name="RotaryEmbedding")
+
+    base_init = RotaryEmbeddingBase.__init__
+
+    def init(self, *args, **kwargs):
+        if not isinstance(self, DetauditRotaryEmbedding):
+            raise NotImplementedError(
+                f"detaudit {backend.name}: vLLM's {type(self).__name__} (a rotary embedding other than the "
+                "default unscaled one) is not covered by the detaudit plugin"
+            )
+        base_init(self, *args, **kwargs)
+
+    RotaryEmbeddingBase.__init__ = init
+
+
+def _install_silu_and_mul(backend, marker, tp_rank) -> None:
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    class DetauditSiluAndMul(SiluAndMul):
+        def forward(self, x):
+            marker.op("silu_and_mul", tp_rank())
+            d = x.shape[-1] // 2
+            gate, up = x[..., :d], x[..., d:]
+            with backend.activate():
+                out = backend.silu_mul(gate.reshape(-1, d), up.reshape(-1, d))
+            return out.reshape(*x.shape[:-1], d)
+
+        forward_native = forward_cpu = forward_cuda = forward
+
+    CustomOp.register_oot(DetauditSiluAndMul, name="SiluAndMul")

