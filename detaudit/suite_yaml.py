@@ -21,7 +21,8 @@ Task files are shared like data, so nothing in one is trusted:
   `hf://`, `https://`, `http://`; `--trust-suite-paths` lifts this, and the manifest records it;
 - `dataset_kwargs` reaches `datasets.load_dataset` only with data-selection keys (`DATASET_KWARGS`):
   `cache_dir`, `storage_options`, ... are refused by name;
-- YAML aliases may add at most `MAX_ALIAS_NODES` values once expanded (an alias bomb is a few lines);
+- the file is read only when it is a regular file of at most `MAX_SUITE_BYTES`, and parsed by the bounded
+  loader of `detaudit.user_files` (aliases, depth, integers, dates, lone surrogates: one line each);
 - templates render in Jinja2's `ImmutableSandboxedEnvironment` (no Python internals), bounded in time,
   memory and size (`detaudit.suite_render`); strict undefined variables as in lm-eval.
 """
@@ -35,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from detaudit import user_files
 from detaudit.errors import DetauditError
 from detaudit.generation import GenerationKwargs, parse_generation_kwargs
 from detaudit.suite_paths import (
@@ -101,28 +103,8 @@ ALL_KEYS = USED_KEYS + IGNORED_KEYS + tuple(REFUSED_KEYS)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # task names end up in cell ids / file names
 _TEMPLATE_RE = re.compile(r"\{\{|\{%|\{#")
 _MAX_INCLUDE_DEPTH = 16
-
-
-def one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
-def read_bytes(path: Path, what: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise DetauditError(f"{what} {path} does not exist") from None
-    except IsADirectoryError:
-        raise DetauditError(f"{what} {path} is a directory, not a file") from None
-    except OSError as e:
-        raise DetauditError(f"cannot read {what} {path}: {e.strerror or e}") from None
-
-
-def decode(path: Path, raw: bytes, what: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DetauditError(f"cannot read {what} {path}: not UTF-8 text (bad byte at offset {e.start})") from None
+MAX_SUITE_BYTES = user_files.MAX_YAML_BYTES  # a suite file larger than this is refused before it is parsed
+one_line = user_files.one_line
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,51 +118,8 @@ class Function:
     ref: str
 
 
-MAX_ALIAS_NODES = 100_000  # nodes YAML aliases may add to a document once expanded
-
-
-class _AliasBomb(Exception):
-    pass
-
-
-def _children(node: yaml.Node) -> list:
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    return []
-
-
-def _check_aliases(root: yaml.Node) -> None:
-    """Refuse a document whose aliases expand to more than MAX_ALIAS_NODES extra nodes ("billion laughs":
-    nine aliases of nine aliases ... are a few lines of YAML and 10^9 values to every reader that walks
-    them), or that contains itself. Iterative and memoised: linear in the distinct nodes."""
-    sizes: dict[int, int] = {}
-    open_: set[int] = set()  # entered, not finished: the ancestors of the node being walked
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, finished = stack.pop()
-        key = id(node)
-        if finished:
-            open_.discard(key)
-            sizes[key] = 1 + sum(sizes[id(c)] for c in _children(node))
-        elif key not in sizes:
-            if key in open_:
-                raise _AliasBomb("an alias refers to a node that contains it (a recursive document)")
-            open_.add(key)
-            stack.append((node, True))
-            stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
-    if sizes[id(root)] - len(sizes) > MAX_ALIAS_NODES:
-        added = sizes[id(root)] - len(sizes)
-        raise _AliasBomb(f"its aliases expand to {added} more values (at most {MAX_ALIAS_NODES})")
-
-
-class _Loader(yaml.SafeLoader):
-    def compose_document(self):
-        node = super().compose_document()
-        if node is not None:
-            _check_aliases(node)
-        return node
+class _Loader(user_files.Loader):
+    """The bounded safe loader (`detaudit.user_files`) with lm-eval's `!function` tag."""
 
 
 def _function(loader: yaml.SafeLoader, node: yaml.Node) -> Function:
@@ -201,19 +140,8 @@ def _has_function(value: object) -> bool:
 
 
 def _parse(path: Path) -> tuple[bytes, dict]:
-    raw = read_bytes(path, "suite file")
-    text = decode(path, raw, "suite file")
-    try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader subclass
-    except _AliasBomb as e:
-        raise DetauditError(f"{path}: refused YAML: {e}") from None
-    except RecursionError:
-        raise DetauditError(f"{path}: refused YAML: nested too deeply") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        reason = getattr(e, "problem", None) or e
-        raise DetauditError(f"{path}: malformed YAML{where}: {one_line(reason)}") from None
+    raw = user_files.read_regular(path, "suite file", MAX_SUITE_BYTES)  # the size first, before any parsing
+    data = user_files.load_yaml(user_files.decode(path, raw, "suite file"), str(path), _Loader)
     if not isinstance(data, dict):
         raise DetauditError(f"{path}: a suite must be a YAML mapping of keys (task, doc_to_text, ...)")
     return raw, data
@@ -308,9 +236,12 @@ def _field(env, path: Path, key: str, value: object, allow_int: bool = False) ->
     if not _TEMPLATE_RE.search(value):
         return Field(key=key, source=value, column=value)  # lm-eval: `doc_to_text: question` -> doc["question"]
     try:
-        env.parse(value)  # syntax errors are found here, before any row is read
+        env.parse(value)  # syntax errors are found here, before any row is read (compiling, which folds
+        # constants such as `'a' * 10**9`, happens where rendering is bounded: `detaudit.suite_render`)
     except jinja2.TemplateSyntaxError as e:
         raise DetauditError(f"{path}: `{key}` is not a valid Jinja2 template: {one_line(e.message)}") from None
+    except RecursionError:  # Jinja's parser recurses about ten frames per nested bracket
+        raise DetauditError(f"{path}: `{key}` is refused: its template is nested too deeply") from None
     return Field(key=key, source=value)
 
 

@@ -311,7 +311,7 @@ RUN_DIRS = [
     ("report {tmp}", "not a detaudit run directory"),
     ("gate {tmp}/none", "does not exist"),
     ("gate {run} --policy {tmp}/none.yaml", "does not exist"),
-    ("gate {run} --policy {file}", "not valid YAML"),
+    ("gate {run} --policy {file}", "malformed YAML"),
     ("gate {run} --baseline {tmp}/none", "does not exist"),
     ("gate {run} --json=yes", "does not take a value"),
     ("gate", "Missing argument"),
