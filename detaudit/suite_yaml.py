@@ -353,12 +353,17 @@ def _dataset(
         files = resolve_data_files(files, base, local, scope, path)
     if "data_dir" in kwargs:
         kwargs["data_dir"] = resolve_data_dir(kwargs["data_dir"], base, local, scope, path)
-    if local and files is None and "data_dir" not in kwargs:
-        raise DetauditError(
-            f"{path}: `dataset_path: {dataset_path}` needs `dataset_kwargs.data_files` (without it `datasets` "
-            "reads every file of the working directory)"
-        )
+    if local and files is None and "data_dir" not in kwargs and not data.get("local_file"):
+        raise no_data_files(path, dataset_path)  # (with a `local_file`, `--data-dir` may still give the rows)
     return name, kwargs, files
+
+
+def no_data_files(path: Path, dataset_path: str, local_file: str | None = None) -> DetauditError:
+    mirror = f", or pass --data-dir (DETAUDIT_DATA_DIR) to a directory holding {local_file}" if local_file else ""
+    return DetauditError(
+        f"{path}: `dataset_path: {dataset_path}` needs `dataset_kwargs.data_files` (without it `datasets` "
+        f"reads every file of the working directory){mirror}"
+    )
 
 
 def load_spec(path: Path, trust_paths: bool = False) -> Spec:

@@ -44,7 +44,7 @@ from detaudit.errors import DetauditError
 from detaudit.generation import GenerationKwargs
 from detaudit.suite_paths import bounded_walk
 from detaudit.suite_render import render_rows
-from detaudit.suite_yaml import Spec, load_spec, one_line
+from detaudit.suite_yaml import Spec, load_spec, no_data_files, one_line
 from detaudit.user_files import decode, load_json, read_regular
 
 
@@ -278,6 +278,8 @@ def _rows(spec: Spec, data_dir: Path | None, limit: int | None) -> tuple[bytes, 
             f"suite {spec.name}: {spec.path} has no `dataset_path`; pass --data-dir (or set DETAUDIT_DATA_DIR) "
             f"to a directory holding {spec.local_file}"
         )
+    if spec.builder and spec.data_files is None and "data_dir" not in spec.dataset_kwargs:
+        raise no_data_files(spec.path, spec.dataset_path, spec.local_file)  # rows only from the mirror, not given
     return _builder_rows(spec, limit) if spec.builder else _hub_rows(spec, limit)
 
 

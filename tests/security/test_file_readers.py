@@ -6,6 +6,7 @@ refused before the work that would hang."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -223,3 +224,20 @@ def test_data_dir_walk_is_bounded(tmp_path, monkeypatch):
                                      "test_split: train\ndoc_to_text: q\n")  # fmt: skip
     with pytest.raises(DetauditError, match="visits more than 20 directory entries"):
         load_suite(str(tmp_path / "t.yaml"))
+
+
+# ---------------------------------------------------------------- the mirror key with a packaged builder
+
+
+def test_local_file_with_dataset_path_json_loads_from_the_mirror(tmp_path):
+    """detaudit's mirror key beside `dataset_path: json` (no data_files): --data-dir gives the rows; without
+    it the suite is refused, naming both ways to give rows."""
+    (tmp_path / "mirror").mkdir()
+    (tmp_path / "mirror" / "rows.jsonl").write_text(json.dumps({"q": "from the mirror"}) + "\n")
+    (tmp_path / "m.yaml").write_text(
+        "task: m\ndataset_path: json\ntest_split: train\nlocal_file: rows.jsonl\ndoc_to_text: q\n"
+    )
+    suite = load_suite(str(tmp_path / "m.yaml"), data_dir=tmp_path / "mirror")
+    assert [p.text for p in suite.prompts] == ["from the mirror"] and suite.source == "mirror:rows.jsonl"
+    line = _one_line(["suites", "show", str(tmp_path / "m.yaml")])
+    assert "needs `dataset_kwargs.data_files`" in line and "--data-dir" in line and "rows.jsonl" in line
