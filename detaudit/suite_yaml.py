@@ -5,12 +5,14 @@ how each row becomes a prompt, an answer and an id, how it decodes, and which ke
 Rendering happens in `detaudit.suite_render`. Every key falls in one of three classes:
 
 - used: `task`, `include`, `dataset_path`, `dataset_name`, `dataset_kwargs`, `test_split` (else
-  `validation_split`), `doc_to_text`, `doc_to_target`, `generation_kwargs` (`detaudit.generation`),
-  `metadata`, and detaudit's own `docs` (inline rows), `local_file` (the file of a `--data-dir` mirror),
-  `doc_to_id` and `apply_chat_template` (whether prompts go through the model's chat template by default);
+  `validation_split`), `doc_to_text`, `doc_to_target`, `generation_kwargs` (`detaudit.generation`; what it
+  leaves out gets lm-eval's defaults for `output_type: generate_until`, the default output type, with
+  `fewshot_delimiter` as the default stop string), `metadata`, and detaudit's own `docs` (inline rows),
+  `local_file` (the file of a `--data-dir` mirror), `doc_to_id` and `apply_chat_template` (whether prompts
+  go through the model's chat template by default);
 - ignored, listed once on the suite (`Spec.ignored`): keys that change scoring, grouping or few-shot
-  sampling but not a zero-shot prompt (`output_type: generate_until`, `num_fewshot: 0`, `metric_list`,
-  `filter_list`, `process_results`, `tag`, `group`, the few-shot splits and delimiters, ...);
+  sampling but not a zero-shot prompt (`num_fewshot: 0`, `metric_list`, `filter_list`, `process_results`,
+  `tag`, `group`, the few-shot splits, `target_delimiter`, ...);
 - refused by name: keys that would change the prompts or answers and that detaudit cannot honour
   (`num_fewshot` > 0, `process_docs`, `doc_to_choice`, a non-empty `description` or `gen_prefix`,
   `!function` in anything that builds a prompt, non-generation `output_type`, ...).
@@ -38,7 +40,7 @@ import yaml
 
 from detaudit import user_files
 from detaudit.errors import DetauditError
-from detaudit.generation import GenerationKwargs, parse_generation_kwargs
+from detaudit.generation import FEWSHOT_DELIMITER, GenerationKwargs, lm_eval_defaults, parse_generation_kwargs
 from detaudit.suite_paths import (
     DATASET_KWARGS,
     PACKAGED_BUILDERS,
@@ -65,6 +67,7 @@ USED_KEYS = (
     "local_file",
     "docs",
     "output_type",
+    "fewshot_delimiter",
     "num_fewshot",
     "description",
     "gen_prefix",
@@ -81,7 +84,6 @@ IGNORED_KEYS = (
     "fewshot_split",
     "fewshot_config",
     "target_delimiter",
-    "fewshot_delimiter",
     "metric_list",
     "filter_list",
     "process_results",
@@ -412,7 +414,14 @@ def load_spec(path: Path, trust_paths: bool = False) -> Spec:
     docs = data.get("docs")
     if inline and (not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs)):
         raise DetauditError(f"{path}: `docs` must be a list of mappings (one per prompt)")
-    generation = parse_generation_kwargs(data.get("generation_kwargs"), str(path))
+    delimiter = data.get("fewshot_delimiter", FEWSHOT_DELIMITER)
+    if delimiter is not None and not isinstance(delimiter, str):
+        raise DetauditError(f"{path}: `fewshot_delimiter` must be a string (got {delimiter!r})")
+    generation = lm_eval_defaults(  # what the file leaves out decodes as lm-eval decodes it (generate_until)
+        parse_generation_kwargs(data.get("generation_kwargs"), str(path)),
+        given=data.get("generation_kwargs") is not None,
+        delimiter=delimiter,
+    )
     meta = data.get("metadata") or {}
     if not isinstance(meta, dict):
         raise DetauditError(f"{path}: `metadata` must be a mapping (e.g. {{version: 1.0}})")
@@ -423,7 +432,7 @@ def load_spec(path: Path, trust_paths: bool = False) -> Spec:
     dataset_name, kwargs, data_files = _dataset(data, origin, scope, path, from_dataset)
 
     ignored = [k for k in merged if k in IGNORED_KEYS]
-    ignored += [k for k in ("output_type", "num_fewshot", "repeats", "description", "gen_prefix") if k in merged]
+    ignored += [k for k in ("num_fewshot", "repeats", "description", "gen_prefix") if k in merged]
     if data.get("test_split") and "validation_split" in merged:
         ignored.append("validation_split")
     if (inline or local_file) and "dataset_kwargs" in merged and data.get("dataset_path") in (None, ""):

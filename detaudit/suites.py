@@ -16,7 +16,8 @@ by path.
     doc_to_id: "{{id}}"                # detaudit: optional; defaults to the row index
     apply_chat_template: true          # detaudit: prompts in the model's chat template unless the
                                        # command line says otherwise (lm-eval's default: plain text)
-    generation_kwargs: {until: [...], max_gen_toks: 256, do_sample: false}   # detaudit.generation
+    generation_kwargs: {until: [...], max_gen_toks: 256, do_sample: false}   # detaudit.generation (left
+                                       # out: lm-eval's defaults, greedy until "\\n\\n")
     metadata: {version: 1.0, description: "..."}
 
 Rows come from an inline `docs:` list (detaudit), from `<data_dir>/<local_file>` when a data dir is

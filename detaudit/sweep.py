@@ -160,7 +160,7 @@ def build_manifest(
 def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
     """Suites, model and prompts, checked before any engine starts (bad input fails fast). Each suite gets
     its own decoding (its `generation_kwargs` under the command line's flags) and prompt form."""
-    from detaudit.generation import describe, suite_decoding
+    from detaudit.generation import decoding_sources, describe, suite_decoding
     from detaudit.inputs import MAX_CHARS_PER_TOKEN, chat_form
     from detaudit.models import resolve_model
     from detaudit.prompt_limits import model_context_len
@@ -173,7 +173,7 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
     check_model(model, cfg.tp, info.checks_architecture)  # an unsupported architecture first, by name
     max_chars = model_context_len(model, cap=info.max_context) * MAX_CHARS_PER_TOKEN
     tokenizer = tokenizer_for(model.path)
-    prompts = {}
+    prompts, lines = {}, []
     for s in suites:
         decoding, overrides = suite_decoding(cfg.decoding, s.generation, cfg.decoding_flags)
         chat = chat_form(s, tokenizer, cfg.apply_chat_template)
@@ -183,12 +183,12 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
                 "(lm-eval's default for task files); pass --apply-chat-template or use --api completions"
             )
         prompts[s.name] = tokenize(s, tokenizer, chat, max_chars, decoding)
-        if s.generation.to_dict() or not chat:  # what the suite's file changes (the rest is the command line)
-            form = "chat template" if chat else "plain text"
-            given = " (generation_kwargs)" if s.generation.to_dict() else ""
-            console.print(f"[dim]suite {escape(s.name)}: {form}; {escape(describe(decoding))}{given}[/]")
+        form = "chat template" if chat else "plain text"
+        sources = decoding_sources(cfg.decoding, s.generation, cfg.decoding_flags)  # file, lm-eval, flags, ours
+        origin = "; ".join(f"{where}: {', '.join(values)}" for where, values in sources.items())
+        lines.append(f"[dim]suite {escape(s.name)}: {form}; {escape(describe(decoding))} ({escape(origin)})[/]")
         if overrides:
-            console.print(
+            lines.append(
                 f"[yellow]note:[/] suite {escape(s.name)}: the command line overrides its generation_kwargs: "
                 f"{escape('; '.join(overrides))}"
             )
@@ -200,6 +200,8 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
         cfg.decoding.max_new_tokens,
         info.max_context,
     )
+    for line in lines:  # (after the checks: refused input is one line)
+        console.print(line, highlight=False)
     for ps in prompts.values():
         if ps.ignored_keys:
             console.print(

@@ -121,6 +121,7 @@ def suites_show(
                 "ignored_keys": ignored,
                 "ungraded": ungraded,
                 "generation_kwargs": generation,
+                "generation_defaults": list(suite.generation.defaults),  # keys lm-eval's defaults set
                 "apply_chat_template": suite.apply_chat_template,
             }
         )
@@ -131,7 +132,13 @@ def suites_show(
     form = "the model's chat template" if suite.apply_chat_template else "plain text (lm-eval's default)"
     out.print(f"prompts: {form}, unless --apply-chat-template / --no-apply-chat-template says otherwise")
     if generation:
-        shown = ", ".join(f"{k}: {v}" for k, v in generation.items())
+        lm_eval = {k: v for k, v in generation.items() if k in suite.generation.defaults}
+        parts = [
+            f"{where}: " + ", ".join(f"{k}: {v!r}" for k, v in keys.items())
+            for where, keys in (("from the file", suite.generation.from_file()), ("lm-eval's defaults", lm_eval))
+            if keys
+        ]
+        shown = "; ".join(parts)
         out.print(f"generation_kwargs (the suite's decoding; decoding flags on the command line win): {escape(shown)}")
     if ignored:
         out.print(f"[dim]ignored lm-eval keys (detaudit does not use them): {escape(', '.join(ignored))}[/]")
