@@ -8,6 +8,7 @@ from typing import Annotated, Callable
 import typer
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from detaudit.cli.common import (
     DEFAULT_MODEL,
@@ -183,5 +184,6 @@ def doctor(json_: JsonOpt = False):
         return
     t = Table(title="detaudit doctor", show_header=False)
     for k, v in {**{k: v for k, v in env.items() if k not in ("env", "versions")}, **env["versions"], **checks}.items():
-        t.add_row(str(k), json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+        # data, not markup: rich would read `pip install 'detaudit[vllm]'` as a style tag and drop it
+        t.add_row(Text(str(k)), Text(json.dumps(v) if isinstance(v, (dict, list)) else str(v)))
     out.print(t)

@@ -157,3 +157,14 @@ def test_doctor_says_which_engines_cannot_run(monkeypatch):
     assert "builtin," in engines and "absent (unavailable: --engine absent needs the absent extra" in engines
     text = runner.invoke(app, ["doctor"], env={"COLUMNS": "300"}).output
     assert "absent (unavailable" in text
+    # the table prints the extra whole (rich read `[absent]` as markup and ate it: `pip install 'detaudit'`)
+    assert "pip install 'detaudit[absent]'" in text and "'detaudit'" not in text
+
+
+def test_doctor_prints_the_cpu_extra_whole(monkeypatch):
+    """As on a machine without numba (the describe() of one, since numba is installed here)."""
+    from detaudit.backends.kernels import cpu_calls
+
+    monkeypatch.setattr(cpu_calls, "describe", lambda: "numba not installed: pip install 'detaudit[cpu]'")
+    text = runner.invoke(app, ["doctor"], env={"COLUMNS": "300"}).output
+    assert "pip install 'detaudit[cpu]'" in text
