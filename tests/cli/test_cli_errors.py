@@ -168,3 +168,27 @@ def test_doctor_prints_the_cpu_extra_whole(monkeypatch):
     monkeypatch.setattr(cpu_calls, "describe", lambda: "numba not installed: pip install 'detaudit[cpu]'")
     text = runner.invoke(app, ["doctor"], env={"COLUMNS": "300"}).output
     assert "pip install 'detaudit[cpu]'" in text
+
+
+@pytest.mark.parametrize(
+    "args, pointer",
+    [
+        (["sweep", "--tasks", "gsm8k"], "that is lm-eval's flag; detaudit's is --suites"),
+        (["sweep", "--gen_kwargs", "temperature=0"], "detaudit's is --temperature / --top-p / --top-k / --greedy"),
+        (["sweep", "--num_fewshot", "5"], "lm-eval's flag; detaudit has no equivalent (detaudit runs zero-shot"),
+        (["sweep", "--tensor-parallel-size", "2"], "that is vLLM's flag; detaudit's is --tp"),
+        (["sweep", "--tensor-parallel-size=2"], "that is vLLM's flag; detaudit's is --tp"),
+        (["align", "--tasks", "smoke"], "detaudit's is --suite "),
+        (["bench", "engine", "--batch_size", "4"], "detaudit's is --batch-size"),
+        (["gate", "run", "--tasks", "x"], "`detaudit gate` has no equivalent (`detaudit sweep` takes --suites)"),
+    ],
+)
+def test_other_tools_flags_point_to_detaudits(args, pointer):
+    """lm-eval's and vLLM's flag names, typed out of habit: one line naming detaudit's flag."""
+    result = runner.invoke(app, args, prog_name="detaudit")
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    flag = next(a for a in args if a.startswith("--")).split("=")[0]
+    assert f"No such option: {flag}: that is " in lines[0]
+    assert pointer in lines[0], lines[0]
