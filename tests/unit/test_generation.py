@@ -254,6 +254,7 @@ def test_the_built_in_suites_keep_the_published_sampling():
         assert decoding == CLI and notes == [], row["name"]
 
 
+@pytest.mark.slow  # loads a (tiny) checkpoint and the embedded tokenizer
 def test_sweep_prints_where_each_decoding_value_comes_from(tmp_path, tiny_sweep_model):
     """The sweep's console line per suite (its prepare step: suites, model, prompts; no engine runs)."""
     from rich.console import Console
