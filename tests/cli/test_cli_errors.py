@@ -192,3 +192,32 @@ def test_other_tools_flags_point_to_detaudits(args, pointer):
     flag = next(a for a in args if a.startswith("--")).split("=")[0]
     assert f"No such option: {flag}: that is " in lines[0]
     assert pointer in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("columns", ["80", "120"])
+def test_help_shows_every_flag_name_whole(columns):
+    """At 80 columns rich's help table cut `--apply-chat-template / --no-apply-chat-template` to
+    `--apply-chat-templa…`: where the names do not fit beside the help text, help takes click's plain
+    layout (a long name on its own line), grouped by the same panels."""
+    import typer.main
+    from helpers import build_cli_once
+
+    root = typer.main.get_command(app)
+    with build_cli_once(app):
+        _every_name_whole(root, columns)
+
+
+def _every_name_whole(root, columns: str) -> None:
+    import re
+
+    for path in _helps():
+        cmd = root
+        for name in path:
+            cmd = cmd.commands[name]
+        text = runner.invoke(app, [*path, "--help"], env={"COLUMNS": columns, "TERMINAL_WIDTH": None}).output
+        names = [o for p in cmd.params if not getattr(p, "hidden", False) for o in (*p.opts, *p.secondary_opts)]
+        for name in (n for n in names if n.startswith("-")):
+            assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-]|…)", text), (path, columns, name, text)
+        if path == ("sweep",):
+            assert ("╭" in text) == (columns != "80")  # rich panels where they fit
+            assert "model and suites" in text and "decoding" in text  # the panels' grouping either way
