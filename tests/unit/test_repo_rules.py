@@ -66,3 +66,11 @@ def test_documented_commands_exist_with_their_options(doc):
         assert not unknown, f"{doc.name}: `detaudit{line}`: {sorted(unknown)} not options of {command.name}"
     if doc.name == "README.md":
         assert len(found) >= 10  # the commands table and the examples were read
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_wheel_recipes_build_detaudits_wheel_alone(doc):
+    """`pip wheel .` without --no-deps builds (or downloads) a wheel of every dependency too, torch
+    included; the recipes say --no-deps."""
+    for recipe in re.findall(r"pip wheel[^`\n]*", doc.read_text()):
+        assert "--no-deps" in recipe, (doc.name, recipe)
