@@ -157,9 +157,11 @@ def build_manifest(
     )
 
 
-def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
+def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console, notes: list[str] | None = None):
     """Suites, model and prompts, checked before any engine starts (bad input fails fast). Each suite gets
-    its own decoding (its `generation_kwargs` under the command line's flags) and prompt form."""
+    its own decoding (its `generation_kwargs` under the command line's flags) and prompt form, described by
+    a line per suite: printed once the checks pass, or added to `notes` for the caller to print once its
+    own checks pass (refused input stays one line)."""
     from detaudit.generation import decoding_sources, describe, suite_decoding
     from detaudit.inputs import MAX_CHARS_PER_TOKEN, chat_form
     from detaudit.models import resolve_model
@@ -200,8 +202,11 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
         cfg.decoding.max_new_tokens,
         info.max_context,
     )
-    for line in lines:  # (after the checks: refused input is one line)
-        console.print(line, highlight=False)
+    if notes is None:
+        for line in lines:
+            console.print(line, highlight=False, soft_wrap=True)
+    else:
+        notes += lines
     for ps in prompts.values():
         if ps.ignored_keys:
             console.print(
@@ -255,7 +260,8 @@ def run_sweep(
     executor = get_executor(cfg.executor, **(executor_options or {}))  # a missing extra fails before any work
     shard_cells(cfg, shard)  # an empty shard too
     RunDir(output_path).preflight()  # and an unusable output path
-    suites, model, tokenizer, prompts = prepare(cfg, data_dir, console)
+    notes: list[str] = []
+    suites, model, tokenizer, prompts = prepare(cfg, data_dir, console, notes)
     cfg = replace(cfg, suites=tuple(prompts))  # YAML paths -> task names: cells are named by the task
     env = fingerprint.collect()
     run = RunDir(output_path)
@@ -266,6 +272,8 @@ def run_sweep(
         manifest.executor = executor.describe()
         _engine_identity(info, cfg, manifest, model)
         done = set(run.init_or_check(manifest))
+        for line in notes:  # each suite's decoding, once the run directory took the sweep
+            console.print(line, highlight=False, soft_wrap=True)
         run.write_prompts(_prompt_rows(prompts, tokenizer))
         result.skipped = [c.id for c in cells if c.id in done]
         todo = [c for c in cells if c.id not in done]
