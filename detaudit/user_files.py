@@ -189,7 +189,7 @@ def load_yaml(text: str, where: str, loader: type[Loader] = Loader):
     except _Refused as e:
         raise DetauditError(f"{where}: refused YAML: {e}") from None
     except RecursionError:
-        raise DetauditError(f"{where}: refused YAML: {TOO_DEEP}") from None
+        raise DetauditError(f"{where}: refused YAML: nested too deeply for the parser") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -231,5 +231,5 @@ def load_json(text: str, where: str):
     except _Refused as e:
         raise DetauditError(f"{where}: refused JSON: {e}") from None
     except RecursionError:
-        raise DetauditError(f"{where}: refused JSON: {TOO_DEEP}") from None
+        raise DetauditError(f"{where}: refused JSON: nested too deeply for the parser") from None
     return value
