@@ -38,13 +38,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from detaudit.analyze import Analysis, analyze
 from detaudit.errors import DetauditError
 from detaudit.manifest import Manifest
 from detaudit.metrics import MetricSpec, default_tolerances, gateable
 from detaudit.runs import ALIGN_SUMMARY, is_alignment_dir, load_alignment
+from detaudit.user_files import MAX_YAML_BYTES, decode, load_yaml, read_regular
 
 # the metrics a policy may name, their worse direction and default tolerances: detaudit.metrics
 METRICS = gateable("summary")
@@ -100,24 +99,9 @@ def load_policy(path: str | os.PathLike | None = None) -> Policy:
         text = resources.files("detaudit").joinpath("data", DEFAULT_POLICY).read_text()
     else:
         source = str(path)
-        try:
-            text = Path(path).read_text()
-        except FileNotFoundError:
-            raise DetauditError(f"policy file {path} does not exist") from None
-        except IsADirectoryError:
-            raise DetauditError(f"policy file {path} is a directory, not a file") from None
-        except OSError as e:
-            raise DetauditError(f"cannot read policy file {path}: {e.strerror or e}") from None
-        except UnicodeDecodeError as e:
-            where = f"bad byte at offset {e.start}"
-            raise DetauditError(f"cannot read policy file {path}: not UTF-8 text ({where})") from None
-    try:
-        obj = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
-        problem = getattr(e, "problem", None) or type(e).__name__
-        raise DetauditError(f"policy {source} is not valid YAML{at}: {problem}") from None
+        raw = read_regular(Path(path), "policy file", MAX_YAML_BYTES)  # a FIFO or a huge file is refused unread
+        text = decode(Path(path), raw, "policy file")
+    obj = load_yaml(text, f"policy {source}")  # bounded: depth, aliases, integers, dates (one line each)
     return parse_policy(obj, source)
 
 

@@ -16,6 +16,13 @@ Precedence: a decoding flag given on the command line (`--max-new-tokens`, `--te
 does not set keeps the command line's value (or its default). `--temperature` and `--greedy` each
 decide sampling versus greedy, so either overrides both `do_sample` and `temperature`.
 
+What a task file leaves out decodes as lm-eval decodes it (`TaskConfig.__post_init__`, v0.4.9 and later;
+`lm_eval_defaults`): a `generate_until` task without `generation_kwargs` decodes greedily (`do_sample:
+false`, `temperature: 0`) with `until: [fewshot_delimiter]` (`"\n\n"` unless the file sets
+`fewshot_delimiter`); `generation_kwargs` without `until` gets that same stop string. Decoding flags still
+override these. `decoding_sources` says, per value, whether it came from the file, from lm-eval's defaults,
+from a flag or from detaudit's defaults (the sweep prints it).
+
 Stop strings, as lm-eval defines them: generation stops after the token whose decoded text completes a
 stop string (the engine looks at the decoded text of the row's last tokens, as lm-eval's Hugging Face
 backend does: `StopWatch`); the record keeps every generated token up to and including that one (as vLLM
@@ -33,6 +40,7 @@ from detaudit.config import DecodingParams
 from detaudit.errors import DetauditError
 
 HONOURED = ("until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k")
+FEWSHOT_DELIMITER = "\n\n"  # lm-eval's TaskConfig default: the stop string of a task that names none
 # command-line flags (DecodingParams fields) -> the generation_kwargs keys each one overrides
 OVERRIDES = {
     "max_new_tokens": ("max_gen_toks",),
@@ -53,13 +61,31 @@ class GenerationKwargs:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    defaults: tuple[str, ...] = ()  # the keys set by lm-eval's defaults, not by the file
 
     def to_dict(self) -> dict[str, Any]:
-        """The keys the suite sets, as the YAML spells them."""
+        """The keys the suite decodes with (its file's and lm-eval's defaults), as the YAML spells them."""
         out = {k: getattr(self, k) for k in HONOURED if getattr(self, k) is not None}
         if "until" in out:
             out["until"] = list(out["until"])
         return out
+
+    def from_file(self) -> dict[str, Any]:
+        """The keys the task file itself sets."""
+        return {k: v for k, v in self.to_dict().items() if k not in self.defaults}
+
+
+def lm_eval_defaults(gen: GenerationKwargs, given: bool, delimiter: str | None = FEWSHOT_DELIMITER):
+    """lm-eval's defaults for a `generate_until` task (`TaskConfig.__post_init__`): no `generation_kwargs`
+    (`given` False) -> greedy (`do_sample: false`, `temperature: 0`) with `until: [fewshot_delimiter]`;
+    `generation_kwargs` without `until` -> that `until`. A null delimiter stops nowhere."""
+    until = (delimiter,) if delimiter else ()
+    if not given:
+        greedy = dict(do_sample=False, temperature=0.0)
+        return replace(gen, until=until, **greedy, defaults=("until", "do_sample", "temperature"))
+    if gen.until is None:
+        return replace(gen, until=until, defaults=("until",))
+    return gen
 
 
 def _number(value: object) -> bool:
@@ -146,10 +172,57 @@ def suite_decoding(
     if gen.top_k is not None and "top_k" not in overridden:
         changes["top_k"] = gen.top_k
     notes = [
-        f"{key}: {given[key]} -> --{flag.replace('_', '-')}" + ("" if flag == "greedy" else f" {getattr(base, flag)}")
+        f"{key}: {given[key]}{_LM_EVAL if key in gen.defaults else ''} -> {_flag(base, flag)}"
         for key, flag in overridden.items()
     ]
     return replace(base, **changes), notes
+
+
+_LM_EVAL = " (lm-eval's default)"
+FROM_FILE, FROM_LM_EVAL, FROM_FLAGS, FROM_DETAUDIT = "the file", "lm-eval's defaults", "flags", "detaudit's defaults"
+
+
+def _flag(base: DecodingParams, flag: str) -> str:
+    return f"--{flag.replace('_', '-')}" + ("" if flag == "greedy" else f" {getattr(base, flag)}")
+
+
+def _spelled(key: str, value: Any) -> str:
+    """`do_sample false`, `until ['\\n\\n']`, `temperature 0.0`: a key and its value as the YAML means it."""
+    if isinstance(value, bool):
+        return f"{key} {str(value).lower()}"
+    return f"{key} {value!r}" if key == "until" else f"{key} {value}"
+
+
+def decoding_sources(base: DecodingParams, gen: GenerationKwargs, flags: Collection[str] = ()) -> dict[str, list[str]]:
+    """Where each value the suite decodes with comes from: {FROM_FILE / FROM_LM_EVAL / FROM_FLAGS /
+    FROM_DETAUDIT: ["do_sample false", "--max-new-tokens 16", ...]}, in that order, empty sources left out.
+    Sampling knobs (top-p, top-k) are listed only where the suite samples."""
+    decoding, _ = suite_decoding(base, gen, flags)
+    out: dict[str, list[str]] = {FROM_FILE: [], FROM_LM_EVAL: [], FROM_FLAGS: [], FROM_DETAUDIT: []}
+    given = set(flags)
+
+    def from_suite(*keys: str) -> bool:
+        found = [k for k in keys if getattr(gen, k) is not None]
+        for k in found:
+            out[FROM_LM_EVAL if k in gen.defaults else FROM_FILE].append(_spelled(k, gen.to_dict()[k]))
+        return bool(found)
+
+    if given & {"temperature", "greedy"}:
+        out[FROM_FLAGS] += [_flag(base, f) for f in ("greedy", "temperature") if f in given]
+    elif not from_suite("do_sample", "temperature"):
+        out[FROM_DETAUDIT].append("greedy" if base.greedy else f"temperature {base.temperature:g}")
+    if not decoding.greedy:
+        for flag in ("top_p", "top_k"):
+            if flag in given:
+                out[FROM_FLAGS].append(_flag(base, flag))
+            elif not from_suite(flag):
+                out[FROM_DETAUDIT].append(f"{flag.replace('_', '-')} {getattr(base, flag):g}")
+    if "max_new_tokens" in given:
+        out[FROM_FLAGS].append(_flag(base, "max_new_tokens"))
+    elif not from_suite("max_gen_toks"):
+        out[FROM_DETAUDIT].append(f"--max-new-tokens {base.max_new_tokens} (lm-eval's is 256)")
+    from_suite("until")
+    return {k: v for k, v in out.items() if v}
 
 
 def describe(decoding: DecodingParams) -> str:

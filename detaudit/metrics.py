@@ -322,8 +322,25 @@ _ALIGN_ROUTING_SPECS: tuple[MetricSpec, ...] = (
         definition="routing replay (the trainer forced to the rollout's expert choices): share of sampled "
         "tokens whose log-probability is bitwise equal to the rollout's",
     ),
-    *(MetricSpec(f"replay_{n}", f"replay {n}", False, fmt=fmt_prob, gateable=True) for n in ("dp_max", "dp_mean")),
-    MetricSpec("replay_kl", "replay kl", False, fmt=fmt_prob, gateable=True),
+    *(
+        MetricSpec(
+            f"replay_{n}",
+            f"replay {n}",
+            False,
+            fmt=fmt_prob,
+            gateable=True,
+            definition=f"routing replay: the {how} |p_rollout - p_trainer| of the sampled tokens",
+        )
+        for n, how in (("dp_max", "largest"), ("dp_mean", "mean"))
+    ),
+    MetricSpec(
+        "replay_kl",
+        "replay kl",
+        False,
+        fmt=fmt_prob,
+        gateable=True,
+        definition="routing replay: sample estimate of KL(rollout || trainer)",
+    ),
 )
 
 # `detaudit align` summary columns (one row per backend) that an `alignment:` policy may name
@@ -351,6 +368,15 @@ ALIGN_SPECS: tuple[MetricSpec, ...] = (
 )
 
 ALIGN_ROUTING_COLUMNS = tuple(s.name for s in _ALIGN_ROUTING_SPECS)
+
+
+def routing_legend(columns: Iterable[str]) -> list[str]:
+    """`column: definition` of each routing column among `columns` (summary labels, or alignment column
+    names): a console table shows them only for MoE models, whose short names need saying once."""
+    columns = set(columns)
+    out = [f"{s.label}: {s.definition}" for s in _ROUTING_SPECS if s.label in columns]
+    return out + [f"{s.name}: {s.definition}" for s in _ALIGN_ROUTING_SPECS if s.name in columns]
+
 
 _SETS = {"summary": SUMMARY_SPECS, "align": ALIGN_SPECS}
 

@@ -25,6 +25,7 @@ from typing import Iterable
 
 from detaudit.errors import DetauditError
 from detaudit.suite_yaml import Field, NullField, jinja_env, one_line
+from detaudit.user_files import unicode_error
 
 MAX_FIELD_CHARS = 4_000_000
 RENDER_MEMORY = 512 << 20
@@ -108,7 +109,11 @@ class _Fields:
                     f"suite {self.job.suite}: {label}: `{f.key}` renders more than {self.job.max_chars} characters"
                 )
             out.append(chunk)
-        return "".join(out)
+        text = "".join(out)
+        bad = unicode_error(text)  # a `\ud800` escape in a row or a template: no tokenizer or file takes it
+        if bad:
+            raise DetauditError(f"suite {self.job.suite}: {label}: `{f.key}` renders {bad}")
+        return text
 
     def _scalar(self, f: Field, value: object, label: str) -> str:
         if value is None:
@@ -180,7 +185,10 @@ def _simple(source: str) -> bool:
     """A template of only literal text and `{{ name }}` substitutions: its output is the row's text."""
     from jinja2 import nodes
 
-    tree = jinja_env().parse(source)
+    try:
+        tree = jinja_env().parse(source)
+    except RecursionError:  # (`suite_yaml` refused what nests too deeply; this stack may be deeper)
+        return False
     return all(
         isinstance(node, nodes.Output) and all(isinstance(c, (nodes.TemplateData, nodes.Name)) for c in node.nodes)
         for node in tree.body
@@ -214,6 +222,8 @@ def _child(conn, job: RenderJob, at) -> None:
         result = ("error", str(e))
     except MemoryError:
         result = ("error", f"suite {job.suite}: rendering needs more than {job.memory >> 20} MiB")
+    except Exception as e:  # anything else the templates raise is still one line, in the parent
+        result = ("error", f"suite {job.suite}: rendering failed: {type(e).__name__}: {one_line(e)[:200]}")
     conn.send(result)
     conn.close()
 

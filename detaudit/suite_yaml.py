@@ -5,12 +5,14 @@ how each row becomes a prompt, an answer and an id, how it decodes, and which ke
 Rendering happens in `detaudit.suite_render`. Every key falls in one of three classes:
 
 - used: `task`, `include`, `dataset_path`, `dataset_name`, `dataset_kwargs`, `test_split` (else
-  `validation_split`), `doc_to_text`, `doc_to_target`, `generation_kwargs` (`detaudit.generation`),
-  `metadata`, and detaudit's own `docs` (inline rows), `local_file` (the file of a `--data-dir` mirror),
-  `doc_to_id` and `apply_chat_template` (whether prompts go through the model's chat template by default);
+  `validation_split`), `doc_to_text`, `doc_to_target`, `generation_kwargs` (`detaudit.generation`; what it
+  leaves out gets lm-eval's defaults for `output_type: generate_until`, the default output type, with
+  `fewshot_delimiter` as the default stop string), `metadata`, and detaudit's own `docs` (inline rows),
+  `local_file` (the file of a `--data-dir` mirror), `doc_to_id` and `apply_chat_template` (whether prompts
+  go through the model's chat template by default);
 - ignored, listed once on the suite (`Spec.ignored`): keys that change scoring, grouping or few-shot
-  sampling but not a zero-shot prompt (`output_type: generate_until`, `num_fewshot: 0`, `metric_list`,
-  `filter_list`, `process_results`, `tag`, `group`, the few-shot splits and delimiters, ...);
+  sampling but not a zero-shot prompt (`num_fewshot: 0`, `metric_list`, `filter_list`, `process_results`,
+  `tag`, `group`, the few-shot splits, `target_delimiter`, ...);
 - refused by name: keys that would change the prompts or answers and that detaudit cannot honour
   (`num_fewshot` > 0, `process_docs`, `doc_to_choice`, a non-empty `description` or `gen_prefix`,
   `!function` in anything that builds a prompt, non-generation `output_type`, ...).
@@ -21,7 +23,8 @@ Task files are shared like data, so nothing in one is trusted:
   `hf://`, `https://`, `http://`; `--trust-suite-paths` lifts this, and the manifest records it;
 - `dataset_kwargs` reaches `datasets.load_dataset` only with data-selection keys (`DATASET_KWARGS`):
   `cache_dir`, `storage_options`, ... are refused by name;
-- YAML aliases may add at most `MAX_ALIAS_NODES` values once expanded (an alias bomb is a few lines);
+- the file is read only when it is a regular file of at most `MAX_SUITE_BYTES`, and parsed by the bounded
+  loader of `detaudit.user_files` (aliases, depth, integers, dates, lone surrogates: one line each);
 - templates render in Jinja2's `ImmutableSandboxedEnvironment` (no Python internals), bounded in time,
   memory and size (`detaudit.suite_render`); strict undefined variables as in lm-eval.
 """
@@ -35,8 +38,9 @@ from typing import Any
 
 import yaml
 
+from detaudit import user_files
 from detaudit.errors import DetauditError
-from detaudit.generation import GenerationKwargs, parse_generation_kwargs
+from detaudit.generation import FEWSHOT_DELIMITER, GenerationKwargs, lm_eval_defaults, parse_generation_kwargs
 from detaudit.suite_paths import (
     DATASET_KWARGS,
     PACKAGED_BUILDERS,
@@ -63,6 +67,7 @@ USED_KEYS = (
     "local_file",
     "docs",
     "output_type",
+    "fewshot_delimiter",
     "num_fewshot",
     "description",
     "gen_prefix",
@@ -79,7 +84,6 @@ IGNORED_KEYS = (
     "fewshot_split",
     "fewshot_config",
     "target_delimiter",
-    "fewshot_delimiter",
     "metric_list",
     "filter_list",
     "process_results",
@@ -101,28 +105,8 @@ ALL_KEYS = USED_KEYS + IGNORED_KEYS + tuple(REFUSED_KEYS)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # task names end up in cell ids / file names
 _TEMPLATE_RE = re.compile(r"\{\{|\{%|\{#")
 _MAX_INCLUDE_DEPTH = 16
-
-
-def one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
-def read_bytes(path: Path, what: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise DetauditError(f"{what} {path} does not exist") from None
-    except IsADirectoryError:
-        raise DetauditError(f"{what} {path} is a directory, not a file") from None
-    except OSError as e:
-        raise DetauditError(f"cannot read {what} {path}: {e.strerror or e}") from None
-
-
-def decode(path: Path, raw: bytes, what: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DetauditError(f"cannot read {what} {path}: not UTF-8 text (bad byte at offset {e.start})") from None
+MAX_SUITE_BYTES = user_files.MAX_YAML_BYTES  # a suite file larger than this is refused before it is parsed
+one_line = user_files.one_line
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,51 +120,8 @@ class Function:
     ref: str
 
 
-MAX_ALIAS_NODES = 100_000  # nodes YAML aliases may add to a document once expanded
-
-
-class _AliasBomb(Exception):
-    pass
-
-
-def _children(node: yaml.Node) -> list:
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    return []
-
-
-def _check_aliases(root: yaml.Node) -> None:
-    """Refuse a document whose aliases expand to more than MAX_ALIAS_NODES extra nodes ("billion laughs":
-    nine aliases of nine aliases ... are a few lines of YAML and 10^9 values to every reader that walks
-    them), or that contains itself. Iterative and memoised: linear in the distinct nodes."""
-    sizes: dict[int, int] = {}
-    open_: set[int] = set()  # entered, not finished: the ancestors of the node being walked
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, finished = stack.pop()
-        key = id(node)
-        if finished:
-            open_.discard(key)
-            sizes[key] = 1 + sum(sizes[id(c)] for c in _children(node))
-        elif key not in sizes:
-            if key in open_:
-                raise _AliasBomb("an alias refers to a node that contains it (a recursive document)")
-            open_.add(key)
-            stack.append((node, True))
-            stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
-    if sizes[id(root)] - len(sizes) > MAX_ALIAS_NODES:
-        added = sizes[id(root)] - len(sizes)
-        raise _AliasBomb(f"its aliases expand to {added} more values (at most {MAX_ALIAS_NODES})")
-
-
-class _Loader(yaml.SafeLoader):
-    def compose_document(self):
-        node = super().compose_document()
-        if node is not None:
-            _check_aliases(node)
-        return node
+class _Loader(user_files.Loader):
+    """The bounded safe loader (`detaudit.user_files`) with lm-eval's `!function` tag."""
 
 
 def _function(loader: yaml.SafeLoader, node: yaml.Node) -> Function:
@@ -201,19 +142,8 @@ def _has_function(value: object) -> bool:
 
 
 def _parse(path: Path) -> tuple[bytes, dict]:
-    raw = read_bytes(path, "suite file")
-    text = decode(path, raw, "suite file")
-    try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader subclass
-    except _AliasBomb as e:
-        raise DetauditError(f"{path}: refused YAML: {e}") from None
-    except RecursionError:
-        raise DetauditError(f"{path}: refused YAML: nested too deeply") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        reason = getattr(e, "problem", None) or e
-        raise DetauditError(f"{path}: malformed YAML{where}: {one_line(reason)}") from None
+    raw = user_files.read_regular(path, "suite file", MAX_SUITE_BYTES)  # the size first, before any parsing
+    data = user_files.load_yaml(user_files.decode(path, raw, "suite file"), str(path), _Loader)
     if not isinstance(data, dict):
         raise DetauditError(f"{path}: a suite must be a YAML mapping of keys (task, doc_to_text, ...)")
     return raw, data
@@ -308,9 +238,12 @@ def _field(env, path: Path, key: str, value: object, allow_int: bool = False) ->
     if not _TEMPLATE_RE.search(value):
         return Field(key=key, source=value, column=value)  # lm-eval: `doc_to_text: question` -> doc["question"]
     try:
-        env.parse(value)  # syntax errors are found here, before any row is read
+        env.parse(value)  # syntax errors are found here, before any row is read (compiling, which folds
+        # constants such as `'a' * 10**9`, happens where rendering is bounded: `detaudit.suite_render`)
     except jinja2.TemplateSyntaxError as e:
         raise DetauditError(f"{path}: `{key}` is not a valid Jinja2 template: {one_line(e.message)}") from None
+    except RecursionError:  # Jinja's parser recurses about ten frames per nested bracket
+        raise DetauditError(f"{path}: `{key}` is refused: its template is nested too deeply") from None
     return Field(key=key, source=value)
 
 
@@ -422,12 +355,17 @@ def _dataset(
         files = resolve_data_files(files, base, local, scope, path)
     if "data_dir" in kwargs:
         kwargs["data_dir"] = resolve_data_dir(kwargs["data_dir"], base, local, scope, path)
-    if local and files is None and "data_dir" not in kwargs:
-        raise DetauditError(
-            f"{path}: `dataset_path: {dataset_path}` needs `dataset_kwargs.data_files` (without it `datasets` "
-            "reads every file of the working directory)"
-        )
+    if local and files is None and "data_dir" not in kwargs and not data.get("local_file"):
+        raise no_data_files(path, dataset_path)  # (with a `local_file`, `--data-dir` may still give the rows)
     return name, kwargs, files
+
+
+def no_data_files(path: Path, dataset_path: str, local_file: str | None = None) -> DetauditError:
+    mirror = f", or pass --data-dir (DETAUDIT_DATA_DIR) to a directory holding {local_file}" if local_file else ""
+    return DetauditError(
+        f"{path}: `dataset_path: {dataset_path}` needs `dataset_kwargs.data_files` (without it `datasets` "
+        f"reads every file of the working directory){mirror}"
+    )
 
 
 def load_spec(path: Path, trust_paths: bool = False) -> Spec:
@@ -476,7 +414,14 @@ def load_spec(path: Path, trust_paths: bool = False) -> Spec:
     docs = data.get("docs")
     if inline and (not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs)):
         raise DetauditError(f"{path}: `docs` must be a list of mappings (one per prompt)")
-    generation = parse_generation_kwargs(data.get("generation_kwargs"), str(path))
+    delimiter = data.get("fewshot_delimiter", FEWSHOT_DELIMITER)
+    if delimiter is not None and not isinstance(delimiter, str):
+        raise DetauditError(f"{path}: `fewshot_delimiter` must be a string (got {delimiter!r})")
+    generation = lm_eval_defaults(  # what the file leaves out decodes as lm-eval decodes it (generate_until)
+        parse_generation_kwargs(data.get("generation_kwargs"), str(path)),
+        given=data.get("generation_kwargs") is not None,
+        delimiter=delimiter,
+    )
     meta = data.get("metadata") or {}
     if not isinstance(meta, dict):
         raise DetauditError(f"{path}: `metadata` must be a mapping (e.g. {{version: 1.0}})")
@@ -487,7 +432,7 @@ def load_spec(path: Path, trust_paths: bool = False) -> Spec:
     dataset_name, kwargs, data_files = _dataset(data, origin, scope, path, from_dataset)
 
     ignored = [k for k in merged if k in IGNORED_KEYS]
-    ignored += [k for k in ("output_type", "num_fewshot", "repeats", "description", "gen_prefix") if k in merged]
+    ignored += [k for k in ("num_fewshot", "repeats", "description", "gen_prefix") if k in merged]
     if data.get("test_split") and "validation_split" in merged:
         ignored.append("validation_split")
     if (inline or local_file) and "dataset_kwargs" in merged and data.get("dataset_path") in (None, ""):

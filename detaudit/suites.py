@@ -16,7 +16,8 @@ by path.
     doc_to_id: "{{id}}"                # detaudit: optional; defaults to the row index
     apply_chat_template: true          # detaudit: prompts in the model's chat template unless the
                                        # command line says otherwise (lm-eval's default: plain text)
-    generation_kwargs: {until: [...], max_gen_toks: 256, do_sample: false}   # detaudit.generation
+    generation_kwargs: {until: [...], max_gen_toks: 256, do_sample: false}   # detaudit.generation (left
+                                       # out: lm-eval's defaults, greedy until "\\n\\n")
     metadata: {version: 1.0, description: "..."}
 
 Rows come from an inline `docs:` list (detaudit), from `<data_dir>/<local_file>` when a data dir is
@@ -42,9 +43,10 @@ from pathlib import Path
 from detaudit import paths
 from detaudit.errors import DetauditError
 from detaudit.generation import GenerationKwargs
-from detaudit.suite_paths import TRUST_FLAG
+from detaudit.suite_paths import TRUST_FLAG, bounded_walk
 from detaudit.suite_render import render_rows
-from detaudit.suite_yaml import Spec, decode, load_spec, one_line, read_bytes
+from detaudit.suite_yaml import Spec, load_spec, no_data_files, one_line
+from detaudit.user_files import decode, load_json, read_regular
 
 
 @dataclass(frozen=True)
@@ -108,22 +110,17 @@ def _jsonl_rows(path: Path, text: str) -> Rows:
     for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DetauditError(f"{path}, line {lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        where = f"{path}, line {lineno}"
+        row = load_json(line, where)  # bounded: integer digits, depth (`detaudit.user_files`)
         if not isinstance(row, dict):
-            raise DetauditError(f"{path}, line {lineno}: expected a JSON object, got {type(row).__name__}")
-        yield f"{path}, line {lineno}", row
+            raise DetauditError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        yield where, row
 
 
 def _json_document_rows(path: Path, text: str, key: str | None) -> Rows:
     """A JSON array of objects (or `field`: the array under that key), as `datasets`' json builder reads
     a file that is not JSON lines."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DetauditError(f"{path}, line {e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    data = load_json(text, str(path))
     if key is not None:
         if not isinstance(data, dict) or key not in data:
             raise DetauditError(f"{path}: `dataset_kwargs.field: {key}` is not a key of the file's top-level object")
@@ -237,12 +234,13 @@ def _builder_rows(spec: Spec, limit: int | None) -> tuple[bytes, str, Rows]:
         data_dir = spec.dataset_kwargs.get("data_dir", "")
         if "://" in data_dir or "::" in data_dir:
             return _hub_rows(spec, limit)
-        listed = sorted(p for p in Path(data_dir).rglob("*") if p.is_file())
+        walked = bounded_walk(Path(data_dir), f"`dataset_kwargs.data_dir: {data_dir}`", spec.path)
+        listed = [p for p in walked if p.is_file()]
     parse_here = spec.dataset_path == "json" and files is not None and not any(f.suffix in _COMPRESSED for f in files)
     digest = hashlib.sha256()
     raws = {}
     for f in listed:
-        raw = read_bytes(f, "data file")
+        raw = read_regular(f, "data file")
         digest.update(f.name.encode() + b"\0" + raw + b"\0")
         if parse_here:
             raws[f] = raw
@@ -287,13 +285,15 @@ def _rows(spec: Spec, data_dir: Path | None, limit: int | None, trust_paths: boo
                 f"data dir {data_dir} does not exist or is not a directory (from --data-dir / DETAUDIT_DATA_DIR)"
             )
         file = _mirror_file(spec, data_dir, trust_paths)
-        raw = read_bytes(file, "data file")
+        raw = read_regular(file, "data file")
         return raw, f"mirror:{spec.local_file}", _jsonl_rows(file, decode(file, raw, "data file"))
     if not spec.dataset_path:
         raise DetauditError(
             f"suite {spec.name}: {spec.path} has no `dataset_path`; pass --data-dir (or set DETAUDIT_DATA_DIR) "
             f"to a directory holding {spec.local_file}"
         )
+    if spec.builder and spec.data_files is None and "data_dir" not in spec.dataset_kwargs:
+        raise no_data_files(spec.path, spec.dataset_path, spec.local_file)  # rows only from the mirror, not given
     return _builder_rows(spec, limit) if spec.builder else _hub_rows(spec, limit)
 
 

@@ -158,10 +158,12 @@ def build_manifest(
     )
 
 
-def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
+def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console, notes: list[str] | None = None):
     """Suites, model and prompts, checked before any engine starts (bad input fails fast). Each suite gets
-    its own decoding (its `generation_kwargs` under the command line's flags) and prompt form."""
-    from detaudit.generation import describe, suite_decoding
+    its own decoding (its `generation_kwargs` under the command line's flags) and prompt form, described by
+    a line per suite: printed once the checks pass, or added to `notes` for the caller to print once its
+    own checks pass (refused input stays one line)."""
+    from detaudit.generation import decoding_sources, describe, suite_decoding
     from detaudit.inputs import MAX_CHARS_PER_TOKEN, chat_form
     from detaudit.models import resolve_model
     from detaudit.prompt_limits import model_context_len
@@ -174,7 +176,7 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
     check_model(model, cfg.tp, info.checks_architecture)  # an unsupported architecture first, by name
     max_chars = model_context_len(model, cap=info.max_context) * MAX_CHARS_PER_TOKEN
     tokenizer = tokenizer_for(model.path)
-    prompts = {}
+    prompts, lines = {}, []
     for s in suites:
         decoding, overrides = suite_decoding(cfg.decoding, s.generation, cfg.decoding_flags)
         chat = chat_form(s, tokenizer, cfg.apply_chat_template)
@@ -184,12 +186,12 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
                 "(lm-eval's default for task files); pass --apply-chat-template or use --api completions"
             )
         prompts[s.name] = tokenize(s, tokenizer, chat, max_chars, decoding)
-        if s.generation.to_dict() or not chat:  # what the suite's file changes (the rest is the command line)
-            form = "chat template" if chat else "plain text"
-            given = " (generation_kwargs)" if s.generation.to_dict() else ""
-            console.print(f"[dim]suite {escape(s.name)}: {form}; {escape(describe(decoding))}{given}[/]")
+        form = "chat template" if chat else "plain text"
+        sources = decoding_sources(cfg.decoding, s.generation, cfg.decoding_flags)  # file, lm-eval, flags, ours
+        origin = "; ".join(f"{where}: {', '.join(values)}" for where, values in sources.items())
+        lines.append(f"[dim]suite {escape(s.name)}: {form}; {escape(describe(decoding))} ({escape(origin)})[/]")
         if overrides:
-            console.print(
+            lines.append(
                 f"[yellow]note:[/] suite {escape(s.name)}: the command line overrides its generation_kwargs: "
                 f"{escape('; '.join(overrides))}"
             )
@@ -201,6 +203,11 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console):
         cfg.decoding.max_new_tokens,
         info.max_context,
     )
+    if notes is None:
+        for line in lines:
+            console.print(line, highlight=False, soft_wrap=True)
+    else:
+        notes += lines
     for ps in prompts.values():
         if ps.ignored_keys:
             console.print(
@@ -254,7 +261,8 @@ def run_sweep(
     executor = get_executor(cfg.executor, **(executor_options or {}))  # a missing extra fails before any work
     shard_cells(cfg, shard)  # an empty shard too
     RunDir(output_path).preflight()  # and an unusable output path
-    suites, model, tokenizer, prompts = prepare(cfg, data_dir, console)
+    notes: list[str] = []
+    suites, model, tokenizer, prompts = prepare(cfg, data_dir, console, notes)
     cfg = replace(cfg, suites=tuple(prompts))  # YAML paths -> task names: cells are named by the task
     env = fingerprint.collect()
     run = RunDir(output_path)
@@ -265,6 +273,8 @@ def run_sweep(
         manifest.executor = executor.describe()
         _engine_identity(info, cfg, manifest, model)
         done = set(run.init_or_check(manifest))
+        for line in notes:  # each suite's decoding, once the run directory took the sweep
+            console.print(line, highlight=False, soft_wrap=True)
         run.write_prompts(_prompt_rows(prompts, tokenizer))
         result.skipped = [c.id for c in cells if c.id in done]
         todo = [c for c in cells if c.id not in done]

@@ -19,6 +19,7 @@ except ImportError:  # pragma: no cover - older typer on the real click
 
 from detaudit.cli import align, bench, catalog, results, sweep
 from detaudit.cli.common import App, Group, err, out
+from detaudit.cli.hints import foreign_flag
 
 
 class _OneLineErrors(Group):
@@ -33,7 +34,8 @@ class _OneLineErrors(Group):
             rv = 2
         except cx.UsageError as e:
             hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx else ""
-            err.print(f"[bold red]error:[/] {escape(e.format_message())}{hint}", highlight=False, soft_wrap=True)
+            message = (_foreign(e) if isinstance(e, cx.NoSuchOption) else None) or e.format_message()
+            err.print(f"[bold red]error:[/] {escape(message)}{hint}", highlight=False, soft_wrap=True)
             rv = 2
         except typer.Abort:
             err.print("[yellow]interrupted[/]")
@@ -41,6 +43,14 @@ class _OneLineErrors(Group):
         if not standalone_mode:
             return rv
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _foreign(e) -> str | None:
+    """lm-eval's / vLLM's name for a flag: a pointer to detaudit's (`detaudit.cli.hints`)."""
+    if e.ctx is None:
+        return None
+    known = {o for p in e.ctx.command.params for o in (*p.opts, *p.secondary_opts)}
+    return foreign_flag(e.option_name, known, e.ctx.command_path)
 
 
 app = App(

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.text import Text
 
 from detaudit.cli.common import (
     ALL_BACKENDS,
@@ -30,6 +31,7 @@ from detaudit.cli.common import (
     decoding,
     err,
     handle_errors,
+    out,
     print_json,
     print_rows,
 )
@@ -65,6 +67,7 @@ def align(
     from detaudit.align import AlignConfig, Side, shown_columns
     from detaudit.align import align as run
     from detaudit.config import parse_str_list
+    from detaudit.metrics import routing_legend
 
     cfg = AlignConfig(
         rollout=Side.parse(rollout, "--rollout"),
@@ -89,4 +92,6 @@ def align(
         ]
         title = f"alignment: rollout {cfg.rollout} vs trainer {cfg.trainer}"
         print_rows(rows, shown_columns(summary), title=title)  # routing columns where some backend has them
+        for line in routing_legend(shown_columns(summary)):
+            out.print(Text(line, style="dim"))
     err.print("wrote " + ", ".join(str(f) for f in files))

@@ -8,6 +8,7 @@ from typing import Annotated, Callable, Optional
 import typer
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from detaudit.cli.common import (
     DEFAULT_MODEL,
@@ -142,6 +143,7 @@ def suites_show(
                 "ignored_keys": ignored,
                 "ungraded": ungraded,
                 "generation_kwargs": generation,
+                "generation_defaults": list(suite.generation.defaults),  # keys lm-eval's defaults set
                 "apply_chat_template": suite.apply_chat_template,
             }
         )
@@ -152,7 +154,13 @@ def suites_show(
     form = "the model's chat template" if suite.apply_chat_template else "plain text (lm-eval's default)"
     out.print(f"prompts: {form}, unless --apply-chat-template / --no-apply-chat-template says otherwise")
     if generation:
-        shown = ", ".join(f"{k}: {v}" for k, v in generation.items())
+        lm_eval = {k: v for k, v in generation.items() if k in suite.generation.defaults}
+        parts = [
+            f"{where}: " + ", ".join(f"{k}: {v!r}" for k, v in keys.items())
+            for where, keys in (("from the file", suite.generation.from_file()), ("lm-eval's defaults", lm_eval))
+            if keys
+        ]
+        shown = "; ".join(parts)
         out.print(f"generation_kwargs (the suite's decoding; decoding flags on the command line win): {escape(shown)}")
     if ignored:
         out.print(f"[dim]ignored lm-eval keys (detaudit does not use them): {escape(', '.join(ignored))}[/]")
@@ -201,5 +209,6 @@ def doctor(json_: JsonOpt = False):
         return
     t = Table(title="detaudit doctor", show_header=False)
     for k, v in {**{k: v for k, v in env.items() if k not in ("env", "versions")}, **env["versions"], **checks}.items():
-        t.add_row(str(k), json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+        # data, not markup: rich would read `pip install 'detaudit[vllm]'` as a style tag and drop it
+        t.add_row(Text(str(k)), Text(json.dumps(v) if isinstance(v, (dict, list)) else str(v)))
     out.print(t)

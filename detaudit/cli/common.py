@@ -80,9 +80,60 @@ def _flags_take_no_value(params: list) -> list:
     return params
 
 
+HELP_TEXT_MIN = 30  # columns rich's help layout must leave for the help text beside the option names
+
+
+def _help_width() -> int:
+    """The width typer's rich help renders at: TERMINAL_WIDTH, else the terminal's (COLUMNS; 80 off one)."""
+    width = os.environ.get("TERMINAL_WIDTH")
+    return Console(width=int(width) if width and width.isdigit() else None).width
+
+
+def _rich_help_fits(params: list, width: int) -> bool:
+    """Whether typer's rich help shows every option name whole at `width`. Its table gives each kind of
+    name its own column (long, short, --no-... long and short, type, help) as wide as its widest entry; when
+    they leave the help text less than HELP_TEXT_MIN columns, rich cuts the names with an ellipsis."""
+    columns = [0, 0, 0, 0, 0]
+    for p in params:
+        if getattr(p, "param_type_name", "") != "option" or getattr(p, "hidden", False):
+            continue
+        names = (
+            [o for o in p.opts if o.startswith("--")],
+            [o for o in p.opts if not o.startswith("--")],
+            [o for o in p.secondary_opts if o.startswith("--")],
+            [o for o in p.secondary_opts if not o.startswith("--")],
+            [p.metavar if p.metavar is not None else "<float>"],  # the widest of typer's value types
+        )
+        columns = [max(c, len(",".join(n))) for c, n in zip(columns, names)]
+    return sum(columns) + 2 * (len(columns) + 1) + 4 + HELP_TEXT_MIN <= width  # padding, panel borders
+
+
 class Command(TyperCommand):
     def get_params(self, ctx):
         return _flags_take_no_value(super().get_params(ctx))
+
+    def format_help(self, ctx, formatter):
+        """typer's rich panels where they fit; on a narrower terminal (80 columns and `sweep`'s
+        --apply-chat-template / --no-apply-chat-template) click's plain layout, grouped by the same
+        panels, which puts a long name on its own line instead of cutting it."""
+        if _rich_help_fits(self.get_params(ctx), _help_width()):
+            return super().format_help(ctx, formatter)
+        return super(TyperCommand, self).format_help(ctx, formatter)  # click's: usage, text, format_options
+
+    def format_options(self, ctx, formatter):
+        arguments, panels = [], {}
+        for p in self.get_params(ctx):
+            record = p.get_help_record(ctx)
+            if record is None:
+                continue
+            if p.param_type_name == "argument":
+                arguments.append(record)
+            else:
+                panels.setdefault(getattr(p, "rich_help_panel", None) or "options", []).append(record)
+        for title, records in (("arguments", arguments), *panels.items()):
+            if records:
+                with formatter.section(title):
+                    formatter.write_dl(records)
 
 
 class Group(TyperGroup):

@@ -13,15 +13,18 @@ from detaudit.cli.common import JsonOpt, RunDirArg, err, handle_errors, out, pri
 from detaudit.errors import DetauditError
 
 
-def analyze_and_report(run_dir: Path, formats, json_: bool, output_path: Optional[Path] = None):
-    """Print the summary, then write the report files into `output_path` (default: the run directory;
-    a read-only one, e.g. a downloaded CI artifact, is only printed, and a note says so)."""
+def analyze_and_report(run_dir: Path, formats, json_: bool, output_path: Optional[Path] = None, show: bool = True):
+    """Print the summary (unless not `show`: a caller printing its own JSON), then write the report files
+    into `output_path` (default: the run directory; a read-only one, e.g. a downloaded CI artifact, is only
+    printed, and a note says so)."""
     from detaudit.analyze import analyze as do_analyze
     from detaudit.render import render_summary, write_reports
     from detaudit.runs import unwritable
 
     analysis = do_analyze(run_dir)
-    if json_:
+    if not show:
+        pass
+    elif json_:
         print_json(analysis.summary.to_dict(orient="records"))
     else:
         for r in render_summary(analysis):  # table + "nothing to compare: ..." lines

@@ -31,6 +31,7 @@ from detaudit.cli.common import (
     decoding,
     err,
     handle_errors,
+    print_json,
 )
 from detaudit.cli.results import analyze_and_report
 
@@ -316,6 +317,15 @@ def sweep(
             rich_help_panel="data and output",
         ),
     ] = True,
+    json_: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print the outcome as JSON on stdout (cells done, skipped, failed; the summary rows unless "
+            "--no-analyze); the log stays on stderr.",
+            rich_help_panel="data and output",
+        ),
+    ] = False,
 ):
     """Run every cell of the grid (backend x TP x batch size x suite) and store the records."""
     from detaudit import paths
@@ -382,7 +392,17 @@ def sweep(
         f"{len(result.done)} cell(s) computed, {len(result.skipped)} skipped (already complete), "
         f"{len(result.failed)} failed -> {result.run_dir}"
     )
-    if analyze_after:
-        analyze_and_report(result.run_dir, ("md", "csv"), json_=False)
+    analysis = analyze_and_report(result.run_dir, ("md", "csv"), json_=False, show=not json_) if analyze_after else None
+    if json_:
+        print_json(
+            {
+                "run_dir": str(result.run_dir),
+                "done": result.done,
+                "skipped": result.skipped,
+                "failed": result.failed,
+                "timings": result.timings,
+                "summary": None if analysis is None else analysis.summary.to_dict(orient="records"),
+            }
+        )
     if result.failed:
         raise typer.Exit(1)

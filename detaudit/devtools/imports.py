@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
         "suite_yaml",
         "suite_render",
         "suite_paths",
+        "user_files",
         "generation",
         "synthetic",
         "prompt_limits",

@@ -22,6 +22,7 @@ from detaudit.metrics import (
     fmt_pct,
     fmt_text,
     is_missing,
+    routing_legend,
     spec,
     text_labels,
     visible,
@@ -287,6 +288,8 @@ def render_summary(analysis: Analysis) -> list[Table | Text]:
     line when a group compares nothing."""
     uncompared = nothing_to_compare(analysis.summary, analysis.per_cell)
     out: list[Table | Text] = [summary_table(analysis)]
+    legend = routing_legend(summary_rows(analysis, "cli")[0])  # MoE models: what the routing columns mean
+    out += [Text(line, style="dim") for line in legend]
     heads = headline_lines(analysis)
     if heads:
         out += [Text(h, style="bold") for h in heads]

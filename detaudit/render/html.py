@@ -61,7 +61,8 @@ def agreement_figure(analysis: Analysis, suite: str) -> Figure | None:
         return None
     n = max(len(m) for _, m in mats)
     side = 1.2 + 0.42 * n
-    fig = Figure(figsize=(side * len(mats) + 0.8, side + 0.4))
+    # constrained: each panel's tick labels and title keep clear of its neighbours and of the colour bar
+    fig = Figure(figsize=(side * len(mats) + 0.8, side + 0.4), layout="constrained")
     axes = fig.subplots(1, len(mats), squeeze=False)[0]
     labels = cell_labels(analysis)
     image = None
@@ -121,12 +122,18 @@ def divergence_figure(analysis: Analysis, suite: str) -> Figure | None:
     return fig
 
 
-def first_div_figure(analysis: Analysis, suite: str) -> Figure | None:
+def compared_prompts(analysis: Analysis, suite: str):
+    """The per-prompt rows of the suite that compare two or more cells."""
     pp = analysis.per_prompt
-    pp = pp[(pp["suite"] == suite) & (pp["cells"] >= MIN_CELLS)]
-    if not len(pp):
-        return None
+    return pp[(pp["suite"] == suite) & (pp["cells"] >= MIN_CELLS)]
+
+
+def first_div_figure(analysis: Analysis, suite: str) -> Figure | None:
+    """None where no prompt diverged (the page says so: an empty axis would say nothing)."""
+    pp = compared_prompts(analysis, suite)
     fd = pp["first_div"].dropna().astype(float)
+    if not len(fd):
+        return None
     hi = max(float(fd.max()) if len(fd) else 0.0, 1.0)
     bins = np.linspace(0, hi + 1, min(40, int(hi) + 2))
     fig = Figure(figsize=(9, 3.0))
@@ -312,7 +319,8 @@ agreed on every prompt).</p>
 <figcaption>Top: max-prob divergence at each output position, mean over the prompts whose outputs all reach it.
 Bottom: share of prompts whose outputs have diverged at or before the position.</figcaption></figure>{% endif %}
 {% if s.first_div %}<figure><img alt="first divergence {{ s.suite }}" src="data:image/png;base64,{{ s.first_div }}">
-<figcaption>First position at which two cells differ, over the prompts that diverge.</figcaption></figure>{% endif %}
+<figcaption>First position at which two cells differ, over the prompts that diverge.</figcaption></figure>
+{% elif s.compared %}<p class="muted">First divergence: none. No prompt diverged: each of the {{ s.compared }} prompt{{ 's' if s.compared != 1 }} compared got the same output tokens in every cell of its backend, so there is no position to plot.</p>{% endif %}
 {% if s.accuracy %}<figure><img alt="accuracy per cell {{ s.suite }}" src="data:image/png;base64,{{ s.accuracy }}">
 <figcaption>Answer accuracy of each cell ({{ cell_axis }}).</figcaption></figure>
 {% else %}<p class="muted">No graded answers in this suite: accuracy not plotted.</p>{% endif %}
@@ -344,7 +352,8 @@ def render_html(analysis: Analysis) -> str:
         ):
             fig = make(analysis, suite)
             figs[key] = png(fig) if fig is not None else None
-        suite_figs.append(dict(suite=suite, **figs))
+        compared = compared_prompts(analysis, suite)["prompt_id"].nunique()
+        suite_figs.append(dict(suite=suite, compared=compared, **figs))
     pc = analysis.per_cell
     summary_classes = [row_status(r) for r in analysis.summary.to_dict("records")]
     heads = headline_lines(analysis)

@@ -311,7 +311,7 @@ RUN_DIRS = [
     ("report {tmp}", "not a detaudit run directory"),
     ("gate {tmp}/none", "does not exist"),
     ("gate {run} --policy {tmp}/none.yaml", "does not exist"),
-    ("gate {run} --policy {file}", "not valid YAML"),
+    ("gate {run} --policy {file}", "malformed YAML"),
     ("gate {run} --baseline {tmp}/none", "does not exist"),
     ("gate {run} --json=yes", "does not take a value"),
     ("gate", "Missing argument"),
@@ -405,12 +405,101 @@ OTHERS = [
     ("doctor --json=1", "does not take a value"),
     ("nope", "No such command 'nope'"),
 ]
+
+
+# ---------------------------------------------------------------- generated across every command and flag
+# From the CLI itself (`typer.main.get_command(app)`): every option that takes a value, given none; every
+# int / float / choice option, given a value of another type; every flag, given a value; the flag names of
+# lm-eval and vLLM users type out of habit; and files that break a reader (suites, policies, data rows,
+# mirrors: see `_bad_files`), through every command that reads them. Each is refused by click or by
+# detaudit before any work: one line, exit 2.
+
+
+def _commands():
+    import typer.main
+
+    def walk(cmd, path):
+        if hasattr(cmd, "commands"):
+            for name, sub in cmd.commands.items():
+                yield from walk(sub, (*path, name))
+        else:
+            yield " ".join(path), cmd
+
+    return list(walk(typer.main.get_command(app), ()))
+
+
+# arguments a command needs before its options are looked at ({run}: a valid run directory)
+ARGUMENTS = {"analyze": "{run}", "report": "{run}", "gate": "{run}", "diff": "{run} {run}", "merge": "{run}"}
+WRONG_TYPE = {int: ("abc", "2.5", "0x10", "1e3"), float: ("abc", "1,5", "0.5.1")}
+FOREIGN = ("--tasks", "--gen_kwargs", "--num_fewshot", "--tensor-parallel-size", "--model_args", "--max_gen_toks")
+
+
+def _generated() -> list[tuple[str, str]]:
+    from enum import Enum
+
+    out = []
+    for path, cmd in _commands():
+        head = f"{path} {ARGUMENTS.get(path, '')}".strip()
+        options = [p for p in cmd.params if p.param_type_name == "option" and "--help" not in p.opts]
+        for p in options:
+            name = p.opts[0]
+            if p.is_flag:
+                out += [(f"{head} {n}=1", f"Option '{n}' does not take a value") for n in (*p.opts, *p.secondary_opts)
+                        if n.startswith("--")]  # fmt: skip
+                continue
+            out.append((f"{head} {name}", f"Option '{name}' requires an argument"))
+            kind = p.bare_type()
+            values = WRONG_TYPE.get(kind, ("nope",) if isinstance(kind, type) and issubclass(kind, Enum) else ())
+            out += [(f"{head} {name} {v}", f"Invalid value for '{name}'") for v in values]
+        out += [(f"{head} {flag} x", f"No such option: {flag}: that is") for flag in FOREIGN]
+    return out
+
+
+# files that break a reader, in {bad} (made by `_bad_files`), and the commands that read each kind
+SUITE_FILES = {
+    "date.yaml": "refused YAML at line 4, column 21: cannot read '2024-13-45' as a timestamp",
+    "bigint.yaml": "an integer of 5000 digits (at most 4300)",
+    "deep.yaml": "refused YAML: nested too deeply",
+    "surrogate.yaml": "a string holds a lone surrogate",
+    "big.yaml": "bytes, more than the 1048576 read",
+    "fifo.yaml": "is not a regular file",
+    "template.yaml": "its template is nested too deeply",
+    "rows-bigint.yaml": "rows-bigint.jsonl, line 2: refused JSON: an integer of 5000 digits",
+    "rows-deep.yaml": "rows-deep.jsonl, line 2: refused JSON: nested too deeply",
+    "rows-surrogate.yaml": "rows-surrogate.jsonl, line 2: `doc_to_text` renders a lone surrogate",
+    "array-bigint.yaml": "array-bigint.json: refused JSON: an integer of 5000 digits",
+    "array-deep.yaml": "array-deep.json: refused JSON: nested too deeply",
+    "glob-root.yaml": "resolves to /, outside the suite's directory",
+    "glob-up.yaml": "outside the suite's directory",
+    "mirror-only.yaml": "needs `dataset_kwargs.data_files`",
+}
+MIRRORS = {
+    "mirror-bigint": "aime24.jsonl, line 1: refused JSON: an integer of 5000 digits",
+    "mirror-deep": "aime24.jsonl, line 1: refused JSON: nested too deeply",
+    "mirror-surrogate": "aime24.jsonl, line 1: `doc_to_text` renders a lone surrogate",
+    "mirror-fifo": "is not a regular file",
+}
+POLICIES = {
+    "date.yaml": "cannot read '2024-13-45' as a timestamp",
+    "bigint.yaml": "an integer of 5000 digits",
+    "deep.yaml": "nested too deeply",
+    "surrogate.yaml": "lone surrogate",
+    "big.yaml": "bytes, more than the 1048576 read",
+    "fifo.yaml": "is not a regular file",
+    "bomb.yaml": "aliases expand to",
+}
+SUITE_READERS = ("sweep --suites", "suites show", "align --suite", "bench engine --suite", "bench vllm --suite")
+FILES = [(f"{r} {{bad}}/{f}", m) for f, m in SUITE_FILES.items() for r in SUITE_READERS]
+FILES += [(f"{r} aime24 --data-dir {{bad}}/{d}", m) for d, m in MIRRORS.items() for r in SUITE_READERS]
+FILES += [(f"gate {{run}} --policy {{bad}}/policy/{f}", m) for f, m in POLICIES.items()]
+
 MATRIX = [("sweep " + a, m) for a, m in SWEEP] + RUN_DIRS + OTHERS
+MATRIX += [case for case in _generated() + FILES if case[0] not in {a for a, _ in MATRIX}]
 
 
 def test_the_matrix_is_large_and_distinct():
     inputs = [a for a, _ in MATRIX]
-    assert len(inputs) == len(set(inputs)) >= 150
+    assert len(inputs) == len(set(inputs)) >= 400
     groups = ("bench", "models", "suites", "backends")
     commands = {" ".join(a.split()[:2]) if a.startswith(groups) else a.split()[0] for a in inputs}
     assert {"sweep", "analyze", "report", "gate", "merge", "diff", "align", "doctor", "backends ls"} <= commands
@@ -428,7 +517,67 @@ def matrix_root(tmp_path_factory):
     (root / "empty").mkdir()
     (root / "cwd").mkdir()
     (root / "home").mkdir()
+    _bad_files(root / "bad")
     return root
+
+
+def _bad_files(bad):
+    """The files of SUITE_FILES, MIRRORS and POLICIES."""
+    # (300 levels: PyYAML's scanner takes a second over 20000 before the loader refuses the 101st; the
+    # 20000-deep files of issue 54 are tests/security/test_file_readers.py's)
+    big_int, deep = "9" * 5000, "[" * 300 + "]" * 300
+    head = "task: t\ndocs: [{q: x}]\ndoc_to_text: q\n"
+    rows = "task: t\ndataset_path: json\ndataset_kwargs: {data_files: %s}\ntest_split: train\ndoc_to_text: q\n"
+    bad.mkdir()
+    suites = {
+        "date.yaml": head + "metadata: {version: 2024-13-45}\n",
+        "bigint.yaml": head + f"metadata: {{version: {big_int}}}\n",
+        "deep.yaml": head + f"metadata: {deep}\n",
+        "surrogate.yaml": head + 'metadata: {description: "\\ud800"}\n',
+        "big.yaml": head + "#" * (1 << 20) + "\n",
+        "template.yaml": 'task: t\ndocs: [{q: x}]\ndoc_to_text: "{{ ' + "[" * 300 + "]" * 300 + ' }}"\n',
+        "glob-root.yaml": rows % "'/**/x*.jsonl'",
+        "glob-up.yaml": rows % "'../**/*.jsonl'",
+        "mirror-only.yaml": "task: t\ndataset_path: json\ntest_split: train\nlocal_file: x.jsonl\ndoc_to_text: q\n",
+    }
+    bad_rows = {
+        "bigint": f'{{"q": "a", "n": {big_int}}}',
+        "deep": '{"q": "a", "n": ' + deep + "}",
+        "surrogate": '{"q": "\\ud800"}',
+    }
+    for kind, row in bad_rows.items():
+        (bad / f"rows-{kind}.jsonl").write_text('{"q": "fine"}\n' + row + "\n")
+        suites[f"rows-{kind}.yaml"] = rows % f"rows-{kind}.jsonl"
+        if kind != "surrogate":
+            (bad / f"array-{kind}.json").write_text(f"[{row}]")
+            suites[f"array-{kind}.yaml"] = rows % f"array-{kind}.json"
+        (bad / f"mirror-{kind}").mkdir()
+        (bad / f"mirror-{kind}" / "aime24.jsonl").write_text(row.replace('"q"', '"problem"') + "\n")
+    for name, text in suites.items():
+        (bad / name).write_text(text)
+    os.mkfifo(bad / "fifo.yaml")
+    (bad / "mirror-fifo").mkdir()
+    os.mkfifo(bad / "mirror-fifo" / "aime24.jsonl")
+    policy = bad / "policy"
+    policy.mkdir()
+    for name, text in {
+        "date.yaml": "version: 2024-13-45\nbackends: {}\n",
+        "bigint.yaml": f"version: {big_int}\nbackends: {{}}\n",
+        "deep.yaml": f"backends: {{}}\ndescription: {deep}\n",
+        "surrogate.yaml": 'backends: {}\ndescription: "\\ud800"\n',
+        "big.yaml": "backends: {}\n" + "#" * (1 << 20) + "\n",
+        "bomb.yaml": "backends: {}\ndescription: " + BOMB,
+    }.items():
+        (policy / name).write_text(text)
+    os.mkfifo(policy / "fifo.yaml")
+
+
+BOMB = (
+    "&a ["
+    + ", ".join(["x"] * 10)
+    + "]\n"
+    + "".join(f"b{i}: &b{i} [" + ", ".join([f"*{'a' if i == 0 else f'b{i - 1}'}"] * 10) + "]\n" for i in range(6))
+)
 
 
 @pytest.fixture(scope="module", autouse=False)
@@ -464,7 +613,7 @@ def test_bad_input_is_refused_before_any_work(matrix_root, fast_cli, monkeypatch
     monkeypatch.setenv("DETAUDIT_HOME", str(matrix_root / "home"))
     monkeypatch.chdir(matrix_root / "cwd")  # relative default outputs (runs/default) would land here
     args = [
-        a.format(run=matrix_root / "run", file=matrix_root / "file", tmp=matrix_root / "empty")
+        a.format(run=matrix_root / "run", file=matrix_root / "file", tmp=matrix_root / "empty", bad=matrix_root / "bad")
         for a in shlex.split(line)
     ]
     before = _tree(matrix_root)

@@ -157,3 +157,67 @@ def test_doctor_says_which_engines_cannot_run(monkeypatch):
     assert "builtin," in engines and "absent (unavailable: --engine absent needs the absent extra" in engines
     text = runner.invoke(app, ["doctor"], env={"COLUMNS": "300"}).output
     assert "absent (unavailable" in text
+    # the table prints the extra whole (rich read `[absent]` as markup and ate it: `pip install 'detaudit'`)
+    assert "pip install 'detaudit[absent]'" in text and "'detaudit'" not in text
+
+
+def test_doctor_prints_the_cpu_extra_whole(monkeypatch):
+    """As on a machine without numba (the describe() of one, since numba is installed here)."""
+    from detaudit.backends.kernels import cpu_calls
+
+    monkeypatch.setattr(cpu_calls, "describe", lambda: "numba not installed: pip install 'detaudit[cpu]'")
+    text = runner.invoke(app, ["doctor"], env={"COLUMNS": "300"}).output
+    assert "pip install 'detaudit[cpu]'" in text
+
+
+@pytest.mark.parametrize(
+    "args, pointer",
+    [
+        (["sweep", "--tasks", "gsm8k"], "that is lm-eval's flag; detaudit's is --suites"),
+        (["sweep", "--gen_kwargs", "temperature=0"], "detaudit's is --temperature / --top-p / --top-k / --greedy"),
+        (["sweep", "--num_fewshot", "5"], "lm-eval's flag; detaudit has no equivalent (detaudit runs zero-shot"),
+        (["sweep", "--tensor-parallel-size", "2"], "that is vLLM's flag; detaudit's is --tp"),
+        (["sweep", "--tensor-parallel-size=2"], "that is vLLM's flag; detaudit's is --tp"),
+        (["align", "--tasks", "smoke"], "detaudit's is --suite "),
+        (["bench", "engine", "--batch_size", "4"], "detaudit's is --batch-size"),
+        (["gate", "run", "--tasks", "x"], "`detaudit gate` has no equivalent (`detaudit sweep` takes --suites)"),
+    ],
+)
+def test_other_tools_flags_point_to_detaudits(args, pointer):
+    """lm-eval's and vLLM's flag names, typed out of habit: one line naming detaudit's flag."""
+    result = runner.invoke(app, args, prog_name="detaudit")
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    flag = next(a for a in args if a.startswith("--")).split("=")[0]
+    assert f"No such option: {flag}: that is " in lines[0]
+    assert pointer in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("columns", ["80", "120"])
+def test_help_shows_every_flag_name_whole(columns):
+    """At 80 columns rich's help table cut `--apply-chat-template / --no-apply-chat-template` to
+    `--apply-chat-templa…`: where the names do not fit beside the help text, help takes click's plain
+    layout (a long name on its own line), grouped by the same panels."""
+    import typer.main
+    from helpers import build_cli_once
+
+    root = typer.main.get_command(app)
+    with build_cli_once(app):
+        _every_name_whole(root, columns)
+
+
+def _every_name_whole(root, columns: str) -> None:
+    import re
+
+    for path in _helps():
+        cmd = root
+        for name in path:
+            cmd = cmd.commands[name]
+        text = runner.invoke(app, [*path, "--help"], env={"COLUMNS": columns, "TERMINAL_WIDTH": None}).output
+        names = [o for p in cmd.params if not getattr(p, "hidden", False) for o in (*p.opts, *p.secondary_opts)]
+        for name in (n for n in names if n.startswith("-")):
+            assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-]|…)", text), (path, columns, name, text)
+        if path == ("sweep",):
+            assert ("╭" in text) == (columns != "80")  # rich panels where they fit
+            assert "model and suites" in text and "decoding" in text  # the panels' grouping either way

@@ -61,7 +61,7 @@ def test_sweep_runs_a_json_task_file(smollm, tmp_path, monkeypatch):
     manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(manifest["cells"]) == ["my_task__bio__tp1__bs1", "my_task__bio__tp1__bs3"]
     assert manifest["suites"]["my_task"]["ungraded"] == 1
-    assert manifest["suites"]["my_task"]["ignored_keys"] == ["output_type", "metric_list", "num_fewshot"]
+    assert manifest["suites"]["my_task"]["ignored_keys"] == ["metric_list", "num_fewshot"]
     warning = [line for line in res.output.splitlines() if "no answer" in line]
     assert len(warning) == 1 and "kept ungraded: 1" in warning[0], res.output
     finished = [line for line in res.output.splitlines() if " finished in " in line]  # CliRunner: not a terminal

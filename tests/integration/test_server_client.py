@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from fake_openai import MODEL_ID, Fake, Served, free_port
-from helpers import find_secrets, listening
+from helpers import error_lines, find_secrets, listening
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -72,7 +72,7 @@ def sweep(url: str, out: Path, *extra: str):
 
 def one_line_exit_2(res, *words: str) -> str:
     assert res.exit_code == 2, res.output
-    lines = [x for x in res.output.strip().splitlines() if x.strip()]
+    lines = error_lines(res.output)  # (an error found once cells run follows the sweep's log lines)
     assert len(lines) == 1, res.output
     assert "Traceback" not in res.output
     for w in words:

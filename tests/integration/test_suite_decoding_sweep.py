@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow  # the real embedded model
 ROWS = [{"question": "What is 2+3?", "answer": "5"}, {"question": "Name a colour.", "answer": "red"}]
 
 
-def _task(folder: Path, until: list[str] | None, data: str = "data/test.jsonl") -> Path:
-    gen = {"max_gen_toks": 12, "do_sample": False, **({"until": until} if until is not None else {})}
+def _task(folder: Path, until: list[str], data: str = "data/test.jsonl") -> Path:
+    gen = {"max_gen_toks": 12, "do_sample": False, "until": until}
     path = folder / "task.yaml"
     path.write_text(
         "task: qa\ndataset_path: json\n"
@@ -58,10 +58,13 @@ def test_generation_kwargs_and_prompt_form_through_a_sweep(smollm, tmp_path, mon
     outs = [tmp_path / f"run{i}" for i in range(4)]
     before = _files(tmp_path, tuple(outs)) | {str(evals / "task.yaml")}  # (the test rewrites the task file)
 
-    # 1. no stop string: greedy, 12 tokens, plain text (lm-eval's default for a task file)
-    res = _sweep(_task(evals, None), outs[0])
+    # 1. no stop string (`until: []`; without `until` lm-eval would stop at "\n\n"): greedy, 12 tokens, plain
+    # text (lm-eval's default for a task file)
+    res = _sweep(_task(evals, []), outs[0])
     assert res.exit_code == 0, res.output
-    assert "suite qa: plain text; greedy, max 12 new tokens (generation_kwargs)" in res.output
+    assert "suite qa: plain text; greedy, max 12 new tokens (the file: do_sample false, max_gen_toks 12, until [])" in (
+        " ".join(res.output.split())
+    )
     free = _records(outs[0])
     ids = free[0]["output_token_ids"]
     assert 6 < len(ids) <= 12

@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from fake_openai import MUTATIONS, Fake, Served
-from helpers import find_secrets
+from helpers import error_lines, find_secrets
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -159,7 +159,7 @@ def test_behaviour(fake, smollm, tmp_path, monkeypatch, behaviour):
     assert any(h.get("authorization") == f"Bearer {SECRET}" for h in fake.headers)  # the key was sent
     assert SECRET not in output, output
     if code == ERROR:
-        lines = [x for x in output.splitlines() if x.strip()]
+        lines = error_lines(output)  # (the first request fails once its cell started: log lines come first)
         assert len(lines) == 1 and lines[0].startswith("error: "), output
         assert all(w in lines[0] for w in words), lines[0]
         assert "127.0.0.1" in lines[0] or behaviour == "wrong-model", lines[0]

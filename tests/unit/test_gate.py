@@ -171,7 +171,7 @@ def test_report_only_rules_warn(tmp_path):
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("backends: [unclosed", "not valid YAML"),
+        ("backends: [unclosed", "malformed YAML"),
         ("", "is empty"),
         ("- a\n- b\n", "must be a mapping"),
         ("backends:\n  bio+tbik: {unique_meen: {max: 1}}\n", "unknown metric 'unique_meen'"),

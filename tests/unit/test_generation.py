@@ -170,3 +170,109 @@ def test_server_requests_carry_the_stop_strings():
     assert wire.completion_body("m", [1, 2], stops, "p", kind="vllm")["stop"] == ["Problem:", "\n\n"]
     assert wire.chat_body("m", "hi", stops, "p", kind="generic")["stop"] == ["Problem:", "\n\n"]
     assert "stop" not in wire.completion_body("m", [1, 2], DecodingParams(), "p", kind="vllm")
+
+
+# ---------------------------------------------------------------- what a task file leaves out: lm-eval's defaults
+# lm-eval (lm_eval/api/task.py TaskConfig.__post_init__ in v0.4.9.2; lm_eval/config/task.py at HEAD): a
+# generate_until task without generation_kwargs decodes greedily with until [fewshot_delimiter] ("\n\n" by
+# default); generation_kwargs without until get that until.
+
+
+def _task(tmp_path, extra: str = ""):
+    from detaudit.suites import load_suite
+
+    path = tmp_path / "t.yaml"
+    path.write_text("task: t\ndocs: [{q: x}]\ndoc_to_text: q\n" + extra)
+    return load_suite(str(path))
+
+
+@pytest.mark.parametrize(
+    "extra, greedy, stop, temperature",
+    [
+        ("", True, ("\n\n",), 0.0),
+        ("output_type: generate_until\n", True, ("\n\n",), 0.0),
+        ("generation_kwargs: null\n", True, ("\n\n",), 0.0),
+        ("fewshot_delimiter: '###'\n", True, ("###",), 0.0),
+        ("fewshot_delimiter: null\n", True, (), 0.0),
+        ("generation_kwargs: {max_gen_toks: 9}\n", False, ("\n\n",), 0.6),  # sampling knobs: the command line's
+        ("generation_kwargs: {do_sample: true, temperature: 0.8}\nfewshot_delimiter: '|'\n", False, ("|",), 0.8),
+        ("generation_kwargs: {until: ['Q:'], do_sample: false}\n", True, ("Q:",), 0.6),
+        ("generation_kwargs: {until: []}\n", False, (), 0.6),
+    ],
+)
+def test_what_the_file_leaves_out_decodes_as_lm_eval(tmp_path, extra, greedy, stop, temperature):
+    suite = _task(tmp_path, extra)
+    decoding, notes = suite_decoding(CLI, suite.generation)
+    assert (decoding.greedy, decoding.stop, decoding.temperature) == (greedy, stop, temperature) and notes == []
+    assert "output_type" not in suite.ignored_keys and "fewshot_delimiter" not in suite.ignored_keys
+
+
+def test_flags_still_override_lm_evals_defaults_and_say_so(tmp_path):
+    gen = _task(tmp_path).generation
+    assert gen.defaults == ("until", "do_sample", "temperature") and gen.from_file() == {}
+    decoding, notes = suite_decoding(CLI, gen, flags=("temperature",))
+    assert not decoding.greedy and decoding.temperature == 0.6 and decoding.stop == ("\n\n",)
+    assert notes == [
+        "do_sample: False (lm-eval's default) -> --temperature 0.6",
+        "temperature: 0.0 (lm-eval's default) -> --temperature 0.6",
+    ]
+
+
+def test_decoding_sources_name_the_file_lm_eval_flags_and_detaudit(tmp_path):
+    from detaudit.generation import decoding_sources
+
+    plain = _task(tmp_path).generation
+    assert decoding_sources(CLI, plain) == {
+        "lm-eval's defaults": ["do_sample false", "temperature 0.0", "until ['\\n\\n']"],
+        "detaudit's defaults": ["--max-new-tokens 16 (lm-eval's is 256)"],
+    }
+    greedy = DecodingParams(greedy=True, temperature=0.0, max_new_tokens=16)  # what --greedy gives
+    assert decoding_sources(greedy, plain, ("greedy", "max_new_tokens")) == {
+        "lm-eval's defaults": ["until ['\\n\\n']"],
+        "flags": ["--greedy", "--max-new-tokens 16"],
+    }
+    own = _task(tmp_path, "generation_kwargs: {max_gen_toks: 9, top_k: 5}\n").generation
+    assert decoding_sources(CLI, own, ("top_p",)) == {
+        "the file": ["top_k 5", "max_gen_toks 9"],
+        "lm-eval's defaults": ["until ['\\n\\n']"],
+        "flags": ["--top-p 0.95"],
+        "detaudit's defaults": ["temperature 0.6"],
+    }
+
+
+def test_a_bad_fewshot_delimiter_is_refused(tmp_path):
+    with pytest.raises(DetauditError, match="`fewshot_delimiter` must be a string"):
+        _task(tmp_path, "fewshot_delimiter: [1]\n")
+
+
+def test_the_built_in_suites_keep_the_published_sampling():
+    """They say so in their files now (without generation_kwargs lm-eval would decode them greedily)."""
+    from detaudit.suites import _resolve, list_suites, load_spec
+
+    for row in list_suites():
+        decoding, notes = suite_decoding(CLI, load_spec(_resolve(row["name"])).generation)
+        assert decoding == CLI and notes == [], row["name"]
+
+
+@pytest.mark.slow  # loads a (tiny) checkpoint and the embedded tokenizer
+def test_sweep_prints_where_each_decoding_value_comes_from(tmp_path, tiny_sweep_model):
+    """The sweep's console line per suite (its prepare step: suites, model, prompts; no engine runs)."""
+    from rich.console import Console
+
+    from detaudit.config import SweepConfig
+    from detaudit.sweep import prepare
+
+    (tmp_path / "t.yaml").write_text("task: t\ndocs: [{q: x}]\ndoc_to_text: q\n")
+    cfg = SweepConfig(
+        model=str(tiny_sweep_model),
+        suites=(str(tmp_path / "t.yaml"),),
+        decoding=DecodingParams(top_k=7, max_new_tokens=4),
+        decoding_flags=("top_k",),
+    )
+    console = Console(record=True, width=400)
+    prepare(cfg, None, console)
+    text = console.export_text()
+    assert (
+        "suite t: plain text; greedy, max 4 new tokens, stop ['\\n\\n'] (lm-eval's defaults: do_sample false, "
+        "temperature 0.0, until ['\\n\\n']; detaudit's defaults: --max-new-tokens 4 (lm-eval's is 256))"
+    ) in text, text

@@ -73,3 +73,11 @@ def test_tests_skip_an_extra_only_when_it_is_not_installed():
     then reads as a passing run: tests use `helpers.require`, which skips only when the module is absent."""
     call = "importorskip" + "("
     assert [str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("*.py") if call in p.read_text()] == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_wheel_recipes_build_detaudits_wheel_alone(doc):
+    """`pip wheel .` without --no-deps builds (or downloads) a wheel of every dependency too, torch
+    included; the recipes say --no-deps."""
+    for recipe in re.findall(r"pip wheel[^`\n]*", doc.read_text()):
+        assert "--no-deps" in recipe, (doc.name, recipe)

@@ -117,6 +117,41 @@ def test_html_without_grades_skips_accuracy_plot(tmp_path):
     assert "No graded answers" in html and 'alt="accuracy per cell' not in html
 
 
+def _overlapping_panels(fig) -> list[tuple[str, str]]:
+    """Pairs of axes (colour bars included) whose drawn extents, tick labels and titles included, meet."""
+    import itertools
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    boxes = [(ax.get_title() or ax.get_label(), ax.get_tightbbox(canvas.get_renderer())) for ax in fig.axes]
+    return [(a, b) for (a, ba), (b, bb) in itertools.combinations(boxes, 2) if ba.overlaps(bb)]
+
+
+def test_no_panel_of_a_figure_overlaps_another(audit):
+    """The agreement heatmaps' tick labels ran into the panel beside them (two cells per backend: the
+    second panel's row labels over the first's matrix)."""
+    from detaudit.render.html import accuracy_figure, first_div_figure
+
+    for make in (agreement_figure, divergence_figure, first_div_figure, accuracy_figure):
+        fig = make(audit, "smoke")
+        assert fig is not None and _overlapping_panels(fig) == [], make.__name__
+
+
+def test_no_divergence_is_said_not_plotted(tmp_path):
+    """Every prompt agrees in every cell: no empty first-divergence axis, a sentence instead."""
+    from detaudit.render.html import first_div_figure
+
+    a = analyze(make_run(tmp_path / "r", invariant_cells(), backends=("bio+tbik",)))
+    assert first_div_figure(a, "smoke") is None
+    (path,) = write_reports(a, tmp_path / "o", formats=("html",))
+    html = path.read_text()
+    assert 'alt="first divergence' not in html and 'alt="agreement matrix' in html
+    assert "First divergence: none. No prompt diverged: each of the 3 prompts compared" in html
+    assert "Nothing to compare in this suite" not in html
+
+
 def test_unknown_format_is_bad_input(audit, tmp_path):
     with pytest.raises(DetauditError, match="unknown report format 'pdf'"):
         write_reports(audit, tmp_path, formats=("md", "pdf"))

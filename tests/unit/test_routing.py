@@ -203,3 +203,33 @@ def test_alignment_without_routing_leaves_the_columns_empty_and_hidden():
     assert summary["router_disagree_frac"].isna().all() and summary["replay_kl"].isna().all()
     assert "router_disagree_frac" not in shown_columns(summary) and "kl" in shown_columns(summary)
     assert "router_disagree_frac" in shown_columns(summarize(align_frame([ROUTE] * 3)))
+
+
+def test_the_console_tables_give_the_routing_columns_a_legend(tmp_path):
+    """`detaudit analyze` (and `align`) print the routing columns only for MoE models; their short labels
+    get a legend line each below the table, from the metrics' definitions; a dense run prints none."""
+    from rich.console import Console
+
+    from detaudit.metrics import routing_legend
+    from detaudit.render import render_summary
+
+    def printed(analysis) -> str:
+        console = Console(record=True, width=2000)
+        for r in render_summary(analysis):
+            console.print(r)
+        return console.export_text()
+
+    moe = printed(analyze(make_run(tmp_path / "moe", moe_cells(), backends=("bio+tbik",))))
+    for label in ("routing div", "tokens rerouted", "near ties"):
+        assert f"\n{label}: MoE models: " in moe, (label, moe)
+    dense = printed(analyze(make_run(tmp_path / "dense", invariant_cells(), backends=("bio+tbik",))))
+    assert "MoE models" not in dense
+    legend = routing_legend(shown_columns(summarize(align_frame([ROUTE] * 3))))
+    assert [line.split(":")[0] for line in legend] == [
+        "router_disagree_frac",
+        "tokens_router_disagree_frac",
+        "replay_bitwise_equal_frac",
+        "replay_dp_max",
+        "replay_dp_mean",
+        "replay_kl",
+    ]

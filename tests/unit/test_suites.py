@@ -493,11 +493,11 @@ def test_lm_eval_include_and_json_data_files(tmp_path, monkeypatch):
         "do_sample": False,
         "temperature": 0.0,
     }
-    # accepted but unused keys, listed once each (from both files)
+    # accepted but unused keys, listed once each (from both files); `output_type: generate_until` is honoured
+    # (it gives what the file leaves out lm-eval's defaults), so it is not among them
     assert sorted(suite.ignored_keys) == sorted(
         [
             "tag",
-            "output_type",
             "training_split",
             "fewshot_split",
             "metric_list",
@@ -791,6 +791,22 @@ def test_suites_show_keeps_backslashes_and_says_the_decoding(tmp_path):
     assert "Find \\[ x \\] and [bold]y[/]" in result.output
     assert "until: ['Problem:'], max_gen_toks: 256, do_sample: False" in result.output
     assert "plain text (lm-eval's default)" in result.output
+
+
+def test_suites_show_says_which_decoding_keys_are_lm_evals_defaults(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from detaudit.cli import app
+
+    path = _suite_yaml(tmp_path, "task: t\ndoc_to_text: q\ndocs: [{q: x}]\ngeneration_kwargs: {max_gen_toks: 9}\n")
+    result = CliRunner().invoke(app, ["suites", "show", str(path)], terminal_width=300)
+    assert result.exit_code == 0, result.output
+    assert "from the file: max_gen_toks: 9; lm-eval's defaults: until: ['\\n\\n']" in result.output
+    shown = json.loads(CliRunner().invoke(app, ["suites", "show", str(path), "--json"]).stdout)
+    assert shown["generation_kwargs"] == {"until": ["\n\n"], "max_gen_toks": 9}
+    assert shown["generation_defaults"] == ["until"] and shown["ignored_keys"] == []
 
 
 def test_gpt2_is_refused_by_its_architecture_first(tmp_path):
