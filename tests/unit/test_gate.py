@@ -195,7 +195,7 @@ def test_bad_policy_is_detaudit_error(tmp_path, text, match):
     [
         (lambda p: p.mkdir(), "is a directory, not a file"),
         (lambda p: p.write_bytes(b"backends:\n  bio+tbik: {unique_mean: {max: 1}}  # caf\xe9\n"), "not UTF-8"),
-        (lambda p: p.symlink_to(p), "symbolic links"),  # an OSError root gets too (a mode-0 file it reads)
+        (lambda p: p.symlink_to(p), "a symlink loop"),  # an OSError root gets too (a mode-0 file it reads)
     ],
     ids=["directory", "not-utf8", "symlink-loop"],
 )
