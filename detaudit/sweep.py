@@ -150,7 +150,7 @@ def build_manifest(
                 c.suite,
                 tp_mode=cfg.tp_mode_of(c.tp),
                 engine=cfg.engine.name,
-                prompts=len(prompts[c.suite].ids),
+                prompts=len(prompts[c.suite].ids) * cfg.repeats,  # records: one per prompt and repeat
             )
             for c in cells
         },
