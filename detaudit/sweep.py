@@ -22,7 +22,7 @@ from detaudit.engines import EngineInfo, check_tp_mode, get_engine
 from detaudit.errors import DetauditError
 from detaudit.executors import CellGroup, CellJob, CellOutput, get_executor
 from detaudit.inputs import PromptSet, check_model, eos_ids, load_suites, tokenize, tokenizer_for
-from detaudit.manifest import CellMeta, Manifest, numerics_conflicts
+from detaudit.manifest import MAX_CELL_ID, CellMeta, Manifest, check_cell_id, numerics_conflicts
 from detaudit.progress import CellProgress
 from detaudit.runs import LOGS, RunDir, now
 
@@ -92,6 +92,21 @@ def shard_cells(cfg: SweepConfig, shard: tuple[int, int] | None) -> list[Cell]:
         raise DetauditError(f"--shard {i}/{n}: the grid has {len(cells)} cells, so shard {i} holds none")
     refs = {cfg.reference(c) for c in mine}
     return [c for c in cells if c in mine or c in refs]
+
+
+def check_cell_ids(cfg: SweepConfig) -> None:
+    """Cell ids name the run's files and are checked on every read (`manifest.check_cell_id`): a suite
+    whose task name would make an id no reader accepts (too long) is refused here, by its name, before the
+    run directory exists."""
+    for cell in cfg.cells():
+        try:
+            check_cell_id(cell.id, "cell id")
+        except DetauditError:
+            raise DetauditError(
+                f"suite {cell.suite[:40]!r}{'...' if len(cell.suite) > 40 else ''}: its task name ({len(cell.suite)} "
+                f"characters) makes cell ids of {len(cell.id)}; a cell id is at most {MAX_CELL_ID} characters "
+                "(it names the cell's file): shorten `task:`"
+            ) from None
 
 
 def build_manifest(
@@ -255,14 +270,17 @@ def run_sweep(
     RunDir(output_path).preflight()  # and an unusable output path
     suites, model, tokenizer, prompts = prepare(cfg, data_dir, console)
     cfg = replace(cfg, suites=tuple(prompts))  # YAML paths -> task names: cells are named by the task
+    check_cell_ids(cfg)
     env = fingerprint.collect()
     run = RunDir(output_path)
     result = SweepResult(run_dir=run.path)
+    # everything that can still refuse the sweep (a server that does not answer its probe) before the run
+    # directory is made
+    cells = shard_cells(cfg, shard)
+    manifest = build_manifest(cfg, model, prompts, env, command, cells, shard)
+    manifest.executor = executor.describe()
+    _engine_identity(info, cfg, manifest, model)
     with run.locked():
-        cells = shard_cells(cfg, shard)
-        manifest = build_manifest(cfg, model, prompts, env, command, cells, shard)
-        manifest.executor = executor.describe()
-        _engine_identity(info, cfg, manifest, model)
         done = set(run.init_or_check(manifest))
         run.write_prompts(_prompt_rows(prompts, tokenizer))
         result.skipped = [c.id for c in cells if c.id in done]

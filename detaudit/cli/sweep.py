@@ -31,6 +31,7 @@ from detaudit.cli.common import (
     decoding,
     err,
     handle_errors,
+    out_path,
 )
 from detaudit.cli.results import analyze_and_report
 
@@ -150,6 +151,8 @@ def sweep(
             "-o",
             help="Run directory (resumed if it holds the same sweep).",
             rich_help_panel="data and output",
+            parser=out_path,
+            metavar="DIR",
         ),
     ] = Path("runs/default"),
     shard: Annotated[
