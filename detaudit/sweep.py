@@ -295,6 +295,7 @@ def run_sweep(
             for (backend, tp), g in groupby(todo, key=lambda c: (c.backend, c.tp))
         ]
         by_id = {c.id: c for c in cells}
+        scrub = info.scrub(cfg) if info.scrub is not None else None
         with CellProgress(
             console,
             total=len(cells),
@@ -307,7 +308,7 @@ def run_sweep(
 
             def on_output(out: CellOutput) -> None:
                 cell = by_id[out.cell_id]
-                _record(info, run, model, tokenizer, prompts[cell.suite], cfg, cell, out, result, progress)
+                _record(info, run, model, tokenizer, prompts[cell.suite], cfg, cell, out, result, progress, scrub)
 
             executor.run(groups, lambda ref_id: _reference_outputs(run, ref_id), on_output, progress.event)
     return result
@@ -362,6 +363,7 @@ def _record(
     out: CellOutput,
     result: SweepResult,
     progress: CellProgress,
+    scrub=None,
 ) -> None:
     assert run.manifest is not None
     if out.error is not None:
@@ -373,7 +375,7 @@ def _record(
     run.manifest.backends[f"{cell.backend}@tp{cell.tp}"] = out.describe
     if info.describes_per_cell:  # vLLM: knobs of the engine that ran this batch size (servers: and load)
         run.manifest.backends[cell.describe_key] = out.describe
-    rows = _rows(cfg, cell, model, tokenizer, ps, out)
+    rows = _rows(cfg, cell, model, tokenizer, ps, out, scrub)
     meta = {**out.timing, "finished": now(), "tp_mode": "emulated" if out.emulated else "real"}
     if out.placement:
         meta["placement"] = out.placement
@@ -423,7 +425,7 @@ def _tf_routing(routes: list | None, k: int) -> dict:
     return {"tf_route_experts": experts, "tf_route_gates": gates, "tf_route_margins": margins}
 
 
-def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: CellOutput) -> list[dict]:
+def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: CellOutput, scrub=None) -> list[dict]:
     from detaudit.generation import cut_at_stop
     from detaudit.grading import extract_answer, is_correct
 
@@ -435,6 +437,7 @@ def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: Ce
     for k, g in enumerate(out.generations):
         i, repeat = k % n, (k // n if cfg.repeats > 1 else None)  # --repeats: rows are repeat-major
         text = cut_at_stop(tokenizer.decode(g.token_ids, skip_special_tokens=True), stops)
+        text = scrub(text) if scrub is not None else text  # a server's API key, spelled out in its tokens
         answer = ps.answers[i]
         rows.append(
             {
