@@ -89,10 +89,10 @@ def check_report_url(url: str) -> str:
     from urllib.parse import urlsplit
 
     shown = repr(_NOT_PRINTABLE.sub("?", url)[:80])
-    if _NOT_PRINTABLE.search(url) or any(c in url for c in " ()<>[]`"):
+    if _NOT_PRINTABLE.search(url) or any(c in url for c in "()<>`"):
         raise DetauditError(
-            f"--report-url {shown}: a URL holds no spaces, control characters, brackets, parentheses or backticks "
-            "(percent-encode them)"
+            f"--report-url {shown}: a URL holds no spaces, control or non-ASCII characters, parentheses, angle "
+            "brackets or backticks (percent-encode them)"
         )
     try:
         parts = urlsplit(url)

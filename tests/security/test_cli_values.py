@@ -112,8 +112,9 @@ def test_align_refuses_an_output_path_that_is_a_file_before_running_the_model(cw
 @pytest.mark.parametrize(
     "url, message",
     [
-        ("https://ci.example/run/1\n# injected heading", "no spaces, control characters"),
-        ("https://ci.example/run/1) ![x](https://evil.example/p.png", "no spaces, control characters"),
+        ("https://ci.example/run/1\n# injected heading", "no spaces, control or non-ASCII characters"),
+        ("https://ci.example/run/1) ![x](https://evil.example/p.png", "no spaces, control or non-ASCII characters"),
+        ("https://ci.example/run/1>", "angle brackets"),
         ("https://ci.example/(x)", "parentheses"),
         ("https://ci.example/`x`", "backticks"),
         ("javascript:alert(1)", "parentheses"),
@@ -125,10 +126,11 @@ def test_a_report_url_that_would_inject_markdown_is_refused(run, url, message):
     one_line_error(runner.invoke(app, ["gate", str(run), "--format", "markdown", "--report-url", url]), message)
 
 
-def test_a_report_url_is_linked_as_given(run):
-    res = runner.invoke(app, ["gate", str(run), "--format", "markdown", "--report-url", "https://ci.example/run/1?a=b"])
+@pytest.mark.parametrize("url", ["https://ci.example/run/1?a=b#c", "http://[::1]:8080/runs/7"])
+def test_a_report_url_is_linked_as_given(run, url):
+    res = runner.invoke(app, ["gate", str(run), "--format", "markdown", "--report-url", url])
     assert res.exit_code == 0, res.output
-    assert "[the report](https://ci.example/run/1?a=b)" in res.stdout
+    assert f"[the report]({url})" in res.stdout
 
 
 def test_allow_mismatch_without_a_baseline_is_refused(run):
