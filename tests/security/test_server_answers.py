@@ -255,7 +255,14 @@ def _engine_outcome(fake: Fake, extra: tuple[str, ...]) -> tuple[int, str, list[
     return OK, "", recorded + [json.dumps(engine.describe())]
 
 
-@pytest.mark.parametrize("behaviour", [b for b in BEHAVIOURS if b not in NEEDS_TOKENIZER])
+# behaviours that wait on purpose (a deadline, a retry's backoff): `slow`, out of the fast loop
+WAITS = ("hang", "trickle", "trickle-models", "429-twice-then-ok", "drop-once")
+
+
+@pytest.mark.parametrize(
+    "behaviour",
+    [pytest.param(b, marks=[pytest.mark.slow] if b in WAITS else []) for b in BEHAVIOURS if b not in NEEDS_TOKENIZER],
+)
 def test_client_behaviour(served, monkeypatch, behaviour):
     code, words, extra = BEHAVIOURS[behaviour]
     _setup(served, behaviour)
