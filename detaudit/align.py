@@ -145,7 +145,9 @@ def align(
     from detaudit.fingerprint import collect
     from detaudit.inputs import check_model, eos_ids, load_suites, tokenize, tokenizer_for
     from detaudit.models import resolve_model
+    from detaudit.runs import check_output_dir
 
+    check_output_dir(output_path)  # before the model runs: a path it cannot write is refused first
     (suite,) = load_suites([cfg.suite], data_dir, cfg.limit)
     ref = resolve_model(cfg.model, auto_prepare=True, console=console)
     tok = tokenizer_for(ref.path)

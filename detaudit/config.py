@@ -19,6 +19,9 @@ MAX_NEW_TOKENS = 1 << 20  # generated tokens per prompt: more than any model's c
 MAX_SEED = 2**63 - 1  # seeds are non-negative 64-bit integers, as every engine and server takes them
 MAX_TOP_K = 2**31 - 1  # an int32 in every engine and server API
 MAX_LOGPROBS = 20  # OpenAI-compatible APIs and vLLM return at most 20 top log-probabilities per position
+# cells one grid (a sweep's, or the one a manifest declares) may hold: 4 TP sizes x 3 backends x 3 batch sizes
+# is 36 a suite; past this it is a typo or a hostile manifest, whose readers would list every cell
+MAX_GRID_CELLS = 10_000
 DEVICE_RE = re.compile(r"cpu|cuda(:[0-9]{1,2})?")
 # vLLM raises smaller temperatures to 0.01 (the engines would sample differently), and logits / T
 # overflows to inf (NaN probabilities) as T nears 0: a temperature below it is refused; 0 is greedy
@@ -33,6 +36,17 @@ def check_tp_size(tp: int, option: str = "--tp") -> None:
 def check_limit(limit: int | None) -> None:
     if limit is not None and not 1 <= limit <= MAX_LIMIT:
         raise DetauditError(f"--limit must be between 1 and {MAX_LIMIT} (got {limit})")
+
+
+def check_grid_size(*axes: object) -> int:
+    """The number of cells of a grid of these axes (sized lists), refused past MAX_GRID_CELLS."""
+    n = math.prod(len(a) for a in axes)  # type: ignore[arg-type]
+    if n > MAX_GRID_CELLS:
+        raise DetauditError(
+            f"the grid has {n} cells (suites x backends x TP sizes x batch sizes x background loads); "
+            f"detaudit runs at most MAX_GRID_CELLS = {MAX_GRID_CELLS}"
+        )
+    return n
 
 
 def check_device(device: object, option: str = "--device") -> str:
@@ -270,6 +284,7 @@ class SweepConfig:
                 raise DetauditError(f"--background-load {bg}: must be between 0 and {MAX_BATCH}")
         if self.tp_mode not in TP_MODES:
             raise DetauditError(f"--tp-mode {self.tp_mode}: must be one of {', '.join(TP_MODES)}")
+        check_grid_size(self.suites, self.backends, self.tp, self.batch_sizes, self.background_load)
         for name, values in (
             ("--backends", self.backends),
             ("--tp", self.tp),

@@ -64,6 +64,9 @@ class EngineInfo:
     check_model: Callable[[ModelRef, SweepConfig], None] | None = None  # refuses a model it cannot run as asked
     # backends computed by the engine's own kernels, which detaudit's registry cannot provide: name -> what
     native_backends: dict[str, str] = field(default_factory=dict)
+    # the text the driver records from what it returned (decoded outputs), cleaned of a secret it holds (a
+    # server's API key, which a hostile server could spell out in its tokens)
+    scrub: Callable[[SweepConfig], Callable[[str], str]] | None = None
 
 
 ENGINES: dict[str, EngineInfo] = {}
@@ -193,6 +196,13 @@ def _check_openai(cfg: SweepConfig) -> None:
     check_openai(cfg)
 
 
+def _openai_scrub(cfg: SweepConfig) -> Callable[[str], str]:
+    from detaudit.server.urls import read_api_key, redact_secret
+
+    key = read_api_key(cfg.engine.server.api_key_env if cfg.engine.server else None)
+    return lambda text: redact_secret(text, key)
+
+
 def _check_vllm_server(cfg: SweepConfig) -> None:
     from detaudit.server.hooks import check_started_server
 
@@ -252,6 +262,7 @@ register_engine(
         defaults={"backends": "bf16", "tp": "1"},  # one deployment: its backend and TP are labels
         identity=_openai_identity,
         describes_per_cell=True,
+        scrub=_openai_scrub,
     )
 )
 register_engine(

@@ -83,6 +83,29 @@ def _rows(results: Iterable[Check]) -> list[list[str]]:
     return rows
 
 
+def check_report_url(url: str) -> str:
+    """`--report-url` goes into the markdown as a link target: an http(s) URL of printable characters
+    without spaces (a line break or a parenthesis would end the link and let the rest be markdown)."""
+    from urllib.parse import urlsplit
+
+    shown = repr(_NOT_PRINTABLE.sub("?", url)[:80])
+    if _NOT_PRINTABLE.search(url) or any(c in url for c in "()<>`"):
+        raise DetauditError(
+            f"--report-url {shown}: a URL holds no spaces, control or non-ASCII characters, parentheses, angle "
+            "brackets or backticks (percent-encode them)"
+        )
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+        raise DetauditError(f"--report-url {shown}: expected an http(s)://HOST/... URL")
+    return url
+
+
+_NOT_PRINTABLE = re.compile(r"[^\x21-\x7e]|\s")
+
+
 def _code(s: object) -> str:
     return "`" + str(s).replace("`", "'") + "`"
 
@@ -106,7 +129,7 @@ def render_markdown(result: GateResult, report_url: str | None = None) -> str:
         out.append("")
     if result.notes:
         out += ["**Notes**", ""] + [f"- {n}" for n in result.notes] + [""]
-    links = [f"[the report]({report_url})"] if report_url else []
+    links = [f"[the report]({check_report_url(report_url)})"] if report_url else []
     if result.run_dir:
         links += [_code(Path(result.run_dir) / f) for f in REPORT_FILES if (Path(result.run_dir) / f).is_file()]
     if links:
@@ -176,9 +199,11 @@ def render_junit(result: GateResult) -> bytes:
 
 
 def write_junit(result: GateResult, path: str | os.PathLike) -> Path:
+    """Written atomically (a CI reporter reading it meanwhile, or a full disk, never sees half a file)."""
+    from detaudit.runs import atomic_write_bytes
+
     out = Path(path)
-    try:
-        out.write_bytes(render_junit(result))
-    except OSError as e:
-        raise DetauditError(f"cannot write --junit {out}: {e.strerror}") from None
+    if out.is_dir():
+        raise DetauditError(f"cannot write --junit {out}: it is a directory")
+    atomic_write_bytes(out, render_junit(result), parents=False, label="--junit ")
     return out

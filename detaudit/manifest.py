@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from detaudit.config import TP_MODES, Cell, SweepConfig
+from detaudit.config import (
+    TP_MODES,
+    Cell,
+    DecodingParams,
+    EngineSettings,
+    ServerConfig,
+    SweepConfig,
+    check_grid_size,
+)
 from detaudit.errors import DetauditError
 
 FORMAT_VERSION = 2
 STATES = ("pending", "done", "failed")
-MAX_GRID = 1_000_000  # cells a configured grid may hold: more is a corrupt (or hostile) manifest
 MAX_PROMPTS = 10**12  # a cell's recorded prompt count
+MAX_CELL_ID = 200  # characters: `<id>.parquet` stays under every filesystem's 255-byte name limit
 # suite__backend__tpN__bsN, optionally followed by load suffixes (server cells): never a path
 CELL_ID_RE = re.compile(
     r"^[A-Za-z0-9][A-Za-z0-9_.-]*__[A-Za-z0-9][A-Za-z0-9_.-]*__tp[0-9]{1,2}__bs[0-9]{1,6}(__[a-z]+[0-9]{1,7})*$"
@@ -30,7 +37,7 @@ CELL_ID_RE = re.compile(
 
 
 def check_cell_id(cell_id: Any, where: str) -> str:
-    if not isinstance(cell_id, str) or len(cell_id) > 200 or not CELL_ID_RE.fullmatch(cell_id):
+    if not isinstance(cell_id, str) or len(cell_id) > MAX_CELL_ID or not CELL_ID_RE.fullmatch(cell_id):
         raise DetauditError(
             f"{where}: {str(cell_id)[:80]!r} is not a detaudit cell id (corrupt or hand-edited manifest)"
         )
@@ -221,6 +228,12 @@ class Manifest:
         )
         for key in ("name", "path", "architecture", "checksum"):
             _get(m.model, key, str, f"{where}: model")
+        recorded, identity = m.model.get("checksum"), m.identity.get("model_checksum")
+        if recorded is not None and identity is not None and recorded != identity:
+            raise DetauditError(
+                f"{where}: model checksum {recorded[:16]!r} is not the run identity's {str(identity)[:16]!r} "
+                "(corrupt or hand-edited manifest)"
+            )
         _check_cells(m, where)
         return m
 
@@ -245,8 +258,6 @@ def _config(c: dict, where: str) -> dict:
     keys of other versions are kept as they are."""
     import dataclasses
     import typing
-
-    from detaudit.config import EngineSettings
 
     w = f"{where}: config"
     c = dict(c)
@@ -273,7 +284,50 @@ def _config(c: dict, where: str) -> dict:
         len(shard) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in shard)
     ):
         raise _bad(w, "shard", "[I, N]", shard)
+    # the values, as the sweep that wrote them checked them (a temperature "hot", a device "tpu", a dtype
+    # "float8" is no sweep's): the typed objects are built from what the manifest holds
+    _typed(DecodingParams, c.get("decoding"), f"{w}.decoding")
+    server = _typed(ServerConfig, c.get("server"), f"{w}.server") if c.get("server") else None
+    flat = {k: c[k] for k in ("dtype", "device", "cuda_graphs", "hang_timeout") if c.get(k) is not None}
+    _typed(EngineSettings, {**flat, "server": server}, w, built={"server"})
     return c
+
+
+def _typed(cls: type, d: Any, where: str, built: frozenset | set = frozenset()) -> Any:
+    """`cls` (a config dataclass) built from a manifest's mapping: each field present checked against its
+    declared type, then the class's own checks of the values (`__post_init__`); keys of other versions
+    are left out. A value no sweep writes is one line naming the field."""
+    import dataclasses
+    import typing
+
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise DetauditError(f"{where} must be a mapping, got {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d or d[f.name] is None and f.name not in built:
+            continue
+        v, t = d[f.name], hints[f.name]
+        if f.name not in built:
+            args = [a for a in typing.get_args(t) if a is not type(None)]
+            kind = args[0] if len(args) == 1 and typing.get_origin(t) is not tuple else t
+            if typing.get_origin(kind) is tuple:
+                if not isinstance(v, list) or not all(isinstance(x, typing.get_args(kind)[0]) for x in v):
+                    raise _bad(where, f.name, f"a list of {typing.get_args(kind)[0].__name__}", v)
+                v = tuple(v)
+            elif kind is float:
+                _get(d, f.name, (int, float), where)
+                if not -1e300 < v < 1e300:  # NaN too; a 4000-digit int must never reach float()
+                    raise _bad(where, f.name, "a finite number", v)
+            elif kind in (int, str, bool):
+                _get(d, f.name, kind, where)
+        values[f.name] = v
+    try:
+        return cls(**values)
+    except (DetauditError, TypeError, ValueError, OverflowError) as e:
+        raise DetauditError(f"{where}: {e} (corrupt or hand-edited manifest)") from None
 
 
 GRID_AXES = ("suites", "backends", "tp", "batch_sizes", "background_load")
@@ -293,11 +347,8 @@ def widen_grid(config: dict, *others: dict) -> None:
 def _grid(c: dict, w: str) -> dict[str, Cell]:
     axes = {key: c.get(key) or [] for key in GRID_AXES}
     axes["background_load"] = axes["background_load"] or [0]
-    if math.prod(len(v) for v in axes.values()) > MAX_GRID:
-        raise DetauditError(
-            f"{w}: the configured grid has more than {MAX_GRID} cells (corrupt or hand-edited manifest)"
-        )
     try:
+        check_grid_size(*axes.values())  # before any cell is built: a few bytes can declare millions
         cfg = SweepConfig(
             model="-",
             **{k: tuple(v) for k, v in axes.items()},

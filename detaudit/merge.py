@@ -17,7 +17,7 @@ from pathlib import Path
 
 from detaudit.errors import DetauditError
 from detaudit.manifest import CellMeta, Manifest, numerics_conflicts, widen_grid
-from detaudit.runs import PROMPTS, RunDir, now, umask
+from detaudit.runs import PROMPTS, RunDir, atomic_write_bytes, now, open_regular, umask
 
 
 def _check_paths(paths: list[Path], output: Path) -> None:
@@ -126,7 +126,8 @@ def merge_runs(inputs: list[Path], output: Path, allow_mixed_hardware: bool = Fa
                 _merge_cells(run, out, sources)
             prompts = next((r.path / PROMPTS for r in runs if (r.path / PROMPTS).is_file()), None)
             if prompts is not None:  # comparable runs sent the same prompts (their identity holds the hashes)
-                shutil.copyfile(prompts, staging / PROMPTS)
+                with open_regular(prompts) as f:
+                    atomic_write_bytes(staging / PROMPTS, f.read())
             out.save()
         os.unlink(staging / ".lock")
         if output.exists():
@@ -161,7 +162,7 @@ def _merge_cells(run: RunDir, out: RunDir, sources: dict[str, RunDir]) -> None:
             continue
         copy = CellMeta(**{**meta.__dict__, "extra": {**meta.extra, "source_run": str(run.path)}})
         if valid:
-            out.write_cell_bytes(cid, run.cell_path(cid).read_bytes())
+            out.write_cell_bytes(cid, run.read_bytes(cid))
             sources[cid] = run
         elif meta.state == "done":
             copy.update(state="pending", error=f"cell file in {run.path} is missing or corrupt; not merged")

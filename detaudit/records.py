@@ -77,6 +77,12 @@ SCHEMA = pa.schema(
     ]
 )
 
+# log-softmax of fp32 logits is <= 0 exactly; a server computing it in lower precision can land a few
+# ulps above 0 for a near-certain token, never more. What a record holds past it (or NaN, or an infinity)
+# no engine computes: a cell file holding one is corrupt, a server answer holding one is refused.
+LOGPROB_MAX = 1e-3
+LOGPROB_COLUMNS = ("token_logprobs", "topk_logprobs", "tf_token_logprobs")
+
 ROUTING_COLUMNS = tuple(f"{p}route_{x}" for p in ("", "tf_") for x in ("experts", "gates", "margins"))
 OPTIONAL_COLUMNS = ("repeat", *ROUTING_COLUMNS)  # newer than some cell files: not required when reading
 COLUMNS = [f.name for f in SCHEMA if f.name not in OPTIONAL_COLUMNS]

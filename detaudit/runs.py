@@ -16,6 +16,9 @@ the manifest is validated against its schema (`detaudit.manifest`), cell ids mus
 pattern (they become file names), and a cell file must carry its own cell id and its run's identity.
 A JSON file nested deeper than any detaudit file is refused before it is used, and so is a run directory
 whose `cells/` (or a cell file, the lock, the logs) resolves outside it: a symlink never redirects a write.
+Files are read only when they are regular files (`open_regular`: a FIFO, socket or device in their place
+is refused, never waited on), and a cell file's columns, rows and numbers are checked against the cell
+the manifest records (`RunDir.read_table`).
 Files are created with the mode the umask gives (0644 usually), as any other tool's: run directories
 are shared as CI artifacts.
 """
@@ -26,19 +29,22 @@ import datetime as _dt
 import errno
 import fcntl
 import json
+import math
 import os
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from detaudit.errors import DetauditError
 from detaudit.manifest import CellMeta, Manifest, check_cell_id, widen_grid
-from detaudit.records import COLUMNS, SCHEMA
+from detaudit.records import COLUMNS, LOGPROB_COLUMNS, LOGPROB_MAX, SCHEMA
 
 MANIFEST = "manifest.json"
 CELLS = "cells"
@@ -48,6 +54,7 @@ LOGS = "logs"  # logs of processes an engine starts
 ALIGN_FILE = "alignment.parquet"
 ALIGN_SUMMARY = "alignment.json"
 MAX_JSON_DEPTH = 32  # a manifest nests about 6 levels; deeper is not a detaudit file (and recursion bait)
+MAX_JSON_BYTES = 256 * 2**20  # a manifest of 10,000 cells takes a few MB
 CELL_KEY = b"detaudit.cell_id"
 RUN_KEY = b"detaudit.run"  # the run's comparable key: a cell file of another sweep is refused
 PROMPT_SCHEMA = pa.schema(
@@ -69,10 +76,10 @@ def now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _disk_error(path: Path, e: OSError) -> DetauditError:
+def _disk_error(path: Path, e: OSError, label: str = "") -> DetauditError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return DetauditError(f"cannot write {path}: {e.strerror} (nothing already written was lost)")
-    return DetauditError(f"cannot write {path}: {e.strerror or e}")
+        return DetauditError(f"cannot write {label}{path}: {e.strerror} (nothing already written was lost)")
+    return DetauditError(f"cannot write {label}{path}: {e.strerror or e}")
 
 
 def umask() -> int:
@@ -101,12 +108,30 @@ def unwritable(directory: Path) -> str | None:
     return None
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def check_output_dir(path: Path) -> None:
+    """Before any work, creating nothing: refuse a directory to write that cannot be made or written (a
+    file in its place, an unwritable or read-only parent, a name too long)."""
+    full = Path(path).absolute()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if full.exists() and not full.is_dir():
+            raise DetauditError(f"output path {path} is not a directory")
+        nearest = next(p for p in (full, *full.parents) if p.exists())
+    except OSError as e:  # a name too long, a loop of symlinks
+        raise DetauditError(f"output path {path}: {e.strerror or e}") from None
+    why = unwritable(nearest)
+    if why:
+        raise DetauditError(f"output path {path} is not writable: {why}")
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, parents: bool = True, label: str = "") -> None:
+    """`data` as the whole of `path`, or `path` as it was (a temporary file beside it, renamed over it);
+    `parents`: create missing directories; `label` names the file in an error ("--junit ")."""
+    try:
+        if parents:
+            path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
-        raise _disk_error(path, e) from None
+        raise _disk_error(path, e, label) from None
     try:
         os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 would make the run unreadable to anyone else
         with os.fdopen(fd, "wb") as f:
@@ -120,7 +145,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         except FileNotFoundError:
             pass
         if isinstance(e, OSError):
-            raise _disk_error(path, e) from None
+            raise _disk_error(path, e, label) from None
         raise
 
 
@@ -128,9 +153,36 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
+def open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading, if it is a regular file (symlinks followed). The open never blocks
+    (O_NONBLOCK: a FIFO has no writer to wait for), and what it opened is checked with fstat, so a FIFO,
+    socket or device put where a detaudit file belongs is refused instead of read forever.
+    FileNotFoundError passes through; anything else is a DetauditError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise DetauditError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a file"
+            raise DetauditError(f"{path} is {kind}, not a regular file; refused")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_json(path: Path, what: str) -> Any:
     try:
-        data = json.loads(path.read_text())
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_JSON_BYTES:
+                raise DetauditError(f"{path} is corrupt: {size} bytes, more than any detaudit file holds")
+            data = json.loads(f.read().decode())
     except FileNotFoundError:
         raise DetauditError(f"{path.parent} is not a detaudit {what} directory (no {path.name})") from None
     except RecursionError:
@@ -202,7 +254,7 @@ class RunDir:
 
     def check_contained(self) -> None:
         """The directories and files the run writes or reads resolve inside it."""
-        self._check_inside(*(self.path / name for name in (CELLS, MANIFEST, LOCK, LOGS)))
+        self._check_inside(*(self.path / name for name in (CELLS, MANIFEST, LOCK, LOGS, PROMPTS)))
 
     # ---- lifecycle
     @contextmanager
@@ -211,9 +263,12 @@ class RunDir:
             self.path.mkdir(parents=True, exist_ok=True)
             self.check_contained()
             (self.path / CELLS).mkdir(exist_ok=True)
-            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
         except OSError as e:
             raise DetauditError(f"output path {self.path} is not writable: {e.strerror}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device: never written to or waited on
+            os.close(fd)
+            raise DetauditError(f"{self.path / LOCK} is not a regular file; refused (remove it)")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -245,9 +300,10 @@ class RunDir:
 
     def _lock_holder(self) -> str:
         try:
-            pid = (self.path / LOCK).read_text().strip()
-            return f" (pid {pid})" if pid else ""
-        except OSError:
+            with open_regular(self.path / LOCK) as f:
+                pid = f.read(32).decode(errors="replace").strip()
+            return f" (pid {pid})" if pid.isdigit() else ""
+        except (OSError, DetauditError):
             return ""
 
     def exists(self) -> bool:
@@ -256,16 +312,11 @@ class RunDir:
     def preflight(self) -> None:
         """Before any work, creating nothing: refuse an output path that cannot become this run's
         directory (a file, an unwritable place, a symlinked `cells/`, a corrupt manifest)."""
-        path = self.path.absolute()
-        if path.exists() and not path.is_dir():
-            raise DetauditError(f"output path {self.path} is not a directory")
+        check_output_dir(self.path)
         if self.exists():
             self.load()
-        elif path.is_dir():
+        elif self.path.is_dir():
             self.check_contained()
-        why = unwritable(next(p for p in (path, *path.parents) if p.exists()))
-        if why:
-            raise DetauditError(f"output path {self.path} is not writable: {why}")
 
     def load(self) -> Manifest:
         if not self.path.is_dir():
@@ -314,18 +365,16 @@ class RunDir:
 
     # ---- cells
     def cell_is_valid(self, cell_id: str, meta: CellMeta | None = None) -> bool:
-        """The file exists, is readable, carries this cell's id and this run's identity, and holds
-        one row per prompt."""
-        path = self.cell_path(cell_id)
-        if not path.exists():
+        """The cell's file is one `read_table` accepts (this cell's id and this run's identity, every
+        column of its type, rows that agree with the cell, one per prompt), so a resumed sweep or a
+        merge never counts as done a cell that analyze would refuse."""
+        if not os.path.lexists(self.cell_path(cell_id)):
             return False
         try:
-            md = pq.read_metadata(path)
-        except Exception:
+            self.read_table(cell_id, meta=meta)
+        except DetauditError:
             return False
-        return self._identity_error(md.metadata or {}, cell_id) is None and (
-            meta is None or not meta.prompts or md.num_rows == meta.prompts
-        )
+        return True
 
     def _identity_error(self, kv: dict, cell_id: str) -> str | None:
         stored = kv.get(CELL_KEY, b"").decode(errors="replace")
@@ -334,6 +383,44 @@ class RunDir:
         run = kv.get(RUN_KEY)
         if run is not None and self.manifest is not None and run.decode(errors="replace") != self.manifest.comparable():
             return "it belongs to another sweep"
+        return None
+
+    def _rows_error(self, table: pa.Table, cell_id: str, meta: CellMeta | None) -> str | None:
+        """What a cell file's rows hold that the cell they belong to cannot: a column of another type than
+        the record schema's, a coordinate (cell id, backend, TP, batch size, suite, engine, model) other
+        than the manifest's for this cell, another number of rows than its prompts, or a log-probability
+        no engine computes (NaN, infinite, positive)."""
+        for f in table.schema:
+            want = SCHEMA.field(f.name).type if f.name in SCHEMA.names else None
+            if want is not None and not f.type.equals(want):
+                return f"column {f.name!r} holds {str(f.type)[:60]}, not {want}"
+        expected: dict[str, Any] = {"cell_id": cell_id}
+        if meta is not None:
+            expected.update(
+                backend=meta.backend, tp=meta.tp, batch_size=meta.batch_size, suite=meta.suite, engine=meta.engine
+            )
+        if self.manifest is not None and isinstance(self.manifest.model.get("name"), str):
+            expected["model"] = self.manifest.model["name"]
+        for column, want in expected.items():
+            if column in table.column_names:
+                other = [v for v in pc.unique(table.column(column)).to_pylist() if v != want]
+                if other:
+                    if column == "cell_id":
+                        return f"its rows belong to cell {str(other[0])[:80]!r}"
+                    return f"its rows record {column} {_shown(other[0])}, the manifest {_shown(want)}"
+        if meta is not None and meta.prompts and table.num_rows != meta.prompts:
+            return f"it holds {table.num_rows} records, the manifest {meta.prompts} for this cell"
+        for column in LOGPROB_COLUMNS:
+            if column in table.column_names:
+                values = table.column(column).combine_chunks()
+                while pa.types.is_list(values.type):
+                    values = values.flatten()
+                if len(values) and values.null_count < len(values):
+                    low, high = pc.min_max(values).values()
+                    nan = pc.any(pc.is_nan(values)).as_py()
+                    if nan or not math.isfinite(low.as_py()) or high.as_py() > LOGPROB_MAX:
+                        bad = "NaN" if nan else low.as_py() if not math.isfinite(low.as_py()) else high.as_py()
+                        return f"column {column!r} holds {bad} (a log-probability is a finite number <= 0)"
         return None
 
     def write_cell(self, cell_id: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
@@ -358,17 +445,25 @@ class RunDir:
         self.manifest.cells[cell_id].update(state=state, **meta)
         self.save()
 
-    def read_table(self, cell_id: str, columns: list[str] | None = None) -> pa.Table:
-        """A done cell's records, checked: readable, every record column present, its own cell id
-        (file metadata and rows) and this run's identity. Anything else is a corrupt cell (exit 2)."""
+    def read_table(self, cell_id: str, columns: list[str] | None = None, meta: CellMeta | None = None) -> pa.Table:
+        """A cell's records, checked: a regular file, readable, every record column present and of its
+        type, its own cell id (file metadata and rows) and this run's identity, rows that agree with the
+        cell (`meta`, default: the manifest's) and numbers an engine computes. Anything else is a corrupt
+        cell (exit 2)."""
         path = self.cell_path(cell_id)
+        if meta is None and self.manifest is not None:
+            meta = self.manifest.cells.get(cell_id)
         try:
-            pf = pq.ParquetFile(path)
-            table = pf.read(columns=columns)
+            with open_regular(path) as f:
+                pf = pq.ParquetFile(f)
+                table = pf.read(columns=columns)
+                kv = pf.schema_arrow.metadata or {}
         except FileNotFoundError:
             raise DetauditError(
                 f"cell {cell_id} is marked done but its file {path} is missing; rerun the sweep to recompute it"
             ) from None
+        except DetauditError:
+            raise
         except Exception as e:
             raise DetauditError(
                 f"cell file {path} is unreadable or truncated ({type(e).__name__}); rerun the sweep to recompute it"
@@ -376,17 +471,22 @@ class RunDir:
         missing = [c for c in (columns or COLUMNS) if c not in table.column_names]
         if missing:
             raise DetauditError(f"cell file {path} is corrupt: it lacks columns {', '.join(missing)}")
-        why = self._identity_error(pf.schema_arrow.metadata or {}, cell_id)
-        if why is None and "cell_id" in table.column_names:
-            ids = set(table.column("cell_id").to_pylist())
-            if ids - {cell_id}:
-                why = f"its rows belong to cell {sorted(map(str, ids - {cell_id}))[0]!r}"
+        why = self._identity_error(kv, cell_id) or self._rows_error(table, cell_id, meta)
         if why:
             raise DetauditError(f"cell file {path} is corrupt: {why}; rerun the sweep to recompute it")
         return table
 
+    def read_bytes(self, cell_id: str) -> bytes:
+        """A cell file's bytes (a regular file only), for a copy into another run."""
+        with open_regular(self.cell_path(cell_id)) as f:
+            return f.read()
+
     def read_cell(self, cell_id: str) -> pd.DataFrame:
         return self.read_table(cell_id).to_pandas()
+
+
+def _shown(value: Any) -> str:
+    return repr(value[:40]) if isinstance(value, str) else str(value)[:40]
 
 
 def cell_bytes(cell_id: str, rows: list[dict[str, Any]], run_key: str) -> bytes:

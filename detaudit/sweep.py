@@ -22,7 +22,7 @@ from detaudit.engines import EngineInfo, check_engine_backends, check_tp_mode, g
 from detaudit.errors import DetauditError
 from detaudit.executors import CellGroup, CellJob, CellOutput, get_executor
 from detaudit.inputs import PromptSet, check_model, eos_ids, load_suites, tokenize, tokenizer_for
-from detaudit.manifest import CellMeta, Manifest, numerics_conflicts
+from detaudit.manifest import MAX_CELL_ID, CellMeta, Manifest, check_cell_id, numerics_conflicts
 from detaudit.progress import CellProgress
 from detaudit.runs import LOGS, RunDir, now
 
@@ -95,6 +95,21 @@ def shard_cells(cfg: SweepConfig, shard: tuple[int, int] | None) -> list[Cell]:
     return [c for c in cells if c in mine or c in refs]
 
 
+def check_cell_ids(cfg: SweepConfig) -> None:
+    """Cell ids name the run's files and are checked on every read (`manifest.check_cell_id`): a suite
+    whose task name would make an id no reader accepts (too long) is refused here, by its name, before the
+    run directory exists."""
+    for cell in cfg.cells():
+        try:
+            check_cell_id(cell.id, "cell id")
+        except DetauditError:
+            raise DetauditError(
+                f"suite {cell.suite[:40]!r}{'...' if len(cell.suite) > 40 else ''}: its task name ({len(cell.suite)} "
+                f"characters) makes cell ids of {len(cell.id)}; a cell id is at most {MAX_CELL_ID} characters "
+                "(it names the cell's file): shorten `task:`"
+            ) from None
+
+
 def build_manifest(
     cfg: SweepConfig,
     model,
@@ -151,7 +166,7 @@ def build_manifest(
                 c.suite,
                 tp_mode=cfg.tp_mode_of(c.tp),
                 engine=cfg.engine.name,
-                prompts=len(prompts[c.suite].ids),
+                prompts=len(prompts[c.suite].ids) * cfg.repeats,  # records: one per prompt and repeat
             )
             for c in cells
         },
@@ -264,14 +279,17 @@ def run_sweep(
     notes: list[str] = []
     suites, model, tokenizer, prompts = prepare(cfg, data_dir, console, notes)
     cfg = replace(cfg, suites=tuple(prompts))  # YAML paths -> task names: cells are named by the task
+    check_cell_ids(cfg)
     env = fingerprint.collect()
     run = RunDir(output_path)
     result = SweepResult(run_dir=run.path)
+    # everything that can still refuse the sweep (a server that does not answer its probe) before the run
+    # directory is made
+    cells = shard_cells(cfg, shard)
+    manifest = build_manifest(cfg, model, prompts, env, command, cells, shard)
+    manifest.executor = executor.describe()
+    _engine_identity(info, cfg, manifest, model)
     with run.locked():
-        cells = shard_cells(cfg, shard)
-        manifest = build_manifest(cfg, model, prompts, env, command, cells, shard)
-        manifest.executor = executor.describe()
-        _engine_identity(info, cfg, manifest, model)
         done = set(run.init_or_check(manifest))
         for line in notes:  # each suite's decoding, once the run directory took the sweep
             console.print(line, highlight=False, soft_wrap=True)
@@ -288,6 +306,7 @@ def run_sweep(
             for (backend, tp), g in groupby(todo, key=lambda c: (c.backend, c.tp))
         ]
         by_id = {c.id: c for c in cells}
+        scrub = info.scrub(cfg) if info.scrub is not None else None
         with CellProgress(
             console,
             total=len(cells),
@@ -300,7 +319,7 @@ def run_sweep(
 
             def on_output(out: CellOutput) -> None:
                 cell = by_id[out.cell_id]
-                _record(info, run, model, tokenizer, prompts[cell.suite], cfg, cell, out, result, progress)
+                _record(info, run, model, tokenizer, prompts[cell.suite], cfg, cell, out, result, progress, scrub)
 
             executor.run(groups, lambda ref_id: _reference_outputs(run, ref_id), on_output, progress.event)
     return result
@@ -355,6 +374,7 @@ def _record(
     out: CellOutput,
     result: SweepResult,
     progress: CellProgress,
+    scrub=None,
 ) -> None:
     assert run.manifest is not None
     if out.error is not None:
@@ -366,7 +386,7 @@ def _record(
     run.manifest.backends[f"{cell.backend}@tp{cell.tp}"] = out.describe
     if info.describes_per_cell:  # vLLM: knobs of the engine that ran this batch size (servers: and load)
         run.manifest.backends[cell.describe_key] = out.describe
-    rows = _rows(cfg, cell, model, tokenizer, ps, out)
+    rows = _rows(cfg, cell, model, tokenizer, ps, out, scrub)
     meta = {**out.timing, "finished": now(), "tp_mode": "emulated" if out.emulated else "real"}
     if out.placement:
         meta["placement"] = out.placement
@@ -416,7 +436,7 @@ def _tf_routing(routes: list | None, k: int) -> dict:
     return {"tf_route_experts": experts, "tf_route_gates": gates, "tf_route_margins": margins}
 
 
-def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: CellOutput) -> list[dict]:
+def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: CellOutput, scrub=None) -> list[dict]:
     from detaudit.generation import cut_at_stop
     from detaudit.grading import extract_answer, is_correct
 
@@ -428,6 +448,7 @@ def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: Ce
     for k, g in enumerate(out.generations):
         i, repeat = k % n, (k // n if cfg.repeats > 1 else None)  # --repeats: rows are repeat-major
         text = cut_at_stop(tokenizer.decode(g.token_ids, skip_special_tokens=True), stops)
+        text = scrub(text) if scrub is not None else text  # a server's API key, spelled out in its tokens
         answer = ps.answers[i]
         rows.append(
             {

@@ -288,3 +288,54 @@ def stopped_sweep(args: list[str], log, point: str, **popen):
             raise AssertionError(f"the sweep ended (exit {proc.returncode}) before {point}: {tail}")
         time.sleep(0.02)  # polling only: the sweep decides when it stops
     return proc
+
+
+# ---------------------------------------------------------------- matrices: no hang, no traceback, no leak
+
+
+class Hung(BaseException):
+    """Raised in the main thread when a command outlives its deadline: a BaseException, so no `except
+    Exception` on the way (a reader's own error handling) can swallow it."""
+
+
+def deadline(seconds: float):
+    """A context that raises `Hung` after `seconds` (SIGALRM, main thread): a blocking read of a FIFO is
+    interrupted and the test fails instead of hanging. Generous on purpose: it catches hangs, it does not
+    time anything."""
+    import contextlib
+    import signal
+
+    @contextlib.contextmanager
+    def ctx():
+        def fire(signum, frame):
+            raise Hung(f"still running after {seconds} s: a hang")
+
+        old = signal.signal(signal.SIGALRM, fire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+
+    return ctx()
+
+
+def secret_pieces(blob: bytes | str, secret: str, n: int = 8) -> list[str]:
+    """The pieces of `secret` of `n` characters found in `blob` once its control, format and whitespace
+    characters are removed (a server can split the key with them): what a reader could reassemble."""
+    import unicodedata
+
+    text = blob.decode("utf-8", "replace") if isinstance(blob, bytes) else blob
+    visible = "".join(ch for ch in text if unicodedata.category(ch) not in ("Cc", "Cf", "Zs", "Zl", "Zp"))
+    return sorted({secret[i : i + n] for i in range(len(secret) - n + 1) if secret[i : i + n] in visible})
+
+
+def leaked_pieces(root, secret: str, n: int = 8) -> list[tuple[str, str]]:
+    """(file, piece) for every piece of `secret` of `n` characters in any file under `root` (Parquet and
+    gzip decoded, as `find_secrets` reads them)."""
+    hits = []
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        for blob in file_texts(p):
+            hits += [(str(p.relative_to(root)), piece) for piece in secret_pieces(blob, secret, n)]
+    return sorted(set(hits))

@@ -32,6 +32,7 @@ from detaudit.cli.common import (
     err,
     handle_errors,
     out,
+    out_path,
     print_json,
     print_rows,
 )
@@ -59,7 +60,9 @@ def align(
     tp_mode: TpModeOpt = TpMode.real,
     dtype: DtypeOpt = Dtype.bfloat16,
     device: DeviceOpt = "cpu",
-    output_path: Annotated[Path, typer.Option("--output-path", "-o")] = Path("runs/align"),
+    output_path: Annotated[
+        Path, typer.Option("--output-path", "-o", parser=out_path, metavar="DIR", help="Directory to write.")
+    ] = Path("runs/align"),
     json_: JsonOpt = False,
 ):
     """Rollout-vs-trainer audit: do the trainer's probabilities of the sampled tokens match the rollout's?"""

@@ -195,6 +195,17 @@ class TpMode(str, Enum):
     emulated = "emulated"
 
 
+def out_path(text: str) -> Path:
+    """The parser of options naming a path to write (-o, --junit): typer would read '' as '.' (the working
+    directory); that and a name no filesystem takes are usage errors, before any work."""
+    from detaudit.paths import check_output_path
+
+    try:
+        return check_output_path(text)
+    except DetauditError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 # ---- options declared once
 JsonOpt = Annotated[bool, typer.Option("--json", help="Output as JSON.")]
 ModelOpt = Annotated[
@@ -265,7 +276,8 @@ GreedyOpt = Annotated[
     bool, typer.Option("--greedy", help="Greedy decoding instead of seeded sampling.", rich_help_panel="decoding")
 ]
 OutputOpt = Annotated[
-    Path, typer.Option("--output-path", "-o", help="Directory to write.", rich_help_panel="data and output")
+    Path,
+    typer.Option("--output-path", "-o", help="Directory to write.", rich_help_panel="data and output", parser=out_path),
 ]
 SaveOpt = Annotated[Optional[Path], typer.Option("--save", help="Also write the table (.md or .csv).")]
 RunDirArg = Annotated[

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from detaudit.cli.common import JsonOpt, RunDirArg, err, handle_errors, out, print_json
+from detaudit.cli.common import JsonOpt, RunDirArg, err, handle_errors, out, out_path, print_json
 from detaudit.errors import DetauditError
 
 
@@ -46,7 +46,13 @@ def analyze(
     json_: Annotated[bool, typer.Option("--json", help="Print the summary rows as JSON.")] = False,
     output_path: Annotated[
         Optional[Path],
-        typer.Option("--output-path", "-o", help="Where to write report.md and the CSVs (default: the run directory)."),
+        typer.Option(
+            "--output-path",
+            "-o",
+            help="Where to write report.md and the CSVs (default: the run directory).",
+            parser=out_path,
+            metavar="DIR",
+        ),
     ] = None,
 ):
     """Metrics per (model, suite, backend): unique outputs, probability divergence, accuracy, ...
@@ -59,7 +65,10 @@ def report(
     run_dir: RunDirArg,
     format: Annotated[str, typer.Option("--format", help="Comma-separated: md, csv, html.")] = "md,csv,html",
     output_path: Annotated[
-        Optional[Path], typer.Option("--output-path", "-o", help="Where to write (default: the run directory).")
+        Optional[Path],
+        typer.Option(
+            "--output-path", "-o", help="Where to write (default: the run directory).", parser=out_path, metavar="DIR"
+        ),
     ] = None,
 ):
     """Write markdown / CSV / HTML reports (tables laid out like the published ones, plots)."""
@@ -105,7 +114,13 @@ def gate(
         ),
     ] = "text",
     junit: Annotated[
-        Optional[Path], typer.Option("--junit", help="Also write the checks as JUnit XML (one test case per check).")
+        Optional[Path],
+        typer.Option(
+            "--junit",
+            help="Also write the checks as JUnit XML (one test case per check).",
+            parser=out_path,
+            metavar="FILE",
+        ),
     ] = None,
     report_url: Annotated[
         Optional[str],
@@ -117,12 +132,23 @@ def gate(
 ):
     """Exit 0 when the run meets the policy, 1 when it does not (violations listed), 2 on bad input."""
     from detaudit.gate import gate as do_gate
-    from detaudit.gate_report import FORMATS, append_step_summary, render_markdown, render_result, write_junit
+    from detaudit.gate_report import (
+        FORMATS,
+        append_step_summary,
+        check_report_url,
+        render_markdown,
+        render_result,
+        write_junit,
+    )
 
     if format not in FORMATS:
         raise DetauditError(f"--format {format}: choose among {', '.join(FORMATS)}")
     if json_ and format not in ("text", "json"):
         raise DetauditError(f"--json and --format {format}: choose one")
+    if allow_mismatch and baseline is None:
+        raise DetauditError("--allow-mismatch applies to a --baseline run: give one, or drop --allow-mismatch")
+    if report_url is not None:
+        check_report_url(report_url)
     fmt = "json" if json_ else format
     res = do_gate(run_dir, policy_path=policy, baseline_dir=baseline, allow_mismatch=allow_mismatch)
     markdown = render_markdown(res, report_url)
@@ -149,7 +175,8 @@ def merge(
         Optional[list[Path]], typer.Argument(help="Run directories to combine (e.g. the shards of one grid).")
     ] = None,
     output_path: Annotated[
-        Optional[Path], typer.Option("--output-path", "-o", help="New run directory to write.")
+        Optional[Path],
+        typer.Option("--output-path", "-o", help="New run directory to write.", parser=out_path, metavar="DIR"),
     ] = None,
     allow_mixed_hardware: Annotated[
         bool, typer.Option("--allow-mixed-hardware", help="Merge runs from different hardware (the report says so).")

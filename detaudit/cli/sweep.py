@@ -31,6 +31,7 @@ from detaudit.cli.common import (
     decoding,
     err,
     handle_errors,
+    out_path,
     print_json,
 )
 from detaudit.cli.results import analyze_and_report
@@ -151,6 +152,8 @@ def sweep(
             "-o",
             help="Run directory (resumed if it holds the same sweep).",
             rich_help_panel="data and output",
+            parser=out_path,
+            metavar="DIR",
         ),
     ] = Path("runs/default"),
     shard: Annotated[

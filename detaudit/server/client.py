@@ -12,7 +12,6 @@ key removed, the length bounded); every answer is checked field by field (`wire.
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,7 +22,7 @@ from detaudit.records import Generation, ProgressFn
 from detaudit.server import wire
 from detaudit.server.http import Http, RetryPolicy, get_json_sync
 from detaudit.server.load import LoadStats, background_pool, run_background
-from detaudit.server.urls import check_base_url, public_url, redact, server_root
+from detaudit.server.urls import check_base_url, public_url, read_api_key, redact, server_root
 
 
 @dataclass
@@ -64,12 +63,7 @@ class ServerOptions:
         return cls(**{**fields, **override})
 
     def api_key(self) -> str | None:
-        if not self.api_key_env:
-            return None
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise DetauditError(f"--api-key-env {self.api_key_env}: that environment variable is not set")
-        return key
+        return read_api_key(self.api_key_env)
 
     def retry(self) -> RetryPolicy:
         return RetryPolicy(retries=self.retries, total_s=self.retry_total_s)
@@ -238,6 +232,7 @@ class OpenAIEngine:
             decoding.logprobs,
             decoding.max_new_tokens,
             self._vocab_size(),
+            greedy=decoding.greedy,
         )
         parse = wire.parse_chat if chat else wire.parse_completion
         async with Http(

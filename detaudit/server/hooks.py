@@ -8,7 +8,7 @@ from typing import Any
 from detaudit.config import EngineOptions, SweepConfig
 from detaudit.errors import DetauditError
 from detaudit.server.client import ServerOptions, probe
-from detaudit.server.urls import check_base_url, public_url
+from detaudit.server.urls import check_base_url, public_url, read_api_key
 
 
 def openai_identity(o: EngineOptions) -> dict[str, Any]:
@@ -23,6 +23,7 @@ def check_openai(cfg: SweepConfig) -> None:
     if not base:
         raise DetauditError("--engine openai needs --base-url (e.g. http://127.0.0.1:8000/v1)")
     check_base_url(base)
+    read_api_key(cfg.engine.server.api_key_env)  # a key no HTTP header can carry: refused before any work
     if len(cfg.backends) != 1 or len(cfg.tp) != 1:
         raise DetauditError("--engine openai audits one deployment: give one --backends label (e.g. bf16) and one --tp")
 
@@ -31,3 +32,8 @@ def check_started_server(cfg: SweepConfig) -> None:
     """`--engine vllm-server` starts its own server on a free port of 127.0.0.1: no URL to give."""
     if cfg.engine.server and cfg.engine.server.base_url:
         raise DetauditError(f"--base-url applies to --engine openai (--engine {cfg.engine.name} starts its own server)")
+    if cfg.engine.server and cfg.engine.server.api_key_env:
+        raise DetauditError(
+            f"--api-key-env applies to --engine openai (--engine {cfg.engine.name} starts its own server, "
+            "without a key)"
+        )

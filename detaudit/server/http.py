@@ -118,6 +118,11 @@ class Http:
                     )
                 elif r.status >= 400:
                     raise DetauditError(f"server {where}: HTTP {r.status}: {self.scrub(_message(r.body), 200)}")
+                elif 300 <= r.status < 400:  # not followed: the key would go wherever the server points
+                    raise DetauditError(
+                        f"server {where}: HTTP {r.status} (a redirect; detaudit does not follow it: give the "
+                        "server's own address as --base-url)"
+                    )
                 else:
                     return _json(r.body, where)
             elapsed = time.monotonic() - start

@@ -7,8 +7,12 @@ mapped back to ids with `--model`'s tokenizer (`TokenMap`), which `describe()` r
 Every answer is untrusted: each field is checked for its type and range before anything of it is kept
 (`Expect`). A malformed or impossible answer (a string where a log-probability belongs, a token id
 outside the vocabulary, more tokens than `max_tokens`, none at all, a NaN / infinite / positive
-log-probability, top-k probabilities summing past 1) raises `BadAnswer`: its cell fails with one line
-naming the server and the field, and no record of it is written."""
+log-probability or one float32 cannot hold, top-k probabilities summing past 1) raises `BadAnswer`: its
+cell fails with one line naming the server and the field, and no record of it is written. So does an
+answer whose numbers contradict each other (`Expect.consistent`): a token listed twice in a top-k, a
+chosen token whose log-probability is not the one its own top-k entry gives, a chosen token missing from
+a top-k that lists less likely ones, a greedy choice below the position's top-1. Those comparisons allow
+for the rounding of a server that computes log-probabilities in fp16 / bf16 (`close`)."""
 
 from __future__ import annotations
 
@@ -19,16 +23,20 @@ from typing import Any, Callable, Sequence
 
 from detaudit.config import DecodingParams, request_seed
 from detaudit.errors import CellFailed, DetauditError
-from detaudit.records import Generation
+from detaudit.records import LOGPROB_MAX, Generation
 
 TOKEN_ID_PREFIX = "token_id:"
-# log-softmax of fp32 logits is <= 0 exactly; a server computing it in lower precision can land a few
-# ulps above 0 for a near-certain token, never more
-LOGPROB_MAX = 1e-3
+# Two log-probabilities a server reports for one token (its `logprob` and its top-k entry; a greedy
+# choice and the top-1) are one number, rounded at most twice on the way: they agree within fp16 / bf16
+# rounding (bf16 keeps 8 significant bits: a relative error of 2^-8 per rounding), plus LOGPROB_MAX near 0.
+LOGPROB_RTOL = 2**-7
+FLOAT32_MAX = 3.4028234663852886e38  # records store float32: a value past it would be stored as infinite
 # top-k probabilities of distinct tokens sum to <= 1; the slack covers bf16 rounding of each entry
 PROB_SUM_MAX = 1.01
 MAX_TOKEN_CHARS = 256  # one token's text; longer is not a token
-TOKEN_NUMBER = re.compile(r"-?[0-9]{1,40}")  # `token_id:N` (range-checked against the vocabulary)
+# `token_id:N` as vLLM writes it (range-checked against the vocabulary): no leading zero, so an id has one
+# spelling (`token_id:03000` would be a second key for token 3000)
+TOKEN_NUMBER = re.compile(r"-?(0|[1-9][0-9]{0,39})")
 
 
 class BadAnswer(CellFailed, DetauditError):
@@ -38,6 +46,8 @@ class BadAnswer(CellFailed, DetauditError):
 
 def sampling(decoding: DecodingParams, prompt_id: str, sends_top_k: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"max_tokens": decoding.max_new_tokens, "seed": request_seed(decoding.seed, prompt_id)}
+    if sends_top_k:  # vLLM and SGLang apply a model's generation_config (Qwen2.5: 1.05) unless the request says
+        body["repetition_penalty"] = 1.0
     if decoding.greedy:
         body.update(temperature=0.0, top_p=1.0)
     else:
@@ -101,7 +111,7 @@ class TokenMap:
         if token.startswith(TOKEN_ID_PREFIX):
             number = token[len(TOKEN_ID_PREFIX) :]
             if not TOKEN_NUMBER.fullmatch(number):
-                raise ValueError("is 'token_id:' without a token number")
+                raise ValueError("is 'token_id:' without a token number (digits, no leading zero)")
             return int(number)  # its range is the caller's check
         if self._tok_fn is None:
             raise DetauditError("the server returned token strings, not ids, and no tokenizer is available")
@@ -138,6 +148,7 @@ class Expect:
     k: int = 5  # top-k log-probabilities requested
     max_tokens: int = 1
     vocab: int = 0  # token ids lie in [0, vocab) (0: not checked)
+    greedy: bool = False  # the request decoded greedily: each chosen token is its position's top-1
 
     def bad(self, field: str, what: str) -> BadAnswer:
         return BadAnswer(f"server {self.where}: bad answer: {field} {what}")
@@ -158,6 +169,8 @@ class Expect:
         x = float(v) if not isinstance(v, int) or abs(v) < 10**300 else math.inf
         if not math.isfinite(x) or x > LOGPROB_MAX:
             raise self.bad(field, f"is {_show(v)} (a log-probability is a finite number <= 0)")
+        if x < -FLOAT32_MAX:
+            raise self.bad(field, f"is {_show(v)}, past float32's range (it would be recorded as -inf)")
         return x
 
     def token_id(self, v: Any, field: str) -> int:
@@ -183,6 +196,37 @@ class Expect:
         if n > self.max_tokens:
             raise self.bad(field, f"holds {n} tokens for max_tokens {self.max_tokens}")
 
+    def consistent(self, field: str, chosen: int, lp: float, pairs: list[tuple[int, float]], exact: bool) -> None:
+        """One position's numbers agree: the chosen token `chosen` at log-probability `lp` and the top-k
+        `pairs`. With exact ids (`token_id:N`, or ids given): no token listed twice, the chosen token's
+        own entry gives its log-probability, and a chosen token absent from the top-k is no more likely
+        than the least likely entry. Greedy decoding chose a top-1. (Token texts mapped to ids are
+        approximate: a tokenizer may give two texts one id, so only the greedy rule applies there.)"""
+        if exact:
+            own: dict[int, float] = {}
+            for t, x in pairs:
+                if t in own:
+                    raise self.bad(field, f"lists token {t} twice")
+                own[t] = x
+            if chosen in own and not close(own[chosen], lp):
+                raise self.bad(
+                    field, f"gives the chosen token {chosen} log-probability {own[chosen]!r}, the answer {lp!r}"
+                )
+            low = min(own.values(), default=None)
+            if chosen not in own and low is not None and lp > low and not close(lp, low):
+                raise self.bad(
+                    field,
+                    f"omits the chosen token {chosen} (log-probability {lp!r}) but lists less likely ones "
+                    f"(down to {low!r}): not the most likely tokens",
+                )
+        best = max((x for _, x in pairs), default=None)
+        if self.greedy and best is not None and lp < best and not close(lp, best):
+            raise self.bad(
+                field,
+                f"greedy decoding chose token {chosen} at log-probability {lp!r}, below the position's top-1 "
+                f"{best!r}: not a greedy answer (a repetition penalty or logit bias on the server?)",
+            )
+
     def top(self, pairs: list[tuple[int, float]], field: str, exact: bool) -> tuple[list[int], list[float]]:
         """One position's top-k: enough entries (servers that key them by text merge tokens of the same
         text, so fewer is allowed there), probabilities of at most 1 in total; ranked, cut to k."""
@@ -193,6 +237,11 @@ class Expect:
             raise self.bad(field, f"probabilities sum to {total:.4g} (> 1)")
         pairs = sorted(pairs, key=lambda p: -p[1])[: self.k]
         return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def close(a: float, b: float) -> bool:
+    """Two reports of one log-probability agree (fp16 / bf16 rounding: LOGPROB_RTOL, LOGPROB_MAX)."""
+    return abs(a - b) <= LOGPROB_MAX + LOGPROB_RTOL * max(abs(a), abs(b))
 
 
 def _finish(reason: Any) -> str:
@@ -240,6 +289,7 @@ def parse_completion(d: Any, ex: Expect, tokens: TokenMap) -> Generation:
         ids = [ex.token_id(t, f"choices[0].token_ids[{i}]") for i, t in enumerate(given)]
     else:
         ids = [ex.token(t, f"{f}.tokens[{i}]", tokens) for i, t in enumerate(toks)]
+    exact_ids = given is not None or all(isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) for t in toks)
     token_lps, top_ids, top_lps = [], [], []
     for i, (v, top) in enumerate(zip(lps, tops)):
         token_lps.append(ex.logprob(v, f"{f}.token_logprobs[{i}]"))
@@ -249,7 +299,9 @@ def parse_completion(d: Any, ex: Expect, tokens: TokenMap) -> Generation:
             (ex.token(s, f"{field} key {j}", tokens), ex.logprob(x, f"{field} value {j}"))
             for j, (s, x) in enumerate(top.items())
         ]
-        a, b = ex.top(pairs, field, all(s.startswith(TOKEN_ID_PREFIX) for s in top))
+        exact = all(s.startswith(TOKEN_ID_PREFIX) for s in top)
+        a, b = ex.top(pairs, field, exact)
+        ex.consistent(field, ids[i], token_lps[i], pairs, exact and exact_ids)
         top_ids.append(a)
         top_lps.append(b)
     return Generation(ids, token_lps, top_ids, top_lps, _finish(choice.get("finish_reason")))
@@ -269,6 +321,7 @@ def parse_chat(d: Any, ex: Expect, tokens: TokenMap) -> Generation:
     for i, e in enumerate(content):
         e = ex.mapping(e, f"{f}[{i}]")
         ids.append(ex.token(e.get("token"), f"{f}[{i}].token", tokens))
+        chosen_exact = str(e.get("token")).startswith(TOKEN_ID_PREFIX)
         token_lps.append(ex.logprob(e.get("logprob"), f"{f}[{i}].logprob"))
         field = f"{f}[{i}].top_logprobs"
         pairs = []
@@ -285,6 +338,7 @@ def parse_chat(d: Any, ex: Expect, tokens: TokenMap) -> Generation:
             for x in e.get("top_logprobs") or []
         )
         a, b = ex.top(pairs, field, exact)
+        ex.consistent(field, ids[i], token_lps[i], pairs, exact and chosen_exact)
         top_ids.append(a)
         top_lps.append(b)
     return Generation(ids, token_lps, top_ids, top_lps, _finish(choice.get("finish_reason")))

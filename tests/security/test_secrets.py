@@ -11,7 +11,7 @@ import json
 import os
 
 import pytest
-from helpers import find_secrets
+from helpers import find_secrets, secret_pieces
 
 from detaudit import fingerprint
 from detaudit.fingerprint import REDACTED, knob_env
@@ -185,3 +185,80 @@ def test_sweep_run_directory_holds_no_secret(tmp_path, monkeypatch, smollm):
         assert name not in env
     assert any(p.suffix == ".parquet" for p in out.rglob("*")), sorted(out.rglob("*"))
     assert find_secrets(out, SECRETS.values()) == []
+
+
+# ------------------------------------------------------------------ a server's API key (--api-key-env)
+
+KEY = "sk-Hw3nQ8vTz5LpX2cR7mYb4KdF9gJs6aE1"
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        (KEY + "\n", "whitespace at its start or end"),
+        (KEY + "\r\n", "whitespace at its start or end"),
+        (" " + KEY, "whitespace at its start or end"),
+        (KEY[:10] + " " + KEY[10:], "a space or control character"),
+        (KEY[:10] + "\x1b" + KEY[10:], "a space or control character"),
+        (KEY[:10] + "é" + KEY[10:], "a non-ASCII character"),
+        (KEY[:10] + "\u200b" + KEY[10:], "a non-ASCII character"),
+        ("x" * 5000, "longer than 4096 characters"),
+    ],
+    ids=["trailing-newline", "crlf", "leading-space", "space", "escape", "non-ascii", "zero-width", "5000-chars"],
+)
+def test_a_key_no_header_can_carry_is_refused_without_showing_it(monkeypatch, tmp_path, value, why):
+    """Before: a trailing newline printed the key whole (`Illegal header value b'Bearer sk-...\\n'`), a
+    non-ASCII key gave a traceback. Now: one line naming the variable, before any work or request."""
+    from typer.testing import CliRunner
+
+    from detaudit.cli import app
+
+    monkeypatch.setenv("MY_SERVER_KEY", value)
+    args = ["sweep", "--engine", "openai", "--base-url", "http://127.0.0.1:9/v1", "--api-key-env", "MY_SERVER_KEY"]
+    res = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "run")])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and "--api-key-env MY_SERVER_KEY" in lines[0] and why in lines[0], res.output
+    assert secret_pieces(res.output, value.strip()[:40]) == [], res.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_valid_key_is_read_as_given(monkeypatch):
+    from detaudit.server.urls import read_api_key
+
+    monkeypatch.setenv("MY_SERVER_KEY", KEY)
+    assert read_api_key("MY_SERVER_KEY") == KEY and read_api_key(None) is None
+
+
+@pytest.mark.parametrize(
+    "echo",
+    [
+        f"Bearer {KEY}",  # whole
+        f"token {KEY[:26]}...",  # a prefix of 26 characters
+        f"tail {KEY[-9:]}",  # a suffix of 9
+        f"mid {KEY[5:14]} end",  # 9 characters from the middle
+        "\x00".join(KEY[i : i + 5] for i in range(0, len(KEY), 5)),  # split by a control character
+        " ".join(KEY),  # a space between every two characters
+        "\u200b".join(KEY),  # zero-width spaces
+        "\u202e" + KEY + "\u202c",  # bidi overrides around it
+        f"{KEY}{KEY}",  # twice, adjoining
+        "x" * 70_000 + KEY,  # past the scanned length
+        "\x01" * (2**16 - 7) + KEY,  # straddling it
+    ],
+)
+def test_redact_removes_every_piece_of_8_characters(echo):
+    from detaudit.server.urls import redact
+
+    for limit in (40, 300, 100_000):
+        shown = redact(echo, KEY, limit)
+        assert secret_pieces(shown, KEY) == [], (echo[:60], shown[:200])
+        assert len(shown) <= limit
+
+
+def test_redact_keeps_what_is_not_the_key():
+    from detaudit.server.urls import redact, redact_secret
+
+    assert redact(f"vllm 0.9 ({KEY[:7]})", KEY) == f"vllm 0.9 ({KEY[:7]})"  # 7 characters: not a piece
+    assert redact(f"key={KEY[:12]}; next", KEY) == "key=***; next"
+    assert redact_secret("no key here", KEY) == "no key here" and redact_secret("", KEY) == ""
+    assert redact("line one\nline two\u200b!", None) == "line one line two!"

@@ -121,7 +121,7 @@ def make_run(
                 row = {c: None for c in COLUMNS}
                 row.update(
                     cell_id=cid,
-                    model="tiny",
+                    model=manifest["model"]["name"],  # as the sweep writes it: rows and manifest agree
                     suite=meta["suite"],
                     backend=meta["backend"],
                     tp=meta["tp"],

@@ -35,7 +35,7 @@ def _top(t, k=5):
 def test_a_valid_answer_parses():
     ex = wire.Expect(WHERE, k=5, max_tokens=4, vocab=1000)
     g = wire.parse_completion(
-        _answer(["token_id:7", "token_id:9"], [-0.7, -0.7], [_top(7), _top(9)]), ex, wire.TokenMap(None)
+        _answer(["token_id:7", "token_id:9"], [math.log(0.5)] * 2, [_top(7), _top(9)]), ex, wire.TokenMap(None)
     )
     assert g.token_ids == [7, 9] and g.topk_ids[0] == [7, 8, 9, 10, 11] and g.finish_reason == "length"
 
