@@ -259,9 +259,11 @@ class RandomWeights:
     def unused(self) -> list[str]:
         return []
 
-    def shards(self, name: str, dim: int) -> list[Tensor]:
+    def shards(self, name: str, dim: int, replicas: int = 1) -> list[Tensor]:
+        """As `ShardLoader.shards`: C / `replicas` equal parts along `dim`, rank r holding part r // replicas."""
         full = self._make(name)
         c = self.ctx.size
-        if full.shape[dim] % c:
+        if c % replicas or full.shape[dim] % (c // replicas):
             raise DetauditError(f"TP {c} does not divide dim {dim} ({full.shape[dim]}) of {name}")
-        return [part.contiguous() for r, part in enumerate(full.chunk(c, dim)) if r in self.ctx.local_ranks]
+        parts = full.chunk(c // replicas, dim)
+        return [parts[r // replicas].contiguous() for r in self.ctx.local_ranks]

@@ -56,7 +56,7 @@ def smollm_wheel_dir() -> Path:
     return where
 
 
-def _tiny(kind: str, path: Path, vocab_size: int = 300) -> Path:
+def _tiny(kind: str, path: Path, vocab_size: int = 300, kv_heads: int = 8) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def _tiny(kind: str, path: Path, vocab_size: int = 300) -> Path:
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=8,
-        num_key_value_heads=8,
+        num_key_value_heads=kv_heads,
         head_dim=16,
         max_position_embeddings=512,
         tie_word_embeddings=kind == "llama",
@@ -90,6 +90,12 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     return _tiny("qwen3", tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_kv2(tmp_path_factory) -> Path:
+    """Qwen3 with 8 query heads over 2 KV heads: TP 4 and 8 replicate each KV head on 2 and 4 ranks."""
+    return _tiny("qwen3", tmp_path_factory.mktemp("tiny-qwen3-kv2"), kv_heads=2)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """`bf16`: whatever the stack does by default. cuBLAS / oneDNN GEMMs, PyTorch's SDPA attention, and
 the library all-reduce (NCCL ring on GPU, gloo on CPU) in the model dtype. On GPU the row-local ops are
 fused kernels, as a serving engine's are: RMSNorm with the residual add (`kernels/fused.py`), and the
-attention mask in additive form, built once per step."""
+attention mask in additive form, built once per step; mixture-of-experts layers run one grouped GEMM per
+projection (`native_moe.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from detaudit.backends import register_backend
+from detaudit.backends import native_moe, register_backend
 from detaudit.backends.allreduce import sequential_sum
 from detaudit.backends.base import Backend, ProcessGroup, library_versions
 from detaudit.backends.kernels import fused
@@ -58,6 +59,14 @@ class NativeBackend(Backend):
 
     def all_reduce(self, partial: Tensor, group: ProcessGroup, dtype: torch.dtype) -> Tensor:
         return group.all_reduce_sum(partial).to(dtype)
+
+    def experts(self, h: Tensor, experts: Tensor, gates: Tensor, weights, ctx, decode: bool, name: str = "") -> Tensor:
+        """On GPUs where torch's grouped mm runs without a host sync, as serving engines run experts: one
+        grouped launch per projection, prefill and decode (`native_moe`); elsewhere (CPU) the contract's
+        layouts over the products below."""
+        if native_moe.usable(h, weights):
+            return native_moe.run(self, h, experts, gates, weights, ctx, name)
+        return super().experts(h, experts, gates, weights, ctx, decode, name)
 
     def expert_linear(self, x: Tensor, w: Tensor) -> Tensor:
         # (not `_product`: an expert's weight is a fresh view of the stacked experts at every call)
@@ -132,8 +141,8 @@ class NativeBackend(Backend):
             "rms_norm": "fp32; CPU: torch mean over hidden; GPU: one Triton program per row, residual add fused "
             "(as serving engines' fused add + RMSNorm kernels)",
             "all_reduce": "library all-reduce (NCCL / gloo) in model dtype; emulated: rank-order sum",
-            "experts": "batched GEMM (torch.bmm) per expert, outputs weighted and summed over the top-k by "
-            "torch.sum in the model dtype",
+            "experts": "outputs weighted and summed over the top-k by torch.sum in the model dtype; products: "
+            + native_moe.describe(),
             "sdpa_backends": sdpa_backends(),
             "tf32": "off",
             **library_versions(),

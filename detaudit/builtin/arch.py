@@ -277,7 +277,13 @@ class ModelConfig:
         )
 
     def check_tp(self, tp: int) -> None:
-        sizes = [("query heads", self.num_heads), ("KV heads", self.num_kv_heads)]
+        """Refuse a TP size the engine cannot shard the model over. KV heads are split over the ranks
+        where TP divides them, else replicated where they divide TP (`kv_replicas`)."""
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise DetauditError(
+                f"TP {tp} neither divides the model's KV heads ({self.num_kv_heads}) nor is a multiple of them"
+            )
+        sizes = [("query heads", self.num_heads)]
         if self.moe is None or not all(self.moe.layers):
             sizes.append(("intermediate size", self.intermediate_size))
         if self.moe is not None:
@@ -285,6 +291,14 @@ class ModelConfig:
         for what, n in sizes:
             if n % tp:
                 raise DetauditError(f"TP {tp} does not divide the model's {what} ({n})")
+
+    def kv_replicas(self, tp: int) -> int:
+        """How many ranks hold each KV head at TP `tp`: 1 where TP divides the KV heads (each rank its own
+        Hkv / TP heads), else TP / Hkv (as vLLM and SGLang replicate them): rank r holds KV head
+        r // replicas, the one its query heads r * Hq / TP .. (r + 1) * Hq / TP - 1 read, since those
+        Hq / TP heads lie inside one group of Hq / Hkv query heads. A replica's columns are the head's
+        own (column-parallel), so under the invariant backends their bits are those of TP 1."""
+        return max(1, tp // self.num_kv_heads)
 
     def check_length(self, length: int) -> None:
         """Refuse sequences the engine would not compute as transformers does."""

@@ -62,17 +62,21 @@ class ShardLoader:
     def full(self, name: str) -> Tensor:
         return self._to(self._slice(name)[:])
 
-    def shards(self, name: str, dim: int) -> list[Tensor]:
-        """This process's shards of a parameter split into C contiguous equal parts along `dim`."""
+    def shards(self, name: str, dim: int, replicas: int = 1) -> list[Tensor]:
+        """This process's shards of a parameter split into C / `replicas` contiguous equal parts along
+        `dim`, rank r holding part r // replicas (`replicas` > 1: KV heads shared by several ranks)."""
         sl = self._slice(name)
         shape = sl.get_shape()
         c = self.ctx.size
-        if shape[dim] % c:
-            raise DetauditError(f"TP {c} does not divide dim {dim} ({shape[dim]}) of {name}")
-        n = shape[dim] // c
+        parts = c // replicas
+        if c % replicas or shape[dim] % parts:
+            held = f" (each part held by {replicas} ranks)" if replicas > 1 else ""
+            raise DetauditError(f"TP {c} does not divide dim {dim} ({shape[dim]}) of {name}{held}")
+        n = shape[dim] // parts
         out = []
         for r in self.ctx.local_ranks:
-            t = sl[r * n : (r + 1) * n] if dim == 0 else sl[:, r * n : (r + 1) * n]
+            i = r // replicas
+            t = sl[i * n : (i + 1) * n] if dim == 0 else sl[:, i * n : (i + 1) * n]
             out.append(self._to(t))
         return out
 

@@ -31,9 +31,10 @@ class Block:
         self.window = cfg.windows[i] if cfg.windows else None
         self.head_dim = cfg.head_dim
 
-        def column(names: list[str], bias: bool) -> ColumnParallelLinear:
-            parts = [load.shards(p + n + ".weight", 0) for n in names]
-            biases = [load.shards(p + n + ".bias", 0) for n in names] if bias else None
+        def column(names: list[str], bias: bool, replicas: tuple[int, ...] | None = None) -> ColumnParallelLinear:
+            reps = replicas or (1,) * len(names)
+            parts = [load.shards(p + n + ".weight", 0, c) for n, c in zip(names, reps)]
+            biases = [load.shards(p + n + ".bias", 0, c) for n, c in zip(names, reps)] if bias else None
             return ColumnParallelLinear(parts, ctx, biases, ops.merge_projections)
 
         def row(name: str, bias: bool) -> RowParallelLinear:
@@ -44,7 +45,9 @@ class Block:
             return RMSNorm(load.full(p + name + ".weight"), cfg.rms_norm_eps)
 
         self.input_layernorm = norm("input_layernorm")
-        self.qkv_proj = column(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], cfg.qkv_bias)
+        # k / v: each rank's KV heads; where TP exceeds the KV heads, the one its query heads read
+        kv = cfg.kv_replicas(ctx.size)
+        self.qkv_proj = column(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], cfg.qkv_bias, (1, kv, kv))
         self.qk_norm = None  # Qwen3: (q weight, k weight, eps) of the per-head RMSNorms
         if cfg.qk_norm:
             q_norm, k_norm = norm("self_attn.q_norm"), norm("self_attn.k_norm")
@@ -141,7 +144,11 @@ class Decoder:
                 )
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, device, cfg.rope)
         self.routes = any(layer.moe is not None for layer in self.layers)  # it records routing
-        self.n_kv_local = cfg.num_kv_heads // ctx.size * len(ctx.local_ranks)
+        # KV heads per rank (one where they are replicated, `ModelConfig.kv_replicas`) times the ranks
+        # held here: in emulated TP rank r's copy sits at r * per_rank, next to its query heads' place
+        # among the concatenated ranks, so attention's grouping of query heads still finds it
+        per_rank = cfg.num_kv_heads * cfg.kv_replicas(ctx.size) // ctx.size
+        self.n_kv_local = per_rank * len(ctx.local_ranks)
 
     def new_cache(self, batch: int, length: int) -> list[tuple[Tensor, Tensor]]:
         self.cfg.check_length(length)

@@ -56,11 +56,15 @@ def test_prepared_preset(qwen3_shaped):
 
 
 def test_weights_are_seeded_and_shards_are_slices_of_the_same_tensor(small_copy):
-    def loader(size, emulated=True):
+    def loader(size, rank=0, emulated=True):
         cfg = json.loads((small_copy / "config.json").read_text())
-        return synthetic.RandomWeights(small_copy, cfg, TPContext(None, size, 0, emulated), torch.device("cpu"))
+        return synthetic.RandomWeights(small_copy, cfg, TPContext(None, size, rank, emulated), torch.device("cpu"))
 
     one, four = loader(1), loader(4)
+    k_proj = "model.layers.0.self_attn.k_proj.weight"  # 4 KV heads over TP 8: rank r holds head r // 2
+    heads = four.shards(k_proj, 0)
+    assert all(torch.equal(w, heads[r // 2]) for r, w in enumerate(loader(8).shards(k_proj, 0, 2)))
+    assert torch.equal(loader(8, rank=5, emulated=False).shards(k_proj, 0, 2)[0], heads[2])
     name = "model.layers.1.mlp.down_proj.weight"
     full = one.full(name)
     assert full.shape == (256, 512) and full.dtype == torch.bfloat16 and 0.015 < full.float().std() < 0.025
@@ -111,3 +115,4 @@ def test_moe_preset_runs_its_architecture_tp_invariant_under_tbik(smollm, tmp_pa
     one = run(1)
     assert all(len(g[2][0]) == 2 * 4 for g in one)  # 2 MoE layers x top 4
     assert run(4) == one
+    assert run(8) == one  # 4 KV heads: each on 2 ranks

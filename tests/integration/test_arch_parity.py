@@ -335,3 +335,27 @@ def test_cli_sweep(arch, tmp_path):
     assert rows["bio+tbik"]["cells"] == 2
     assert rows["bio+tbik"]["bitwise_diff_records"] == 0, rows["bio+tbik"]["bitwise_first_diff"]
     assert rows["bio+tbik"]["unique_mean"] == 1 and rows["bio+tbik"]["maxprob_div_mean"] == 0
+
+
+@pytest.fixture(scope="module")
+def kv2(tmp_path_factory) -> tuple[Path, torch.Tensor]:
+    """Qwen3 with q/k/v/o biases and 2 KV heads for 8 query heads, and transformers' logits."""
+    path = build("qwen3", tmp_path_factory.mktemp("kv2") / "qwen3_kv2", attention_bias=True, num_key_value_heads=2)
+    return path, hf_logits(path, token_ids())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replicated_kv_heads_match_transformers(kv2, backend):
+    """TP 8 over 2 KV heads (emulated: every rank's shards here): each KV head and its biases held by the
+    4 ranks whose query heads read it."""
+    path, ref = kv2
+    err = (engine_logits(path, backend, 8, token_ids()) - ref).abs().max().item()
+    assert err < ATOL, (backend, err)
+
+
+def test_replicated_kv_heads_tbik_bitwise(kv2):
+    path, _ = kv2
+    ids = token_ids()
+    ref = engine_logits(path, "bio+tbik", 1, ids)
+    for tp in (2, 4, 8):  # KV heads split, then held by 2 and 4 ranks each
+        assert torch.equal(engine_logits(path, "bio+tbik", tp, ids), ref), tp

@@ -188,3 +188,19 @@ def test_detaudit_s_own_checkpoints_pass():
 
     for preset in synthetic.PRESETS.values():
         ModelConfig.from_dict(preset.config)
+
+
+def test_tp_beyond_the_kv_heads_replicates_them():
+    """TP 8 over `qwen3-30b-a3b-shaped`'s 4 KV heads holds each head on 2 ranks (as vLLM and SGLang do);
+    a TP size that neither divides the KV heads nor is a multiple of them is refused by name."""
+    from detaudit import synthetic
+
+    moe = ModelConfig.from_dict(synthetic.PRESETS["qwen3-30b-a3b-shaped"].config)
+    for tp, replicas in ((1, 1), (2, 1), (4, 1), (8, 2)):
+        moe.check_tp(tp)
+        assert moe.kv_replicas(tp) == replicas
+    three = cfg("llama", num_attention_heads=12, num_key_value_heads=3, head_dim=16)
+    three.check_tp(1)
+    for tp in (2, 4, 8):
+        with pytest.raises(DetauditError, match=rf"TP {tp} neither divides the model's KV heads \(3\)"):
+            three.check_tp(tp)

@@ -88,6 +88,7 @@ def main() -> None:
         tol = 1e-5 if dt == torch.float32 else 3e-2
         check(torch.allclose(out.float(), ref, atol=tol, rtol=tol), f"attention kernel accuracy {dt}")
         attention_bits(q, k, v, dt)
+        attention_in_place(g, dt)
     # row sums: one program per row
     x = torch.randn(9, 2500, generator=g)
     sums = triton_rows.row_sum(x)
@@ -117,6 +118,36 @@ def attention_bits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dt: torch.
         for i in range(groups):
             one = triton_attn.attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], pos[i : i + 1], 0.25, 64, window)
             check(torch.equal(one, pre[i : i + 1]), f"attention batch invariance {dt} window={window} request {i}")
+
+
+def attention_in_place(g: torch.Generator, dt: torch.dtype) -> None:
+    """The kernel reading each query row (position, head) of q[B, Hq, T, D] through its strides and writing
+    [B, T, Hq, D] gives, bit for bit, what the kernel before it gave around its copies (`attn_reference`,
+    main at 4541b76): prefill and decode, 1 / 4 / 8 query heads per KV head, q contiguous or a view of
+    [B, T, Hq, D], the cache a slice of a longer one, with and without a sliding window."""
+    import attn_reference
+
+    bsz, hq, d, size = 2, 8, 16, 80
+    cases = [  # (KV heads, query positions, keys, q a view of [B, T, Hq, D], window); the last one decodes
+        (2, 20, 70, False, None),
+        (2, 20, 70, True, 8),
+        (8, 5, 30, True, None),
+        (1, 1, 67, False, 8),
+    ]
+    for hkv, t, length, view, window in cases:
+        k_cache = torch.randn(bsz, hkv, size, d, generator=g).to(dt)
+        v_cache = torch.randn(bsz, hkv, size, d, generator=g).to(dt)
+        k, v = k_cache[:, :, :length], v_cache[:, :, :length]  # what attention reads: a view of the cache
+        pos = torch.arange(length - t, length).expand(bsz, t) - torch.tensor([[0], [length // 3]])
+        if view:
+            q = torch.randn(bsz, t, hq, d, generator=g).to(dt).transpose(1, 2)
+        else:
+            q = torch.randn(bsz, hq, t, d, generator=g).to(dt)
+        got = triton_attn.attention_heads(q, k, v, pos, 0.25, 64, window)
+        want = attn_reference.heads(q, k, v, pos, 0.25, 64, window)
+        what = f"attention in place {dt} hkv={hkv} t={t} q strides {q.stride()} window={window}"
+        check(got.shape == q.shape and got.transpose(1, 2).is_contiguous(), f"{what}: layout")
+        check(torch.equal(got.transpose(1, 2), want), f"{what}: bits")
 
 
 def fused_row_ops(g: torch.Generator) -> None:

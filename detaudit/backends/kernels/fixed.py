@@ -197,19 +197,13 @@ def attention(
     hkv, length = k.shape[1], k.shape[2]
     groups = hq // hkv
     g = bsz * hkv
+    if triton_attn.supported(q):  # GPU: the same algorithm as one kernel (its own bits; see triton_attn)
+        # the kernel reads each (request, KV head)'s query rows position-major in place and writes
+        # [B, T, Hq, D] (returned as its [B, Hq, T, D] view: o_proj's input without a copy)
+        pos32 = _memo(plan, "pos32", lambda: q_pos.to(torch.int32).contiguous())
+        return triton_attn.attention_heads(q, k, v, pos32, scale, split, window)
     # the queries of one KV head together, position-major: [B*Hkv, T*groups, D]
     qg = q.reshape(bsz, hkv, groups, t, d).transpose(2, 3).reshape(g, t * groups, d)
-    if triton_attn.supported(q):  # GPU: the same algorithm as one kernel (its own bits; see triton_attn)
-        rows_pos = None if plan is None else plan.get((hkv, groups))
-        if rows_pos is None:  # int32, contiguous: what the kernel reads (as triton_attn would convert it)
-            rows_pos = q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, t * groups)
-            rows_pos = rows_pos.to(torch.int32).contiguous()
-            if plan is not None:
-                plan[(hkv, groups)] = rows_pos
-        out = triton_attn.attention(
-            qg, k.reshape(g, length, d), v.reshape(g, length, d), rows_pos, scale, split, window
-        )
-        return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d)
     kernel = cpu_calls.compiled("cpu_attention") if q.device.type == "cpu" else None
     if kernel is not None:
         out = _attention_compiled(kernel, qg, k, v, q_pos, scale, window, groups, plan)

@@ -9,6 +9,13 @@ it exactly as it was (p = 0, and alpha is set to exactly 1 when the running max 
 (many rows) and decode (one position per request) therefore give the same bits. The CPU path
 (`fixed.attention`'s PyTorch formulation) computes the same function with other bits; the two are not
 mixed: a run is either on CPU or on GPU.
+
+The rows of a group are position-major (row r: position r // groups of query head r % groups of the KV
+head), so a program's rows are consecutive positions and the chunks it walks end at the furthest of
+them. `attention_heads` reads those rows from the model's q[B, Hq, T, D] through its strides and writes
+[B, T, Hq, D] directly (o_proj's input); `attention` takes rows already laid out as [G, R, D]. The rows
+and programs are the same either way: only the addresses differ, never the bits (checked against the
+kernel that read a copied layout, `tests/unit/attn_reference.py`).
 """
 
 from __future__ import annotations
@@ -49,32 +56,48 @@ if triton is not None:
         pos_ptr,
         out_ptr,
         ROWS,
+        HKV,
         L,
         scale,
         WINDOW,
-        sqg,
-        sqr,
-        skg,
+        sqb,
+        sqh,
+        sqt,
+        skb,
+        skh,
         skl,
-        svg,
+        svb,
+        svh,
         svl,
-        spg,
-        sog,
-        sor,
+        spb,
+        spt,
+        sob,
+        soh,
+        sot,
+        GROUPS: tl.constexpr,
         D: tl.constexpr,
         SPLIT: tl.constexpr,
         BLOCK_R: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
-        g = tl.program_id(0)
+        g = tl.program_id(0)  # (request b, KV head h) = b * HKV + h
+        b = g // HKV
+        h = g % HKV
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         live = rows < ROWS
+        # row r of the group: position t = r // GROUPS of query head h * GROUPS + r % GROUPS (position-major:
+        # a program's rows are consecutive positions), addressed in q and out through their strides
+        t = rows // GROUPS
+        head = h * GROUPS + rows % GROUPS
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + g * sqg + rows[:, None] * sqr + d[None, :], mask=live[:, None], other=0.0)
+        q_rows = q_ptr + b * sqb + head * sqh + t * sqt
+        q = tl.load(q_rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
         if UPCAST:  # the CPU interpreter cannot multiply bf16 (numpy has none)
             q = q.to(tl.float32)
-        pos = tl.load(pos_ptr + g * spg + rows, mask=live, other=0)
+        pos = tl.load(pos_ptr + b * spb + t * spt, mask=live, other=0)
+        k_base = k_ptr + b * skb + h * skh
+        v_base = v_ptr + b * svb + h * svh
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, D], tl.float32)
@@ -82,8 +105,8 @@ if triton is not None:
         for c in range(0, chunks):
             keys = c * SPLIT + tl.arange(0, SPLIT)
             inside = keys < L
-            k = tl.load(k_ptr + g * skg + keys[:, None] * skl + d[None, :], mask=inside[:, None], other=0.0)
-            v = tl.load(v_ptr + g * svg + keys[:, None] * svl + d[None, :], mask=inside[:, None], other=0.0)
+            k = tl.load(k_base + keys[:, None] * skl + d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_base + keys[:, None] * svl + d[None, :], mask=inside[:, None], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -98,9 +121,23 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / l[:, None]
-        tl.store(
-            out_ptr + g * sog + rows[:, None] * sor + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None]
-        )
+        out_rows = out_ptr + b * sob + head * soh + t * sot
+        tl.store(out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def attention_heads(
+    q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, split: int, window: int | None = None
+) -> Tensor:
+    """The model's layout: q[B, Hq, T, D] (any strides, D contiguous), k / v[B, Hkv, L, D] (the cache or a
+    slice of it), pos[B, T] (each query position's absolute position) -> [B, Hq, T, D], a view of a
+    contiguous [B, T, Hq, D]: the output o_proj reads as [B*T, Hq*D] without a copy. Each (request, KV
+    head) is one group of T * Hq / Hkv rows, position-major, read and written in place through the
+    strides: the rows and programs of `attention` over the copied layout, so the same bits."""
+    bsz, hq, t, d = q.shape
+    hkv = k.shape[1]
+    out = torch.empty(bsz, t, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+    _run(q, k, v, pos, out, hkv, hq // hkv, t * (hq // hkv), scale, split, window)
+    return out
 
 
 def attention(
@@ -108,15 +145,22 @@ def attention(
 ) -> Tensor:
     """q[G, R, D] (the group's query rows), k / v[G, L, D], pos[G, R] (each row's position: key j is
     visible iff j <= pos, and with a sliding window iff pos - window < j <= pos) -> [G, R, D] in q.dtype.
-    A chunk wholly before a row's window leaves it as it was (m stays -inf, alpha is 1), as past it."""
-    g, rows, d = q.shape
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # cache slices stay views
+    A chunk wholly before a row's window leaves it as it was (m stays -inf, alpha is 1), as past it.
+    (`attention_heads` with one KV head of one query head per group: row r is position r.)"""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _run(q[:, None], k[:, None], v[:, None], pos, out[:, None], 1, 1, q.shape[1], scale, split, window)
+    return out
+
+
+def _run(q, k, v, pos, out, hkv: int, groups: int, rows: int, scale: float, split: int, window) -> None:
+    """Launch the kernel over q / out [B, Hq, T, D], k / v [B, Hkv, L, D], pos [B, T]: B * Hkv groups of
+    `rows` rows (T positions x `groups` query heads)."""
+    bsz, d = q.shape[0], q.shape[-1]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # cache slices stay views
     if pos.dtype != torch.int32:
         pos = pos.to(torch.int32)
-    if not pos.is_contiguous():
-        pos = pos.contiguous()
-    out = torch.empty_like(q)
     win = NO_WINDOW if window is None else int(window)
+    tensors = (q, k, v, pos, out)
     key = None
     if q.is_cuda:  # a kept launch per plan key (see `launch`): every integer argument and alignment
         key = (
@@ -127,42 +171,47 @@ def attention(
             v.stride(),
             pos.stride(),
             out.stride(),
+            hkv,
+            groups,
             q.dtype,
             float(scale),
             split,
             win,
             q.device.index,
-            *(t.data_ptr() % 16 == 0 for t in (q, k, v, pos, out)),
+            *(x.data_ptr() % 16 == 0 for x in tensors),
         )
         plan = _PLANS.get(key)
         if plan is not None:
-            plan(q.device.index, q, k, v, pos, out)
-            return out
-    grid = (g, triton.cdiv(rows, BLOCK_R))
+            plan(q.device.index, *tensors)
+            return
+    grid = (bsz * hkv, triton.cdiv(rows, BLOCK_R))
     first = launch.Launch.first(
         _attn_kernel,
         grid,
         (
-            q,
-            k,
-            v,
-            pos,
-            out,
+            *tensors,
             rows,
-            k.shape[1],
+            hkv,
+            k.shape[2],
             float(scale),
             win,
             q.stride(0),
             q.stride(1),
+            q.stride(2),
             k.stride(0),
             k.stride(1),
+            k.stride(2),
             v.stride(0),
             v.stride(1),
+            v.stride(2),
             pos.stride(0),
+            pos.stride(1),
             out.stride(0),
             out.stride(1),
+            out.stride(2),
         ),
         dict(
+            GROUPS=groups,
             D=d,
             SPLIT=split,
             BLOCK_R=BLOCK_R,
@@ -175,7 +224,6 @@ def attention(
     )
     if first is not None and key is not None:
         launch.cache_put(_PLANS, key, first)
-    return out
 
 
 _PLANS: dict[tuple, launch.Launch] = {}
