@@ -77,6 +77,23 @@ def test_matmul_column_shard_invariant(cpu_path):
 
 
 @pytest.mark.parametrize("cpu_path,dtype", PATHS_DTYPES, indirect=["cpu_path"])
+@pytest.mark.parametrize("k", [2, 5, 24, 64])
+def test_matmul_narrow_products_keep_their_bits(k, dtype, cpu_path):
+    """A product of few columns (a column shard I / C wide, one column) has the fp32 bits of those columns
+    of a wider product, at every row count: PyTorch's CPU bmm computes a product of fewer than 400
+    multiply-adds by its own loop and a one-column product by a matrix-vector kernel whose order depends
+    on the rows, both with other bits than the GEMM (`cpu_gemm.min_columns`)."""
+    a, w = _rand(33, k, dtype=dtype), _rand(16, k, dtype=dtype, seed=1)
+    full = fixed.matmul(a, w)
+    for n in (1, 2, 3, 5):
+        for c0 in range(0, 16 - n + 1, n):
+            assert torch.equal(fixed.matmul(a, w[c0 : c0 + n]), full[:, c0 : c0 + n]), (n, c0)
+    for m in (1, 5, 17, 32):
+        assert torch.equal(fixed.matmul(a[:m], w[:1]), full[:m, :1]), m
+        assert torch.equal(fixed.matmul(a[m : m + 1], w[:1]), full[m : m + 1, :1]), m
+
+
+@pytest.mark.parametrize("cpu_path,dtype", PATHS_DTYPES, indirect=["cpu_path"])
 def test_matmul_accuracy_vs_fp64(dtype, cpu_path):
     a, w = _rand(64, 576, dtype=dtype), _rand(1536, 576, dtype=dtype, seed=1)
     ref = a.double() @ w.double().t()
