@@ -212,3 +212,21 @@ def test_compiled_kernels_are_named_in_the_description(cpu_kernels):
 def test_describe_names_configs():
     d = get_backend("bio").describe()
     assert "matmul_cpu" in d and "R=16" in d["matmul_cpu"] and "torch" in d
+
+@pytest.mark.parametrize("cpu_path,dtype", PATHS_DTYPES, indirect=["cpu_path"])
+@pytest.mark.parametrize("backend", ["bio", "bio+tbik"])
+def test_expert_products_same_bits_in_both_layouts(backend, dtype, cpu_path):
+    """An expert's product of its routed rows (the chosen-rows layout: x[R, K], one expert) has the fp32
+    bits of those rows in the product of every expert at once (the every-expert layout: x[E, T, K]); which
+    layout a prefill takes depends on how many tokens share its step. (On the bf16 path the 2-D product
+    once went to the bf16 micro-kernel and the 3-D one to the fp32 products: other sums.)"""
+    b = get_backend(backend)
+    e, t, k, n = 3, 21, 64, 10
+    x = _rand(t, k, dtype=dtype)
+    w = _rand(e, n, k, dtype=dtype, seed=1)
+    every = b.expert_matmul(x.unsqueeze(0).expand(e, t, k), w)
+    assert every.dtype == torch.float32
+    rows = torch.tensor([0, 3, 4, 11, 20])
+    for j in range(e):
+        _bitwise(b.expert_matmul(x[rows], w[j]), every[j, rows], f"expert {j}")
+        _bitwise(b.expert_linear(x[rows], w[j]), every[j, rows].to(dtype), f"expert {j} in the model dtype")
