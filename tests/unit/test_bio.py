@@ -106,20 +106,24 @@ def _bitwise(got, want, what):
     assert torch.equal(got, want), f"{what}: max |diff| {diff:.3g}, torch threads {torch.get_num_threads()}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp32: the norm's fp32 bits themselves
 @pytest.mark.parametrize("threads", [1, 2])
-def test_row_ops_invariant_and_correct(threads, cpu_kernels):
+def test_row_ops_invariant_and_correct(threads, dtype, cpu_kernels):
     """Pinned thread counts (the rare failure this once had depended on the thread state)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         b = get_backend("bio")
-        x = _rand(40, 576, dtype=torch.bfloat16)
-        wt = _rand(576, dtype=torch.bfloat16, seed=2)
+        x = _rand(40, 576, dtype=dtype)
+        wt = _rand(576, dtype=dtype, seed=2)
         full = b.rms_norm(x, wt, 1e-5)
+        assert full.dtype == dtype
         for m in (1, 3, 16, 39):
             _bitwise(b.rms_norm(x[:m], wt, 1e-5), full[:m], f"rms_norm m={m}")
-        ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16) * wt
-        assert torch.allclose(full.float(), ref.float(), atol=1e-2, rtol=1e-2)
+        xd = x.double()
+        ref = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).double() * wt.double()
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(full.double(), ref, atol=tol, rtol=tol)
         logits = _rand(20, 49152, dtype=torch.float32) * 5
         lp = b.log_softmax(logits)
         for m in (1, 7, 19):
@@ -151,13 +155,17 @@ def test_silu_mul_bits_do_not_depend_on_the_shard_width(backend, dtype):
     assert torch.allclose(full.double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
 
 
-def _attn_inputs(bsz=3, hq=6, hkv=2, t=70, d=16, seed=0):
+def _attn_inputs(bsz=3, hq=6, hkv=2, t=70, d=16, seed=0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(bsz, hq, t, d, generator=g).bfloat16()
-    k = torch.randn(bsz, hkv, t, d, generator=g).bfloat16()
-    v = torch.randn(bsz, hkv, t, d, generator=g).bfloat16()
+    q = torch.randn(bsz, hq, t, d, generator=g).to(dtype)
+    k = torch.randn(bsz, hkv, t, d, generator=g).to(dtype)
+    v = torch.randn(bsz, hkv, t, d, generator=g).to(dtype)
     pos = torch.arange(t).expand(bsz, t)
     return q, k, v, pos
+
+
+# the model's dtype: q / k / v and the output in it; fp32 shows the attention's own fp32 bits
+ATTN_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 
 
 def test_attention_matches_sdpa(cpu_kernels):
@@ -168,10 +176,11 @@ def test_attention_matches_sdpa(cpu_kernels):
     assert torch.allclose(ours, ref, atol=1e-5)
 
 
-def test_attention_prefill_equals_decode(cpu_kernels):
+@ATTN_DTYPES
+def test_attention_prefill_equals_decode(cpu_kernels, dtype):
     """A token's attention output is the same bits computed with all queries at once (prefill) or
     one query at a time over the cache (decode), including across the KV split boundary (70 > 64)."""
-    q, k, v, pos = _attn_inputs()
+    q, k, v, pos = _attn_inputs(dtype=dtype)
     b = get_backend("bio")
     prefill = b.attention(q, k, v, pos, 0.25)
     for t in (0, 1, 63, 64, 65, 69):
@@ -179,10 +188,11 @@ def test_attention_prefill_equals_decode(cpu_kernels):
         assert torch.equal(step, prefill[:, :, t : t + 1]), t
 
 
-def test_attention_batch_and_cache_length_invariant(cpu_kernels):
+@ATTN_DTYPES
+def test_attention_batch_and_cache_length_invariant(cpu_kernels, dtype):
     """A row's output does not depend on its neighbours or on how long the batch's cache is
     (chunks it cannot see are exact no-ops)."""
-    q, k, v, pos = _attn_inputs(bsz=4)
+    q, k, v, pos = _attn_inputs(bsz=4, dtype=dtype)
     b = get_backend("bio")
     short = pos.clone()
     short[0] = torch.arange(70).clamp(max=20)  # row 0 only sees 21 keys; the cache holds 70
@@ -192,9 +202,10 @@ def test_attention_batch_and_cache_length_invariant(cpu_kernels):
     assert torch.equal(b.attention(q[2:3], k[2:3], v[2:3], pos[2:3], 0.25), full[2:3])
 
 
-def test_attention_sliding_window_prefill_equals_decode(cpu_kernels):
+@ATTN_DTYPES
+def test_attention_sliding_window_prefill_equals_decode(cpu_kernels, dtype):
     """With a window of 24 keys, a row sees only keys pos - 24 < j <= pos, in prefill and in decode."""
-    q, k, v, pos = _attn_inputs()
+    q, k, v, pos = _attn_inputs(dtype=dtype)
     b = get_backend("bio")
     prefill = b.attention(q, k, v, pos, 0.25, window=24)
     ref = get_backend("bf16").attention(q.float(), k.float(), v.float(), pos, 0.25, window=24)
@@ -212,6 +223,7 @@ def test_compiled_kernels_are_named_in_the_description(cpu_kernels):
 def test_describe_names_configs():
     d = get_backend("bio").describe()
     assert "matmul_cpu" in d and "R=16" in d["matmul_cpu"] and "torch" in d
+
 
 @pytest.mark.parametrize("cpu_path,dtype", PATHS_DTYPES, indirect=["cpu_path"])
 @pytest.mark.parametrize("backend", ["bio", "bio+tbik"])
