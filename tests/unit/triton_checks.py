@@ -261,7 +261,9 @@ def narrow_shapes() -> None:
     @given(m=st.integers(1, 9), w=st.integers(1, 70), seed=seeds, data=st.data())
     def silu_shards(m, w, seed, data):
         c = 4
-        gate, up = _spread(m, c * w, seed=seed), _spread(m, c * w, seed=seed + 1)
+        # gates within +-50: exp(-gate) stays finite in fp32 (numpy, the interpreter's exp, warns on inf)
+        gate = torch.randn(m, c * w, generator=torch.Generator().manual_seed(seed)) * 10
+        up = _spread(m, c * w, seed=seed + 1)
         full = fused.silu_mul(gate, up)
         r = data.draw(st.integers(0, c - 1))
         merged = torch.cat([gate[:, r * w : (r + 1) * w], up[:, r * w : (r + 1) * w]], 1)
