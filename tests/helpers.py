@@ -114,13 +114,14 @@ def build_cli_once(app):
 
 def generation_difference(a, b):
     """Where two engines' outputs (lists of `Generation`, one per prompt) first differ as the cells would
-    record them, bit for bit in every numeric field (`records.first_difference`); None when they are
-    equal."""
+    record them, bit for bit in every numeric field, the routing of MoE models included
+    (`records.first_difference`); None when they are equal."""
     import pyarrow as pa
 
     from detaudit.records import SCHEMA, first_difference
 
-    fields = ("prompt_id", "prompt_index", "output_token_ids", "token_logprobs", "topk_ids", "topk_logprobs")
+    routing = ("route_experts", "route_gates", "route_margins")
+    fields = ("prompt_id", "prompt_index", "output_token_ids", "token_logprobs", "topk_ids", "topk_logprobs", *routing)
     schema = pa.schema([SCHEMA.field(f) for f in fields])
 
     def table(gens):
@@ -132,6 +133,7 @@ def generation_difference(a, b):
                 token_logprobs=g.token_logprobs,
                 topk_ids=g.topk_ids,
                 topk_logprobs=g.topk_logprobs,
+                **{f: getattr(g, f) for f in routing},
             )
             for i, g in enumerate(gens)
         ]

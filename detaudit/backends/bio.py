@@ -98,8 +98,14 @@ class BioBackend(Backend):
         return self.expert_matmul(x, w).to(x.dtype)
 
     def expert_matmul(self, x: Tensor, w: Tensor) -> Tensor:
-        """fp32 products whose row bits do not depend on the other rows (however many the expert got)."""
-        return fixed.expert_matmul(x, w) if x.dim() == 3 else fixed.matmul(x, w)
+        """fp32 products whose row bits do not depend on the other rows (however many the expert got), the
+        same for one expert's rows (x[R, K], the chosen-rows layout) as for every expert's at once
+        (x[E, R, K], the every-expert layout): on CPU both are `fixed.expert_matmul`'s fp32 block products
+        (`fixed.matmul` would give bf16 rows to the bf16 micro-kernel, whose sums have other bits, and
+        which layout a prefill takes depends on how many tokens share its step)."""
+        if x.dim() == 3:
+            return fixed.expert_matmul(x, w)
+        return fixed.matmul(x, w) if x.is_cuda else fixed.expert_matmul(x[None], w[None])[0]
 
     def expert_runs_matmul(
         self,
@@ -174,6 +180,7 @@ class BioBackend(Backend):
             "all_reduce": "fp32 partials summed in rank order, cast once",
             "experts": "per expert, its routed rows' batch-invariant products (fp32 accumulate); each token's "
             "experts weighted and summed in top-k order in fp32",
+            "experts_cpu": "fp32 block products in every layout (one expert's rows or every expert's at once)",
             "experts_gpu": grouped_mm.describe(),
             "all_reduce_impl": describe_allreduce(self.allreduce),
             "tf32": "off",

@@ -1,6 +1,8 @@
 """Real TP over gloo: each rank computes its partial (bio+tbik: its tree subtree) and the backend's
-all-reduce combines them. Both transports (gather, scatter) must give the bits of the in-process combine:
-TP 1 for bio+tbik, emulated TP for bio; the engine at real TP 8 equals TP 1 bitwise."""
+all-reduce combines them. Both transports (gather, scatter) must give the fp32 bits of the in-process
+combine: TP 1 for bio+tbik, emulated TP for bio; the engine at real TP 8 equals TP 1 bitwise, in fp32 on a
+tiny dense and a tiny MoE model. (Every transport's ordering logic over narrow and odd shapes, on ranks
+emulated by threads: tests/unit/test_props_products.py.)"""
 
 from __future__ import annotations
 
@@ -25,46 +27,64 @@ def _rank(rank, size, port, backend, mode, x, w, out_dir):
         b = get_backend(backend)
         k = w.shape[1] // size
         part = b.row_partial(x[:, rank * k : (rank + 1) * k], w[:, rank * k : (rank + 1) * k], size, name="t")
-        torch.save(b.all_reduce(part, group, torch.bfloat16), f"{out_dir}/{rank}.pt")
+        torch.save([b.all_reduce(part, group, dt) for dt in (torch.float32, torch.bfloat16)], f"{out_dir}/{rank}.pt")
     finally:
         dist.shutdown()
 
 
-@pytest.mark.parametrize("backend", ["bio+tbik", "bio"])
-@pytest.mark.parametrize("mode", ["gather", "scatter"])
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize(
+    "backend,mode,size",
+    [(b, m, s) for b in ("bio+tbik", "bio") for m in ("gather", "scatter") for s in (2, 4)] + [("bio+tbik", "nccl", 8)],
+)
 def test_gloo_equals_emulated(tmp_path, backend, mode, size):
+    """Every rank's all-reduce, in fp32 (the sum's own bits) and rounded to bf16, equals the in-process
+    combine. The partials span six decades, so a transport that added in another order would differ."""
     from detaudit.backends import get_backend
 
     g = torch.Generator().manual_seed(size)
-    x = torch.randn(19, 1536, generator=g).bfloat16()
+    x = (torch.randn(19, 1536, generator=g) * 10.0 ** torch.randint(-3, 3, (19, 1536), generator=g)).bfloat16()
     w = torch.randn(577, 1536, generator=g).bfloat16()  # odd N: the scatter slices need padding
     b = get_backend(backend)
     k = w.shape[1] // size
+    parts = [b.row_partial(x[:, r * k : (r + 1) * k], w[:, r * k : (r + 1) * k], size) for r in range(size)]
     if backend == "bio+tbik":  # TP invariant: TP 1's bits
-        ref = b.combine([b.row_partial(x, w, 1)], torch.bfloat16)
+        ref = [b.combine([b.row_partial(x, w, 1)], dt) for dt in (torch.float32, torch.bfloat16)]
+        assert torch.equal(b.combine(parts, torch.float32), ref[0])
     else:  # batch invariant: emulated TP's bits at this TP size
-        parts = [b.row_partial(x[:, r * k : (r + 1) * k], w[:, r * k : (r + 1) * k], size) for r in range(size)]
-        ref = b.combine(parts, torch.bfloat16)
+        ref = [b.combine(parts, dt) for dt in (torch.float32, torch.bfloat16)]
     mp.spawn(_rank, args=(size, dist.free_port(), backend, mode, x, w, str(tmp_path)), nprocs=size, join=True)
     for r in range(size):
-        assert torch.equal(torch.load(tmp_path / f"{r}.pt"), ref), (backend, mode, size, r)
+        got = torch.load(tmp_path / f"{r}.pt")
+        assert all(torch.equal(a, want) for a, want in zip(got, ref)), (backend, mode, size, r)
 
 
-def test_real_tp8_engine_equals_tp1_bitwise(tiny_llama):
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """A tiny Qwen3-MoE (8 KV heads: one a rank at TP 8; experts 24 wide: 3 columns a rank; layer 1 a dense
+    MLP 40 wide: 5 columns a rank)."""
+    from .test_moe import build
+
+    path = tmp_path_factory.mktemp("tp8-moe") / "qwen3-moe"
+    return build("qwen3_moe", path, num_hidden_layers=2, moe_intermediate_size=24, intermediate_size=40)
+
+
+@pytest.mark.parametrize("model,dtype", [("dense", "bfloat16"), ("dense", "float32"), ("moe", "float32")])
+def test_real_tp8_engine_equals_tp1_bitwise(request, model, dtype):
     """Real TP 8 (eight worker processes, gloo; 8 KV heads: one per rank) under bio+tbik: every recorded
-    number of every prompt bitwise equal to TP 1 in this process, greedy and sampled, over prompts of
-    different lengths in one batch."""
+    number of every prompt (routing included) bitwise equal to TP 1 in this process, greedy and sampled,
+    over prompts of different lengths in one batch. fp32: the all-reduce's own bits reach the outputs (a
+    bf16 model rounds them in the residual add); the dense model's MLP is 128 wide, 16 columns a rank."""
     from helpers import builtin_engine, generation_difference, local_engine
 
     from detaudit.config import DecodingParams
 
+    path = request.getfixturevalue("tiny_llama" if model == "dense" else "tiny_moe")
     prompts = [[5 + i for i in range(n)] for n in (3, 9, 17)]
     pids = ["a", "b", "c"]
     decodings = (DecodingParams(greedy=True, max_new_tokens=4), DecodingParams(max_new_tokens=4, seed=3))
-    one = local_engine(tiny_llama, "bio+tbik", 1)
+    one = local_engine(path, "bio+tbik", 1, dtype=dtype)
     want = [one.generate(prompts, pids, d, 3) for d in decodings]
-    eng = builtin_engine(tiny_llama, "bio+tbik", 8, "real")
+    eng = builtin_engine(path, "bio+tbik", 8, "real", dtype=dtype)
     try:
         assert eng.describe()["workers"] == 8
         got = [eng.generate(prompts, pids, d, 3) for d in decodings]
@@ -72,7 +92,8 @@ def test_real_tp8_engine_equals_tp1_bitwise(tiny_llama):
         eng.close()
     for d, a, b in zip(decodings, got, want):
         assert generation_difference(a, b) is None, d
-    assert got[0] != got[1]  # the sampled run is not the greedy one: both paths were compared
+    assert generation_difference(got[0], got[1]) is not None  # sampled is not greedy: both paths were compared
+    assert all((g.route_experts is not None) == (model == "moe") for g in got[0])  # MoE: routing compared too
 
 
 def _await(*paths, limit_s: float = 120.0) -> bool:

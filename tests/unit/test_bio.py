@@ -77,6 +77,23 @@ def test_matmul_column_shard_invariant(cpu_path):
 
 
 @pytest.mark.parametrize("cpu_path,dtype", PATHS_DTYPES, indirect=["cpu_path"])
+@pytest.mark.parametrize("k", [2, 5, 24, 64])
+def test_matmul_narrow_products_keep_their_bits(k, dtype, cpu_path):
+    """A product of few columns (a column shard I / C wide, one column) has the fp32 bits of those columns
+    of a wider product, at every row count: PyTorch's CPU bmm computes a product of fewer than 400
+    multiply-adds by its own loop and a one-column product by a matrix-vector kernel whose order depends
+    on the rows, both with other bits than the GEMM (`cpu_gemm.min_columns`)."""
+    a, w = _rand(33, k, dtype=dtype), _rand(16, k, dtype=dtype, seed=1)
+    full = fixed.matmul(a, w)
+    for n in (1, 2, 3, 5):
+        for c0 in range(0, 16 - n + 1, n):
+            assert torch.equal(fixed.matmul(a, w[c0 : c0 + n]), full[:, c0 : c0 + n]), (n, c0)
+    for m in (1, 5, 17, 32):
+        assert torch.equal(fixed.matmul(a[:m], w[:1]), full[:m, :1]), m
+        assert torch.equal(fixed.matmul(a[m : m + 1], w[:1]), full[m : m + 1, :1]), m
+
+
+@pytest.mark.parametrize("cpu_path,dtype", PATHS_DTYPES, indirect=["cpu_path"])
 def test_matmul_accuracy_vs_fp64(dtype, cpu_path):
     a, w = _rand(64, 576, dtype=dtype), _rand(1536, 576, dtype=dtype, seed=1)
     ref = a.double() @ w.double().t()
@@ -89,20 +106,24 @@ def _bitwise(got, want, what):
     assert torch.equal(got, want), f"{what}: max |diff| {diff:.3g}, torch threads {torch.get_num_threads()}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp32: the norm's fp32 bits themselves
 @pytest.mark.parametrize("threads", [1, 2])
-def test_row_ops_invariant_and_correct(threads, cpu_kernels):
+def test_row_ops_invariant_and_correct(threads, dtype, cpu_kernels):
     """Pinned thread counts (the rare failure this once had depended on the thread state)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         b = get_backend("bio")
-        x = _rand(40, 576, dtype=torch.bfloat16)
-        wt = _rand(576, dtype=torch.bfloat16, seed=2)
+        x = _rand(40, 576, dtype=dtype)
+        wt = _rand(576, dtype=dtype, seed=2)
         full = b.rms_norm(x, wt, 1e-5)
+        assert full.dtype == dtype
         for m in (1, 3, 16, 39):
             _bitwise(b.rms_norm(x[:m], wt, 1e-5), full[:m], f"rms_norm m={m}")
-        ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16) * wt
-        assert torch.allclose(full.float(), ref.float(), atol=1e-2, rtol=1e-2)
+        xd = x.double()
+        ref = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).double() * wt.double()
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        assert torch.allclose(full.double(), ref, atol=tol, rtol=tol)
         logits = _rand(20, 49152, dtype=torch.float32) * 5
         lp = b.log_softmax(logits)
         for m in (1, 7, 19):
@@ -134,13 +155,17 @@ def test_silu_mul_bits_do_not_depend_on_the_shard_width(backend, dtype):
     assert torch.allclose(full.double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
 
 
-def _attn_inputs(bsz=3, hq=6, hkv=2, t=70, d=16, seed=0):
+def _attn_inputs(bsz=3, hq=6, hkv=2, t=70, d=16, seed=0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(bsz, hq, t, d, generator=g).bfloat16()
-    k = torch.randn(bsz, hkv, t, d, generator=g).bfloat16()
-    v = torch.randn(bsz, hkv, t, d, generator=g).bfloat16()
+    q = torch.randn(bsz, hq, t, d, generator=g).to(dtype)
+    k = torch.randn(bsz, hkv, t, d, generator=g).to(dtype)
+    v = torch.randn(bsz, hkv, t, d, generator=g).to(dtype)
     pos = torch.arange(t).expand(bsz, t)
     return q, k, v, pos
+
+
+# the model's dtype: q / k / v and the output in it; fp32 shows the attention's own fp32 bits
+ATTN_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 
 
 def test_attention_matches_sdpa(cpu_kernels):
@@ -151,10 +176,11 @@ def test_attention_matches_sdpa(cpu_kernels):
     assert torch.allclose(ours, ref, atol=1e-5)
 
 
-def test_attention_prefill_equals_decode(cpu_kernels):
+@ATTN_DTYPES
+def test_attention_prefill_equals_decode(cpu_kernels, dtype):
     """A token's attention output is the same bits computed with all queries at once (prefill) or
     one query at a time over the cache (decode), including across the KV split boundary (70 > 64)."""
-    q, k, v, pos = _attn_inputs()
+    q, k, v, pos = _attn_inputs(dtype=dtype)
     b = get_backend("bio")
     prefill = b.attention(q, k, v, pos, 0.25)
     for t in (0, 1, 63, 64, 65, 69):
@@ -162,10 +188,11 @@ def test_attention_prefill_equals_decode(cpu_kernels):
         assert torch.equal(step, prefill[:, :, t : t + 1]), t
 
 
-def test_attention_batch_and_cache_length_invariant(cpu_kernels):
+@ATTN_DTYPES
+def test_attention_batch_and_cache_length_invariant(cpu_kernels, dtype):
     """A row's output does not depend on its neighbours or on how long the batch's cache is
     (chunks it cannot see are exact no-ops)."""
-    q, k, v, pos = _attn_inputs(bsz=4)
+    q, k, v, pos = _attn_inputs(bsz=4, dtype=dtype)
     b = get_backend("bio")
     short = pos.clone()
     short[0] = torch.arange(70).clamp(max=20)  # row 0 only sees 21 keys; the cache holds 70
@@ -175,9 +202,10 @@ def test_attention_batch_and_cache_length_invariant(cpu_kernels):
     assert torch.equal(b.attention(q[2:3], k[2:3], v[2:3], pos[2:3], 0.25), full[2:3])
 
 
-def test_attention_sliding_window_prefill_equals_decode(cpu_kernels):
+@ATTN_DTYPES
+def test_attention_sliding_window_prefill_equals_decode(cpu_kernels, dtype):
     """With a window of 24 keys, a row sees only keys pos - 24 < j <= pos, in prefill and in decode."""
-    q, k, v, pos = _attn_inputs()
+    q, k, v, pos = _attn_inputs(dtype=dtype)
     b = get_backend("bio")
     prefill = b.attention(q, k, v, pos, 0.25, window=24)
     ref = get_backend("bf16").attention(q.float(), k.float(), v.float(), pos, 0.25, window=24)
@@ -195,3 +223,22 @@ def test_compiled_kernels_are_named_in_the_description(cpu_kernels):
 def test_describe_names_configs():
     d = get_backend("bio").describe()
     assert "matmul_cpu" in d and "R=16" in d["matmul_cpu"] and "torch" in d
+
+
+@pytest.mark.parametrize("cpu_path,dtype", PATHS_DTYPES, indirect=["cpu_path"])
+@pytest.mark.parametrize("backend", ["bio", "bio+tbik"])
+def test_expert_products_same_bits_in_both_layouts(backend, dtype, cpu_path):
+    """An expert's product of its routed rows (the chosen-rows layout: x[R, K], one expert) has the fp32
+    bits of those rows in the product of every expert at once (the every-expert layout: x[E, T, K]); which
+    layout a prefill takes depends on how many tokens share its step. (On the bf16 path the 2-D product
+    once went to the bf16 micro-kernel and the 3-D one to the fp32 products: other sums.)"""
+    b = get_backend(backend)
+    e, t, k, n = 3, 21, 64, 10
+    x = _rand(t, k, dtype=dtype)
+    w = _rand(e, n, k, dtype=dtype, seed=1)
+    every = b.expert_matmul(x.unsqueeze(0).expand(e, t, k), w)
+    assert every.dtype == torch.float32
+    rows = torch.tensor([0, 3, 4, 11, 20])
+    for j in range(e):
+        _bitwise(b.expert_matmul(x[rows], w[j]), every[j, rows], f"expert {j}")
+        _bitwise(b.expert_linear(x[rows], w[j]), every[j, rows].to(dtype), f"expert {j} in the model dtype")

@@ -1,6 +1,7 @@
 """Checks of the Triton kernels, run by test_triton_interpret.py in a subprocess with
 TRITON_INTERPRET=1 (the variable must be set before triton is imported). Small shapes: the interpreter
-is slow. Exits non-zero with a message on the first failed check."""
+is slow; `narrow_shapes` draws narrow and odd ones with hypothesis (a few examples each). Exits non-zero
+with a message on the first failed check."""
 
 from __future__ import annotations
 
@@ -95,8 +96,10 @@ def main() -> None:
     check(torch.allclose(sums.double(), x.double().sum(1), atol=1e-3), "row sum accuracy")
     check(all(torch.equal(triton_rows.row_sum(x[:m]), sums[:m]) for m in (1, 4)), "row sum batch invariance")
     fused_row_ops(g)
+    narrow_shapes()
     grouped_experts(g)
     grouped_layout_tp_invariant()
+    grouped_layer_fp32_partials()
     fast_path_end_to_end()
     gluon_fallback()
     swapped_products(g)
@@ -148,6 +151,160 @@ def attention_in_place(g: torch.Generator, dt: torch.dtype) -> None:
         what = f"attention in place {dt} hkv={hkv} t={t} q strides {q.stride()} window={window}"
         check(got.shape == q.shape and got.transpose(1, 2).is_contiguous(), f"{what}: layout")
         check(torch.equal(got.transpose(1, 2), want), f"{what}: bits")
+
+
+def _spread(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Normal values scaled by 10^-3 .. 10^2: sums whose order shows in the bits."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 10.0 ** torch.randint(-3, 3, shape, generator=g)).to(dtype)
+
+
+def _bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and torch.equal(got, want), what
+
+
+def narrow_shapes() -> None:
+    """Properties over narrow and odd shapes (hypothesis, a few examples each; fp32 bits compared): the
+    product's rows and columns alone (K from 1, odd N); the tree at TP 1, 2, 4, 8 with K per rank from 1;
+    attention rows in prefill, decode over a longer cache, a chunk of a chunked prefill and a request
+    alone, with and without a sliding window; RMSNorm rows of odd widths; Qwen3's q / k norms inside the
+    rotary kernel for any number of heads (a TP rank's); silu(gate) * up on shards of any width. A failed
+    property prints its falsifying example."""
+    from hypothesis import example, given, settings
+    from hypothesis import strategies as st
+
+    from detaudit.backends.kernels import fused
+    from detaudit.builtin.layers import Rotary
+
+    few = settings(max_examples=5, deadline=None, database=None)
+    dtypes = st.sampled_from([torch.float32, torch.bfloat16])
+    seeds = st.integers(0, 2**20)
+
+    @few
+    @given(m=st.integers(1, 33), k=st.integers(1, 70), n=st.integers(1, 40), dt=dtypes, seed=seeds, data=st.data())
+    def products(m, k, n, dt, seed, data):
+        x, w = _spread(m, k, seed=seed, dtype=dt), _spread(n, k, seed=seed + 1, dtype=dt)
+        full = triton_mm.mm(x, w)
+        j, i = data.draw(st.integers(1, m)), data.draw(st.integers(0, m - 1))
+        c0 = data.draw(st.integers(0, n - 1))
+        c1 = data.draw(st.integers(c0 + 1, n))
+        _bits(triton_mm.mm(x[:j], w), full[:j], f"mm prefix {j}")
+        _bits(triton_mm.mm(x[i:], w), full[i:], f"mm rows from {i}")
+        _bits(triton_mm.mm(x, w[c0:c1]), full[:, c0:c1], f"mm columns {c0}:{c1}")
+
+    @few
+    @given(m=st.integers(1, 33), leaf=st.integers(1, 9), n=st.integers(1, 40), dt=dtypes, seed=seeds, data=st.data())
+    def tree_ranks(m, leaf, n, dt, seed, data):
+        k = 8 * leaf
+        x, w = _spread(m, k, seed=seed, dtype=dt), _spread(n, k, seed=seed + 1, dtype=dt)
+        one = triton_mm.mm(x, w, leaves=8)
+        i = data.draw(st.integers(0, m - 1))
+        for c in (1, 2, 4, 8):
+            kc = k // c
+            cols = [slice(r * kc, (r + 1) * kc) for r in range(c)]
+            parts = [triton_mm.mm(x[:, s].contiguous(), w[:, s], leaves=8 // c) for s in cols]
+            _bits(tree.tree_sum(parts), one, f"tree TP {c}, {kc} columns a rank")
+            _bits(
+                triton_mm.mm(x[i : i + 1, cols[0]].contiguous(), w[:, cols[0]], leaves=8 // c),
+                parts[0][i : i + 1],
+                f"tree TP {c}: rank 0's partial of row {i} alone",
+            )
+
+    # rows drawn as raw integers (taken modulo the length), so that an example can name them: the first
+    # one reads 36 and 40 keys of a 90-key cache in decode and in a chunk (past 32: another split shows)
+    @few
+    @example(groups=2, length=90, d=16, window=None, dt=torch.float32, seed=0, rows=(35, 0, 20, 19, 1))
+    @given(
+        groups=st.integers(1, 3),
+        length=st.integers(1, 90),
+        d=st.sampled_from([16, 32]),
+        window=st.one_of(st.none(), st.integers(1, 40)),
+        dt=dtypes,
+        seed=seeds,
+        rows=st.tuples(*[st.integers(0, 2**16)] * 5),
+    )
+    def attention_rows(groups, length, d, window, dt, seed, rows):
+        g = torch.Generator().manual_seed(seed)
+        q, k = (torch.randn(groups, length, d, generator=g).to(dt) for _ in range(2))
+        v = _spread(groups, length, d, seed=seed + 1, dtype=dt)
+        pos = torch.arange(length).expand(groups, length).contiguous()
+        pre = triton_attn.attention(q, k, v, pos, 0.25, 64, window)
+        t = rows[0] % length
+        end = t + 1 + rows[1] % (length - t)
+        step = triton_attn.attention(q[:, t : t + 1], k[:, :end], v[:, :end], pos[:, t : t + 1], 0.25, 64, window)
+        _bits(step, pre[:, t : t + 1], f"attention decode at {t} over {end} keys")
+        t0 = rows[2] % length
+        t1 = t0 + 1 + rows[3] % (length - t0)
+        chunk = triton_attn.attention(q[:, t0:t1], k[:, :t1], v[:, :t1], pos[:, t0:t1], 0.25, 64, window)
+        _bits(chunk, pre[:, t0:t1], f"attention chunk {t0}:{t1}")
+        i = rows[4] % groups
+        alone = triton_attn.attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], pos[i : i + 1], 0.25, 64, window)
+        _bits(alone, pre[i : i + 1], "attention request alone")
+
+    @few
+    @given(m=st.integers(1, 33), n=st.integers(1, 300), seed=seeds, data=st.data())
+    def norm_rows(m, n, seed, data):
+        x, delta = _spread(m, n, seed=seed), _spread(m, n, seed=seed + 1)
+        w = _spread(n, seed=seed + 2)
+        y, s = fused.rms_norm(x, w, 1e-6, delta)
+        i = data.draw(st.integers(0, m - 1))
+        _bits(fused.rms_norm(x[i : i + 1], w, 1e-6, delta[i : i + 1])[0], y[i : i + 1], f"rms_norm row {i} alone")
+        _bits(s, x + delta, "residual sum")
+
+    @few
+    @given(
+        b=st.integers(1, 2),
+        t=st.integers(1, 4),
+        hkv=st.integers(1, 4),
+        groups=st.integers(1, 3),
+        seed=seeds,
+        data=st.data(),
+    )
+    def qk_norm_heads(b, t, hkv, groups, seed, data):
+        d, length, hq = 16, 9, hkv * groups
+        qkv = _spread(b * t, (hq + 2 * hkv) * d, seed=seed)
+        qw, kw = _spread(d, seed=seed + 1), _spread(d, seed=seed + 2)
+        pos = torch.arange(t).expand(b, t) + torch.randint(
+            0, length - t + 1, (b, 1), generator=torch.Generator().manual_seed(seed)
+        )
+        cos, sin = Rotary(d, 10000.0, torch.device("cpu")).cos_sin(pos, torch.float32)
+
+        def run(h0, h1):  # KV heads h0:h1 and their query heads: a rank's columns of the merged product
+            n = h1 - h0
+            q = qkv[:, h0 * groups * d : h1 * groups * d]
+            k = qkv[:, (hq + h0) * d : (hq + h1) * d]
+            v = qkv[:, (hq + hkv + h0) * d : (hq + hkv + h1) * d]
+            slots = (
+                torch.arange(b)[:, None, None] * (n * length) + pos[:, :, None] + torch.arange(n) * length
+            ).reshape(-1)
+            kc, vc = torch.zeros(b, n, length, d), torch.zeros(b, n, length, d)
+            out = fused.rope_store(q, k, v, cos, sin, kc, vc, slots, b, t, d, (qw, kw, 1e-6))
+            return out, kc
+
+        full_q, full_k = run(0, hkv)
+        h0 = data.draw(st.integers(0, hkv - 1))
+        h1 = data.draw(st.integers(h0 + 1, hkv))
+        q, kc = run(h0, h1)
+        _bits(q, full_q[:, h0 * groups : h1 * groups], f"q heads of KV heads {h0}:{h1}")
+        _bits(kc, full_k[:, h0:h1], f"k heads {h0}:{h1}")
+
+    @few
+    @given(m=st.integers(1, 9), w=st.integers(1, 70), seed=seeds, data=st.data())
+    def silu_shards(m, w, seed, data):
+        c = 4
+        # gates within +-50: exp(-gate) stays finite in fp32 (numpy, the interpreter's exp, warns on inf)
+        gate = torch.randn(m, c * w, generator=torch.Generator().manual_seed(seed)) * 10
+        up = _spread(m, c * w, seed=seed + 1)
+        full = fused.silu_mul(gate, up)
+        r = data.draw(st.integers(0, c - 1))
+        merged = torch.cat([gate[:, r * w : (r + 1) * w], up[:, r * w : (r + 1) * w]], 1)
+        _bits(fused.silu_mul(merged[:, :w], merged[:, w:]), full[:, r * w : (r + 1) * w], f"silu rank {r} width {w}")
+
+    for prop in (products, tree_ranks, attention_rows, norm_rows, qk_norm_heads, silu_shards):
+        try:
+            prop()
+        except AssertionError as e:
+            sys.exit(f"FAILED: {prop.__name__}: {e}")
 
 
 def fused_row_ops(g: torch.Generator) -> None:
@@ -349,6 +506,33 @@ def grouped_layout_tp_invariant() -> None:
         grouped_mm.usable, grouped_mm.BLOCK_M = usable, block_m
     check(bool(asked), "grouped MoE layout: the prefill never took the grouped layout")
     check(runs[2] == runs[1] and runs[8] == runs[1], "grouped MoE layout: emulated TP 2 and 8 == TP 1")
+
+
+def grouped_layer_fp32_partials() -> None:
+    """The MoE layer in the grouped layout (the GPU prefill path, under the interpreter) on bf16 weights,
+    its ranks' partials combined in fp32 (`test_props_moe._layer`): TP 1 and emulated TP 2 and 8 (experts
+    24 wide: 3 columns a rank at TP 8) give the same fp32 bits, and so does a token alone; the check
+    above compares the engine's bf16 outputs, where the residual add rounds the partials."""
+    from pathlib import Path
+
+    sys.path[:0] = [str(Path(__file__).parents[1])]
+    from detaudit.backends import experts
+    from unit.test_props_moe import _layer, _run
+
+    saved = grouped_mm.usable, grouped_mm.BLOCK_M, experts.DENSE_TOKENS
+    asked = []
+    grouped_mm.usable = lambda x: asked.append(x.shape[0]) or True  # the GPU layout on CPU tensors
+    grouped_mm.BLOCK_M, experts.DENSE_TOKENS = grouped_mm.INTERPRET_CONFIG["BLOCK_M"], 0
+    try:
+        h = _spread(19, 16, seed=3, dtype=torch.bfloat16)
+        layers = {c: _layer("bio+tbik", c, 4, 2, 16, 24, True, torch.bfloat16, 7) for c in (1, 2, 8)}
+        ref = _run(layers[1], h, decode=False)[0]
+        check(ref.dtype == torch.float32 and bool(asked), "grouped MoE layer: fp32 partials of the grouped layout")
+        for c in (2, 8):
+            check(torch.equal(_run(layers[c], h, decode=False)[0], ref), f"grouped MoE layer fp32: TP {c} == TP 1")
+        check(torch.equal(_run(layers[1], h[5:6], decode=False)[0], ref[5:6]), "grouped MoE layer fp32: token alone")
+    finally:
+        grouped_mm.usable, grouped_mm.BLOCK_M, experts.DENSE_TOKENS = saved
 
 
 def swapped_products(g: torch.Generator) -> None:

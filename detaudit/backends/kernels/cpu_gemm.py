@@ -30,6 +30,15 @@ _set_num_threads = torch._C.set_num_threads
 PANEL = 64  # output columns are split at multiples of this (keeps every panel 256-byte aligned)
 MIN_SPLIT_FLOPS = 64e6  # below this, one thread does the whole product (a hand-off costs ~0.1 ms)
 FEW_BLOCKS = 4  # up to this many blocks per group, b is copied per block and one call does all groups
+# PyTorch's CPU bmm computes a product of fewer than 400 multiply-adds (R x K x N) with its own loop (a
+# multiply, then an add) and a one-column product with a matrix-vector kernel whose order depends on the
+# rows; every other product goes to the BLAS GEMM (fused multiply-adds), whose column bits do not depend on
+# N (measured, torch 2.13: every K up to 40 and N up to 72). So a narrow product (a column shard of width
+# I/C, a panel's last columns) would get other bits than the same columns of a wider one: a product is
+# never computed with fewer than `min_columns` columns (zero columns added, dropped after), with a margin
+# over both limits.
+MIN_COLUMNS = 8
+MIN_MACS = 1024
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
@@ -124,12 +133,24 @@ def run_jobs(jobs: list, run) -> None:
         f.result()
 
 
+def min_columns(r: int, k: int) -> int:
+    """The fewest columns a block product [r, k] @ [k, N] is computed with (see MIN_MACS)."""
+    return max(MIN_COLUMNS, -(-MIN_MACS // max(r * k, 1)))
+
+
+def _widened(rhs: Tensor, n: int) -> Tensor:
+    """rhs[..., K, w] with zero columns added up to n (w < n): the first w columns' products are the same
+    GEMM's, whatever w is."""
+    return torch.nn.functional.pad(rhs, (0, n - rhs.shape[-1]))
+
+
 def block_products(a: Tensor, b: Tensor) -> Tensor:
     """fp32 block products of one fixed shape [R, K] @ [K, N], each computed by one thread.
 
     a[nb, R, K] with b[K, N]: out[j] = a[j] @ b. a[G, nb, R, K] with b[G, K, N]: out[g, j] = a[g, j] @ b[g]
     (b is shared by a group's blocks, never copied per block). Blocks are spread over this thread and
-    the pool; a block's bits never depend on the split."""
+    the pool; a block's bits never depend on the split, nor on how many columns share its product
+    (`min_columns`)."""
     grouped = b.dim() == 3
     a4 = a if grouped else a.unsqueeze(0)
     b3 = b if grouped else b.unsqueeze(0)
@@ -140,30 +161,29 @@ def block_products(a: Tensor, b: Tensor) -> Tensor:
         return out.zero_() if grouped else out[0].zero_()
     # grad / inference mode are thread-local: the workers take the caller's
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+    narrow = min_columns(r, k)
 
     def run(job: tuple[slice, slice, slice]) -> None:
         gs, bs, ns = job
+        width = ns.stop - ns.start
+        cols = max(width, narrow)  # the columns each product is computed with
         with torch.set_grad_enabled(modes[0]), torch.inference_mode(modes[1]):
             blocks = bs.stop - bs.start
             if gs.stop - gs.start > 1 and blocks <= FEW_BLOCKS:
                 # many groups of few blocks (decode attention): one call, the group's b repeated per block
                 rows = a4[gs, bs].reshape(-1, r, k)
-                rhs = (
-                    b3[gs, :, ns]
-                    .unsqueeze(1)
-                    .expand(-1, blocks, k, ns.stop - ns.start)
-                    .reshape(-1, k, ns.stop - ns.start)
-                )
-                out[gs, bs, :, ns] = torch.bmm(rows, rhs).view(-1, blocks, r, ns.stop - ns.start)
+                rhs = b3[gs, :, ns] if cols == width else _widened(b3[gs, :, ns], cols)
+                rhs = rhs.unsqueeze(1).expand(-1, blocks, k, cols).reshape(-1, k, cols)
+                out[gs, bs, :, ns] = torch.bmm(rows, rhs)[..., :width].view(-1, blocks, r, width)
                 return
             for gi in range(gs.start, gs.stop):  # b shared by the group's blocks: a stride-0 view, no copy
                 rows = a4[gi, bs]
-                rhs = b3[gi, :, ns]
+                rhs = b3[gi, :, ns] if cols == width else _widened(b3[gi, :, ns], cols)
                 dest = out[gi, bs, :, ns]
-                if dest.is_contiguous():
-                    torch.bmm(rows, rhs.expand(rows.shape[0], k, rhs.shape[-1]), out=dest)
+                if cols == width and dest.is_contiguous():
+                    torch.bmm(rows, rhs.expand(rows.shape[0], k, cols), out=dest)
                 else:
-                    dest.copy_(torch.bmm(rows, rhs.expand(rows.shape[0], k, rhs.shape[-1])))
+                    dest.copy_(torch.bmm(rows, rhs.expand(rows.shape[0], k, cols))[..., :width])
 
     spread(g, nb, n, 2.0 * g * nb * r * k * n, run)
     return out if grouped else out[0]

@@ -96,8 +96,8 @@ def describe_cpu() -> dict[str, str]:
     c = cpu_bf16.choice()
     kernels = {"cpu_kernels": cpu_calls.describe()}
     fp32 = (
-        f"fp32 products on zero-padded blocks of R={ROWS} rows, fixed shape [R, K] @ [K, N], "
-        "one thread per block product"
+        f"fp32 products on zero-padded blocks of R={ROWS} rows, fixed shape [R, K] @ [K, N] (N widened with zero "
+        f"columns to at least {cpu_gemm.MIN_COLUMNS} and {cpu_gemm.MIN_MACS} / (R K)), one thread per block product"
     )
     if not c.bf16:
         return {

@@ -1,0 +1,171 @@
+"""Property tests (hypothesis) of bio's row-local ops, asserted on fp32 bits (`torch.equal`), on both CPU
+kernel modes (`cpu_kernels`: the numba-compiled kernels and the PyTorch ops). Their products have fp32
+operands whatever the model dtype, so the CPU product path (`cpu_path`) does not enter them.
+
+- attention (full and sliding window): a query row's output has the same bits computed in prefill (all
+  rows at once), in decode (its row alone, over a cache as long as its position or longer, as a batch's
+  longest request makes it), in a chunk of a chunked prefill, with its request alone, and with only its
+  KV heads (a TP rank's); accurate against fp64;
+- RMSNorm: a row's bits do not depend on the rows beside it or on the input's strides; Qwen3's per-head
+  q / k norms, read from a merged q / k / v product, give every head the bits it has alone or among any
+  number of heads (a TP rank's);
+- log-softmax over odd vocabularies, and silu(gate) * up on shards of any width: rows and columns alone."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detaudit.backends import get_backend
+
+from .props_common import DTYPES, PROPS, ROWS, SEEDS, bits, spread
+
+
+def _attention_ref(q, k, v, pos, scale, window):
+    """fp64 softmax attention of q[B, Hq, T, D] over k / v [B, Hkv, L, D]."""
+    groups = q.shape[1] // k.shape[1]
+    kd, vd = (t.double().repeat_interleave(groups, 1) for t in (k, v))
+    s = (q.double() @ kd.transpose(-1, -2)) * scale
+    keys = torch.arange(k.shape[2]).view(1, 1, 1, -1)
+    p = pos[:, None, :, None]
+    hidden = (keys > p) if window is None else (keys > p) | (keys <= p - window)
+    return torch.softmax(s.masked_fill(hidden, float("-inf")), -1) @ vd
+
+
+@settings(PROPS, max_examples=10)
+@given(
+    bsz=st.integers(1, 3),
+    hkv=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    d=st.sampled_from([1, 8, 16, 17, 64]),
+    length=st.integers(1, 150),  # across the 64-key chunks of the PyTorch path
+    window=st.one_of(st.none(), st.integers(1, 90)),
+    dtype=DTYPES,
+    seed=SEEDS,
+    data=st.data(),
+)
+def test_attention_prefill_decode_chunks_batch_and_heads(
+    bsz, hkv, groups, d, length, window, dtype, seed, data, cpu_kernels
+):
+    b = get_backend("bio")
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(bsz, hkv * groups, length, d, generator=g).to(dtype)
+    k = torch.randn(bsz, hkv, length, d, generator=g).to(dtype)
+    v = spread(bsz, hkv, length, d, seed=seed + 1, dtype=dtype)
+    pos = torch.arange(length).expand(bsz, length)
+    scale = d**-0.5
+    pre = b.attention(q, k, v, pos, scale, window)
+    assert pre.dtype == dtype
+    t = data.draw(st.integers(0, length - 1), "decode position")
+    end = data.draw(st.integers(t + 1, length), "cache length in decode")
+    step = b.attention(q[:, :, t : t + 1], k[:, :, :end], v[:, :, :end], pos[:, t : t + 1], scale, window)
+    bits(step, pre[:, :, t : t + 1], f"decode at {t} over {end} keys")
+    t0 = data.draw(st.integers(0, length - 1), "chunk start")
+    t1 = data.draw(st.integers(t0 + 1, length), "chunk end")
+    chunk = b.attention(q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], pos[:, t0:t1], scale, window)
+    bits(chunk, pre[:, :, t0:t1], f"chunked prefill rows {t0}:{t1}")
+    i = data.draw(st.integers(0, bsz - 1), "request")
+    bits(b.attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], pos[i : i + 1], scale, window), pre[i : i + 1], "alone")
+    h0 = data.draw(st.integers(0, hkv - 1), "first KV head")
+    h1 = data.draw(st.integers(h0 + 1, hkv), "end KV head")
+    qh = slice(h0 * groups, h1 * groups)
+    got = b.attention(q[:, qh], k[:, h0:h1], v[:, h0:h1], pos, scale, window)
+    bits(got, pre[:, qh], f"KV heads {h0}:{h1}")
+    ref = _attention_ref(q, k, v, pos, scale, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((pre.double() - ref).abs() <= tol * v.double().abs().amax()).all()
+
+
+@settings(PROPS, max_examples=12)
+@given(m=ROWS, k=st.one_of(st.integers(1, 40), st.integers(41, 3000)), dtype=DTYPES, seed=SEEDS, data=st.data())
+def test_rms_norm_rows_alone_and_strided(m, k, dtype, seed, data, cpu_kernels):
+    b = get_backend("bio")
+    wide = spread(m, k + 7, seed=seed, dtype=dtype)
+    x = wide[:, 3 : 3 + k]  # a column slice: strided rows, as a slice of a merged product
+    wt = spread(k, seed=seed + 1, dtype=dtype)
+    full = b.rms_norm(x.contiguous(), wt, 1e-6)
+    assert full.dtype == dtype
+    bits(b.rms_norm(x, wt, 1e-6), full, "strided input")
+    j = data.draw(st.integers(1, m), "prefix rows")
+    bits(b.rms_norm(x[:j], wt, 1e-6), full[:j], f"the first {j} rows")
+    i = data.draw(st.integers(0, m - 1), "a row alone")
+    bits(b.rms_norm(x[i : i + 1], wt, 1e-6), full[i : i + 1], f"row {i} alone")
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    ref = (ref.to(dtype) if dtype != torch.float32 else ref).double() * wt.double()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((full.double() - ref).abs() <= tol * ref.abs().amax().clamp(min=1e-30) + 1e-30).all()
+
+
+@PROPS
+@given(
+    bsz=st.integers(1, 3),
+    t=st.integers(1, 9),
+    hkv=st.integers(1, 4),
+    groups=st.integers(1, 3),
+    d=st.sampled_from([8, 16, 17, 64, 128]),
+    dtype=DTYPES,
+    seed=SEEDS,
+    data=st.data(),
+)
+def test_qk_norms_per_head_any_head_count(bsz, t, hkv, groups, d, dtype, seed, data, cpu_kernels):
+    """q / k as the engine reads them: column slices of one merged q / k / v product [B*T, (Hq + 2 Hkv) D],
+    viewed [B, T, H, D]; every head's norm has the bits it has in a TP rank's own product (its heads
+    only) and for its token alone."""
+    b = get_backend("bio")
+    hq = hkv * groups
+    qkv = spread(bsz * t, (hq + 2 * hkv) * d, seed=seed, dtype=dtype)
+    qw, kw = spread(d, seed=seed + 1, dtype=dtype), spread(d, seed=seed + 2, dtype=dtype)
+    q = qkv[:, : hq * d].reshape(bsz, t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].reshape(bsz, t, hkv, d)
+    qn, kn = b.rms_norm(q, qw, 1e-6), b.rms_norm(k, kw, 1e-6)
+    h0 = data.draw(st.integers(0, hkv - 1), "first KV head")
+    h1 = data.draw(st.integers(h0 + 1, hkv), "end KV head")
+    bits(b.rms_norm(k[:, :, h0:h1].contiguous(), kw, 1e-6), kn[:, :, h0:h1], f"k heads {h0}:{h1}")
+    qh = slice(h0 * groups, h1 * groups)
+    bits(b.rms_norm(q[:, :, qh].contiguous(), qw, 1e-6), qn[:, :, qh], f"q heads {qh}")
+    i, j = data.draw(st.integers(0, bsz - 1), "request"), data.draw(st.integers(0, t - 1), "token")
+    bits(b.rms_norm(q[i : i + 1, j : j + 1], qw, 1e-6), qn[i : i + 1, j : j + 1], "one token's q heads")
+
+
+@settings(PROPS, max_examples=10)
+@given(m=ROWS, v=st.one_of(st.integers(1, 64), st.integers(65, 5000)), seed=SEEDS, data=st.data())
+def test_log_softmax_rows_alone(m, v, seed, data, cpu_kernels):
+    b = get_backend("bio")
+    logits = torch.randn(m, v, generator=torch.Generator().manual_seed(seed)) * 8
+    full = b.log_softmax(logits)
+    assert full.dtype == torch.float32
+    j = data.draw(st.integers(1, m), "prefix rows")
+    bits(b.log_softmax(logits[:j]), full[:j], f"the first {j} rows")
+    i = data.draw(st.integers(0, m - 1), "a row alone")
+    bits(b.log_softmax(logits[i : i + 1]), full[i : i + 1], f"row {i} alone")
+    assert torch.allclose(full.double(), torch.log_softmax(logits.double(), -1), rtol=0, atol=1e-5 + v * 2e-7)
+
+
+@PROPS
+@given(
+    name=st.sampled_from(["bio", "bio+tbik"]),
+    m=ROWS,
+    w=st.integers(1, 100),
+    dtype=DTYPES,
+    seed=SEEDS,
+    data=st.data(),
+)
+def test_silu_mul_on_shards_of_any_width(name, m, w, dtype, seed, data):
+    """A rank's gate / up are the halves of its merged product [m, 2w] (strided column slices): each
+    element has the bits of TP 1's wider product (4 ranks here), in any row set."""
+    b = get_backend(name)
+    c = 4
+    gate, up = spread(m, c * w, seed=seed, dtype=dtype), spread(m, c * w, seed=seed + 1, dtype=dtype)
+    full = b.silu_mul(gate, up)
+    assert full.dtype == dtype
+    r = data.draw(st.integers(0, c - 1), "rank")
+    cols = slice(r * w, (r + 1) * w)
+    merged = torch.cat([gate[:, cols], up[:, cols]], 1)
+    bits(b.silu_mul(merged[:, :w], merged[:, w:]), full[:, cols], f"rank {r} of {c}, width {w}")
+    i = data.draw(st.integers(0, m - 1), "a row alone")
+    bits(b.silu_mul(gate[i : i + 1, cols], up[i : i + 1, cols]), full[i : i + 1, cols], "a row of a shard alone")
+    ref = torch.nn.functional.silu(gate.double()) * up.double()
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    assert ((full.double() - ref).abs() <= tol * ref.abs() + 1e-30).all()
