@@ -14,7 +14,7 @@ not depend on how many other requests share its batch (see `kernels/fixed.py`):
 - TP all-reduce: the fp32 partials summed in rank order, cast once (deterministic, but the K split still
   depends on C: `bio` is batch invariant, not TP invariant; that is `bio+tbik`); moved by an all-gather
   (small messages) or a reduce-scatter by all-to-all then an all-gather of the cast slices, and on GPU
-  groups by peer memory over NVLink (`base.fixed_order_all_reduce`): the same additions every way.
+  groups by peer memory over NVLink (`allreduce.fixed_order_all_reduce`): the same additions every way.
 """
 
 from __future__ import annotations

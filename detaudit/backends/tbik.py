@@ -1,7 +1,7 @@
 """`bio+tbik`: BIO plus Tree-Based Invariant Kernels. Row-parallel layers (o_proj, down_proj) are a
 tree matmul over one fixed 8-block tree and the TP all-reduce adds the ranks' fp32 subtrees along the
 top of the same tree, so their output is bitwise identical for TP 1, 2, 4 and 8 (see `kernels/tree.py`).
-The all-reduce moves the subtrees as bio's does (`base.fixed_order_all_reduce`: peer memory on GPU
+The all-reduce moves the subtrees as bio's does (`allreduce.fixed_order_all_reduce`: peer memory on GPU
 groups; elsewhere an all-gather for small messages, a reduce-scatter by all-to-all and an all-gather of
 the cast slices otherwise; the same additions every way)."""
 

@@ -11,7 +11,7 @@ the output dtype. A partial of n <= C * per fp32 elements is cut into C slices; 
    rank order) in one fixed order, in fp32, casts once and writes B[r] of its own buffer. Then a barrier.
 3. `gather`: rank r reads B[j] of every rank j's buffer into the output (loads over NVLink).
 
-Per element that is the same additions, in the same order, as `backends.base.sequential_sum` (ORDER
+Per element that is the same additions, in the same order, as `backends.allreduce.sequential_sum` (ORDER
 "rank": ((p0 + p1) + p2) + ...) or `kernels.tree.tree_sum` (ORDER "tree": pairwise up a complete
 binary tree), then one round-to-nearest-even cast: the bits of the all-gather transport. It moves
 (C-1)/C of the partial in fp32 plus (C-1)/C in the output dtype per rank, what the reduce-scatter by
