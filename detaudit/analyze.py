@@ -433,14 +433,23 @@ def bitwise_differences(configs: Sequence[str], tables: dict[str, pa.Table]) -> 
     return float(count), first
 
 
-def _group(
-    model: str, suite: str, backend: str, cells: pd.DataFrame, records: pd.DataFrame, tables: dict[str, pa.Table]
-):
-    """Metrics of one (suite, backend): (summary row, per-prompt rows, per-cell extras,
-    agreement, by-position rows)."""
+@dataclass
+class _Group:
+    """One (suite, backend)'s records, read once: per configuration (a cell, or a cell's repeat) each
+    prompt's output ids, top-5 probabilities, teacher-forced log-probs, correctness and routing; the
+    configurations in grid order; the prompts in suite order."""
+
+    data: dict[str, dict[str, dict[str, Any]]]  # configuration -> prompt key -> its record's fields
+    prompt_index: dict[str, int]
+    done: list[str]  # done cells, grid order
+    configs_of: dict[str, list[str]]  # cell -> its configurations (repeats), in repeat order
+    configs: list[str]  # every configuration, cells in grid order
+    prompts: list[str]
+
+
+def _collect(cells: pd.DataFrame, records: pd.DataFrame) -> _Group:
     present = set(records["cell_id"]) if len(records) else set()
     done = [c for c in cells["cell_id"] if c in present]
-    # per cell: prompt -> data
     data: dict[str, dict[str, dict[str, Any]]] = {}
     prompt_index: dict[str, int] = {}
     key_col = "config_id" if "config_id" in records else "cell_id"  # (cell, repeat) configurations
@@ -452,11 +461,10 @@ def _group(
         for r in sub.to_dict("records"):
             key = _prompt_key(r)
             ids = _ids(r["output_token_ids"])
-            probs = r["top5"][: len(ids)]
             correct = r["correct"]
             d[key] = dict(
                 ids=ids,
-                probs=probs,
+                probs=r["top5"][: len(ids)],
                 tf=r.get("tf_token_logprobs"),
                 ref=r.get("tf_reference_cell"),
                 correct=None if correct is None or pd.isna(correct) else bool(correct),
@@ -465,49 +473,72 @@ def _group(
             )
             prompt_index.setdefault(key, int(r["prompt_index"]) if pd.notna(r["prompt_index"]) else len(prompt_index))
         data[cid] = d
-    prompts = sorted(prompt_index, key=lambda k: (prompt_index[k], k))
     configs_of = {c: [k for _, k in sorted(repeats[c])] for c in done}
-    configs = [k for c in done for k in configs_of[c]]  # every (cell, repeat), cells in grid order
+    return _Group(
+        data=data,
+        prompt_index=prompt_index,
+        done=done,
+        configs_of=configs_of,
+        configs=[k for c in done for k in configs_of[c]],
+        prompts=sorted(prompt_index, key=lambda k: (prompt_index[k], k)),
+    )
 
-    pp_rows, div_arrays, first_divs = [], [], []
-    routed_pairs = routed_differ = routed_positions = routed_tokens = 0
-    routing_compared = False  # some prompt had two or more routed cells
-    for key in prompts:
-        have = [c for c in configs if key in data[c]]
-        recs = [data[c][key] for c in have]
+
+@dataclass
+class _Prompts:
+    """Per-prompt rows and what the summary and the by-position table pool from them."""
+
+    rows: pd.DataFrame
+    div_arrays: list[np.ndarray]  # compared prompts' max-prob divergence by position
+    first_divs: list[int | None]  # compared prompts' first divergence (None: identical)
+    routed: dict[str, int]  # pairs / differ / positions / tokens of the routing comparison
+    routing_compared: bool  # some prompt had two or more routed configurations
+
+
+def _teacher_forced(g: _Group, key: str, have: list[str], recs: list[dict[str, Any]]) -> tuple[float, float]:
+    """(mean, max) over positions of the teacher-forced divergence of one prompt's configurations, against
+    the reference cell the records name (or the first); NaN with fewer than MIN_CELLS scored."""
+    tf_cells = [c for c, r in zip(have, recs) if r["tf"] is not None]
+    if len(tf_cells) < MIN_CELLS:
+        return math.nan, math.nan
+    named = next((r["ref"] for r in recs if isinstance(r["ref"], str) and r["ref"]), None)
+    named = named if named in tf_cells or f"{named}#r0" not in tf_cells else f"{named}#r0"  # --repeats
+    ref_cell = named if named in tf_cells else tf_cells[0]
+    tf = teacher_forced_by_position([g.data[c][key]["tf"] for c in tf_cells], g.data[ref_cell][key]["tf"])
+    return (float(tf.mean()), float(tf.max())) if tf.size else (math.nan, math.nan)
+
+
+def _per_prompt(model: str, suite: str, backend: str, g: _Group) -> _Prompts:
+    rows, div_arrays, first_divs = [], [], []
+    routed = dict(pairs=0, differ=0, positions=0, tokens=0)
+    routing_compared = False
+    for key in g.prompts:
+        have = [c for c in g.configs if key in g.data[c]]
+        recs = [g.data[c][key] for c in have]
         seqs = [r["ids"] for r in recs]
         fd = first_divergence(seqs)
         compared = len(have) >= MIN_CELLS  # a prompt seen by one cell compares nothing: NaN, not 0
         by_pos = maxprob_divergence_by_position([r["probs"] for r in recs]) if compared else np.zeros(0)
         prefix = by_pos[:fd] if fd is not None else by_pos
-        # teacher forcing
-        tf_cells = [c for c, r in zip(have, recs) if r["tf"] is not None]
-        tf_mean = tf_max = math.nan
-        if len(tf_cells) >= MIN_CELLS:
-            named = next((r["ref"] for r in recs if isinstance(r["ref"], str) and r["ref"]), None)
-            named = named if named in tf_cells or f"{named}#r0" not in tf_cells else f"{named}#r0"  # --repeats
-            ref_cell = named if named in tf_cells else tf_cells[0]
-            tf = teacher_forced_by_position([data[c][key]["tf"] for c in tf_cells], data[ref_cell][key]["tf"])
-            if tf.size:
-                tf_mean, tf_max = float(tf.mean()), float(tf.max())
+        tf_mean, tf_max = _teacher_forced(g, key, have, recs)
         differ = _routing_differences([r for r in recs if r["experts"] is not None])
         if differ is not None:
             routing_compared = True
-            routed_pairs += differ.size
-            routed_differ += int(differ.sum())
-            routed_positions += differ.shape[0]
-            routed_tokens += int(differ.any(axis=1).sum())
+            routed["pairs"] += differ.size
+            routed["differ"] += int(differ.sum())
+            routed["positions"] += differ.shape[0]
+            routed["tokens"] += int(differ.any(axis=1).sum())
         lengths = np.array([len(s) for s in seqs], dtype=np.float64)
         known = [r["correct"] for r in recs if r["correct"] is not None]
         if compared:
             first_divs.append(fd)
             div_arrays.append(by_pos)
-        pp_rows.append(
+        rows.append(
             dict(
                 model=model,
                 suite=suite,
                 backend=backend,
-                prompt_index=prompt_index[key],
+                prompt_index=g.prompt_index[key],
                 prompt_id=key,
                 cells=len(have),
                 unique=unique_count(seqs),
@@ -525,45 +556,48 @@ def _group(
                 routing_pairs=int(differ.size) if differ is not None else math.nan,
             )
         )
-    pp = pd.DataFrame(pp_rows, columns=PER_PROMPT_COLUMNS)
-    ties = [near_ties(r["margins"]) for c in configs for r in data[c].values() if r["margins"] is not None]
-    tie_count, tie_total = (sum(x) for x in zip(*ties)) if ties else (0, 0)
+    return _Prompts(pd.DataFrame(rows, columns=PER_PROMPT_COLUMNS), div_arrays, first_divs, routed, routing_compared)
 
-    # per cell
-    cell_extra = {}
-    ref_cell = configs[0] if configs else None
-    for cid in done:  # per cell (its repeats pooled)
-        ds = [data[k] for k in configs_of[cid]]
+
+def _per_cell(g: _Group) -> tuple[dict[str, dict[str, Any]], pd.DataFrame]:
+    """Per done cell (its repeats pooled): prompts, accuracy, mean length, agreement with the reference
+    cell; and the agreement matrix (each cell's first repeat, so one row per cell)."""
+    extra = {}
+    ref_cell = g.configs[0] if g.configs else None
+    for cid in g.done:
+        ds = [g.data[k] for k in g.configs_of[cid]]
         rs = [r for d in ds for r in d.values()]
         known = [r["correct"] for r in rs if r["correct"] is not None]
-        same = [
-            d[k]["ids"].tobytes() == data[ref_cell][k]["ids"].tobytes() for d in ds for k in d if k in data[ref_cell]
-        ]
-        cell_extra[cid] = dict(
+        ref = g.data[ref_cell]
+        same = [d[k]["ids"].tobytes() == ref[k]["ids"].tobytes() for d in ds for k in d if k in ref]
+        extra[cid] = dict(
             prompts=len({k for d in ds for k in d}),
             acc=float(np.mean(known)) if known else math.nan,
             len_mean=float(np.mean([len(r["ids"]) for r in rs])) if rs else math.nan,
             agree_ref=float(np.mean(same)) if same else math.nan,
         )
-    # per cell (its first repeat), so the matrix and its plot stay one row per cell however many repeats
-    agreement = agreement_matrix({cid: {k: r["ids"] for k, r in data[configs_of[cid][0]].items()} for cid in done})
+    agreement = agreement_matrix({c: {k: r["ids"] for k, r in g.data[g.configs_of[c][0]].items()} for c in g.done})
+    return extra, agreement
 
-    # by position
-    width = max((a.size for a in div_arrays), default=0)
-    max_len = max(width, max(([len(data[c][k]["ids"]) for c in configs for k in data[c]]), default=0))
+
+def _by_position(suite: str, backend: str, g: _Group, p: _Prompts) -> pd.DataFrame:
+    """The mean max-prob divergence at each output position over the compared prompts that reach it, and
+    the share of compared prompts diverged at or before it."""
+    width = max((a.size for a in p.div_arrays), default=0)
+    max_len = max(width, max(([len(g.data[c][k]["ids"]) for c in g.configs for k in g.data[c]]), default=0))
     sums, counts = np.zeros(max_len), np.zeros(max_len)
-    for a in div_arrays:
+    for a in p.div_arrays:
         sums[: a.size] += a
         counts[: a.size] += 1
-    fds = np.sort(np.array([f for f in first_divs if f is not None], dtype=np.int64))
+    fds = np.sort(np.array([f for f in p.first_divs if f is not None], dtype=np.int64))
     positions = np.arange(max_len)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_by_pos = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
-    if first_divs:  # share of compared prompts diverged at or before each position
-        diverged = np.searchsorted(fds, positions, side="right") / len(first_divs)
+    if p.first_divs:
+        diverged = np.searchsorted(fds, positions, side="right") / len(p.first_divs)
     else:
         diverged = np.full(max_len, np.nan)
-    by_position = pd.DataFrame(
+    return pd.DataFrame(
         dict(
             suite=suite,
             backend=backend,
@@ -575,34 +609,49 @@ def _group(
         columns=BY_POSITION_COLUMNS,
     )
 
-    accs = [cell_extra[c]["acc"] for c in done]
+
+def _summary(
+    model: str,
+    suite: str,
+    backend: str,
+    cells: pd.DataFrame,
+    g: _Group,
+    p: _Prompts,
+    extra: dict[str, dict[str, Any]],
+    tables: dict[str, pa.Table],
+) -> dict[str, Any]:
+    pp = p.rows
+    ties = [near_ties(r["margins"]) for c in g.configs for r in g.data[c].values() if r["margins"] is not None]
+    tie_count, tie_total = (sum(x) for x in zip(*ties)) if ties else (0, 0)
+    accs = [extra[c]["acc"] for c in g.done]
     failed = cells[cells["state"].isin(["failed", "missing"])]["cell_id"].tolist()
     pending = cells[~cells["state"].isin(["failed", "missing", "done"])]["cell_id"].tolist()
-    diverging = [f for f in first_divs if f is not None]
-    tf_refs = sorted({r["ref"] for c in configs for r in data[c].values() if isinstance(r["ref"], str) and r["ref"]})
-    bitwise, bitwise_first = bitwise_differences(configs, tables)
-    summary = dict(
+    diverging = [f for f in p.first_divs if f is not None]
+    refs = sorted({r["ref"] for c in g.configs for r in g.data[c].values() if isinstance(r["ref"], str) and r["ref"]})
+    bitwise, bitwise_first = bitwise_differences(g.configs, tables)
+    routed = p.routed
+    return dict(
         model=model,
         suite=suite,
         backend=backend,
-        cells=len(done),
-        prompts=len(prompts),
+        cells=len(g.done),
+        prompts=len(g.prompts),
         unique_mean=mean_or_nan(pp["unique"]),
         unique_max=float(pp["unique"].max()) if len(pp) else math.nan,
         bitwise_diff_records=bitwise,
         bitwise_first_diff=bitwise_first,
-        identical_prompts=int(sum(f is None for f in first_divs)),
+        identical_prompts=int(sum(f is None for f in p.first_divs)),
         maxprob_div_mean=mean_or_nan(pp["maxprob_div"]),
         maxprob_excluded=int(pp["maxprob_div"].isna().sum()),
         prefix_div_mean=mean_or_nan(pp["prefix_div"]),
         prefix_excluded=int(pp["prefix_div"].isna().sum()),
         teacher_forced_div_max=float(np.nanmax(pp["tf_div_max"])) if pp["tf_div_max"].notna().any() else math.nan,
         teacher_forced_div_mean=mean_or_nan(pp["tf_div_mean"]),
-        tf_reference=", ".join(tf_refs),
+        tf_reference=", ".join(refs),
         first_div_median=float(np.median(diverging)) if diverging else math.nan,
-        routing_div=routed_differ / routed_pairs if routed_pairs else math.nan,
-        routed_tokens_div=routed_tokens / routed_positions if routed_positions else math.nan,
-        routing_pairs=routed_pairs if routing_compared else math.nan,
+        routing_div=routed["differ"] / routed["pairs"] if routed["pairs"] else math.nan,
+        routed_tokens_div=routed["tokens"] / routed["positions"] if routed["positions"] else math.nan,
+        routing_pairs=routed["pairs"] if p.routing_compared else math.nan,
         near_tie_frac=tie_count / tie_total if tie_total else math.nan,
         acc_mean=mean_or_nan(accs),
         acc_std=accuracy_std(accs),
@@ -611,9 +660,22 @@ def _group(
         failed_cells=len(failed),
         pending_cells=len(pending),
         failed_cell_ids=", ".join(failed),
-        emulated=bool((cells.loc[cells["cell_id"].isin(done), "tp_mode"] == "emulated").any()),
+        emulated=bool((cells.loc[cells["cell_id"].isin(g.done), "tp_mode"] == "emulated").any()),
     )
-    return summary, pp, cell_extra, agreement, by_position
+
+
+def _group(
+    model: str, suite: str, backend: str, cells: pd.DataFrame, records: pd.DataFrame, tables: dict[str, pa.Table]
+):
+    """Metrics of one (suite, backend): (summary row, per-prompt rows, per-cell extras, agreement,
+    by-position rows), in steps: the records read once per configuration, then per prompt, per cell,
+    by position, and the summary pooling them."""
+    g = _collect(cells, records)
+    prompts = _per_prompt(model, suite, backend, g)
+    extra, agreement = _per_cell(g)
+    by_position = _by_position(suite, backend, g, prompts)
+    summary = _summary(model, suite, backend, cells, g, prompts, extra, tables)
+    return summary, prompts.rows, extra, agreement, by_position
 
 
 def _routing_differences(recs: list[dict[str, Any]]) -> np.ndarray | None:
