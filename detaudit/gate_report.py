@@ -110,7 +110,7 @@ def _code(s: object) -> str:
     return "`" + str(s).replace("`", "'") + "`"
 
 
-def render_markdown(result: GateResult, report_url: str | None = None) -> str:
+def gate_markdown(result: GateResult, report_url: str | None = None) -> str:
     """A pull-request summary: the verdict, every check with its value and threshold, how a baseline
     differs, the notes, and links to the report (`report_url`, and the report files of the run)."""
     verdict = "✅ PASSED" if result.passed else "❌ FAILED"

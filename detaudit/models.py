@@ -34,8 +34,8 @@ from detaudit import synthetic
 from detaudit.config import ModelRef
 from detaudit.errors import DetauditError
 from detaudit.paths import models_dir
+from detaudit.synthetic import MODEL_MANIFEST
 
-MANIFEST = "detaudit-model.json"
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # what a snapshot fetches
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?(@[\w./-]+)?")
 DEFAULT_TOKENIZER_MODEL = "smollm2-135m"  # synthetic models borrow its tokenizer
@@ -81,7 +81,9 @@ def sha256_files(paths: list[Path]) -> list[str]:
 
 def file_checksums(directory: Path) -> dict[str, str]:
     files = [
-        p for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+        p
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MODEL_MANIFEST and not p.name.startswith(".")
     ]
     return dict(zip((p.name for p in files), sha256_files(files)))
 
@@ -93,7 +95,7 @@ def combined_checksum(files: dict[str, str]) -> str:
 # ------------------------------------------------------------------ listing / resolving
 def _state(name: str) -> tuple[str, Path]:
     path = models_dir() / name
-    if (path / MANIFEST).exists():
+    if (path / MODEL_MANIFEST).exists():
         return "prepared", path
     return "not prepared", path
 
@@ -137,7 +139,7 @@ def checkpoint_checksum(path: Path) -> str:
     a blob named by its sha256 (LFS files: the hub's own content hash) is not read again."""
     files = {}
     for p in sorted(path.iterdir()):
-        if not (p.is_file() and p.suffix in (".safetensors", ".json") and p.name != MANIFEST):
+        if not (p.is_file() and p.suffix in (".safetensors", ".json") and p.name != MODEL_MANIFEST):
             continue
         blob = os.path.basename(os.readlink(p)) if p.is_symlink() else ""
         files[p.name] = blob if re.fullmatch(r"[0-9a-f]{64}", blob) else sha256_file(p)
@@ -147,9 +149,11 @@ def checkpoint_checksum(path: Path) -> str:
 def verify(path: Path) -> str:
     """Check a prepared model's files against its manifest; returns the combined checksum."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads((path / MODEL_MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise DetauditError(f"{path}: unreadable {MANIFEST} ({e}); run `detaudit models prepare --force`") from None
+        raise DetauditError(
+            f"{path}: unreadable {MODEL_MANIFEST} ({e}); run `detaudit models prepare --force`"
+        ) from None
     recorded = manifest.get("files", {})
     for fname in recorded:
         f = path / fname
@@ -314,7 +318,7 @@ def _prepare_synthetic(name: str, force: bool, console, safetensors: bool = Fals
 
     tokenizer_dir = prepare(DEFAULT_TOKENIZER_MODEL, console=console)
     dest = models_dir() / name
-    if safetensors and (dest / MANIFEST).exists() and not synthetic.has_weights(dest):
+    if safetensors and (dest / MODEL_MANIFEST).exists() and not synthetic.has_weights(dest):
         force = True
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -343,7 +347,7 @@ def _install(name: str, force: bool, console, build, note: str) -> Path:
     atomically. Returns at once when the model is already there (unless `force`)."""
     dest = models_dir() / name
     with _lock(name):
-        if (dest / MANIFEST).exists() and not force:
+        if (dest / MODEL_MANIFEST).exists() and not force:
             return dest
         work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models_dir()))
         try:
@@ -351,7 +355,7 @@ def _install(name: str, force: bool, console, build, note: str) -> Path:
             manifest = build(out, work)
             files = file_checksums(out)
             manifest.update(files=files, sizes={f: (out / f).stat().st_size for f in files})
-            (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            (out / MODEL_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             if dest.exists():
                 shutil.rmtree(dest)
             os.replace(out, dest)

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from detaudit.errors import DetauditError
 
-MANIFEST = "detaudit-model.json"
+MODEL_MANIFEST = "detaudit-model.json"
 SEED = 0
 STD = 0.02
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -97,7 +97,7 @@ PRESETS["qwen3-30b-a3b-shaped"] = Preset(
 
 def is_synthetic(path: Path) -> bool:
     try:
-        return "synthetic" in json.loads((Path(path) / MANIFEST).read_text())
+        return "synthetic" in json.loads((Path(path) / MODEL_MANIFEST).read_text())
     except (OSError, json.JSONDecodeError):
         return False
 
@@ -238,7 +238,7 @@ class RandomWeights:
         self.path = Path(path)
         self.ctx, self.device = ctx, device
         self.cfg = config
-        spec = json.loads((self.path / MANIFEST).read_text())["synthetic"]
+        spec = json.loads((self.path / MODEL_MANIFEST).read_text())["synthetic"]
         self.seed, self.std = int(spec["seed"]), float(spec["std"])
 
     def __enter__(self) -> "RandomWeights":

@@ -136,7 +136,7 @@ def gate(
         FORMATS,
         append_step_summary,
         check_report_url,
-        render_markdown,
+        gate_markdown,
         render_result,
         write_junit,
     )
@@ -151,7 +151,7 @@ def gate(
         check_report_url(report_url)
     fmt = "json" if json_ else format
     res = do_gate(run_dir, policy_path=policy, baseline_dir=baseline, allow_mismatch=allow_mismatch)
-    markdown = render_markdown(res, report_url)
+    markdown = gate_markdown(res, report_url)
     # the files first: one that cannot be written is bad input, reported alone
     written = [write_junit(res, junit)] if junit is not None else []
     summary = append_step_summary(markdown)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Callable
 
 import httpx
 
+from detaudit.builtin.dist import free_port
 from detaudit.errors import DetauditError
 from detaudit.vllm import MAX_MODEL_LEN
 
@@ -40,12 +40,6 @@ def stderr_line(text: str) -> None:
         sys.stderr.flush()
     except (OSError, ValueError):  # stderr closed (interpreter exit)
         pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(

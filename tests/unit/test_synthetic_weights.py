@@ -62,7 +62,7 @@ def test_the_builtin_loader_reads_written_weights(tmp_path, monkeypatch):
     from detaudit.builtin import loader
     from detaudit.config import ModelRef
 
-    (tmp_path / synthetic.MANIFEST).write_text(json.dumps({"synthetic": {"seed": 0, "std": 0.02}}))
+    (tmp_path / synthetic.MODEL_MANIFEST).write_text(json.dumps({"synthetic": {"seed": 0, "std": 0.02}}))
     ref = ModelRef("m", tmp_path, "Qwen3ForCausalLM", "x", SMALL, "m")
     drawn = []
     monkeypatch.setattr(loader, "ShardLoader", lambda *a: drawn.append("files") or "files")
@@ -93,7 +93,7 @@ def test_models_prepare_safetensors_adds_weights_to_a_prepared_model(tmp_path, m
     assert not synthetic.has_weights(dest)
     res = runner.invoke(app, ["models", "prepare", "qwen3-8b-shaped", "--safetensors", "--device", "cpu"])
     assert res.exit_code == 0, res.output
-    manifest = json.loads((dest / synthetic.MANIFEST).read_text())
+    manifest = json.loads((dest / synthetic.MODEL_MANIFEST).read_text())
     assert manifest["synthetic"]["weights"]["generated_on"] == "cpu"
     assert any(f.endswith(".safetensors") for f in manifest["files"])
     assert models.verify(dest) == models.combined_checksum(manifest["files"])

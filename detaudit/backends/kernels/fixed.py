@@ -143,7 +143,7 @@ def row_sum(x: Tensor) -> Tensor:
     Triton program per row (`triton_rows`).
 
     The ones have 8 columns, not 1: with N = 1 MKL takes a GEMV path whose order depends on M
-    (measured on the CI CPU; tests/test_bio.py guards it)."""
+    (measured on the CI CPU; tests/unit/test_bio.py guards it)."""
     if x.is_cuda and x.dim() == 2 and x.dtype == torch.float32:  # no reshapes
         return triton_rows.row_sum(x).view(-1, 1)
     k = x.shape[-1]
