@@ -172,10 +172,12 @@ def test_attention_matches_sdpa(cpu_kernels):
     assert torch.allclose(ours, ref, atol=1e-5)
 
 
-def test_attention_prefill_equals_decode(cpu_kernels):
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])  # fp32: the kernel's own bits, uncast
+def test_attention_prefill_equals_decode(cpu_kernels, q_dtype):
     """A token's attention output is the same bits computed with all queries at once (prefill) or
     one query at a time over the cache (decode), including across the KV split boundary (70 > 64)."""
     q, k, v, pos = _attn_inputs()
+    q = q.to(q_dtype)
     b = get_backend("bio")
     prefill = b.attention(q, k, v, pos, 0.25)
     for t in (0, 1, 63, 64, 65, 69):

@@ -154,7 +154,7 @@ def describe() -> str:
     if why is None:
         return (
             "compiled (numba, no fast-math): attention one query row at a time over the keys it sees "
-            "(scores in 16 fp32 lanes then pairwise, max, exp, sums in key order); RMSNorm sum of squares "
-            "the same way"
+            "(scores in 16 fp32 lanes then pairwise, max, exp as a degree-7 polynomial in fp32 adds and "
+            "multiplies (Cephes expf), sums in key order); RMSNorm sum of squares the same way"
         )
     return f"PyTorch ops ({why}): attention in KV chunks with an fp32 online softmax; row sums as fixed-shape products"
