@@ -37,7 +37,7 @@ def bench_vllm(
             eng = open_engine(EngineOptions(settings, model, backend, tp, max_batch_size=batch_size))
             open_s = time.perf_counter() - t0
             try:
-                warm_s, best, gens = time_generate(eng, prompts, ids, decoding, batch_size, repeats)
+                warm_s, best, gens, _ = time_generate(eng, prompts, ids, decoding, batch_size, repeats)
             finally:
                 eng.close()
             start_s = open_s + warm_s  # host process start, vLLM build (on the first generate) and warm-up
