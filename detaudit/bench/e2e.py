@@ -168,4 +168,8 @@ def bench_e2e(
         df["decode_vs_bf16"] = df.decode_tok_s / df._d
         df = df.drop(columns=["_p", "_d"])
     df.attrs = {"device": device, "tp_mode": tp_mode, "cuda_graphs": cuda_graphs}
+    if device == "cpu":  # bio / bio+tbik's CPU product path and kernels (the table's title names them)
+        from detaudit.backends import describe_machine
+
+        df.attrs.update(describe_machine(), threads=torch.get_num_threads())
     return df

@@ -35,8 +35,12 @@ def test_bench_e2e_on_cpu(tiny_llama):
         ],
     )
     assert res.exit_code == 0, res.output
-    rows = json.loads(res.stdout)["rows"]
+    out = json.loads(res.stdout)
+    rows = out["rows"]
     assert [r["backend"] for r in rows] == ["bf16", "bio", "bio+tbik"]
+    from detaudit.backends import describe_machine
+
+    assert out["meta"]["cpu_gemm"] == describe_machine()["cpu_gemm"]  # the title names the CPU path
     for r in rows:  # what was asked, and columns derived from one measured call, consistently
         assert (r["tp"], r["batch"], r["prompt_tokens"], r["new_tokens"]) == (1, 2, 8, 3), r
         assert not r["cuda_graphs"] and r["workers"] == 0, r  # CPU: eager, in process
@@ -48,6 +52,28 @@ def test_bench_e2e_on_cpu(tiny_llama):
     assert rows[0]["decode_vs_bf16"] == 1.0 and rows[0]["prefill_vs_bf16"] == 1.0
     res = runner.invoke(app, ["bench", "e2e", "--models", str(tiny_llama), "--device", "cpu", "--tp", "3"])
     assert res.exit_code == 2 and "TP size" in res.output
+
+
+@pytest.mark.slow  # two engines and transformers on a checkpoint
+def test_bench_engine_splits_prefill_and_decode(tiny_sweep_model):
+    """Each row's call splits into its prefill and its decode; ratios are to detaudit's bf16 in the run,
+    and the title names the CPU product path."""
+    args = ["bench", "engine", "--model", str(tiny_sweep_model), "--batch-size", "2", "--max-new-tokens", "4"]
+    res = runner.invoke(app, [*args, "--backends", "bf16,bio", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    rows = {r["engine"]: r for r in out["rows"]}
+    assert list(rows) == ["detaudit (bf16)", "detaudit (bio)", "transformers generate"]
+    for r in rows.values():
+        assert r["tokens"] == 8 and 0 < r["prefill_s"] < r["seconds"] and r["decode_tokens_per_s"] > 0, r
+        assert r["decode_vs_bf16"] == pytest.approx(
+            r["decode_tokens_per_s"] / rows["detaudit (bf16)"]["decode_tokens_per_s"], rel=1e-12
+        )
+        assert r["prefill_vs_bf16"] == pytest.approx(rows["detaudit (bf16)"]["prefill_s"] / r["prefill_s"], rel=1e-12)
+    assert rows["detaudit (bf16)"]["vs_bf16"] == 1.0
+    from detaudit.backends import describe_machine
+
+    assert out["meta"]["cpu_gemm"] == describe_machine()["cpu_gemm"]
 
 
 @pytest.mark.slow  # engines on a checkpoint, several timed calls

@@ -76,6 +76,27 @@ def test_matmul_column_shard_invariant(cpu_path):
             assert torch.equal(fixed.matmul(a, w[r * n : (r + 1) * n]), full[:, r * n : (r + 1) * n])
 
 
+def test_matmul_between_the_librarys_own_bf16_gemms(cpu_path):
+    """PyTorch's bf16 GEMM (oneDNN: the bf16 backend's F.linear, in the same process in `bench engine`)
+    runs on the same threads as these products, before and after them. On AMX the tiles are per-thread
+    state that its kernels configure and release: products made in between keep their bits (each of our
+    threads releases the tiles after its calls, so its next call configures them again)."""
+    from detaudit.backends.kernels import cpu_gemm
+
+    a, w = _rand(200, 576, dtype=torch.bfloat16), _rand(1536, 576, dtype=torch.bfloat16, seed=1)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            want = fixed.matmul(a, w)
+            for rows in (200, 8):
+                # the library's GEMM on this thread and on a worker of ours, then ours on both
+                cpu_gemm.run_jobs([0, 1], lambda _: torch.nn.functional.linear(a[:rows], w))
+                assert torch.equal(fixed.matmul(a[:rows], w), want[:rows]), (threads, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("cpu_path,dtype", PATHS_DTYPES, indirect=["cpu_path"])
 @pytest.mark.parametrize("k", [2, 5, 24, 64])
 def test_matmul_narrow_products_keep_their_bits(k, dtype, cpu_path):

@@ -1,6 +1,6 @@
 """The CPU product path: which one a machine gets (the decision table, with made-up flag sets for the
-kinds of CPU this machine is not: AVX2-only, AMX), that the backends' descriptions name it, and that
-runs made on the two paths are refused as one run. The products themselves are tested in test_bio.py
+kinds of CPU this machine may not be: AVX2-only, AVX-512 BF16, AMX), that the backends' descriptions
+name it, and that runs made on two paths are refused as one run. The products themselves are tested in test_bio.py
 and test_tbik.py on each path this machine has."""
 
 from __future__ import annotations
@@ -19,36 +19,58 @@ AVX512_BF16 = AVX512 | {"avx512_bf16"}
 AMX = AVX512_BF16 | {"amx_bf16", "amx_tile", "amx_int8"}
 
 
-def _decide(setting="auto", flags=AVX512_BF16, environ=None, kernel=True, onednn=True):
-    return cpu_bf16.decide(setting, flags, environ or {}, kernel, onednn)
+def _decide(setting="auto", flags=AVX512_BF16, environ=None, kernel=True, onednn=True, onednn_amx=False):
+    c = cpu_bf16.decide(setting, flags, environ or {}, kernel, onednn, onednn_amx)
+    return c.path, c.why
 
 
-def test_bf16_only_where_the_cpu_has_avx512_bf16_without_amx():
-    assert _decide() == (True, "CPU flags avx512_bf16 (no AMX): oneDNN brgemm micro-kernel, vdpbf16ps")
-    bf16, why = _decide(flags=AVX2)
-    assert not bf16 and "avx512_bf16" in why and "avx512f" in why
-    bf16, why = _decide(flags=AVX512)
-    assert not bf16 and why == "CPU flags lack avx512_bf16"
-    bf16, why = _decide(flags=AMX)
-    assert not bf16 and why.startswith("AMX CPU")
-    assert _decide(onednn=False)[0] is False
+def test_bf16_where_the_cpu_has_avx512_bf16_and_amx_where_onednn_runs_it():
+    assert _decide() == ("avx512_bf16", "CPU flags avx512_bf16 (no AMX): oneDNN brgemm micro-kernel, vdpbf16ps")
+    path, why = _decide(flags=AVX2)
+    assert path == "fp32" and "avx512_bf16" in why and "avx512f" in why
+    assert _decide(flags=AVX512) == ("fp32", "CPU flags lack avx512_bf16")
+    # AMX: its own path where oneDNN runs bf16 on AMX, named with every AMX flag (another generation's
+    # flags make another path)
+    assert _decide(flags=AMX, onednn_amx=True) == (
+        "amx",
+        "CPU flags amx_bf16 amx_int8 amx_tile, oneDNN on AMX: oneDNN brgemm micro-kernel, tdpbf16ps",
+    )
+    assert _decide(flags=AMX | {"amx_fp16"}, onednn_amx=True)[1].startswith("CPU flags amx_bf16 amx_fp16 amx_int8")
+    # ...the vdpbf16ps path where oneDNN does not (capped, or the OS refused AMX), saying so
+    path, why = _decide(flags=AMX, environ={"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"})
+    assert path == "avx512_bf16" and "AMX unused by oneDNN (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16)" in why
+    assert "no ONEDNN_MAX_CPU_ISA cap" in _decide(flags=AMX)[1]
+    # ...and fp32 where torch cannot tell which
+    path, why = _decide(flags=AMX, onednn_amx=None)
+    assert path == "fp32" and "could_pack" in why
+    assert _decide(onednn=False)[0] == "fp32"
     assert "exports no" in _decide(kernel=False)[1]
 
 
+def test_paths_name_their_rows_and_describe_themselves_apart():
+    amx = cpu_bf16.Choice("amx", "x")
+    avx = cpu_bf16.Choice("avx512_bf16", "x")
+    assert (amx.rows, avx.rows, amx.bf16, avx.bf16, cpu_bf16.Choice("fp32", "x").bf16) == (16, 8, True, True, False)
+    assert amx.describe() != avx.describe()
+    assert avx.describe() == "bf16 inputs, fp32 accumulation: x"  # unchanged: earlier AVX-512 runs still merge
+
+
 def test_onednn_cap_below_bf16_means_fp32():
-    bf16, why = _decide(environ={"ONEDNN_MAX_CPU_ISA": "AVX2"})
-    assert not bf16 and "ONEDNN_MAX_CPU_ISA=AVX2" in why
-    assert not _decide(environ={"DNNL_MAX_CPU_ISA": "avx512_core"})[0]
-    assert _decide(environ={"ONEDNN_MAX_CPU_ISA": "avx512_core_bf16"})[0]
-    assert _decide(environ={"ONEDNN_MAX_CPU_ISA": "ALL"})[0]
+    path, why = _decide(environ={"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert path == "fp32" and "ONEDNN_MAX_CPU_ISA=AVX2" in why
+    assert _decide(flags=AMX, onednn_amx=True, environ={"ONEDNN_MAX_CPU_ISA": "AVX2"})[0] == "fp32"
+    assert _decide(environ={"DNNL_MAX_CPU_ISA": "avx512_core"})[0] == "fp32"
+    assert _decide(environ={"ONEDNN_MAX_CPU_ISA": "avx512_core_bf16"})[0] == "avx512_bf16"
+    assert _decide(environ={"ONEDNN_MAX_CPU_ISA": "ALL"})[0] == "avx512_bf16"
 
 
 def test_settings_force_or_refuse():
-    assert _decide("fp32") == (False, "DETAUDIT_CPU_GEMM=fp32")
-    assert _decide("bf16")[0]
-    for flags in (AVX2, AMX):
+    assert _decide("fp32") == ("fp32", "DETAUDIT_CPU_GEMM=fp32")
+    assert _decide("bf16")[0] == "avx512_bf16"
+    assert _decide("bf16", flags=AMX, onednn_amx=True)[0] == "amx"
+    for flags, amx in ((AVX2, False), (AMX, None)):
         with pytest.raises(DetauditError, match="DETAUDIT_CPU_GEMM=bf16: this machine cannot"):
-            _decide("bf16", flags=flags)
+            _decide("bf16", flags=flags, onednn_amx=amx)
     with pytest.raises(DetauditError, match="auto, bf16, fp32"):
         _decide("fast")
 
@@ -73,9 +95,12 @@ def test_panel_width_divides_n_padded_to_64():
 def test_description_names_the_path(cpu_path):
     d = get_backend("bio+tbik").describe()
     assert d["cpu_gemm"] == cpu_path.describe()
-    if cpu_path.bf16:
+    if cpu_path.path == "amx":
+        assert d["cpu_gemm"].startswith("bf16 inputs, fp32 accumulation on AMX tiles: CPU flags amx_bf16")
+    elif cpu_path.bf16:
         assert d["cpu_gemm"].startswith("bf16 inputs, fp32 accumulation: CPU flags avx512_bf16")
-        assert f"R={cpu_bf16.ROWS}" in d["matmul_cpu"] and f"R={fixed.ROWS}" in d["matmul_cpu"]
+    if cpu_path.bf16:
+        assert f"R={cpu_path.rows} rows" in d["matmul_cpu"] and f"R={fixed.ROWS} rows" in d["matmul_cpu"]
     else:
         assert d["cpu_gemm"] == "fp32 products: DETAUDIT_CPU_GEMM=fp32"
         assert d["matmul_cpu"].startswith(f"fp32 products on zero-padded blocks of R={fixed.ROWS} rows")
@@ -157,3 +182,61 @@ def test_describing_the_backends_imports_no_numba():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[-2:] == ["False", "False"], out
+
+
+def test_self_check_refuses_a_kernel_whose_rows_interact(monkeypatch):
+    """A stand-in for a kernel that mixes a block's rows (none of the real ones does, so a mock: the
+    real matmul plus 2^-20 of the block's first row, within the fp32 comparison's tolerance)."""
+    try:
+        cpu_bf16.choose("bf16")
+    except DetauditError as e:
+        pytest.skip(str(e))
+    try:
+        real = cpu_bf16.matmul
+        assert cpu_bf16._self_check() is None
+
+        def mixing(x, packed, n):
+            out = real(x, packed, n)
+            return out + out[:1] * 2.0**-20
+
+        monkeypatch.setattr(cpu_bf16, "matmul", mixing)
+        assert "a row's bits depend on the other rows" in cpu_bf16._self_check()
+    finally:
+        monkeypatch.undo()
+        cpu_bf16.choose()
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_each_thread_releases_the_kernel_after_its_calls_where_the_path_says(monkeypatch, release):
+    """On AMX every thread that made calls releases its tiles once, after its slice (`Kernel.release`);
+    elsewhere none does. Counted through the Python loop (the release function swapped for a counter;
+    the compiled loop calls the same symbol, bound in `cpu_loop`), on 2 threads."""
+    import dataclasses
+    import threading
+
+    from detaudit.backends.kernels import cpu_calls
+
+    try:
+        cpu_bf16.choose("bf16")
+    except DetauditError as e:
+        pytest.skip(str(e))
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(480, 576, generator=g).bfloat16()
+    w = torch.randn(1536, 576, generator=g).bfloat16()
+    try:
+        want = fixed.matmul(x, w)
+        seen: list[int] = []
+        fake = dataclasses.replace(
+            cpu_bf16._kernel, release_fn=lambda _: seen.append(threading.get_ident()), release=release
+        )
+        monkeypatch.setattr(cpu_bf16, "_kernel", fake)
+        monkeypatch.setenv(cpu_calls.ENV, "off")
+        monkeypatch.setattr(cpu_calls, "_bound", {})
+        torch.set_num_threads(2)
+        assert torch.equal(fixed.matmul(x, w), want)
+    finally:
+        torch.set_num_threads(threads)
+        monkeypatch.undo()
+        cpu_bf16.choose()
+    assert len(seen) == (2 if release else 0) and len(set(seen)) == len(seen)

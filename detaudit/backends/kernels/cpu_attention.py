@@ -8,6 +8,13 @@ many rows or keys share the call, so a row has the same bits in prefill (many ro
 in any batch and at any TP size (heads are never split). No fused multiply-add: numba compiles
 without fast-math, so every product is rounded, then added.
 
+Vectorized across keys, not within a dot product: a KV head's keys are transposed once per call
+([D, L] fp32), and a row's scores are 16 lane rows over all its keys (`_scores`: the additions of
+`_dot`, key by key, in the same order). exp is a polynomial in IEEE fp32 adds and multiplies
+(`exp_shifted`), so a vector lane and the scalar remainder give the same bits; it replaced libm's
+scalar expf (other bits: the description says which exp, so earlier runs' cells are not merged with
+these).
+
 The cache is read as it is stored: bf16 as its 16 bits (a bf16 is the top half of an fp32), other
 dtypes converted to fp32 by the caller. Against the chunked PyTorch-ops path (`fixed.attention`), this
 replaces about 60 small ops per layer and step with one call; the backend's description names the
@@ -104,6 +111,86 @@ def _sees(j, p, window):
     return j <= p and (window == 0 or j > p - window)
 
 
+# exp, Cephes' expf (S. Moshier) in IEEE fp32 adds and multiplies: x = n ln2 + r, |r| <= ln2 / 2 (ln2 in
+# two parts, n * LN2_HI exact), exp(r) by a degree-7 polynomial, times 2^n built from n's bits
+LOG2E = np.float32(1.44269504088896341)
+LN2_HI = np.float32(0.693359375)
+LN2_LO = np.float32(-2.12194440e-4)
+P0, P1, P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3)
+P3, P4, P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
+ONE = np.float32(1)
+X_MIN = np.float32(-88)  # x is raised to this (n = -127: 0), keeping n far inside MAGIC's range
+MAGIC = np.float32(12582912)  # 1.5 * 2^23: x + MAGIC rounds x to an integer, held in the low bits
+MAGIC_BITS = np.int32(0x4B400000)  # MAGIC's bits: bits(n + MAGIC) - MAGIC_BITS = n
+N_MIN = np.int32(-126)  # the least n whose 2^n is a normal fp32; below it the result is 0
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def exp_shifted(row, shift, bits):
+    """row[j] = exp(row[j] - shift) for every j, by the same IEEE fp32 operations for every element.
+
+    No branch, no library call, no FMA (numba compiles without fast-math, so no contraction): LLVM
+    vectorizes the loops (their index runs from 0, so numba's negative-index wraparound folds away),
+    and an element's bits are the same in a vector lane or in the scalar remainder, so they never
+    depend on the row's length or on where the element sits. `bits` (int32, at least as long as the
+    row) holds each element's n + MAGIC, then its 2^n. exp(x) for x below about -87.7 (n < -126) is
+    0, as fp32's flush-to-zero would make most of those results; NaN stays NaN."""
+    scale = bits.view(np.float32)
+    for j in range(row.shape[0]):
+        x = row[j] - shift
+        if x < X_MIN:
+            x = X_MIN
+        t = x * LOG2E + MAGIC  # round(x / ln2) + MAGIC, exactly
+        n = t - MAGIC
+        r = x - n * LN2_HI
+        r = r - n * LN2_LO
+        p = ((((P0 * r + P1) * r + P2) * r + P3) * r + P4) * r + P5
+        row[j] = p * (r * r) + r + ONE
+        scale[j] = t
+    for j in range(row.shape[0]):
+        n = bits[j] - MAGIC_BITS
+        bits[j] = (n + np.int32(127)) << np.int32(23) if n >= N_MIN else np.int32(0)
+    for j in range(row.shape[0]):
+        row[j] = row[j] * scale[j]
+
+
+@numba.njit(nogil=True, cache=True)
+def exp_rows(x, out):  # pragma: no cover (compiled)
+    """out[i, :] = exp(x[i, :]) by `exp_shifted` (shift 0), for tests: the elements of one row are
+    vector lanes or the scalar remainder depending on the row's length."""
+    bits = np.empty(x.shape[1], dtype=np.int32)
+    for i in range(x.shape[0]):
+        out[i, :] = x[i, :]
+        exp_shifted(out[i], np.float32(0), bits)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _scores(q, keys_t, lo, hi, acc, dest):
+    """dest[j - lo] = `_dot`(q, key j) for keys lo..hi of keys_t[D, L] (keys as columns), the same
+    additions in the same order, vectorized over the keys: lane l's sum of key j is acc[l, j - lo]."""
+    n = hi - lo + 1
+    for lane in range(LANES):
+        a = acc[lane, :n]
+        for jj in range(n):
+            a[jj] = 0
+    for i in range(q.shape[0]):
+        a = acc[i % LANES, :n]
+        kr = keys_t[i, lo : hi + 1]
+        qi = q[i]
+        for jj in range(n):
+            a[jj] += qi * kr[jj]
+    for half in (8, 4, 2):
+        for lane in range(half):
+            a = acc[lane, :n]
+            b = acc[lane + half, :n]
+            for jj in range(n):
+                a[jj] += b[jj]
+    a = acc[0, :n]
+    b = acc[1, :n]
+    for jj in range(n):
+        dest[jj] = a[jj] + b[jj]
+
+
 @numba.njit(nogil=True, cache=True)
 def attend(qs, pos, k, v, bf16, window, out):  # pragma: no cover (compiled)
     """qs[G, R, D] fp32 (scaled queries), pos[G, R] int64, k / v [G, L, D] (uint16 bf16 bits when
@@ -116,6 +203,9 @@ def attend(qs, pos, k, v, bf16, window, out):  # pragma: no cover (compiled)
     sums = np.empty(rows, dtype=np.float32)
     bits = np.empty(d, dtype=np.uint32)
     key = bits.view(np.float32)  # the key or value row `load` wrote
+    exp_bits = np.empty(length, dtype=np.int32)
+    keys_t = np.empty((d, length), dtype=np.float32)
+    acc = np.empty((LANES, length), dtype=np.float32)
     for g in range(g_count):
         first = length
         last = -1
@@ -129,20 +219,33 @@ def attend(qs, pos, k, v, bf16, window, out):  # pragma: no cover (compiled)
             out[g, r, :] = 0
         for j in range(first, last + 1):
             load(k[g, j], bf16, bits)
-            for r in range(rows):
-                if not _sees(j, pos[g, r], window):
-                    continue
-                s = _dot(qs[g, r], key)
-                scores[r, j] = s
-                if s > row_max[r]:
-                    row_max[r] = s
+            for i in range(d):
+                keys_t[i, j] = key[i]
+        for r in range(rows):
+            p = pos[g, r]
+            lo = max(p - window + 1 if window > 0 else 0, 0)
+            hi = min(p, length - 1)
+            _scores(qs[g, r], keys_t, lo, hi, acc, scores[r, lo : hi + 1])
+            m = row_max[r]
+            for j in range(lo, hi + 1):
+                if scores[r, j] > m:
+                    m = scores[r, j]
+            row_max[r] = m
+        for r in range(rows):  # the keys a row sees are lo..hi: their weights, then their sum in key order
+            p = pos[g, r]
+            lo = max(p - window + 1 if window > 0 else 0, 0)
+            hi = min(p, length - 1)
+            exp_shifted(scores[r, lo : hi + 1], row_max[r], exp_bits)
+            total = np.float32(0)
+            for j in range(lo, hi + 1):
+                total += scores[r, j]
+            sums[r] = total
         for j in range(first, last + 1):
             load(v[g, j], bf16, bits)
             for r in range(rows):
                 if not _sees(j, pos[g, r], window):
                     continue
-                e = np.float32(np.exp(scores[r, j] - row_max[r]))
-                sums[r] += e
+                e = scores[r, j]
                 for i in range(d):
                     out[g, r, i] += e * key[i]
         for r in range(rows):

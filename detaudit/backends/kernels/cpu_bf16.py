@@ -1,21 +1,35 @@
-"""bf16 block products with fp32 accumulation on CPUs with AVX-512 BF16, chosen once per process.
+"""bf16 block products with fp32 accumulation on CPUs with AVX-512 BF16 or AMX, chosen once per process.
 
 The product is oneDNN's brgemm micro-kernel as PyTorch exports it (`at::native::cpublas::brgemm`, the
 call behind PyTorch's CPU flash attention and Inductor's CPU GEMM templates): C[M, N] fp32 = A[M, K]
-bf16 @ B[K, N] bf16, B in VNNI pairs [K/2, N, 2]. On AVX-512 BF16 each fp32 output lane is a run of
-`vdpbf16ps` over K in order (two exact bf16 products per step, accumulated in fp32; bf16 denormals
-read as zero). The kernel is single-threaded code with no reduction across rows, so here, as on the
-fp32 path (`cpu_gemm`), every call has one shape per weight: R = 8 zero-padded rows, all of K, and one
-W-column panel of a weight packed panel-major ([P, K/2, W, 2], each panel contiguous). A call's bits
-then depend only on its operands; splitting the blocks or panels over threads changes which thread
-makes a call, never the call. tests/unit/test_bio.py and test_tbik.py check batch, row-position,
-thread-count, column-shard and TP invariance on both paths.
+bf16 @ B[K, N] bf16, B in VNNI pairs [K/2, N, 2]. The kernel is single-threaded code with no reduction
+across rows, so here, as on the fp32 path (`cpu_gemm`), every call has one shape per weight: R
+zero-padded rows, all of K, and one W-column panel of a weight packed panel-major ([P, K/2, W, 2], each
+panel contiguous). oneDNN generates one kernel per call shape (M, N, K, strides, dtypes), so a call's
+bits depend only on its operands; splitting the blocks or panels over threads changes which thread makes
+a call, never the call. Two paths, by what oneDNN runs on this CPU (its own answer, `_onednn_amx`):
 
-Where the CPU lacks AVX-512 BF16 (or oneDNN is capped below it, or the CPU has AMX, whose tile
-instructions round differently and which no test here has run on), every product stays fp32
+- `avx512_bf16` (R = 8): each fp32 output lane is a run of `vdpbf16ps` over K in order (two exact bf16
+  products per step, accumulated in fp32; bf16 denormals read as zero).
+- `amx` (R = 16, one full tile of rows): `tdpbf16ps` on AMX tiles. oneDNN's AMX kernel
+  (`jit_brgemm_amx_uker`, blocking in `brgemm_utils.cpp`) cuts the call into C tiles of R rows x 16
+  columns and K into blocks of `rd_block` = the largest even divisor of K up to 32, accumulated into the
+  C tile in K order; for M <= 16 none of that depends on anything but (M, N, K) (no cache-size or
+  thread heuristic), and the instruction computes each row of a tile from that row of A alone. So
+  the bits are again the block's and the weight's, but not `avx512_bf16`'s: a recorded path of its own.
+  The tile configuration is per thread: a thread that made calls releases it (`brgemm_release`) at the
+  end of its slice, so AMX code elsewhere on that thread (oneDNN's own bf16 GEMMs) and ours never find
+  each other's tiles.
+
+A start-up check (`_self_check`, three calls) compares a product with fp32 to rounding and checks
+that a row's bits do not depend on the block's other rows or on its slot. tests/unit/test_bio.py
+and test_tbik.py check batch, row-position, thread-count, column-shard and TP invariance on each path.
+
+Where the CPU lacks AVX-512 BF16 (or oneDNN is capped below it), every product stays fp32
 (`cpu_gemm.block_products`). `DETAUDIT_CPU_GEMM` = auto (default) | bf16 | fp32 overrides the choice;
-bf16 where the machine cannot run it is refused. The choice is part of the backends' descriptions, so
-runs made on CPUs of different kinds are never merged as one.
+bf16 where the machine cannot run it is refused. `ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16` on an AMX CPU
+gives the `avx512_bf16` path. The choice is part of the backends' descriptions, so runs made on CPUs of
+different kinds are never merged as one.
 """
 
 from __future__ import annotations
@@ -36,7 +50,10 @@ from detaudit.errors import DetauditError
 
 ENV = "DETAUDIT_CPU_GEMM"
 CHOICES = ("auto", "bf16", "fp32")
-ROWS = 8  # R: rows per call (decode batches are small and the micro-kernel is compute bound: padding costs)
+# R: rows per call, per path. vdpbf16ps is compute bound and decode batches are small: padding costs, so
+# 8. An AMX tile holds 16 rows and a call loads each 16-column tile of B once per block whatever its
+# rows, so 16 rows halve B's loads per row in prefill and fill the tiles
+ROWS = {"avx512_bf16": 8, "amx": 16}
 PANEL_UNIT = 64  # W is a multiple of this...
 PANEL_MAX = 256  # ...and at most this for a linear layer (of 64..512, 256 was at or near the fastest for
 # the embedded model's shapes here; all of a wide N in one call was slower)
@@ -47,6 +64,13 @@ LEAF_PANEL_MAX = 1024
 # const BFloat16* B, float* C, bool is_vnni); the mangled name encodes every parameter type, so a torch
 # whose function takes other arguments has no such symbol and gets the fp32 path
 _SYMBOL = "_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb"
+# at::native::cpublas::brgemm_release(bool is_vnni): releases this thread's AMX tiles
+_RELEASE = "_ZN2at6native7cpublas14brgemm_releaseEb"
+# at::native::cpublas::could_pack(c10::ScalarType): for BFloat16, whether oneDNN's effective ISA (its CPU
+# checks, the OS's AMX permission and any ONEDNN_MAX_CPU_ISA cap) includes AMX: the ISA the kernel
+# generator then picks for bf16 (brgemm_utils.cpp `set_isa_impl`)
+_COULD_PACK = "_ZN2at6native7cpublas10could_packEN3c1010ScalarTypeE"
+_BFLOAT16 = 15  # c10::ScalarType::BFloat16
 _ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA values) that leave the AVX-512 BF16 kernels enabled
 _ISA_BF16_OR_ABOVE = frozenset(
@@ -65,14 +89,26 @@ _ISA_BF16_OR_ABOVE = frozenset(
     }
 )
 _AVX512_BF16 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+_AMX_BF16 = ("amx_bf16", "amx_tile")
 
 
 @dataclass(frozen=True)
 class Choice:
-    bf16: bool  # bf16 operands go through the micro-kernel; fp32 products otherwise
+    path: str  # "amx" | "avx512_bf16": bf16 operands through the micro-kernel; "fp32": fp32 products
     why: str  # the flags or setting that decided it, for the description
 
+    @property
+    def bf16(self) -> bool:
+        return self.path != "fp32"
+
+    @property
+    def rows(self) -> int:
+        """R of this path's calls (the fp32 path's blocks are `fixed.ROWS`)."""
+        return ROWS.get(self.path, 0)
+
     def describe(self) -> str:
+        if self.path == "amx":
+            return f"bf16 inputs, fp32 accumulation on AMX tiles: {self.why}"
         return f"{'bf16 inputs, fp32 accumulation' if self.bf16 else 'fp32 products'}: {self.why}"
 
 
@@ -87,55 +123,88 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def decide(setting: str, flags: frozenset[str], environ, kernel_found: bool, onednn: bool) -> tuple[bool, str]:
-    """(bf16 path?, why) from the setting, the CPU flags, the environment's oneDNN cap, whether torch
-    exports the micro-kernel and whether oneDNN is available and enabled. Pure: the decision table."""
+def decide(
+    setting: str, flags: frozenset[str], environ, kernel_found: bool, onednn: bool, onednn_amx: bool | None
+) -> Choice:
+    """The path from the setting, the CPU flags, the environment's oneDNN cap, whether torch exports the
+    micro-kernel, whether oneDNN is available and enabled, and whether oneDNN runs bf16 on AMX here
+    (None: torch cannot say). Pure: the decision table."""
     if setting not in CHOICES:
         raise DetauditError(f"{ENV} must be one of {', '.join(CHOICES)}, got {setting!r}")
     if setting == "fp32":
-        return False, f"{ENV}=fp32"
+        return Choice("fp32", f"{ENV}=fp32")
     blocker = None
     missing = [f for f in _AVX512_BF16 if f not in flags]
     caps = {k: environ[k] for k in _ISA_ENV if environ.get(k)}
+    amx_cpu = all(f in flags for f in _AMX_BF16)
     if missing:
         blocker = f"CPU flags lack {', '.join(missing)}"
-    elif "amx_bf16" in flags or "amx_tile" in flags:
-        blocker = "AMX CPU (the micro-kernel would use AMX tiles; the bf16 path is validated on AVX-512 BF16 only)"
     elif caps and any(v.upper() not in _ISA_BF16_OR_ABOVE for v in caps.values()):
         blocker = "oneDNN capped below AVX512_CORE_BF16 (" + ", ".join(f"{k}={v}" for k, v in caps.items()) + ")"
     elif not onednn:
         blocker = "oneDNN (torch.backends.mkldnn) unavailable or disabled"
     elif not kernel_found:
-        blocker = f"torch {torch.__version__} exports no at::native::cpublas::brgemm for bf16"
-    if blocker is None:
-        return True, "CPU flags avx512_bf16 (no AMX): oneDNN brgemm micro-kernel, vdpbf16ps"
-    if setting == "bf16":
-        raise DetauditError(f"{ENV}=bf16: this machine cannot run the bf16 products: {blocker}")
-    return False, blocker
+        blocker = f"torch {torch.__version__} exports no at::native::cpublas::brgemm / brgemm_release for bf16"
+    elif amx_cpu and onednn_amx is None:
+        blocker = f"AMX CPU, and torch {torch.__version__} exports no cpublas::could_pack to say if oneDNN uses AMX"
+    if blocker is not None:
+        if setting == "bf16":
+            raise DetauditError(f"{ENV}=bf16: this machine cannot run the bf16 products: {blocker}")
+        return Choice("fp32", blocker)
+    if amx_cpu and onednn_amx:
+        # every AMX flag is named: a later AMX generation is recorded as another path, never merged with
+        # this one unchecked
+        amx = " ".join(sorted(f for f in flags if f.startswith("amx")))
+        return Choice("amx", f"CPU flags {amx}, oneDNN on AMX: oneDNN brgemm micro-kernel, tdpbf16ps")
+    if amx_cpu:  # oneDNN capped below AMX (ONEDNN_MAX_CPU_ISA) or AMX not permitted by the OS
+        cap = ", ".join(f"{k}={v}" for k, v in caps.items()) or "no ONEDNN_MAX_CPU_ISA cap"
+        return Choice(
+            "avx512_bf16", f"CPU flags avx512_bf16, AMX unused by oneDNN ({cap}): oneDNN brgemm micro-kernel, vdpbf16ps"
+        )
+    return Choice("avx512_bf16", "CPU flags avx512_bf16 (no AMX): oneDNN brgemm micro-kernel, vdpbf16ps")
 
 
-_kernel = None
-_kernel_addr = 0
+_kernel: cpu_calls.Kernel | None = None  # the micro-kernel where this process chose a bf16 path
 _chosen: Choice | None = None
 
 
-def _find_kernel():
+@functools.cache
+def _torch_cpu() -> ctypes.CDLL | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     try:
-        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        fn = lib[_SYMBOL]
-    except (OSError, AttributeError):
+        return ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    except OSError:
         return None
-    fn.restype = None
-    fn.argtypes = [ctypes.c_int64] * 6 + [
-        ctypes.c_bool,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_bool,
-    ]
+
+
+def _symbol(name: str, restype, argtypes: list):
+    lib = _torch_cpu()
+    try:
+        fn = lib[name] if lib is not None else None
+    except AttributeError:
+        return None
+    if fn is not None:
+        fn.restype, fn.argtypes = restype, argtypes
     return fn
+
+
+def _find_kernel():
+    return _symbol(
+        _SYMBOL,
+        None,
+        [ctypes.c_int64] * 6 + [ctypes.c_bool, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_bool],
+    )
+
+
+def _onednn_amx() -> bool | None:
+    """Whether oneDNN runs bf16 products on AMX in this process (None: this torch cannot say)."""
+    fn = _symbol(_COULD_PACK, ctypes.c_bool, [ctypes.c_int8])
+    return None if fn is None else bool(fn(_BFLOAT16))
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else 0
 
 
 def choice() -> Choice:
@@ -146,32 +215,49 @@ def choice() -> Choice:
 def choose(setting: str | None = None) -> Choice:
     """Decide the path from `setting` (auto | bf16 | fp32; None: `DETAUDIT_CPU_GEMM`, default auto) and
     keep it for this process. Called again only by tests, to run both paths on one machine."""
-    global _chosen, _kernel, _kernel_addr
+    global _chosen, _kernel
     setting = (os.environ.get(ENV, "auto") if setting is None else setting).strip().lower()
     fn = _find_kernel()
+    release = _symbol(_RELEASE, None, [ctypes.c_bool])
     onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-    bf16, why = decide(setting, cpu_flags(), os.environ, fn is not None, onednn)
-    _kernel = fn if bf16 else None
-    _kernel_addr = ctypes.cast(fn, ctypes.c_void_p).value if bf16 else 0
-    if bf16 and (bad := _self_check()):
-        if setting == "bf16":
-            raise DetauditError(f"{ENV}=bf16: {bad}")
-        bf16, why, _kernel = False, bad, None
-    _chosen = Choice(bf16, why)
+    flags = cpu_flags()
+    amx = _onednn_amx() if onednn and all(f in flags for f in _AMX_BF16) else False
+    _chosen = decide(setting, flags, os.environ, fn is not None and release is not None, onednn, amx)
+    _kernel = None
+    if _chosen.bf16:
+        _kernel = cpu_calls.Kernel(fn, _address(fn), release, _address(release), _chosen.path == "amx")
+        if bad := _self_check():
+            _kernel = None
+            if setting == "bf16":
+                _chosen = None
+                raise DetauditError(f"{ENV}=bf16: {bad}")
+            _chosen = Choice("fp32", bad)
     return _chosen
 
 
 def _self_check() -> str | None:
-    """A torch whose exported kernel computes something else (another B layout) fails here, before any
-    result depends on it: a fixed product against the fp32 one (the same exact products, summed in
-    another order: agreement to fp32 rounding, not bits)."""
+    """The chosen kernel on three fixed blocks, before any result depends on it. A torch whose exported
+    kernel computes something else (another B layout) fails the comparison with the fp32 product (the
+    same exact products, summed in another order: agreement to fp32 rounding, not bits); a kernel whose
+    rows interact (a row's bits changing with the block's other rows or with its slot) fails the second."""
+    r = _chosen.rows
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(ROWS, 96, generator=g).bfloat16()
+    a = torch.randn(2 * r, 96, generator=g).bfloat16()
     w = torch.randn(160, 96, generator=g).bfloat16()
-    got = matmul(a, pack(w), 160)
+    packed = pack(w)
+
+    def product(x: Tensor) -> Tensor:  # a block at a time: one call each, made here (no compiled loop)
+        return torch.cat([matmul(x[i : i + r], packed, 160) for i in range(0, len(x), r)])
+
+    got = product(a)
     want = a.float() @ w.float().t()
     if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
         return f"the exported brgemm kernel of torch {torch.__version__} failed its self-check against fp32"
+    # every row again, in another slot and among other rows: a[r+1..] then a[0] in block 0, a[1..r] in 1
+    mixed = torch.cat([a[r + 1 :], a[: r + 1]])
+    again = product(mixed)
+    if not torch.equal(again[r - 1 :], got[: r + 1]) or not torch.equal(again[: r - 1], got[r + 1 :]):
+        return f"the exported brgemm kernel of torch {torch.__version__}: a row's bits depend on the other rows"
     return None
 
 
@@ -202,12 +288,13 @@ def pack(w: Tensor, widest: int = PANEL_MAX) -> Tensor:
 def blocks_of(x2: Tensor) -> Tensor:
     """x2[M, K] bf16 as [ceil(M/R), R, K2] (rows and an odd K zero padded; no copy when nothing is)."""
     m, k = x2.shape
-    nb, k2 = -(-m // ROWS), k + (k & 1)
-    if m == nb * ROWS and k == k2 and x2.is_contiguous():
-        return x2.view(nb, ROWS, k)
-    xp = torch.zeros(nb * ROWS, k2, dtype=torch.bfloat16, device=x2.device)
+    r = choice().rows
+    nb, k2 = -(-m // r), k + (k & 1)
+    if m == nb * r and k == k2 and x2.is_contiguous():
+        return x2.view(nb, r, k)
+    xp = torch.zeros(nb * r, k2, dtype=torch.bfloat16, device=x2.device)
     xp[:m, :k] = x2
-    return xp.view(nb, ROWS, k2)
+    return xp.view(nb, r, k2)
 
 
 def products(a: Tensor, packed: Tensor) -> Tensor:
@@ -218,20 +305,22 @@ def products(a: Tensor, packed: Tensor) -> Tensor:
     calls of one product, every group's, are one table run over the threads at once (`cpu_calls`)."""
     g, nb, r, k2 = a.shape
     _, p, half, width, _ = packed.shape
-    if r != ROWS or half * 2 != k2 or a.stride(3) != 1 or a.dtype != torch.bfloat16 or not packed.is_contiguous():
-        raise ValueError(f"bf16 products need bf16 [G, nb, {ROWS}, K2] rows, got {tuple(a.shape)} {a.dtype}")
+    rows = choice().rows
+    if r != rows or half * 2 != k2 or a.stride(3) != 1 or a.dtype != torch.bfloat16 or not packed.is_contiguous():
+        raise ValueError(f"bf16 products need bf16 [G, nb, {rows}, K2] rows, got {tuple(a.shape)} {a.dtype}")
     out = torch.empty(g, nb, r, p * width, dtype=torch.float32)
     if out.numel() == 0:
         return out
-    fn = _kernel
-    if fn is None or not torch.backends.mkldnn.enabled:  # (calling it then would abort the process)
+    kernel = _kernel
+    if kernel is None or not torch.backends.mkldnn.enabled:  # (calling it then would abort the process)
         raise DetauditError("bf16 CPU products: oneDNN was disabled after the bf16 path was chosen")
     a_group, a_block, lda, _ = a.stride()
     ldc = p * width
     table = _offsets(g, p, nb, a_group, a_block, r * ldc, half * width * 2 * 2, width) + np.array(
         [a.data_ptr(), packed.data_ptr(), out.data_ptr()], dtype=np.int64
     )
-    cpu_calls.run(fn, _kernel_addr, (r, width, k2, lda, width, ldc), table, 2.0 * g * nb * r * k2 * p * width)
+    shape = (r, width, k2, lda, width, ldc)
+    cpu_calls.run(kernel, shape, table, 2.0 * g * nb * r * k2 * p * width)
     return out
 
 

@@ -25,6 +25,7 @@ import functools
 import importlib
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,6 +36,19 @@ from detaudit.errors import DetauditError
 ENV = "DETAUDIT_CPU_COMPILED"  # auto (numba's compiled code where installed) | off
 
 _bound: dict[int, object] = {}  # kernel address -> the compiled loop calling it (None: Python's)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The micro-kernel of a process's products: `fn` (ctypes) at `addr`, and `at::native::cpublas::
+    brgemm_release` (`release_fn` at `release_addr`), which a thread calls after its slice of calls where
+    `release` is set (AMX: the tiles are per-thread state that other AMX code on the thread may change)."""
+
+    fn: object
+    addr: int
+    release_fn: object
+    release_addr: int
+    release: bool
 
 
 def _wanted() -> bool:
@@ -83,39 +97,44 @@ def dispatcher() -> str:
     return "numba (the call loop compiled, the GIL released for a thread's whole slice)"
 
 
-def _loop(addr: int):
-    """The compiled loop calling the kernel at `addr`, or None where the loop stays in Python. One
-    kernel per process (the bf16 micro-kernel): its address is bound to the loop's symbol."""
-    if addr not in _bound:
+def _loop(kernel: Kernel):
+    """The compiled loop calling `kernel`, or None where the loop stays in Python. One kernel per process
+    (the bf16 micro-kernel): its and brgemm_release's addresses are bound to the loop's symbols."""
+    if kernel.addr not in _bound:
         mod = compiled("cpu_loop")
         if mod is not None:
-            mod.bind(addr)
-        _bound[addr] = None if mod is None else mod.loop
-    return _bound[addr]
+            mod.bind(kernel.addr, kernel.release_addr)
+        _bound[kernel.addr] = None if mod is None else mod.loop
+    return _bound[kernel.addr]
 
 
-def run(fn, addr: int, shape: tuple[int, int, int, int, int, int], table: np.ndarray, flops: float) -> None:
-    """Make every call of `table` (int64 [n, 3]: A, B, C addresses) to the kernel `fn` (its ctypes
-    function; `addr` its address) with the fixed `shape` (M, N, K, lda, ldb, ldc): in contiguous slices,
-    one per thread, where the table's `flops` pay for the hand-off (`cpu_gemm.MIN_SPLIT_FLOPS`), else
-    all on this thread."""
+def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.ndarray, flops: float) -> None:
+    """Make every call of `table` (int64 [n, 3]: A, B, C addresses) to `kernel` with the fixed `shape`
+    (M, N, K, lda, ldb, ldc): in contiguous slices, one per thread, where the table's `flops` pay for the
+    hand-off (`cpu_gemm.MIN_SPLIT_FLOPS`), else all on this thread. Each thread releases the kernel's
+    hardware state after its slice where `kernel.release` says so."""
     n = len(table)
     if n == 0:
         return
     # one call gains nothing from the loop (and so the one-call self-check of `cpu_bf16.choose`, which a
     # backend description runs, imports no numba: see `_numba_installed`)
-    loop = _loop(addr) if n > 1 else None
+    loop = _loop(kernel) if n > 1 else None
+    fn, release = kernel.fn, kernel.release
     if loop is None:
         rows = table.tolist()
 
         def part(lo: int, hi: int) -> None:
-            for a, b, c in rows[lo:hi]:
-                fn(*shape, False, a, b, c, True)
+            try:
+                for a, b, c in rows[lo:hi]:
+                    fn(*shape, False, a, b, c, True)
+            finally:
+                if release:
+                    kernel.release_fn(True)
 
     else:
 
         def part(lo: int, hi: int) -> None:
-            loop(*shape, table[lo:hi])
+            loop(*shape, table[lo:hi], release)
 
     slices(n, part, min(torch.get_num_threads(), n) if flops >= cpu_gemm.MIN_SPLIT_FLOPS else 1)
 
@@ -135,7 +154,7 @@ def describe() -> str:
     if why is None:
         return (
             "compiled (numba, no fast-math): attention one query row at a time over the keys it sees "
-            "(scores in 16 fp32 lanes then pairwise, max, exp, sums in key order); RMSNorm sum of squares "
-            "the same way"
+            "(scores in 16 fp32 lanes then pairwise, max, exp as a degree-7 polynomial in fp32 adds and "
+            "multiplies (Cephes expf), sums in key order); RMSNorm sum of squares the same way"
         )
     return f"PyTorch ops ({why}): attention in KV chunks with an fp32 online softmax; row sums as fixed-shape products"

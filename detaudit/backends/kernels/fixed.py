@@ -3,9 +3,9 @@ batch.
 
 CPU: rows are processed in zero-padded blocks of R rows, one product of fixed shape [R, K] @ [K, N]
 per block, each computed by one thread (`cpu_gemm`: the library's own threading may split K, and does
-so differently for one block than for several). bf16 operands on a CPU with AVX-512 BF16 go through
-oneDNN's bf16 micro-kernel with fp32 accumulation (`cpu_bf16`: R = 8, W-column panels); everything
-else is an fp32 product (R = 16). A row's bits then depend on nothing but its own values and the
+so differently for one block than for several). bf16 operands on a CPU with AVX-512 BF16 or AMX go
+through oneDNN's bf16 micro-kernel with fp32 accumulation (`cpu_bf16`: R = 8, or 16 on AMX, W-column
+panels); everything else is an fp32 product (R = 16). A row's bits then depend on nothing but its own values and the
 weight: not on its position, the number of blocks or the thread count (tests/unit/test_bio.py checks
 each, on both paths). GPU: the Triton kernel in `triton_mm`.
 """
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from detaudit.backends.kernels import cpu_bf16, cpu_calls, cpu_gemm, fused, triton_attn, triton_mm, triton_rows
 
-ROWS = 16  # R: rows per fixed-shape fp32 block on CPU (the bf16 path's is cpu_bf16.ROWS)
+ROWS = 16  # R: rows per fixed-shape fp32 block on CPU (the bf16 paths' are cpu_bf16.ROWS)
 
 # Derived copies of weights (fp32 or packed bf16, re-laid-out), keyed by the weight's identity and dropped with it;
 # rebuilt when the weight is modified in place. (A WeakKeyDictionary cannot hold tensors: their == is
@@ -108,7 +108,7 @@ def describe_cpu() -> dict[str, str]:
     return {
         "cpu_gemm": c.describe(),
         "matmul_cpu": "bf16 operands: bf16 x bf16 products accumulated in fp32 on zero-padded blocks of "
-        f"R={cpu_bf16.ROWS} rows, one call shape [R, K] @ [K, W] per weight (W: the widest multiple of "
+        f"R={c.rows} rows, one call shape [R, K] @ [K, W] per weight (W: the widest multiple of "
         f"{cpu_bf16.PANEL_UNIT} up to {cpu_bf16.PANEL_MAX} dividing N), one thread per call; fp32 operands "
         f"(attention, row sums): {fp32}",
         **kernels,

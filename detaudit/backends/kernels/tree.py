@@ -125,7 +125,7 @@ def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
             xl = torch.stack([cpu_bf16.blocks_of(x2[:, j * leaf : (j + 1) * leaf]) for j in range(leaves)])
         else:  # the leaves as K slices of the rows' blocks: a view, the kernel takes the row stride
             xb = cpu_bf16.blocks_of(x2)
-            xl = xb.view(xb.shape[0], cpu_bf16.ROWS, leaves, leaf).permute(2, 0, 1, 3)
+            xl = xb.view(xb.shape[0], xb.shape[1], leaves, leaf).permute(2, 0, 1, 3)
         out = pairwise(cpu_bf16.products(xl, _packed_bf16(w, leaves, leaf)))
         return out.view(-1, out.shape[-1])[:m, :n]
     xb = fixed.blocks_of(x2)  # [nb, R, K_local]
