@@ -53,6 +53,10 @@ ESCAPES = {
     "data_files-split-dict": (CSV % "data_files: {train: [inside.csv, ../outside/rows.csv]}", "data_files"),
     "data_files-file-url": (CSV % "data_files: 'file://OUTSIDE/rows.csv'", "URLs"),
     "data_files-fsspec-chain": (CSV % "data_files: 'simplecache::file://OUTSIDE/rows.csv'", "URLs"),
+    "data_files-https-chained-to-file": (
+        CSV % "data_files: 'https://example.com/a.csv::file://OUTSIDE/rows.csv'",
+        "URLs",
+    ),
     "data_dir-dotdot": (CSV % "data_dir: ../outside", "data_dir"),
     "data_dir-symlink": (CSV % "data_dir: linkdir", "data_dir"),
     "data_dir-symlink-inside": (CSV % "data_dir: data", "its entry rows.csv"),

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from detaudit.backends.base import sequential_sum
+from detaudit.backends.allreduce import sequential_sum
 from detaudit.backends.kernels import peer_reduce, tree
 
 

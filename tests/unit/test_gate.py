@@ -244,6 +244,24 @@ def test_baseline_regression(tmp_path):
     assert gate(worse, None, baseline_dir=baseline).violations[0].metric == "backend"
 
 
+def test_a_metric_equal_to_the_baseline_passes_at_tolerance_0(tmp_path):
+    """A tolerance of 0 allows no worsening, and a metric equal to the baseline's is no worsening."""
+    policy = write(tmp_path, "backends:\n  bf16: {}\nbaseline_tolerance: {unique_mean: 0, maxprob_div_mean: 0}\n")
+    identical = {BF16[1]: invariant_cells()[TBIK[1]], BF16[2]: invariant_cells()[TBIK[2]]}
+    baseline = make_run(tmp_path / "base", identical, backends=("bf16",))
+    worse = make_run(tmp_path / "new", diverging_bf16(), backends=("bf16",))
+    same = gate(worse, policy, baseline_dir=worse)
+    assert same.passed, same.violations
+    assert {c.metric for c in same.results if c.threshold.startswith("baseline ")} == {
+        "unique_mean",
+        "maxprob_div_mean",
+    }
+    assert metrics(gate(worse, policy, baseline_dir=baseline)) == {
+        ("bf16", "unique_mean"),
+        ("bf16", "maxprob_div_mean"),
+    }
+
+
 BF16_POLICY = "backends:\n  bf16: {}\nbaseline_tolerance: {unique_mean: 0.1}\n"
 
 

@@ -245,6 +245,19 @@ def test_a_bad_fewshot_delimiter_is_refused(tmp_path):
         _task(tmp_path, "fewshot_delimiter: [1]\n")
 
 
+def test_the_default_decoding_is_the_published_setup():
+    """T 0.6, top-p 0.95, top-k 20, seed 42 (the TBIK paper's Qwen3 settings, as the README says), in
+    `DecodingParams` and as the defaults of `detaudit sweep`'s flags."""
+    from typer.main import get_command
+
+    from detaudit.cli import app
+
+    published = dict(temperature=0.6, top_p=0.95, top_k=20, seed=42)
+    assert {k: getattr(DecodingParams(), k) for k in published} == published
+    flags = {p.name: p.default for p in get_command(app).commands["sweep"].params}
+    assert {k: flags[k] for k in published} == published
+
+
 def test_the_built_in_suites_keep_the_published_sampling():
     """They say so in their files now (without generation_kwargs lm-eval would decode them greedily)."""
     from detaudit.suites import _resolve, list_suites, load_spec

@@ -110,20 +110,31 @@ def test_moe_layer_tp_layout_and_batch_invariant(backend, t, e, k, hidden, leaf,
             _same_routing(routing, r, slice(None), f"TP {c}")
 
 
+def _in_slot_order(top: torch.Tensor, order) -> torch.Tensor:
+    total = top[:, order[0]]
+    for j in order[1:]:
+        total = total + top[:, j]
+    return total
+
+
+@pytest.mark.parametrize("k", [4, 6])
 @pytest.mark.parametrize("norm", [True, False])
-def test_routing_ties_go_to_the_lower_expert_and_gates_add_in_order(norm):
+def test_routing_ties_go_to_the_lower_expert_and_gates_add_in_order(norm, k):
     """Equal router rows tie exactly: the lower expert wins, whatever the row's neighbours; renormalised
-    gates are p_j / (((p_0 + p_1) + p_2) + p_3), the sum in slot order (the rows here tell that order from
-    the reverse one)."""
-    layer = _layer("bio", 1, 8, 4, 16, 8, norm, torch.float32, 5)
+    gates are p_j / (((p_0 + p_1) + p_2) + ...), the sum in slot order (the rows here tell that order from
+    the reverse one and, at top 6, from the library's row sum, which adds in another order)."""
+    layer = _layer("bio", 1, 8, k, 16, 8, norm, torch.float32, 5)
     router = layer.router
     router[4] = router[1]  # experts 1 and 4 always tie
-    h = spread(64, 16, seed=11)
+    # small inputs against the router's spread weights: logits of a few units, so the top k's
+    # probabilities are all far from 0 and their sums show the order of their additions
+    h = torch.randn(64, 16, generator=torch.Generator().manual_seed(11)) * 1e-3
     experts, gates, _ = layer.route(h)
     probs = layer.ctx.backend.log_softmax(layer.ctx.backend.linear(h, router)).exp()
     top = probs.gather(1, experts)
-    forward = ((top[:, 0] + top[:, 1]) + top[:, 2]) + top[:, 3]
-    assert not torch.equal(forward, ((top[:, 3] + top[:, 2]) + top[:, 1]) + top[:, 0])
+    forward = _in_slot_order(top, range(k))
+    assert not torch.equal(forward, _in_slot_order(top, range(k - 1, -1, -1)))
+    assert k < 6 or not torch.equal(forward, top.sum(-1))
     bits(gates, top / forward[:, None] if norm else top, "gates")
     both = (experts == 1).any(1) & (experts == 4).any(1)
     assert both.any()
@@ -131,13 +142,15 @@ def test_routing_ties_go_to_the_lower_expert_and_gates_add_in_order(norm):
     assert first[both].all()
 
 
+@pytest.mark.parametrize("k, n", [(3, 9), (8, 64)])
 @pytest.mark.parametrize("backend", ["bio", "bio+tbik"])
-def test_each_token_sums_its_experts_in_slot_order(backend):
-    """bio: a token's output is ((g_0 y_0 + g_1 y_1) + g_2 y_2), its experts' fp32 products weighted and
-    added in slot order; bio+tbik: the same per leaf, the leaves then added pairwise along the tree (the
-    inputs here tell slot order from its reverse)."""
+def test_each_token_sums_its_experts_in_slot_order(backend, k, n):
+    """bio: a token's output is ((g_0 y_0 + g_1 y_1) + g_2 y_2) + ..., its experts' fp32 products weighted
+    and added in slot order; bio+tbik: the same per leaf, the leaves then added pairwise along the tree
+    (the inputs here tell slot order from its reverse; at top 8 of 64 columns, from a library product's
+    order too: a batched product over the slots adds with fused multiply-adds)."""
     b = get_backend(backend)
-    t, k, n, leaves = 16, 3, 9, 4
+    t, leaves = 16, 4
     y = spread(leaves, t, k, n, seed=2)
     gates = torch.rand(t, k, generator=torch.Generator().manual_seed(3))
 
@@ -147,17 +160,35 @@ def test_each_token_sums_its_experts_in_slot_order(backend):
             out = out + y3[:, j] * gates[:, j, None]
         return out
 
+    slots, backwards = list(range(k)), list(range(k - 1, -1, -1))
+    if k == 8:  # a library product over the slots adds in another order: these inputs show it
+        assert not torch.equal(in_order(y[0], slots), torch.einsum("tkn,tk->tn", y[0], gates))
     if backend == "bio":
         got = b.expert_down(lambda: y[0], gates, 1, 8)
-        want, reverse = in_order(y[0], [0, 1, 2]), in_order(y[0], [2, 1, 0])
+        want, reverse = in_order(y[0], slots), in_order(y[0], backwards)
     else:  # 4 leaves: this rank's subtree at TP 2 of a K of 8 leaves
 
         def tree(p):
             return (p[0] + p[1]) + (p[2] + p[3])
 
         got = b.expert_down(lambda: y, gates, 2, 8)
-        per = [in_order(y[j], [0, 1, 2]) for j in range(leaves)]
-        want, reverse = tree(per), tree([in_order(y[j], [2, 1, 0]) for j in range(leaves)])
+        per = [in_order(y[j], slots) for j in range(leaves)]
+        want, reverse = tree(per), tree([in_order(y[j], backwards) for j in range(leaves)])
         assert not torch.equal(want, ((per[0] + per[1]) + per[2]) + per[3])  # the leaves' order shows too
     assert not torch.equal(want, reverse)
     bits(got, want, f"{backend}: weighted sum in slot order")
+
+
+def test_routing_rows_are_layer_major():
+    """A position's routing record holds its MoE layers one after another, each layer's top k in slot
+    order (layer-major), for the rows asked, in their order; 3 layers of top 2 (layers != top k, so
+    slot-major grouping could not pass for it)."""
+    routing = moe.Routing()
+    for layer in range(3):
+        ids = torch.arange(5)[:, None] * 100 + layer * 10 + torch.arange(2)  # token t, layer l, slot j: 100t+10l+j
+        routing.add(ids, ids.float() / 1000, ids[:, 0].float())
+    experts, gates, margins = routing.rows(torch.tensor([3, 1]))
+    want = torch.tensor([[300, 301, 310, 311, 320, 321], [100, 101, 110, 111, 120, 121]])
+    assert torch.equal(experts, want) and torch.equal(gates, want.float() / 1000)
+    assert torch.equal(margins, torch.tensor([[300.0, 310.0, 320.0], [100.0, 110.0, 120.0]]))
+    assert moe.Routing().rows(torch.tensor([0])) is None  # a dense model records no routing

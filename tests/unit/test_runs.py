@@ -64,6 +64,23 @@ def test_write_and_resume(tmp_path):
     assert RunDir(tmp_path / "r").load().cells[A].extra["wall_s"] == 1.0
 
 
+def test_a_cell_holds_token_ids_of_any_vocabulary(tmp_path):
+    """Token ids past 2^15 (SmolLM2's vocabulary has 49,152 tokens, Qwen3's 151,936) are written and read
+    back as they were, generated and top-k alike."""
+    big = (0, 32767, 32768, 49151, 151935)
+    run = RunDir(tmp_path / "r")
+    with run.locked():
+        run.init_or_check(manifest())
+        rows = [row(A, 0, big), row(A, 1)]
+        rows[0]["topk_ids"] = [list(reversed(big))] * len(big)
+        run.write_cell(A, rows, {})
+    reread = RunDir(tmp_path / "r")
+    reread.load()
+    table = reread.read_table(A)
+    assert table.column("output_token_ids").to_pylist()[0] == list(big)
+    assert table.column("topk_ids").to_pylist()[0] == [list(reversed(big))] * len(big)
+
+
 def test_cell_file_without_manifest_update_is_recovered(tmp_path):
     """Killed between writing the cell file and the manifest: the valid file counts as done."""
     run = RunDir(tmp_path / "r")
