@@ -110,7 +110,7 @@ def test_prepared_model_checksum_mismatch(tmp_path, smollm, monkeypatch):
     monkeypatch.setenv("DETAUDIT_HOME", str(home))
     _bad(
         runner.invoke(app, ["sweep", *SMALL, "--output-path", str(tmp_path / "r")]),
-        "does not match its recorded sha256",
+        "does not match its recorded size",
     )
 
 
