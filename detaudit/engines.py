@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from detaudit.config import DecodingParams, EngineOptions, ModelRef, SweepConfig
+from detaudit.config import DecodingParams, EngineOptions, ModelRef, Speculative, SweepConfig
 from detaudit.errors import DetauditError
 from detaudit.records import Generation, ProgressFn
 from detaudit.vllm import MAX_MODEL_LEN as VLLM_MAX_MODEL_LEN
@@ -32,9 +32,11 @@ class Engine(Protocol):
         *,
         background: int = 0,
         texts: Sequence[str] | None = None,
+        speculative: Speculative | None = None,
     ) -> list[Generation]:
         """`background` (requests kept in flight beside the audited ones) and `texts` (the prompts' user
-        messages, for a chat API) concern server engines; the others ignore them."""
+        messages, for a chat API) concern server engines; the others ignore them. `speculative` is passed
+        only to engines that register its kind (`EngineInfo.speculative`)."""
 
     def score(
         self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], batch_size: int
@@ -62,6 +64,7 @@ class EngineInfo:
     describes_per_cell: bool = False  # its facts depend on the cell's batch size and load (recorded per cell)
     spans_nodes: bool = False  # on GPUs it can place its own TP ranks across a Ray cluster
     check_model: Callable[[ModelRef, SweepConfig], None] | None = None  # refuses a model it cannot run as asked
+    speculative: tuple[str, ...] = ()  # the speculative-decoding kinds it runs (`config.Speculative.kind`)
 
 
 ENGINES: dict[str, EngineInfo] = {}
@@ -188,6 +191,7 @@ register_engine(
         tp_modes=("real", "emulated"),
         checks_architecture=True,
         numerics=_builtin_numerics,
+        speculative=("ngram", "draft"),
     )
 )
 register_engine(
@@ -200,6 +204,7 @@ register_engine(
         describes_per_cell=True,
         spans_nodes=True,
         check_model=_vllm_model_check,
+        speculative=("ngram", "draft"),
     )
 )
 register_engine(
