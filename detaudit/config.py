@@ -108,7 +108,6 @@ def request_seed(seed: int, prompt_id: str) -> int:
 SPEC_KINDS = ("off", "ngram", "draft")
 MAX_SPEC_K = 16  # drafted tokens per step: more is a typo (every verify step runs k + 1 rows per request)
 NGRAM_MAX = 3  # n-gram drafts: the longest suffix of the context looked up (prompt lookup), down to 1 token
-_LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,47}")
 
 
 @dataclass(frozen=True)
@@ -153,7 +152,8 @@ class Speculative:
 
 def draft_name(spec: str) -> str:
     """A draft model's name in cell ids: its directory's (or named model's) last path part, with every
-    character outside [A-Za-z0-9.-] replaced by '-'."""
+    character outside [A-Za-z0-9.-] replaced by '-', at most 48 characters, starting and ending with a
+    letter or digit ("draft" when none is left)."""
     base = re.sub(r"[^A-Za-z0-9.-]", "-", Path(str(spec).rstrip("/")).name or str(spec)).strip("-.")[:48]
     return base or "draft"
 
@@ -173,10 +173,7 @@ def parse_speculative(text: str, option: str = "--speculative") -> Speculative:
         raise DetauditError(
             f"{option} {t[:60]!r}: K (drafted tokens per step) must be an integer between 1 and {MAX_SPEC_K}"
         )
-    spec = Speculative(kind, int(k_text), model)
-    if kind == "draft" and not _LABEL_RE.fullmatch(spec.label.partition("-")[2]):
-        raise DetauditError(f"{option} {t[:60]!r}: the draft model's name gives no usable cell id")
-    return spec
+    return Speculative(kind, int(k_text), model)
 
 
 def parse_speculative_list(text: str, option: str = "--speculative") -> tuple[str, ...]:
@@ -226,7 +223,8 @@ class Cell:
     def describe_key(self) -> str:
         """The manifest's `backends` key of this cell's own engine description (engines that describe
         each cell: vLLM's batch size, a server's load)."""
-        return describe_key(self.backend, self.tp, self.batch_size, self.background)
+        key = describe_key(self.backend, self.tp, self.batch_size, self.background)
+        return key + (f"@{self.speculative}" if self.speculative else "")
 
 
 def background_of(cell_id: str) -> int:
@@ -235,10 +233,19 @@ def background_of(cell_id: str) -> int:
     return int(bg.group(1)) if bg else 0
 
 
+_SPEC_ID_RE = re.compile(r"__((?:ngram|draft)[0-9]{1,3}(?:-[A-Za-z0-9.-]{1,48})?)(?:__bg[0-9]{1,7})?$")
+
+
 def speculative_of(cell_id: str) -> str:
     """The speculative label a cell id records (`__ngramK`, `__draftK-NAME`; "" without)."""
-    spec = re.search(r"__((?:ngram|draft)[0-9]{1,3}(?:-[A-Za-z0-9.-]{1,48})?)(?:__bg[0-9]{1,7})?$", cell_id)
+    spec = _SPEC_ID_RE.search(cell_id)
     return spec.group(1) if spec else ""
+
+
+def plain_cell_id(cell_id: str) -> str:
+    """The id of the cell with the same coordinates but speculative decoding off (the id itself when off)."""
+    spec = _SPEC_ID_RE.search(cell_id)
+    return cell_id if spec is None else cell_id[: spec.start(1) - 2] + cell_id[spec.end(1) :]
 
 
 def describe_key(backend: object, tp: object, batch_size: object, background: int) -> str:

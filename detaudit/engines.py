@@ -65,6 +65,7 @@ class EngineInfo:
     spans_nodes: bool = False  # on GPUs it can place its own TP ranks across a Ray cluster
     check_model: Callable[[ModelRef, SweepConfig], None] | None = None  # refuses a model it cannot run as asked
     speculative: tuple[str, ...] = ()  # the speculative-decoding kinds it runs (`config.Speculative.kind`)
+    engine_per_speculative: bool = False  # one engine per speculative setting (it fixes the setting at start)
 
 
 ENGINES: dict[str, EngineInfo] = {}
@@ -122,6 +123,12 @@ def _require_vllm() -> None:
     from detaudit.vllm import require_vllm
 
     require_vllm()
+
+
+def _check_vllm(cfg: SweepConfig) -> None:
+    from detaudit.vllm import check_speculative
+
+    check_speculative(cfg)
 
 
 def _vllm_model_check(model: ModelRef, cfg: SweepConfig) -> None:
@@ -203,8 +210,12 @@ register_engine(
         max_context=VLLM_MAX_MODEL_LEN,
         describes_per_cell=True,
         spans_nodes=True,
+        check=_check_vllm,
         check_model=_vllm_model_check,
         speculative=("ngram", "draft"),
+        # vLLM fixes speculative decoding when its engine is built, and vLLM 0.32's CPU engine cannot be
+        # rebuilt in the process after a speculative one: each setting gets its own engine process
+        engine_per_speculative=True,
     )
 )
 register_engine(

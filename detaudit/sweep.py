@@ -294,8 +294,8 @@ def run_sweep(
             check_numerics(run, {f"{b}@tp{tp}": info.numerics(b) for b, tp in {(c.backend, c.tp) for c in todo}})
         eos = tuple(eos_ids(model, tokenizer))
         groups = [
-            _group(cfg, model, eos, prompts, backend, tp, list(g), run.path / LOGS, spec)
-            for (backend, tp), g in groupby(todo, key=lambda c: (c.backend, c.tp))
+            _group(cfg, model, eos, prompts, key[0], key[1], list(g), run.path / LOGS, spec)
+            for key, g in groupby(_engine_order(info, cfg, todo), key=lambda c: _engine_key(info, c))
         ]
         by_id = {c.id: c for c in cells}
         with CellProgress(
@@ -314,6 +314,20 @@ def run_sweep(
 
             executor.run(groups, lambda ref_id: _reference_outputs(run, ref_id), on_output, progress.event)
     return result
+
+
+def _engine_key(info: EngineInfo, cell: Cell) -> tuple:
+    """The cells one engine serves: a (backend, TP) group, and one speculative setting for engines that
+    fix it when they start (`EngineInfo.engine_per_speculative`)."""
+    return (cell.backend, cell.tp, cell.speculative) if info.engine_per_speculative else (cell.backend, cell.tp)
+
+
+def _engine_order(info: EngineInfo, cfg: SweepConfig, cells: list[Cell]) -> list[Cell]:
+    """Grid order, with each engine's cells consecutive."""
+    if not info.engine_per_speculative:
+        return cells
+    labels = [s.label for s in cfg.speculative_settings()]
+    return sorted(cells, key=lambda c: (cfg.backends.index(c.backend), cfg.tp.index(c.tp), labels.index(c.speculative)))
 
 
 def _group(
