@@ -64,8 +64,8 @@ def test_sweep_with_the_speculative_axis(tmp_path, tiny_sweep_model):
     assert "smoke__bio-tbik__tp1__bs1__ngram1" in run.load().cells
     # another checkpoint under the draft's name: refused, nothing lost
     other = shutil.copytree(draft, tmp_path / "elsewhere" / "tiny-draft")
-    cfg = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**cfg, "note": "another draft"}))
+    gen = json.loads((other / "generation_config.json").read_text())  # (a file of the checksum)
+    (other / "generation_config.json").write_text(json.dumps({**gen, "top_k": 7}))
     res = runner.invoke(app, [*base, "--speculative", f"off,draft:{other}:2", "--no-analyze"])
     one_line_error(res, "holds cells of another draft model under the same name (draft2-tiny-draft")
     assert len(run.load().done_cells()) == 16
