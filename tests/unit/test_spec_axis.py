@@ -12,8 +12,10 @@ import pytest
 from detaudit.analyze import analyze
 from detaudit.config import SweepConfig
 from detaudit.diff import diff_runs
+from detaudit.errors import DetauditError
 from detaudit.gate import gate
 from detaudit.manifest import Manifest
+from detaudit.merge import merge_runs
 from detaudit.records import COLUMNS
 from detaudit.render import write_reports
 from detaudit.runs import RunDir
@@ -41,6 +43,7 @@ def make_run(
     cells: dict[str, tuple[list[dict], dict]],
     speculative=("off", "ngram:4"),
     backends=("bf16", "bio+tbik"),
+    draft_checksum: str = "ck",
 ) -> Path:
     """A run of the grid `backends` x TP 1 x batch 1 x `speculative`: `cells` maps a cell id to its
     records and its manifest timings (output_tokens, generate_s)."""
@@ -51,7 +54,11 @@ def make_run(
         "comparable": {"model_checksum": "ck", "suites": {"s": "ck"}, "decoding": cfg.decoding.to_dict()},
         "config": cfg.to_dict(),
         "model": {"name": "tiny"},
-        "speculative": {s.label: s.describe() for s in cfg.speculative_settings() if s.on},
+        "speculative": {
+            s.label: {**s.describe(), **({"checksum": draft_checksum} if s.kind == "draft" else {})}
+            for s in cfg.speculative_settings()
+            if s.on
+        },
         "cells": {
             c.id: dict(backend=c.backend, tp=c.tp, batch_size=c.batch_size, suite=c.suite, state="pending")
             for c in cfg.cells()
@@ -172,3 +179,16 @@ def test_runs_without_the_axis_show_nothing_of_it(tmp_path):
 def test_diff_matches_speculative_cells_by_id(run, tmp_path):
     d = diff_runs(run, run)
     assert d.equal and "s__bf16__tp1__bs1__ngram4" in {c.cell for c in d.compared}
+
+
+def test_merge_keeps_the_settings_and_refuses_another_draft_of_one_name(tmp_path):
+    cells = {"s__bio-tbik__tp1__bs1": (PLAIN, {}), "s__bio-tbik__tp1__bs1__draft2-d": (PLAIN, {})}
+    kw = dict(speculative=("off", "draft:/x/d:2"), backends=("bio+tbik",))
+    a = make_run(tmp_path / "a", cells, draft_checksum="aaa", **kw)
+    b = make_run(tmp_path / "b", cells, draft_checksum="aaa", **kw)
+    merged = merge_runs([a, b], tmp_path / "merged")
+    assert merged.speculative["draft2-d"]["checksum"] == "aaa" and set(merged.cells) == set(cells)
+    c = make_run(tmp_path / "c", cells, draft_checksum="ccc", **kw)
+    with pytest.raises(DetauditError, match="another draft model under the same name .draft2-d"):
+        merge_runs([a, c], tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
