@@ -43,6 +43,10 @@ Definitions (the edge cases are part of the definition):
   positions with such a router in at least one layer. `near_tie_frac`: share of every cell's routers
   (all recorded positions) whose margin, the k-th minus the (k+1)-th router probability, is below
   `metrics.NEAR_TIE_MARGIN`. Fewer than two routed cells: NaN, never 0.
+- speculative decoding: `spec_bitwise_diff_records` counts the records of the speculative cells (cell
+  ids `...__ngramK`, `...__draftK-NAME`) not bitwise equal to the plain cell of the same coordinates (in
+  the same fields as `bitwise_diff_records`); `spec_first_diff` names the first. NaN without a
+  speculative cell whose plain cell is done. `spec_axis` has the per-cell table (acceptance, speed-up).
 - bitwise: `bitwise_diff_records` counts the records (prompt x cell) that are not bitwise equal to
   the reference cell's (the first done cell in grid order) in some numeric field: output token ids,
   chosen-token, top-k and teacher-forced log-probabilities, top-k ids, MoE routing (`records.NUMERIC_FIELDS`,
@@ -63,6 +67,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from detaudit.config import plain_cell_id
 from detaudit.errors import DetauditError
 from detaudit.manifest import Manifest
 from detaudit.metrics import MIN_CELLS, NEAR_TIE_MARGIN, summary_columns
@@ -254,6 +259,7 @@ class Analysis:
     run_dir: Path | None = None
     notes: list[str] = field(default_factory=list)
     records: pd.DataFrame | None = None  # the done cells' records (`_read_cell`): the load axis reads them
+    tables: dict[str, pa.Table] | None = None  # each configuration's numeric fields: the speculative axis reads them
 
     @property
     def model(self) -> str:
@@ -430,6 +436,22 @@ def bitwise_differences(configs: Sequence[str], tables: dict[str, pa.Table]) -> 
         count += len(diffs)
         if diffs and not first:
             first = f"{config} differs from {configs[0]}: {diffs[0]}"
+    return float(count), first
+
+
+def speculative_differences(cells: Sequence[str], tables: dict[str, pa.Table]) -> tuple[float, str]:
+    """(records of the speculative cells among `cells` not bitwise equal to the plain cell of their
+    coordinates, the first difference in words); NaN where no speculative cell has its plain cell."""
+    pairs = [(c, plain_cell_id(c)) for c in cells if plain_cell_id(c) != c]
+    pairs = [(c, p) for c, p in pairs if c in tables and p in tables]
+    if not pairs:
+        return math.nan, ""
+    count, first = 0, ""
+    for cell, plain in pairs:
+        diffs = list(record_differences(tables[plain], tables[cell]))
+        count += len(diffs)
+        if diffs and not first:
+            first = f"{cell} differs from {plain}: {diffs[0]}"
     return float(count), first
 
 
@@ -630,6 +652,7 @@ def _summary(
     refs = sorted({r["ref"] for c in g.configs for r in g.data[c].values() if isinstance(r["ref"], str) and r["ref"]})
     bitwise, bitwise_first = bitwise_differences(g.configs, tables)
     routed = p.routed
+    spec_bitwise, spec_first = speculative_differences(g.done, tables)
     return dict(
         model=model,
         suite=suite,
@@ -640,6 +663,8 @@ def _summary(
         unique_max=float(pp["unique"].max()) if len(pp) else math.nan,
         bitwise_diff_records=bitwise,
         bitwise_first_diff=bitwise_first,
+        spec_bitwise_diff_records=spec_bitwise,
+        spec_first_diff=spec_first,
         identical_prompts=int(sum(f is None for f in p.first_divs)),
         maxprob_div_mean=mean_or_nan(pp["maxprob_div"]),
         maxprob_excluded=int(pp["maxprob_div"].isna().sum()),
@@ -728,6 +753,7 @@ def analyze(run_dir: str | os.PathLike) -> Analysis:
         run_dir=Path(run_dir),
         notes=notes,
         records=records,
+        tables=tables,
     )
 
 

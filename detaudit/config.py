@@ -43,7 +43,8 @@ def check_grid_size(*axes: object) -> int:
     n = math.prod(len(a) for a in axes)  # type: ignore[arg-type]
     if n > MAX_GRID_CELLS:
         raise DetauditError(
-            f"the grid has {n} cells (suites x backends x TP sizes x batch sizes x background loads); "
+            f"the grid has {n} cells (suites x backends x TP sizes x batch sizes x background loads x "
+            "speculative settings); "
             f"detaudit runs at most MAX_GRID_CELLS = {MAX_GRID_CELLS}"
         )
     return n
@@ -119,6 +120,96 @@ def request_seed(seed: int, prompt_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()[:8], "little") & (2**63 - 1)
 
 
+SPEC_KINDS = ("off", "ngram", "draft")
+MAX_SPEC_K = 16  # drafted tokens per step: more is a typo (every verify step runs k + 1 rows per request)
+NGRAM_MAX = 3  # n-gram drafts: the longest suffix of the context looked up (prompt lookup), down to 1 token
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """One value of the speculative-decoding axis (`--speculative`): `off`, `ngram:K` (prompt lookup: the
+    K tokens that followed the latest earlier occurrence of the context's longest suffix of up to
+    NGRAM_MAX tokens) or `draft:MODEL:K` (a draft model's K greedy tokens; MODEL a checkpoint directory
+    or a named model sharing the target's tokenizer). `model`: the draft's resolved checkpoint, set by
+    the sweep before any engine opens (`with_model`)."""
+
+    kind: str = "off"
+    k: int = 0
+    draft: str = ""  # the draft model as given (kind "draft" only)
+    model: ModelRef | None = field(default=None, compare=False)
+
+    @property
+    def on(self) -> bool:
+        return self.kind != "off"
+
+    @property
+    def label(self) -> str:
+        """The cell-id coordinate: "" (off: ids as before the axis existed), `ngramK`, `draftK-NAME` (NAME:
+        the draft's directory or model name, made file-name safe)."""
+        if self.kind == "off":
+            return ""
+        if self.kind == "ngram":
+            return f"ngram{self.k}"
+        return f"draft{self.k}-{draft_name(self.draft)}"
+
+    def __str__(self) -> str:
+        return {"off": "off", "ngram": f"ngram:{self.k}"}.get(self.kind) or f"draft:{self.draft}:{self.k}"
+
+    def describe(self) -> dict:
+        """What the manifest records of this setting (the draft's identity included)."""
+        d: dict = {"setting": str(self), "kind": self.kind, "k": self.k}
+        if self.kind == "ngram":
+            d["ngram_max"] = NGRAM_MAX
+        if self.model is not None:
+            d.update(draft=self.draft, name=self.model.name, path=str(self.model.path), checksum=self.model.checksum)
+        return d
+
+
+def draft_name(spec: str) -> str:
+    """A draft model's name in cell ids: its directory's (or named model's) last path part, with every
+    character outside [A-Za-z0-9.-] replaced by '-', at most 48 characters, starting and ending with a
+    letter or digit ("draft" when none is left)."""
+    base = re.sub(r"[^A-Za-z0-9.-]", "-", Path(str(spec).rstrip("/")).name or str(spec)).strip("-.")[:48]
+    return base or "draft"
+
+
+def parse_speculative(text: str, option: str = "--speculative") -> Speculative:
+    """`off`, `ngram:K` or `draft:MODEL:K` (1 <= K <= MAX_SPEC_K), refused in one line otherwise."""
+    t = str(text).strip()
+    if t == "off":
+        return Speculative()
+    kind, _, rest = t.partition(":")
+    model, _, k_text = rest.rpartition(":") if kind == "draft" else ("", "", rest)
+    if kind not in SPEC_KINDS[1:]:
+        raise DetauditError(f"{option} {t[:60]!r}: unknown kind {kind[:20]!r} (expected off, ngram:K or draft:MODEL:K)")
+    if kind == "draft" and not model:
+        raise DetauditError(f"{option} {t[:60]!r}: expected draft:MODEL:K (MODEL a directory or a named model)")
+    if not re.fullmatch(r"[0-9]{1,3}", k_text) or not 1 <= int(k_text) <= MAX_SPEC_K:
+        raise DetauditError(
+            f"{option} {t[:60]!r}: K (drafted tokens per step) must be an integer between 1 and {MAX_SPEC_K}"
+        )
+    return Speculative(kind, int(k_text), model)
+
+
+def parse_speculative_list(text: str, option: str = "--speculative") -> tuple[str, ...]:
+    """The axis as given: comma-separated settings, each valid, none twice, no two drafts of one name."""
+    values = parse_str_list(text, option)
+    check_speculative(values, option)
+    return values
+
+
+def check_speculative(values: tuple[str, ...], option: str = "--speculative") -> tuple[Speculative, ...]:
+    specs = tuple(parse_speculative(v, option) for v in values)
+    labels = [s.label for s in specs]
+    twice = sorted({str(s) for s, lab in zip(specs, labels) if labels.count(lab) > 1})
+    if twice:
+        raise DetauditError(
+            f"{option} lists one setting twice, or two draft models of one name ({', '.join(twice)[:120]}): "
+            "cell ids would clash"
+        )
+    return specs
+
+
 @dataclass(frozen=True)
 class Cell:
     backend: str
@@ -126,31 +217,50 @@ class Cell:
     batch_size: int
     suite: str
     background: int = 0  # server engines: concurrent background requests while this cell runs
+    speculative: str = ""  # the speculative setting's label (`Speculative.label`; "" = off)
 
     @property
     def id(self) -> str:
-        """`suite__backend__tpN__bsN[__bgN]` (cell ids become file names: only [A-Za-z0-9_.-])."""
+        """`suite__backend__tpN__bsN[__SPEC][__bgN]` (cell ids become file names: only [A-Za-z0-9_.-])."""
         safe_backend = re.sub(r"[^A-Za-z0-9_.-]", "-", self.backend)
+        spec = f"__{self.speculative}" if self.speculative else ""
         bg = f"__bg{self.background}" if self.background else ""
-        return f"{self.suite}__{safe_backend}__tp{self.tp}__bs{self.batch_size}{bg}"
+        return f"{self.suite}__{safe_backend}__tp{self.tp}__bs{self.batch_size}{spec}{bg}"
 
     @classmethod
     def recorded(cls, cell_id: str, backend: str, tp: int, batch_size: int, suite: str) -> "Cell":
-        """The cell a manifest records under `cell_id` (its load read from the id's `__bgN`): it is that
-        cell only if its `id` gives `cell_id` back, which `Manifest.from_dict` requires."""
-        return cls(backend, tp, batch_size, suite, background_of(cell_id))
+        """The cell a manifest records under `cell_id` (its load read from the id's `__bgN`, its
+        speculative setting from `__ngramK` / `__draftK-NAME`): it is that cell only if its `id` gives
+        `cell_id` back, which `Manifest.from_dict` requires."""
+        return cls(backend, tp, batch_size, suite, background_of(cell_id), speculative_of(cell_id))
 
     @property
     def describe_key(self) -> str:
         """The manifest's `backends` key of this cell's own engine description (engines that describe
         each cell: vLLM's batch size, a server's load)."""
-        return describe_key(self.backend, self.tp, self.batch_size, self.background)
+        key = describe_key(self.backend, self.tp, self.batch_size, self.background)
+        return key + (f"@{self.speculative}" if self.speculative else "")
 
 
 def background_of(cell_id: str) -> int:
     """The background load a cell id records (`__bgN`; 0 without)."""
     bg = re.search(r"__bg([0-9]{1,7})$", cell_id)
     return int(bg.group(1)) if bg else 0
+
+
+_SPEC_ID_RE = re.compile(r"__((?:ngram|draft)[0-9]{1,3}(?:-[A-Za-z0-9.-]{1,48})?)(?:__bg[0-9]{1,7})?$")
+
+
+def speculative_of(cell_id: str) -> str:
+    """The speculative label a cell id records (`__ngramK`, `__draftK-NAME`; "" without)."""
+    spec = _SPEC_ID_RE.search(cell_id)
+    return spec.group(1) if spec else ""
+
+
+def plain_cell_id(cell_id: str) -> str:
+    """The id of the cell with the same coordinates but speculative decoding off (the id itself when off)."""
+    spec = _SPEC_ID_RE.search(cell_id)
+    return cell_id if spec is None else cell_id[: spec.start(1) - 2] + cell_id[spec.end(1) :]
 
 
 def describe_key(backend: object, tp: object, batch_size: object, background: int) -> str:
@@ -261,6 +371,7 @@ class SweepConfig:
     executor: str = "local"
     background_load: tuple[int, ...] = (0,)  # server engines: background requests per cell (a grid axis)
     repeats: int = 1  # server engines: every prompt is sent this many times per cell
+    speculative: tuple[str, ...] = ("off",)  # speculative-decoding settings (a grid axis: `Speculative`)
     # the DecodingParams fields given on the command line: they win over a suite's generation_kwargs
     decoding_flags: tuple[str, ...] = ()
     apply_chat_template: bool | None = None  # None: each suite's own default (detaudit.suites)
@@ -284,7 +395,10 @@ class SweepConfig:
                 raise DetauditError(f"--background-load {bg}: must be between 0 and {MAX_BATCH}")
         if self.tp_mode not in TP_MODES:
             raise DetauditError(f"--tp-mode {self.tp_mode}: must be one of {', '.join(TP_MODES)}")
-        check_grid_size(self.suites, self.backends, self.tp, self.batch_sizes, self.background_load)
+        if not self.speculative:
+            raise DetauditError("--speculative is empty (off is the plain decoding)")
+        check_speculative(tuple(self.speculative))
+        check_grid_size(self.suites, self.backends, self.tp, self.batch_sizes, self.background_load, self.speculative)
         for name, values in (
             ("--backends", self.backends),
             ("--tp", self.tp),
@@ -296,16 +410,25 @@ class SweepConfig:
                 raise DetauditError(f"{name} lists a value twice: {', '.join(map(str, values))}")
 
     def cells(self) -> list[Cell]:
-        """Grid order: backend, TP, then suite and batch size, so one engine per (backend, TP) serves
-        consecutive cells."""
+        """Grid order: backend, TP, then suite, batch size and speculative setting, so one engine per
+        (backend, TP) serves consecutive cells."""
+        labels = [s.label for s in self.speculative_settings()]
         return [
-            Cell(b, tp, bs, s, bg)
+            Cell(b, tp, bs, s, bg, spec)
             for b in self.backends
             for tp in self.tp
             for s in self.suites
             for bs in self.batch_sizes
+            for spec in labels
             for bg in self.background_load
         ]
+
+    def speculative_settings(self) -> tuple[Speculative, ...]:
+        return check_speculative(tuple(self.speculative))
+
+    def setting_of(self, cell: Cell) -> Speculative:
+        """The setting a cell of this grid runs (its label names it)."""
+        return next(s for s in self.speculative_settings() if s.label == cell.speculative)
 
     def to_dict(self) -> dict:
         """The manifest's `config`: the engine settings flattened to the keys runs have always recorded

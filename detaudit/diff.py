@@ -1,14 +1,14 @@
 """Compare two runs: did an upgrade (vLLM, driver, kernel, detaudit) change what a cell computes?
 
-Cells are matched by id (suite, backend, TP, batch size[, load]) among each run's completed cells; a
-cell completed in one run only is listed as such. Two cells are equal when every record holds the same
-bits in every numeric field (`records.NUMERIC_FIELDS`: output token ids, chosen-token, top-k and
-teacher-forced log-probabilities, top-k ids, MoE routing), compared bit pattern for bit pattern, never with a
-tolerance. For a cell that differs: its first difference (field, prompt, position), the number of
-prompts whose outputs differ, the earliest position where outputs diverge, and the published max
-probability divergence between the two cells. Where the manifests differ (what decides the bits first:
-model, suites, decoding, dtype, engine; then the grid, the backends' descriptions, the environment) is
-listed before the cells.
+Cells are matched by id (suite, backend, TP, batch size[, speculative setting][, load]) among each run's
+completed cells; a cell completed in one run only is listed as such. Two cells are equal when every
+record holds the same bits in every numeric field (`records.NUMERIC_FIELDS`: output token ids,
+chosen-token, top-k and teacher-forced log-probabilities, top-k ids, MoE routing), compared bit pattern
+for bit pattern, never with a tolerance. For a cell that differs: its first difference (field, prompt,
+position), the number of prompts whose outputs differ, the earliest position where outputs diverge, and
+the published max probability divergence between the two cells. Where the manifests differ (what decides
+the bits first: model, suites, decoding, dtype, engine; then the grid, the backends' descriptions, the
+environment) is listed before the cells.
 """
 
 from __future__ import annotations
@@ -29,7 +29,17 @@ from detaudit.records import RecordDifference, record_differences, records_by_ke
 from detaudit.runs import RunDir
 
 # manifest sections compared, in the order they are listed: what decides a cell's bits first
-SECTIONS = ("comparable", "config", "model", "backends", "environment", "hardware_key", "code_version", "git_hash")
+SECTIONS = (
+    "comparable",
+    "config",
+    "model",
+    "speculative",
+    "backends",
+    "environment",
+    "hardware_key",
+    "code_version",
+    "git_hash",
+)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from detaudit.config import DecodingParams, EngineOptions, ModelRef, SweepConfig
+from detaudit.config import DecodingParams, EngineOptions, ModelRef, Speculative, SweepConfig
 from detaudit.errors import DetauditError
 from detaudit.records import Generation, ProgressFn
 from detaudit.vllm import MAX_MODEL_LEN as VLLM_MAX_MODEL_LEN
@@ -32,9 +32,11 @@ class Engine(Protocol):
         *,
         background: int = 0,
         texts: Sequence[str] | None = None,
+        speculative: Speculative | None = None,
     ) -> list[Generation]:
         """`background` (requests kept in flight beside the audited ones) and `texts` (the prompts' user
-        messages, for a chat API) concern server engines; the others ignore them."""
+        messages, for a chat API) concern server engines; the others ignore them. `speculative` is passed
+        only to engines that register its kind (`EngineInfo.speculative`)."""
 
     def score(
         self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], batch_size: int
@@ -67,6 +69,8 @@ class EngineInfo:
     # the text the driver records from what it returned (decoded outputs), cleaned of a secret it holds (a
     # server's API key, which a hostile server could spell out in its tokens)
     scrub: Callable[[SweepConfig], Callable[[str], str]] | None = None
+    speculative: tuple[str, ...] = ()  # the speculative-decoding kinds it runs (`config.Speculative.kind`)
+    engine_per_speculative: bool = False  # one engine per speculative setting (it fixes the setting at start)
 
 
 ENGINES: dict[str, EngineInfo] = {}
@@ -159,6 +163,13 @@ def _check_vllm_backends(cfg: SweepConfig) -> None:
         )
 
 
+def _check_vllm(cfg: SweepConfig) -> None:
+    from detaudit.vllm import check_speculative
+
+    _check_vllm_backends(cfg)
+    check_speculative(cfg)
+
+
 def _vllm_model_check(model: ModelRef, cfg: SweepConfig) -> None:
     """The detaudit plugin covers vLLM's dense layers, not its fused MoE layer (bf16 and vllm-bi run
     vLLM's own MoE kernels)."""
@@ -235,6 +246,7 @@ register_engine(
         tp_modes=("real", "emulated"),
         checks_architecture=True,
         numerics=_builtin_numerics,
+        speculative=("ngram", "draft"),
     )
 )
 register_engine(
@@ -246,9 +258,13 @@ register_engine(
         max_context=VLLM_MAX_MODEL_LEN,
         describes_per_cell=True,
         spans_nodes=True,
-        check=_check_vllm_backends,
+        check=_check_vllm,
         check_model=_vllm_model_check,
         native_backends=VLLM_NATIVE,
+        speculative=("ngram", "draft"),
+        # vLLM fixes speculative decoding when its engine is built, and vLLM 0.32's CPU engine cannot be
+        # rebuilt in the process after a speculative one: each setting gets its own engine process
+        engine_per_speculative=True,
     )
 )
 register_engine(

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from detaudit.config import DecodingParams, ModelRef
+from detaudit.config import DecodingParams, ModelRef, Speculative
 from detaudit.errors import DetauditError
 from detaudit.models import eos_ids, tokenizer_for  # noqa: F401  (re-exported: what every workflow prepares)
 
@@ -101,6 +101,35 @@ def tokenize(
         chat_template=chat,
         decoding=decoding,
     )
+
+
+def resolve_speculative(
+    settings: Sequence[Speculative], model: ModelRef, tokenizer, own_architecture: bool, console=None
+) -> dict[str, Speculative]:
+    """label -> setting, each draft model resolved (a named one prepared on demand) and checked: the
+    built-in engine runs its architecture (at TP 1: drafts run replicated), its vocabulary is the
+    target's (same vocab_size, and the same token -> id map: a draft token must mean what the target
+    verifies), refused in one line otherwise."""
+    from dataclasses import replace
+
+    from detaudit.models import resolve_model
+
+    out: dict[str, Speculative] = {}
+    target_vocab = None
+    for s in settings:
+        if s.kind == "draft":
+            draft = resolve_model(s.draft, auto_prepare=True, console=console)
+            check_model(draft, (1,), own_architecture)
+            where = f"--speculative {s}: draft model {draft.name}"
+            mine, theirs = draft.config.get("vocab_size"), model.config.get("vocab_size")
+            if mine != theirs:
+                raise DetauditError(f"{where} has vocab_size {mine}, the target {model.name} {theirs}")
+            target_vocab = tokenizer.get_vocab() if target_vocab is None else target_vocab
+            if tokenizer_for(draft.path).get_vocab() != target_vocab:
+                raise DetauditError(f"{where} has another tokenizer than the target {model.name} (token ids differ)")
+            s = replace(s, model=draft)
+        out[s.label] = s
+    return out
 
 
 def check_model(

@@ -23,6 +23,7 @@ from detaudit.config import (
     ServerConfig,
     SweepConfig,
     check_grid_size,
+    parse_speculative,
 )
 from detaudit.errors import DetauditError
 
@@ -30,9 +31,11 @@ FORMAT_VERSION = 2
 STATES = ("pending", "done", "failed")
 MAX_PROMPTS = 10**12  # a cell's recorded prompt count
 MAX_CELL_ID = 200  # characters: `<id>.parquet` stays under every filesystem's 255-byte name limit
-# suite__backend__tpN__bsN, optionally followed by load suffixes (server cells): never a path
+# suite__backend__tpN__bsN, optionally followed by a speculative setting (`__ngram4`, `__draft4-NAME`) and
+# load suffixes (server cells): never a path
 CELL_ID_RE = re.compile(
-    r"^[A-Za-z0-9][A-Za-z0-9_.-]*__[A-Za-z0-9][A-Za-z0-9_.-]*__tp[0-9]{1,2}__bs[0-9]{1,6}(__[a-z]+[0-9]{1,7})*$"
+    r"^[A-Za-z0-9][A-Za-z0-9_.-]*__[A-Za-z0-9][A-Za-z0-9_.-]*__tp[0-9]{1,2}__bs[0-9]{1,6}"
+    r"(__[a-z]+[0-9]{1,7}(-[A-Za-z0-9][A-Za-z0-9.-]{0,47})?)*$"
 )
 
 
@@ -156,6 +159,7 @@ class Manifest:
     code_version: str = ""
     git_hash: str | None = None
     backends: dict[str, dict] = field(default_factory=dict)  # engine.describe() per (backend, TP[, batch])
+    speculative: dict[str, dict] = field(default_factory=dict)  # label -> Speculative.describe() (not off)
     executor: dict = field(default_factory=dict)
     created: str = ""
     updated: str = ""
@@ -217,6 +221,7 @@ class Manifest:
             code_version=_get(d, "code_version", str, where, ""),
             git_hash=_get(d, "git_hash", str, where),
             backends=_dict_of_dicts(d, "backends", where),
+            speculative=_dict_of_dicts(d, "speculative", where),
             executor=_get(d, "executor", dict, where, {}),
             created=_get(d, "created", str, where, ""),
             updated=_get(d, "updated", str, where, ""),
@@ -330,23 +335,36 @@ def _typed(cls: type, d: Any, where: str, built: frozenset | set = frozenset()) 
         raise DetauditError(f"{where}: {e} (corrupt or hand-edited manifest)") from None
 
 
-GRID_AXES = ("suites", "backends", "tp", "batch_sizes", "background_load")
+GRID_AXES = ("suites", "backends", "tp", "batch_sizes", "background_load", "speculative")
+# what a config without the axis (written before it existed) ran
+GRID_DEFAULTS: dict[str, list] = {"background_load": [0], "speculative": ["off"]}
+
+
+def _axis_key(key: str, value: Any) -> Any:
+    """What makes two values of an axis one coordinate: a speculative setting's cell-id label (one draft
+    model given by two paths is one setting; the identity holds its checksum)."""
+    if key == "speculative" and isinstance(value, str):
+        try:
+            return parse_speculative(value).label
+        except DetauditError:
+            return value
+    return value
 
 
 def widen_grid(config: dict, *others: dict) -> None:
     """Add to `config`'s grid axes the values of `others` it lacks (a resumed sweep that adds TP sizes, a
     merge of shards or of runs of other batch sizes): every recorded cell stays inside the grid."""
     for key in GRID_AXES:
-        values = list(config.get(key) or [])
+        values = list(config.get(key) or GRID_DEFAULTS.get(key, []))
         for other in others:
-            values += [v for v in other.get(key) or [] if v not in values]
+            have = {_axis_key(key, v) for v in values}
+            values += [v for v in other.get(key) or GRID_DEFAULTS.get(key, []) if _axis_key(key, v) not in have]
         if values:
             config[key] = values
 
 
 def _grid(c: dict, w: str) -> dict[str, Cell]:
-    axes = {key: c.get(key) or [] for key in GRID_AXES}
-    axes["background_load"] = axes["background_load"] or [0]
+    axes = {key: c.get(key) or GRID_DEFAULTS.get(key, []) for key in GRID_AXES}
     try:
         check_grid_size(*axes.values())  # before any cell is built: a few bytes can declare millions
         cfg = SweepConfig(
@@ -394,6 +412,18 @@ def numerics(describe: dict | None) -> dict:
     """How an engine's cells were computed, from its description (`backend` part, environment keys out)."""
     backend = (describe or {}).get("backend")
     return {k: v for k, v in backend.items() if k not in ENVIRONMENT_KEYS} if isinstance(backend, dict) else {}
+
+
+def speculative_conflicts(recorded: dict[str, dict], new: dict[str, dict]) -> list[str]:
+    """Speculative settings of one label (one cell-id coordinate) whose draft model differs (another
+    checksum): cells of one id computed with two drafts. The label names the draft by its directory, so
+    a checksum is what tells two drafts apart."""
+    short = lambda d: str(d.get("checksum"))[:12]  # noqa: E731
+    return [
+        f"{label} (draft checksum {short(recorded[label])} vs {short(new[label])})"
+        for label in sorted(set(recorded) & set(new))
+        if recorded[label].get("checksum") != new[label].get("checksum")
+    ]
 
 
 def numerics_conflicts(recorded: dict[str, dict], new: dict[str, dict]) -> list[str]:

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from detaudit.errors import DetauditError
-from detaudit.manifest import CellMeta, Manifest, numerics_conflicts, widen_grid
+from detaudit.manifest import CellMeta, Manifest, numerics_conflicts, speculative_conflicts, widen_grid
 from detaudit.runs import PROMPTS, RunDir, atomic_write_bytes, now, open_regular, umask
 
 
@@ -54,6 +54,12 @@ def _load(paths: list[Path]) -> list[RunDir]:
             raise DetauditError(f"cannot merge {run.path} into {runs[0].path}: different {diff}")
         if m.code_version != first.code_version:
             raise DetauditError(f"cannot merge {run.path}: detaudit {m.code_version} vs {first.code_version}")
+        clash = speculative_conflicts(first.speculative, m.speculative)
+        if clash:
+            raise DetauditError(
+                f"cannot merge {run.path} into {runs[0].path}: another draft model under the same name "
+                f"({'; '.join(clash)})"
+            )
         clash = numerics_conflicts(first.backends, m.backends)
         if clash:
             raise DetauditError(
@@ -81,6 +87,7 @@ def _merged_manifest(runs: list[RunDir], hardware: list[str]) -> Manifest:
         code_version=first.code_version,
         git_hash=first.git_hash,
         backends={k: v for r in runs for k, v in r.manifest.backends.items()},  # type: ignore[union-attr]
+        speculative={k: v for r in runs for k, v in r.manifest.speculative.items()},  # type: ignore[union-attr]
         executor=first.executor,
         created=now(),
         merged_from=[str(r.path) for r in runs],

@@ -224,6 +224,16 @@ SUMMARY_SPECS: tuple[MetricSpec, ...] = (
         "log-probabilities, top-k ids, floats compared by bit pattern (0 = bitwise invariant)",
     ),
     _key("bitwise_first_diff"),
+    _div(
+        "spec_bitwise_diff_records",
+        "spec bitwise diffs",
+        tables=_ALL,
+        hide_empty=True,
+        detail="spec_first_diff",
+        definition="speculative decoding: records of the speculative cells not bitwise equal to the plain cell "
+        "of the same TP and batch size, in the same numbers as bitwise diffs (0 = speculation changed no bit)",
+    ),
+    _key("spec_first_diff"),
     MetricSpec(
         "identical_prompts",
         "identical prompts",

@@ -59,6 +59,27 @@ NAMED = {
 }
 
 
+@dataclass(frozen=True)
+class DraftPreset:
+    """A draft model for speculative decoding derived from a named model: its first `layers` decoder
+    layers, with the source's embedding, final norm, lm_head and tokenizer (`truncate_layers`)."""
+
+    name: str
+    description: str
+    source: str
+    layers: int
+
+
+DRAFTS = {
+    "smollm2-135m-draft": DraftPreset(
+        name="smollm2-135m-draft",
+        description="draft model for speculative decoding: smollm2-135m's first 10 of 30 layers (same tokenizer)",
+        source="smollm2-135m",
+        layers=10,
+    ),
+}
+
+
 # ------------------------------------------------------------------ checksums
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -102,9 +123,11 @@ def _state(name: str) -> tuple[str, Path]:
 
 def list_models() -> list[dict]:
     rows = []
-    for name, description in [(s.name, s.description) for s in NAMED.values()] + [
-        (p.name, p.description) for p in synthetic.PRESETS.values()
-    ]:
+    for name, description in (
+        [(s.name, s.description) for s in NAMED.values()]
+        + [(d.name, d.description) for d in DRAFTS.values()]
+        + [(p.name, p.description) for p in synthetic.PRESETS.values()]
+    ):
         state, path = _state(name)
         size = sum(p.stat().st_size for p in path.iterdir()) / 2**20 if state == "prepared" else 0.0
         rows.append(
@@ -176,7 +199,7 @@ def verify(path: Path) -> str:
 def resolve_model(spec: str, auto_prepare: bool = False, console=None) -> ModelRef:
     """A named model (prepared on demand when `auto_prepare`), a local HF checkpoint directory, or a hub
     id from the Hugging Face cache / the hub (see the module docstring)."""
-    if spec in NAMED or spec in synthetic.PRESETS:
+    if spec in NAMED or spec in DRAFTS or spec in synthetic.PRESETS:
         state, path = _state(spec)
         if state != "prepared":
             if not auto_prepare:
@@ -188,9 +211,7 @@ def resolve_model(spec: str, auto_prepare: bool = False, console=None) -> ModelR
         return _ref(spec, path.name, path.resolve(), lambda: checkpoint_checksum(path))
     if path.exists():
         raise DetauditError(f"{spec}: not a Hugging Face checkpoint directory (no config.json)")
-    unknown = (
-        f"unknown model {spec!r}: not a named model ({', '.join([*NAMED, *synthetic.PRESETS])}), no such directory"
-    )
+    unknown = f"unknown model {spec!r}: not a named model ({', '.join(named_models())}), no such directory"
     if not _HUB_ID.fullmatch(spec):
         raise DetauditError(f"{unknown}, and not a Hugging Face hub id")
     snapshot = hub_snapshot(spec, unknown)
@@ -290,8 +311,12 @@ def prepare(name: str, force: bool = False, console=None, safetensors: bool = Fa
         return _prepare_synthetic(name, force, console, safetensors, device)
     if safetensors:
         raise DetauditError(f"--safetensors applies to synthetic models ({', '.join(synthetic.PRESETS)}), not {name}")
+    if name in DRAFTS:
+        d = DRAFTS[name]
+        source = resolve_model(d.source, auto_prepare=True, console=console)
+        return _install(name, force, console, lambda out, work: truncate_layers(source, d.layers, out), "")
     if name not in NAMED:
-        raise DetauditError(f"unknown model {name!r}; named models: {', '.join([*NAMED, *synthetic.PRESETS])}")
+        raise DetauditError(f"unknown model {name!r}; named models: {', '.join(named_models())}")
     spec = NAMED[name]
 
     def build(out: Path, work: Path) -> dict:
@@ -309,6 +334,68 @@ def prepare(name: str, force: bool = False, console=None, safetensors: bool = Fa
         }
 
     return _install(name, force, console, build, "")
+
+
+def named_models() -> list[str]:
+    return [*NAMED, *DRAFTS, *synthetic.PRESETS]
+
+
+TRUNCATE_SKIP = ("model.safetensors.index.json", MODEL_MANIFEST)
+
+
+def truncate_layers(source: ModelRef, layers: int, out: Path) -> dict:
+    """Write `source`'s first `layers` decoder layers as a checkpoint in `out` (a draft model for
+    speculative decoding: the same tokenizer, embedding, final norm and lm_head, so its tokens mean what
+    the target's do): config.json with num_hidden_layers (and per-layer lists) cut, one safetensors file of
+    the kept tensors, unchanged, and the source's tokenizer files. Returns what the manifest records."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    total = source.config.get("num_hidden_layers")
+    if not isinstance(total, int) or isinstance(total, bool) or not 1 <= layers < total:
+        raise DetauditError(f"--layers {layers}: must be between 1 and {total} - 1 ({source.name} has {total})")
+    files = sorted(source.path.glob("*.safetensors"))
+    if not files:
+        raise DetauditError(f"{source.path}: no *.safetensors weights to truncate")
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                match = re.match(r"model\.layers\.([0-9]+)\.", key)
+                if match is None or int(match.group(1)) < layers:
+                    tensors[key] = st.get_tensor(key)
+    cfg = dict(source.config)
+    cfg["num_hidden_layers"] = layers
+    if isinstance(cfg.get("layer_types"), list):  # one entry per layer (sliding / full attention)
+        cfg["layer_types"] = cfg["layer_types"][:layers]
+    if isinstance(cfg.get("mlp_only_layers"), list):  # layer indices (Qwen3-MoE)
+        cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if isinstance(i, int) and i < layers]
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for f in sorted(source.path.iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", *TRUNCATE_SKIP):
+            shutil.copyfile(f, out / f.name)
+    return {"source": source.name, "source_checksum": source.checksum, "layers": layers, "of": total}
+
+
+def truncate_to(spec: str, layers: int, output: Path, console=None) -> Path:
+    """`detaudit models truncate`: `spec`'s (a named model, directory or hub id) first `layers` layers
+    as a new checkpoint directory `output` (written beside it, then renamed into place)."""
+    source = resolve_model(spec, auto_prepare=True, console=console)
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise DetauditError(f"{output} already exists; write the draft model to a new directory")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    try:
+        truncate_layers(source, layers, work / "model")
+        if output.exists():
+            output.rmdir()
+        os.replace(work / "model", output)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return output
 
 
 def _prepare_synthetic(name: str, force: bool, console, safetensors: bool = False, device: str | None = None) -> Path:

@@ -34,6 +34,10 @@ class Generation:
     route_experts: list[list[int]] | None = None
     route_gates: list[list[float]] | None = None
     route_margins: list[list[float]] | None = None
+    # speculative decoding (None without): draft tokens proposed to the verifier for this request, and how
+    # many of them equalled the token the target drew at their position (accepted)
+    drafted: int | None = None
+    accepted: int | None = None
 
 
 SCHEMA = pa.schema(
@@ -74,6 +78,11 @@ SCHEMA = pa.schema(
         ("tf_route_experts", pa.list_(pa.list_(pa.int16()))),
         ("tf_route_gates", pa.list_(pa.list_(pa.float32()))),
         ("tf_route_margins", pa.list_(pa.list_(pa.float32()))),
+        # speculative decoding: the cell's setting (`config.Speculative`: null / absent = off), and per
+        # record the draft tokens proposed and accepted (null without speculation)
+        ("speculative", pa.string()),
+        ("spec_drafted", pa.int32()),
+        ("spec_accepted", pa.int32()),
     ]
 )
 
@@ -84,7 +93,9 @@ LOGPROB_MAX = 1e-3
 LOGPROB_COLUMNS = ("token_logprobs", "topk_logprobs", "tf_token_logprobs")
 
 ROUTING_COLUMNS = tuple(f"{p}route_{x}" for p in ("", "tf_") for x in ("experts", "gates", "margins"))
-OPTIONAL_COLUMNS = ("repeat", *ROUTING_COLUMNS)  # newer than some cell files: not required when reading
+SPECULATIVE_COLUMNS = ("speculative", "spec_drafted", "spec_accepted")
+# newer than some cell files: not required when reading
+OPTIONAL_COLUMNS = ("repeat", *ROUTING_COLUMNS, *SPECULATIVE_COLUMNS)
 COLUMNS = [f.name for f in SCHEMA if f.name not in OPTIONAL_COLUMNS]
 
 

@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from detaudit.errors import DetauditError
-from detaudit.manifest import CellMeta, Manifest, check_cell_id, widen_grid
+from detaudit.manifest import CellMeta, Manifest, check_cell_id, speculative_conflicts, widen_grid
 from detaudit.records import COLUMNS, LOGPROB_COLUMNS, LOGPROB_MAX, SCHEMA
 
 MANIFEST = "manifest.json"
@@ -340,7 +340,14 @@ class RunDir:
                 raise DetauditError(
                     f"{self.path} holds a different sweep (different {diff}); use another --output-path"
                 )
+            clash = speculative_conflicts(old.speculative, manifest.speculative)
+            if clash:
+                raise DetauditError(
+                    f"{self.path} holds cells of another draft model under the same name ({'; '.join(clash)}); "
+                    "use another --output-path"
+                )
             widen_grid(old.config, manifest.config)  # a resumed sweep may add TP sizes, batch sizes, ...
+            old.speculative.update(manifest.speculative)
             for cid, meta in manifest.cells.items():
                 old.cells.setdefault(cid, meta)
             old.environment_history.append(manifest.environment)

@@ -1,7 +1,7 @@
 """Suites: lm-eval task YAML -> prompts; the model's chat template (or plain text) -> prompt token ids.
 
 A suite is an lm-evaluation-harness task file, read as lm-eval reads it (`detaudit.suite_yaml` parses
-it and says which keys are used, ignored or refused). The built-in suites (`smoke`, `aime24`, `amc23`)
+it and says which keys are used, ignored or refused). The built-in suites (`smoke`, `quote`, `aime24`, `amc23`)
 live in the repository's `suites/` (shipped in the wheel as package data); any other YAML is passed
 by path.
 

@@ -17,11 +17,19 @@ from rich.console import Console
 from rich.markup import escape
 
 from detaudit import fingerprint
-from detaudit.config import Cell, DecodingParams, EngineOptions, ModelRef, SweepConfig
+from detaudit.config import Cell, DecodingParams, EngineOptions, ModelRef, Speculative, SweepConfig
 from detaudit.engines import EngineInfo, check_engine_backends, check_tp_mode, get_engine, native_backend_names
 from detaudit.errors import DetauditError
 from detaudit.executors import CellGroup, CellJob, CellOutput, get_executor
-from detaudit.inputs import PromptSet, check_model, eos_ids, load_suites, tokenize, tokenizer_for
+from detaudit.inputs import (
+    PromptSet,
+    check_model,
+    eos_ids,
+    load_suites,
+    resolve_speculative,
+    tokenize,
+    tokenizer_for,
+)
 from detaudit.manifest import MAX_CELL_ID, CellMeta, Manifest, check_cell_id, numerics_conflicts
 from detaudit.progress import CellProgress
 from detaudit.runs import LOGS, RunDir, now
@@ -62,6 +70,13 @@ def validate(cfg: SweepConfig) -> EngineInfo:
         raise DetauditError(
             f"--repeats, --background-load and the server options (--base-url, --api, ...) apply to server "
             f"engines (openai, vllm-server), not --engine {info.name}"
+        )
+    unsupported = [str(s) for s in cfg.speculative_settings() if s.on and s.kind not in info.speculative]
+    if unsupported:
+        can = f"only {', '.join(info.speculative)}" if info.speculative else "none"
+        raise DetauditError(
+            f"--speculative {','.join(unsupported)}: --engine {info.name} runs {can} (speculative decoding happens "
+            "inside an engine: audit a server started with it through its own settings)"
         )
     if info.check is not None:
         info.check(cfg)
@@ -118,7 +133,10 @@ def build_manifest(
     command: str,
     cells: list[Cell],
     shard: tuple[int, int] | None = None,
+    spec: dict[str, Speculative] | None = None,
 ) -> Manifest:
+    """`spec`: label -> the speculative setting, its draft model resolved (`inputs.resolve_speculative`)."""
+    spec = spec or {}
     identity = {
         "model_checksum": model.checksum,
         "suites": {s: p.checksum for s, p in prompts.items()},
@@ -132,6 +150,7 @@ def build_manifest(
         identity["suite_decoding"] = {s: _decoding(cfg, p).to_dict() for s, p in prompts.items()}
     if cfg.engine.cuda:  # graphs change bf16's attention shapes (not bio's bits)
         identity["cuda_graphs"] = cfg.engine.cuda_graphs
+    labels = {cell.speculative for cell in cells}
     return Manifest(
         command=command,
         config={**cfg.to_dict(), "shard": list(shard) if shard else None},
@@ -158,6 +177,7 @@ def build_manifest(
         },
         environment=env,
         hardware_key=env["hardware_key"],
+        speculative={label: s.describe() for label, s in spec.items() if s.on and label in labels},
         cells={
             c.id: CellMeta(
                 c.backend,
@@ -218,6 +238,7 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console, notes: li
         cfg.decoding.max_new_tokens,
         info.max_context,
     )
+    spec = resolve_speculative(cfg.speculative_settings(), model, tokenizer, info.checks_architecture, console)
     if notes is None:
         for line in lines:
             console.print(line, highlight=False, soft_wrap=True)
@@ -235,7 +256,7 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console, notes: li
                 f"[yellow]warning:[/] suite {escape(ps.suite)}: {len(ps.ungraded)} row(s) have no answer "
                 f"and are kept ungraded: {escape(shown)}"
             )
-    return suites, model, tokenizer, prompts
+    return suites, model, tokenizer, prompts, spec
 
 
 def _decoding(cfg: SweepConfig, ps: PromptSet) -> DecodingParams:
@@ -277,7 +298,7 @@ def run_sweep(
     shard_cells(cfg, shard)  # an empty shard too
     RunDir(output_path).preflight()  # and an unusable output path
     notes: list[str] = []
-    suites, model, tokenizer, prompts = prepare(cfg, data_dir, console, notes)
+    suites, model, tokenizer, prompts, spec = prepare(cfg, data_dir, console, notes)
     cfg = replace(cfg, suites=tuple(prompts))  # YAML paths -> task names: cells are named by the task
     check_cell_ids(cfg)
     env = fingerprint.collect()
@@ -286,7 +307,7 @@ def run_sweep(
     # everything that can still refuse the sweep (a server that does not answer its probe) before the run
     # directory is made
     cells = shard_cells(cfg, shard)
-    manifest = build_manifest(cfg, model, prompts, env, command, cells, shard)
+    manifest = build_manifest(cfg, model, prompts, env, command, cells, shard, spec)
     manifest.executor = executor.describe()
     _engine_identity(info, cfg, manifest, model)
     with run.locked():
@@ -302,8 +323,8 @@ def run_sweep(
             check_numerics(run, {f"{b}@tp{tp}": info.numerics(b) for b, tp in {(c.backend, c.tp) for c in todo}})
         eos = tuple(eos_ids(model, tokenizer))
         groups = [
-            _group(cfg, model, eos, prompts, backend, tp, list(g), run.path / LOGS)
-            for (backend, tp), g in groupby(todo, key=lambda c: (c.backend, c.tp))
+            _group(cfg, model, eos, prompts, key[0], key[1], list(g), run.path / LOGS, spec)
+            for key, g in groupby(_engine_order(info, cfg, todo), key=lambda c: _engine_key(info, c))
         ]
         by_id = {c.id: c for c in cells}
         scrub = info.scrub(cfg) if info.scrub is not None else None
@@ -325,6 +346,20 @@ def run_sweep(
     return result
 
 
+def _engine_key(info: EngineInfo, cell: Cell) -> tuple:
+    """The cells one engine serves: a (backend, TP) group, and one speculative setting for engines that
+    fix it when they start (`EngineInfo.engine_per_speculative`)."""
+    return (cell.backend, cell.tp, cell.speculative) if info.engine_per_speculative else (cell.backend, cell.tp)
+
+
+def _engine_order(info: EngineInfo, cfg: SweepConfig, cells: list[Cell]) -> list[Cell]:
+    """Grid order, with each engine's cells consecutive."""
+    if not info.engine_per_speculative:
+        return cells
+    labels = [s.label for s in cfg.speculative_settings()]
+    return sorted(cells, key=lambda c: (cfg.backends.index(c.backend), cfg.tp.index(c.tp), labels.index(c.speculative)))
+
+
 def _group(
     cfg: SweepConfig,
     model: ModelRef,
@@ -334,7 +369,10 @@ def _group(
     tp: int,
     cells: list[Cell],
     log_dir: Path,
+    spec: dict[str, Speculative] | None = None,
 ) -> CellGroup:
+    """`spec`: label -> speculative setting with its draft model resolved (absent: off)."""
+    spec = spec or {}
     options = EngineOptions(
         settings=cfg.engine,
         model=model,
@@ -357,6 +395,7 @@ def _group(
             _decoding(cfg, prompts[c.suite]),
             texts=prompts[c.suite].texts * r,
             background=c.background,
+            speculative=spec.get(c.speculative) if c.speculative else None,
         )
         for c in cells
     ]
@@ -479,6 +518,9 @@ def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: Ce
                 "route_experts": g.route_experts,
                 "route_gates": g.route_gates,
                 "route_margins": g.route_margins,
+                "speculative": str(cfg.setting_of(cell)) if cell.speculative else None,
+                "spec_drafted": g.drafted,
+                "spec_accepted": g.accepted,
                 **_tf_routing(out.score_routing if tf is not None else None, k),
             }
         )

@@ -3,6 +3,10 @@
 Batch invariance by construction: every request keeps its own positions (0..len-1, right padding),
 its own cache row and its own random generator seeded by (seed, prompt id), so nothing a request
 computes depends on the other requests in its batch except through the backend's kernels.
+
+Speculative decoding (`generate(..., speculative=)`, `speculative.py`) keeps all of that: each verify
+step runs every request's pending token and its drafts as query rows at their own positions, and draws
+each verified token with the request's generator exactly as plain decoding draws it.
 """
 
 from __future__ import annotations
@@ -14,13 +18,29 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from detaudit.builtin.graphs import DecodeStep, eager_step, graphed_step
+from detaudit.builtin.graphs import (
+    DecodeStep,
+    RowsStep,
+    eager_rows_step,
+    eager_step,
+    graphed_rows_step,
+    graphed_step,
+    rows_log_softmax,
+)
+from detaudit.builtin.layers import TPContext
 from detaudit.builtin.model import Decoder
 from detaudit.builtin.moe import Routing
-from detaudit.config import DecodingParams, request_seed
+from detaudit.builtin.speculative import DraftModel, ngram_propose, verify
+from detaudit.config import DecodingParams, ModelRef, Speculative, request_seed
 from detaudit.errors import DetauditError
 from detaudit.generation import StopWatch
 from detaudit.records import Generation, ProgressFn
+
+
+def request_generators(decoding: DecodingParams, prompt_ids) -> list[torch.Generator]:
+    """One generator per request, seeded by (seed, prompt id): a request draws the same numbers wherever it
+    sits in the batch, with or without speculation."""
+    return [torch.Generator().manual_seed(request_seed(decoding.seed, pid)) for pid in prompt_ids]
 
 
 class _Clock:
@@ -49,19 +69,21 @@ def settle_gc() -> None:
     gc.freeze()
 
 
-def _to_host(*tensors: Tensor):
+def _to_host(*tensors: Tensor, lists: bool = True):
     """Start copying `tensors` (a step's picks) to the host and return a function that waits for those
-    copies alone (not for work queued after them) and gives them as lists. On GPU: one pinned buffer and
-    an asynchronous copy each, then an event; on CPU the values are there already."""
+    copies alone (not for work queued after them) and gives them as lists (`lists`, else as host
+    tensors). On GPU: one pinned buffer and an asynchronous copy each, then an event; on CPU the values
+    are there already."""
+    out = (lambda ts: [t.tolist() for t in ts]) if lists else list
     if not tensors[0].is_cuda:
-        return lambda: [t.tolist() for t in tensors]
+        return lambda: out(tensors)
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
     done = torch.cuda.Event()
     done.record()
 
     def wait() -> list:
         done.synchronize()
-        return [t.tolist() for t in host]
+        return out(host)
 
     return wait
 
@@ -82,7 +104,9 @@ class Generator:
         self.device = model.device
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         self.timings: dict[str, float] = {}  # of the last generate call: prefill_s, capture_s, decode_s, ...
-        self._graphs: dict[int, tuple[list[tuple[Tensor, Tensor]], DecodeStep]] = {}  # batch -> (cache, graphed step)
+        # batch -> (cache, graphed decode step, graphed verify steps by rows per request)
+        self._graphs: dict[int, tuple[list[tuple[Tensor, Tensor]], DecodeStep, dict[int, RowsStep]]] = {}
+        self._drafts: dict[str, DraftModel] = {}  # draft models by checksum, loaded on first use
 
     def _decode_setup(self, batch: int, needed: int) -> tuple[list[tuple[Tensor, Tensor]], DecodeStep | None]:
         """A KV cache of at least `needed` slots and, with CUDA graphs, the graphed step over it. A batch
@@ -98,8 +122,26 @@ class Generator:
         if hit is None or hit[0][0][0].shape[2] < needed:
             self._graphs.pop(batch, None)
             cache = self.model.new_cache(batch, self._slots(needed))
-            hit = self._graphs[batch] = (cache, graphed_step(self.model, cache, batch, self.pad_id))
-        return hit
+            hit = self._graphs[batch] = (cache, graphed_step(self.model, cache, batch, self.pad_id), {})
+        return hit[0], hit[1]
+
+    def _verify_setup(self, batch: int, needed: int) -> tuple[list[tuple[Tensor, Tensor]], Callable[[int], RowsStep]]:
+        """As `_decode_setup`, for speculative decoding: the cache and a function giving the step of R query
+        rows per request, graphed per (batch, R) on first use with CUDA graphs (over the batch's decode
+        cache, which it shares), else eager."""
+        if not self.cuda_graphs:
+            cache = self._decode_setup(batch, needed)[0]
+            eager = eager_rows_step(self.model, cache)
+            return cache, lambda rows: eager
+        cache, _ = self._decode_setup(batch, needed)
+        graphs = self._graphs[batch][2]
+
+        def rows_step(rows: int) -> RowsStep:
+            if rows not in graphs:
+                graphs[rows] = graphed_rows_step(self.model, cache, batch, rows, self.pad_id)
+            return graphs[rows]
+
+        return cache, rows_step
 
     def _slots(self, needed: int) -> int:
         """`needed` rounded up to a multiple of 256, but not past the positions the model allows."""
@@ -108,9 +150,9 @@ class Generator:
         return rounded if limit is None else max(needed, min(rounded, limit))
 
     # ---- sampling (per row, invariant)
-    def _choose(self, logits: Tensor, decoding: DecodingParams, gens: list[torch.Generator]) -> Tensor:
-        if decoding.greedy:
-            return logits.argmax(dim=-1)
+    def _distribution(self, logits: Tensor, decoding: DecodingParams) -> tuple[Tensor, Tensor]:
+        """Sampled decoding's distribution of each row of `logits` [B, V]: (probabilities [B, k], token ids
+        [B, k]), k the top-k width, descending."""
         backend = self.model.ctx.backend
         scaled = logits / decoding.temperature
         k = decoding.top_k if 0 < decoding.top_k < scaled.shape[-1] else scaled.shape[-1]
@@ -120,8 +162,14 @@ class Generator:
             cum = probs.cumsum(dim=-1)
             drop = (cum - probs) > decoding.top_p  # keep the smallest prefix reaching top_p
             probs = probs.masked_fill(drop, 0.0)
+        return probs, idx
+
+    def _choose(self, logits: Tensor, decoding: DecodingParams, gens: list[torch.Generator]) -> Tensor:
+        if decoding.greedy:
+            return logits.argmax(dim=-1)
+        probs, idx = self._distribution(logits, decoding)
         host = probs.cpu()  # one copy (one device sync) for every row, not one per row
-        picks = torch.stack([torch.multinomial(host[row], 1, generator=gens[row]) for row in range(host.shape[0])])
+        picks = torch.stack([_draw(host[row], gens[row]) for row in range(host.shape[0])])
         return idx.gather(1, picks.to(idx.device))[:, 0]
 
     def _stop_watch(self, decoding: DecodingParams) -> StopWatch | None:
@@ -138,7 +186,10 @@ class Generator:
         prompt_ids: Sequence[str],
         decoding: DecodingParams,
         progress: ProgressFn | None = None,
+        speculative: Speculative | None = None,
     ) -> list[Generation]:
+        if speculative is not None and speculative.on:
+            return self._speculate(prompts, prompt_ids, decoding, progress, speculative)
         m = self.model
         B = len(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
@@ -147,7 +198,7 @@ class Generator:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         pos = torch.arange(T, device=self.device).expand(B, T)
-        gens = [torch.Generator().manual_seed(request_seed(decoding.seed, pid)) for pid in prompt_ids]
+        gens = request_generators(decoding, prompt_ids)
         clock = _Clock(self.device)
         cache, step_fn = self._decode_setup(B, T + decoding.max_new_tokens)
         step_fn = step_fn or eager_step(m, cache)
@@ -230,6 +281,190 @@ class Generator:
         }
         return outs
 
+    # ---- speculative decoding
+    def _speculate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        prompt_ids: Sequence[str],
+        decoding: DecodingParams,
+        progress: ProgressFn | None,
+        spec: Speculative,
+    ) -> list[Generation]:
+        """Generate with drafts verified by the target (`speculative.py`). Per request: the prefill's
+        distribution gives the first token as in plain decoding; then every step proposes up to k drafts
+        after the request's context, runs the pending token and the drafts as query rows at positions
+        p..p+n (one row more than the longest draft in the batch; a shorter one is padded with rows at
+        later positions, whose cache slots are overwritten before any real query reads them), and walks
+        the rows: each row's token drawn as plain decoding draws it, kept while it equals the draft."""
+        m = self.model
+        B = len(prompts)
+        lens = [len(p) for p in prompts]
+        T = max(lens)
+        ids = torch.full((B, T), self.pad_id, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        pos = torch.arange(T, device=self.device).expand(B, T)
+        gens = request_generators(decoding, prompt_ids)
+        clock = _Clock(self.device)
+        cache, rows_step = self._verify_setup(B, T + decoding.max_new_tokens)
+        length = cache[0][0].shape[2]  # slot length - 1 is past every real position (T + max_new - 2 at most)
+        draft = self._draft_for(spec)
+        if draft is not None:
+            draft.start(B, length)
+        if self.device.type == "cuda":
+            settle_gc()
+        capture_s = clock.lap()
+        routing = Routing()
+        h = m.hidden(ids, pos, cache, kv_len=T, routing=routing)
+        last_rows = torch.arange(B, device=self.device) * T + torch.tensor(lens, device=self.device) - 1
+        logits = m.logits(h.view(B * T, -1)[last_rows][:, None])  # [B, 1, V] fp32, as plain decoding's rows
+        logprobs = rows_log_softmax(m, logits)
+        route = routing.rows(last_rows)
+        prefill_s = clock.lap()
+        outs = [Generation([], [], [], [], "length", drafted=0, accepted=0) for _ in range(B)]
+        if route is not None:
+            for g in outs:
+                g.route_experts, g.route_gates, g.route_margins = [], [], []
+        contexts = [list(p) for p in prompts]
+        active = [True] * B
+        watch = self._stop_watch(decoding)
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        steps = 0
+        issue_s = draft_s = 0.0
+        while True:
+            picked = self._row_picks(logits, logprobs, decoding, route)
+            produced = 0
+            for i in range(B):
+                if active[i]:
+                    emitted, active[i] = self._walk(outs[i], picked, i, drafts[i], gens[i], decoding, watch)
+                    contexts[i] += emitted
+                    produced += len(emitted)
+            if progress:
+                progress(produced)
+            if not any(active):
+                break
+            # up to k drafts per active request, never past its token limit: the verify step then emits at
+            # most max_new_tokens tokens and its real rows stay below position T + max_new - 1
+            left = [decoding.max_new_tokens - len(g.token_ids) for g in outs]
+            wants = [min(spec.k, n - 1) if a else 0 for a, n in zip(active, left)]
+            t0 = time.perf_counter()
+            drafts = self._propose(spec, draft, contexts, wants)
+            draft_s += time.perf_counter() - t0
+            rows = 1 + max(len(d) for d in drafts)
+            pending = [c[-1] if a else self.pad_id for c, a in zip(contexts, active)]
+            at = [len(c) - 1 for c in contexts]  # the pending token's position
+            tokens = torch.tensor(
+                [[pending[i], *drafts[i]] + [self.pad_id] * (rows - 1 - len(drafts[i])) for i in range(B)],
+                dtype=torch.long,
+                device=self.device,
+            )
+            positions = torch.tensor(
+                [[min(at[i] + j, length - 1) for j in range(rows)] for i in range(B)], device=self.device
+            )
+            issued = time.perf_counter()
+            logits, logprobs, route = rows_step(rows)(tokens, positions, int(positions.max()) + 1)
+            issue_s += time.perf_counter() - issued
+            steps += 1
+        self.timings = {
+            "prefill_s": prefill_s,
+            "capture_s": capture_s,
+            "decode_s": clock.lap(),
+            "decode_steps": steps,
+            "issue_s": issue_s,
+            "draft_s": draft_s,
+            "drafted": sum(g.drafted for g in outs),
+            "accepted": sum(g.accepted for g in outs),
+            "batch": B,
+            "prompt_tokens": sum(lens),
+            "cuda_graphs": self.cuda_graphs,
+        }
+        return outs
+
+    def _walk(
+        self,
+        g: Generation,
+        picked: "_RowPicks",
+        i: int,
+        drafts: list[int],
+        gen: torch.Generator,
+        decoding: DecodingParams,
+        watch: StopWatch | None,
+    ) -> tuple[list[int], bool]:
+        """Verify request i's drafts (`speculative.verify`), appending each emitted token and its record to
+        `g`: (the emitted tokens, whether the request goes on)."""
+        finished = False
+
+        def draw(j: int) -> int:
+            token, chosen = picked.token(i, j, gen)
+            g.token_ids.append(token)
+            g.token_logprobs.append(chosen)
+            picked.record(g, i, j)
+            return token
+
+        def done(token: int) -> bool:
+            nonlocal finished
+            if token in self.eos or (watch is not None and watch.hit(g.token_ids)):
+                g.finish_reason = "stop"
+                finished = True
+            finished = finished or len(g.token_ids) >= decoding.max_new_tokens
+            return finished
+
+        emitted, accepted = verify(draw, drafts, done)
+        g.drafted = (g.drafted or 0) + len(drafts)
+        g.accepted = (g.accepted or 0) + accepted
+        return emitted, not finished
+
+    def _row_picks(self, logits: Tensor, logprobs: Tensor, decoding: DecodingParams, route) -> "_RowPicks":
+        """What the walk reads of a verify step's rows, on the host in one copy. Row j of every request
+        ([B, V], as a decode step's logits) goes through the sampler's ops exactly as plain decoding's step
+        does: the recorded top-k, and the greedy pick or the sampled distribution with the log-probability
+        of each token it can draw."""
+        parts = []
+        for j in range(logits.shape[1]):
+            lj, lpj = logits[:, j].contiguous(), logprobs[:, j].contiguous()
+            top_lp, top_id = torch.topk(lpj, decoding.logprobs, dim=-1)
+            if decoding.greedy:
+                cand = lj.argmax(dim=-1)[:, None]
+                probs = torch.ones(cand.shape, dtype=torch.float32, device=cand.device)
+            else:
+                probs, cand = self._distribution(lj, decoding)
+            parts.append((top_id, top_lp, probs, cand, lpj.gather(1, cand)))
+        stacked = [torch.stack(p, dim=1) for p in zip(*parts)]  # each [B, R, ...]
+        host = _to_host(*stacked, *(route or ()), lists=False)()
+        return _RowPicks(*host[:5], [t.tolist() for t in host[5:]], decoding.greedy, logits.shape[1])
+
+    def _draft_for(self, spec: Speculative) -> DraftModel | None:
+        """The draft model of `spec` (loaded once per checkpoint), where this process runs it: in real TP
+        only rank 0 does, and broadcasts its drafts (`_propose`), so every rank verifies the same ones."""
+        if spec.kind != "draft" or self.model.ctx.rank != 0:
+            return None
+        ref = spec.model
+        if ref is None:
+            raise DetauditError(f"--speculative {spec}: the draft model was not resolved")
+        if ref.checksum not in self._drafts:
+            self._drafts[ref.checksum] = DraftModel(load_draft(ref, self.model), self.pad_id, self.cuda_graphs)
+        return self._drafts[ref.checksum]
+
+    def _propose(
+        self, spec: Speculative, draft: DraftModel | None, contexts: list[list[int]], wants: list[int]
+    ) -> list[list[int]]:
+        if spec.kind == "ngram":  # the same function of the same tokens on every rank
+            return [ngram_propose(c, w) if w else [] for c, w in zip(contexts, wants)]
+        group = self.model.ctx.group
+        drafts = draft.propose(contexts, wants) if draft is not None else None
+        if group is None:
+            assert drafts is not None
+            return drafts
+        k = max(wants, default=0)
+        if k == 0:  # (every rank computed the same wants)
+            return [[] for _ in contexts]
+        sent = torch.full((len(contexts), max(k, 1)), -1, dtype=torch.long, device=self.device)
+        if drafts is not None:
+            for i, d in enumerate(drafts):
+                sent[i, : len(d)] = torch.tensor(d, dtype=torch.long)
+        got = group.all_gather(sent)[0].tolist()  # rank 0's drafts
+        return [[t for t in row[:w] if t >= 0] for row, w in zip(got, wants)]
+
     @torch.inference_mode()
     def score(
         self,
@@ -282,3 +517,38 @@ class Generator:
                     )
                 out[:, i * length + len(p) - 1 + j] = ids.view(layers, spec.top_k)
         return out.to(self.device)
+
+
+def _draw(probs: Tensor, gen: torch.Generator) -> Tensor:
+    """One draw from a row of the sampled distribution with its request's generator: the one call both
+    plain and speculative decoding make per generated token."""
+    return torch.multinomial(probs, 1, generator=gen)
+
+
+class _RowPicks:
+    """A verify step's rows on the host (`Generator._row_picks`): per request i and row j the recorded
+    top-k, and the candidates a draw picks among with their probabilities and log-probabilities."""
+
+    def __init__(self, top_id, top_lp, probs, cand, cand_lp, route, greedy: bool, rows: int) -> None:
+        self.top_id, self.top_lp, self.probs, self.cand, self.cand_lp = top_id, top_lp, probs, cand, cand_lp
+        self.route, self.greedy, self.rows = route, greedy, rows
+
+    def token(self, i: int, j: int, gen: torch.Generator) -> tuple[int, float]:
+        """The token drawn at request i's row j, and its log-probability."""
+        pick = 0 if self.greedy else int(_draw(self.probs[i, j], gen))
+        return int(self.cand[i, j, pick]), float(self.cand_lp[i, j, pick])
+
+    def record(self, g: Generation, i: int, j: int) -> None:
+        g.topk_ids.append(self.top_id[i, j].tolist())
+        g.topk_logprobs.append(self.top_lp[i, j].tolist())
+        if self.route:
+            row = i * self.rows + j
+            g.route_experts.append(self.route[0][row])
+            g.route_gates.append(self.route[1][row])
+            g.route_margins.append(self.route[2][row])
+
+
+def load_draft(ref: ModelRef, target: Decoder) -> Decoder:
+    """A draft checkpoint as a TP-1 decoder beside `target`: its backend, dtype and device."""
+    ctx = TPContext(target.ctx.backend, 1, 0, False, None, target.ctx.dtype)
+    return Decoder(ref, ctx, target.device)

@@ -23,6 +23,9 @@ from detaudit.builtin.moe import Routing
 # moe.Routing.rows); kv_len: the caller's host-side furthest position + 1 (the CPU eager step attends that
 # many slots; GPU steps attend the whole cache)
 DecodeStep = Callable[[Tensor, Tensor, int], tuple]
+# speculative verification: (tokens [B, R], positions [B, R], kv_len) -> (logits [B, R, V], logprobs, routing
+# of the B*R rows, row-major, or None); each request's R rows are its pending token and its drafts
+RowsStep = Callable[[Tensor, Tensor, int], tuple]
 
 
 def eager_step(model: Decoder, cache: list[tuple[Tensor, Tensor]]) -> DecodeStep:
@@ -75,4 +78,64 @@ def graphed_step(model: Decoder, cache: list[tuple[Tensor, Tensor]], batch: int,
         return out
 
     step.graph = graph  # keep the graph (and its memory pool) alive with the step
+    return step
+
+
+def eager_rows_step(model: Decoder, cache: list[tuple[Tensor, Tensor]]) -> RowsStep:
+    """A verify step of R query rows per request, eager. Under bio / bio+tbik every op is row-local and
+    attention reads the KV chunks a row's position fixes, so each row gets the bits of the one-token
+    decode step at that position (the cache is written before attention, as in decode)."""
+    whole = cache[0][0].shape[2] if model.device.type == "cuda" else None
+
+    def step(tokens: Tensor, positions: Tensor, kv_len: int) -> tuple:
+        routing = Routing()
+        h = model.hidden(tokens, positions, cache, whole or kv_len, routing=routing)
+        logits = model.logits(h)
+        rows = torch.arange(tokens.numel(), device=h.device)
+        return logits, rows_log_softmax(model, logits), routing.rows(rows)
+
+    return step
+
+
+def rows_log_softmax(model: Decoder, logits: Tensor) -> Tensor:
+    """log_softmax of logits [B, R, V], one [B, V] slice per row index: the shape a decode step's
+    log_softmax has, so every backend sees what plain decoding gives it."""
+    return torch.stack([model.ctx.backend.log_softmax(logits[:, j].contiguous()) for j in range(logits.shape[1])], 1)
+
+
+def graphed_rows_step(
+    model: Decoder, cache: list[tuple[Tensor, Tensor]], batch: int, rows: int, pad_id: int
+) -> RowsStep:
+    """`eager_rows_step` of `batch` x `rows` queries captured into a CUDA graph over the whole `cache`
+    (as `graphed_step`: warm-up and capture write pad K/V into the last cache slot, which no real
+    position reaches)."""
+    device = model.device
+    length = cache[0][0].shape[2]
+    tokens = torch.full((batch, rows), pad_id, dtype=torch.long, device=device)
+    positions = torch.full((batch, rows), length - 1, dtype=torch.long, device=device)
+    eager = eager_rows_step(model, cache)
+
+    def forward() -> tuple:
+        return eager(tokens, positions, length)
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    mode = "global" if model.ctx.group is None else "thread_local"  # (see graphed_step)
+    if mode != "global":
+        torch.cuda.synchronize(device)
+    with torch.cuda.graph(graph, capture_error_mode=mode):
+        out = forward()
+
+    def step(new_tokens: Tensor, new_positions: Tensor, kv_len: int) -> tuple:
+        tokens.copy_(new_tokens)
+        positions.copy_(new_positions)
+        graph.replay()
+        return out
+
+    step.graph = graph
     return step

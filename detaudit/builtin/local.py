@@ -13,7 +13,7 @@ from detaudit.backends.base import ProcessGroup, TPContext
 from detaudit.builtin import profiling
 from detaudit.builtin.generate import Generator
 from detaudit.builtin.model import Decoder
-from detaudit.config import DecodingParams, EngineOptions
+from detaudit.config import DecodingParams, EngineOptions, Speculative
 from detaudit.records import Generation, ProgressFn
 
 
@@ -90,20 +90,25 @@ class LocalEngine:
         batch_size: int,
         progress: ProgressFn | None = None,
         profile: bool = False,
+        speculative: Speculative | None = None,
         **load,
     ) -> list[Generation]:
         """`load` (a server engine's background load and prompt texts) means nothing here. `profile`: the
-        call runs under torch.profiler and `last_profile` holds its self time per op (`profiling`)."""
+        call runs under torch.profiler and `last_profile` holds its self time per op (`profiling`).
+        `speculative`: decode with drafts verified by the target (`generate.Generator._speculate`)."""
         if profile:
             generations, self.last_profile = profiling.self_times(
-                lambda: self.generate(prompts, prompt_ids, decoding, batch_size, progress), self.device.type == "cuda"
+                lambda: self.generate(prompts, prompt_ids, decoding, batch_size, progress, speculative=speculative),
+                self.device.type == "cuda",
             )
             return generations
         out: list[Generation] = []
         totals: dict = {}
         with self.backend.activate():
             for r in chunks(len(prompts), batch_size):
-                out += self.generator.generate([prompts[i] for i in r], [prompt_ids[i] for i in r], decoding, progress)
+                out += self.generator.generate(
+                    [prompts[i] for i in r], [prompt_ids[i] for i in r], decoding, progress, speculative
+                )
                 for key, value in self.generator.timings.items():
                     totals[key] = value if isinstance(value, bool) else totals.get(key, 0) + value
         self.last_timings = totals

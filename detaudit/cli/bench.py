@@ -259,10 +259,23 @@ def bench_e2e_cmd(
             "the list is also written to X-profile.md.",
         ),
     ] = 0,
+    speculative: Annotated[
+        Optional[str],
+        typer.Option(
+            "--speculative",
+            help="Comma-separated speculative settings (ngram:K, draft:MODEL:K): decode tokens/s of each against plain "
+            "decoding, acceptance and whether the bits stayed, on --suite's prompts (greedy, no EOS).",
+        ),
+    ] = None,
+    suite: Annotated[
+        str, typer.Option("--suite", help="With --speculative: the prompts (default: quote, answers that repeat them).")
+    ] = "quote",
+    data_dir: DataDirOpt = None,
     json_: JsonOpt = False,
     save: SaveOpt = None,
 ):
-    """End to end: prefill and decode throughput of bf16, bio and bio+tbik, ratios to bf16 in the same run."""
+    """End to end: prefill and decode throughput of bf16, bio and bio+tbik, ratios to bf16 in the same run; with
+    --speculative, decode throughput with and without speculative decoding."""
     from detaudit.backends import check_backends
     from detaudit.bench.e2e import bench_e2e
     from detaudit.config import EngineSettings, SweepConfig, parse_int_list, parse_str_list
@@ -271,6 +284,8 @@ def bench_e2e_cmd(
 
     if compare_graphs and not device.startswith("cuda"):
         raise DetauditError("--compare-graphs needs a CUDA device (CUDA graphs are GPU only)")
+    if speculative is not None and (compare_graphs or profile):
+        raise DetauditError("--speculative times plain and speculative decoding: drop --compare-graphs / --profile")
     tps, bss = parse_int_list(tp, "--tp"), parse_int_list(batch_sizes, "--batch-sizes")
     bl = check_backends(parse_str_list(backends, "--backends"))
     names = parse_str_list(models, "--models")
@@ -286,6 +301,10 @@ def bench_e2e_cmd(
     )
     validate_devices(cfg)  # TP sizes, batch sizes, modes and GPU count checked as a sweep's are
     refs = [resolve_model(m, auto_prepare=True, console=err) for m in names]
+    if speculative is not None:
+        df = _bench_speculative(refs, cfg, speculative, suite, data_dir, new_tokens, cuda_graphs, repeats)
+        _print_bench(df, "e2e speculative", json_, save)
+        return
     with Progress(console=err) as prog:
         task = prog.add_task("e2e", total=len(refs) * len(tps) * len(bl) * len(bss) * (2 if compare_graphs else 1))
         df = bench_e2e(
@@ -318,6 +337,46 @@ def bench_e2e_cmd(
     if save:
         _save_bench(df, "e2e", save)
         _save_bench(prof, "e2e profile", save.with_name(f"{save.stem}-profile{save.suffix}"))
+
+
+def _bench_speculative(refs, cfg, speculative: str, suite: str, data_dir, new_tokens, cuda_graphs, repeats):
+    """`bench e2e --speculative`: the settings checked (draft models resolved, their vocabulary each
+    model's), the suite tokenized per model, then `bench.speculative.bench_speculative`."""
+    from detaudit import paths
+    from detaudit.bench.speculative import bench_speculative
+    from detaudit.config import check_speculative, parse_speculative_list
+    from detaudit.inputs import load_suites, resolve_speculative, tokenize, tokenizer_for
+
+    settings = check_speculative(parse_speculative_list(speculative))
+    if not all(s.on for s in settings):
+        raise DetauditError("--speculative: list the settings to time against plain decoding (off is always timed)")
+    (loaded,) = load_suites([suite], paths.data_dir(data_dir), None)
+    prompts, specs = {}, {}
+    for ref in refs:
+        tokenizer = tokenizer_for(ref.path)
+        specs[ref.name] = resolve_speculative(settings, ref, tokenizer, True, console=err)
+        ps = tokenize(loaded, tokenizer)
+        prompts[ref.name] = (ps.token_ids, ps.ids)
+    resolved = list(specs[refs[0].name].values())
+    if any(list(v.values()) != resolved for v in specs.values()):  # (the same drafts for every model)
+        raise DetauditError("--speculative with several --models: each draft must resolve alike for every model")
+    with Progress(console=err) as prog:
+        calls = len(cfg.tp) * len(cfg.backends) * len(cfg.batch_sizes) * (1 + len(resolved))
+        task = prog.add_task("e2e", total=len(refs) * calls)
+        return bench_speculative(
+            refs,
+            cfg.backends,
+            cfg.tp,
+            cfg.batch_sizes,
+            resolved,
+            prompts,
+            new_tokens=new_tokens,
+            device=cfg.engine.device,
+            tp_mode=cfg.tp_mode,
+            cuda_graphs=cuda_graphs,
+            repeats=repeats,
+            progress=lambda: prog.advance(task),
+        )
 
 
 @bench_app.command("kernels")

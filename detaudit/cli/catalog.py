@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Callable, Optional
 
 import typer
@@ -111,6 +112,20 @@ def models_prepare(
     from detaudit.models import prepare
 
     out.print(str(prepare(name, force=force, console=err, safetensors=safetensors, device=device)))
+
+
+@models_app.command("truncate")
+@handle_errors
+def models_truncate(
+    model: Annotated[str, typer.Argument(help="A named model, checkpoint directory or hub id.")],
+    layers: Annotated[int, typer.Option("--layers", help="Decoder layers to keep (the first N).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="New checkpoint directory.")],
+):
+    """Write MODEL's first N layers as a checkpoint: a draft model for `--speculative draft:DIR:K` (same
+    tokenizer, embedding and lm_head; `smollm2-135m-draft` is the embedded model's, named)."""
+    from detaudit.models import truncate_to
+
+    out.print(str(truncate_to(model, layers, output, console=err)))
 
 
 @suites_app.command("show")

@@ -100,6 +100,18 @@ def sweep(
         ),
     ] = QUICK_BATCH_SIZES,
     tp_mode: TpModeOpt = TpMode.real,
+    speculative: Annotated[
+        str,
+        typer.Option(
+            "--speculative",
+            help=(
+                "Comma-separated speculative-decoding settings (a grid axis): off (plain decoding), ngram:K (K prompt-"
+                "lookup drafts a step), draft:MODEL:K (K greedy tokens of a draft model: a directory or a named model "
+                "sharing the target's tokenizer, e.g. smollm2-135m-draft); cell ids get __ngramK / __draftK-NAME."
+            ),
+            rich_help_panel="grid",
+        ),
+    ] = "off",
     max_new_tokens: MaxNewTokensOpt = 16,
     temperature: TemperatureOpt = SAMPLING.temperature,
     top_p: TopPOpt = SAMPLING.top_p,
@@ -330,9 +342,17 @@ def sweep(
         ),
     ] = False,
 ):
-    """Run every cell of the grid (backend x TP x batch size x suite) and store the records."""
+    """Run every cell of the grid (backend x TP x batch size x speculative setting x suite) and store the
+    records."""
     from detaudit import paths
-    from detaudit.config import EngineSettings, ServerConfig, SweepConfig, parse_int_list, parse_str_list
+    from detaudit.config import (
+        EngineSettings,
+        ServerConfig,
+        SweepConfig,
+        parse_int_list,
+        parse_speculative_list,
+        parse_str_list,
+    )
     from detaudit.engines import get_engine
     from detaudit.errors import DetauditError
     from detaudit.sweep import parse_shard, run_sweep
@@ -376,6 +396,7 @@ def sweep(
         executor=executor,
         background_load=parse_int_list(background_load, "--background-load"),
         repeats=repeats,
+        speculative=parse_speculative_list(speculative),
         decoding_flags=_given(ctx, ("max_new_tokens", "temperature", "top_p", "top_k", "greedy")),
         apply_chat_template=apply_chat_template,
         trust_suite_paths=trust_suite_paths,

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("suites", "models", "backends", "runs"),
     ("builtin",),
     ("vllm", "server"),
-    ("engines", "analyze", "diff", "load_axis"),
+    ("engines", "analyze", "diff", "load_axis", "spec_axis"),
     ("executors", "inputs", "render"),
     ("gate", "gate_report"),
     ("sweep", "align", "merge", "bench"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from detaudit.config import DecodingParams, EngineOptions
+from detaudit.config import DecodingParams, EngineOptions, Speculative
 from detaudit.errors import DetauditError
 from detaudit.records import Generation
 
@@ -30,6 +30,7 @@ class CellJob:
     decoding: DecodingParams  # the cell's suite's decoding (its generation_kwargs under the command line's)
     texts: list[str] = field(default_factory=list)  # the prompts' user messages (server engines' chat API)
     background: int = 0  # server engines: background requests in flight while the cell runs
+    speculative: Speculative | None = None  # the cell's speculative decoding (None: off)
 
 
 @dataclass

@@ -15,6 +15,9 @@ def run_job(
 ) -> CellOutput:
     """Generate one cell, then score its reference's outputs (teacher forcing) where they exist."""
     t0 = time.monotonic()
+    # only a cell that speculates passes the keyword: engines without speculative decoding are refused
+    # by the sweep before they open (`engines.EngineInfo.speculative`)
+    spec = {"speculative": job.speculative} if job.speculative is not None and job.speculative.on else {}
     gens = engine.generate(
         job.token_ids,
         job.prompt_ids,
@@ -23,6 +26,7 @@ def run_job(
         progress=lambda n: events(job.cell_id, "tokens", n),
         background=job.background,
         texts=job.texts,
+        **spec,
     )
     gen_s = time.monotonic() - t0
     continuations = [g.token_ids for g in gens] if job.reference_id == job.cell_id else reference(job.reference_id)
@@ -32,6 +36,7 @@ def run_job(
         "wall_s": round(time.monotonic() - t0 + load_s, 3),
         "engine_start_s": round(load_s, 3),
         "generate_s": round(gen_s, 3),
+        "output_tokens": sum(len(g.token_ids) for g in gens),
     }
     return CellOutput(
         job.cell_id,

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from detaudit.analyze import Analysis, nothing_to_compare
+from detaudit.config import speculative_of
 from detaudit.errors import DetauditError
 from detaudit.load_axis import cell_loads, headlines, load_table, repeats
 from detaudit.manifest import Manifest
@@ -28,6 +29,7 @@ from detaudit.metrics import (
     visible,
 )
 from detaudit.runs import atomic_write_bytes
+from detaudit.spec_axis import speculative_summary, speculative_table
 
 FORMATS = ("md", "csv", "html")
 EMULATED_NOTE = (
@@ -35,7 +37,7 @@ EMULATED_NOTE = (
     "the way the backend's all-reduce would; native emulation cannot reproduce a ring all-reduce's "
     "order, so emulated bf16 / bio cells may understate the divergence of a real multi-GPU run."
 )
-CELL_TEXT_COLUMNS = {"model", "cell", "TP mode", "state", "configuration", "pattern"}
+CELL_TEXT_COLUMNS = {"model", "cell", "TP mode", "state", "configuration", "pattern", "setting"}
 
 
 def is_text(column: str) -> bool:
@@ -48,13 +50,17 @@ def cell_label(tp: Any, batch_size: Any) -> str:
 
 
 def cell_labels(analysis: Analysis) -> dict[str, str]:
-    """A short label per cell, unique within a (suite, backend): `tp1/bs8`; for a server audit its load
-    (`c16/bg16 prefix`: concurrency, background load and its pattern)."""
+    """A short label per cell, unique within a (suite, backend): `tp1/bs8` (`tp1/bs8/ngram4` with a
+    speculative setting); for a server audit its load (`c16/bg16 prefix`: concurrency, background load
+    and its pattern)."""
     loads = cell_loads(analysis)
-    return {
-        r["cell_id"]: loads[r["cell_id"]].label if r["cell_id"] in loads else cell_label(r["tp"], r["batch_size"])
-        for r in analysis.per_cell.to_dict("records")
-    }
+    out = {}
+    for r in analysis.per_cell.to_dict("records"):
+        cid = r["cell_id"]
+        spec = speculative_of(cid)
+        out[cid] = loads[cid].label if cid in loads else cell_label(r["tp"], r["batch_size"])
+        out[cid] += f"/{spec}" if spec else ""
+    return out
 
 
 # ---------------------------------------------------------------- shared tables
@@ -184,6 +190,84 @@ def load_rows(analysis: Analysis, suite: str, table: pd.DataFrame | None = None)
     return header, rows
 
 
+SPECULATIVE_NOTE = (
+    "Each speculative cell against the plain cell of the same TP size and batch size (speculation off), "
+    "record by record. unique: per prompt and TP x batch, the distinct outputs of the two cells, averaged "
+    "(1 = speculation changed no output); bitwise as plain: records whose every recorded number (token ids, "
+    "log-probabilities, top-k) is the plain cell's exactly; outputs differ: records whose tokens are not; "
+    "first divergence: the median position where they leave the plain output; max-prob div: top-5 "
+    "probabilities against the plain cell's (mean over positions, records, cells); acceptance: draft tokens "
+    "accepted / proposed; speed-up: output tokens per second of generation against the plain cells'."
+)
+
+
+def speculative_summary_rows(analysis: Analysis, summary: pd.DataFrame | None = None) -> Rows:
+    """One row per (suite, backend, speculative setting): the setting's cells against the plain ones."""
+    t = speculative_summary(analysis) if summary is None else summary
+    suites = len(set(t["suite"])) > 1
+    header = (["suite"] if suites else []) + ["backend", "setting", "cells", "unique", "bitwise as plain"]
+    header += ["outputs differ", "first div (median)", "max-prob div ×1e-3", "acceptance", "speed-up"]
+    rows = []
+    for r in t.to_dict("records"):
+        total = _sum(r["identical"], r["records_differ"])
+        rows.append(
+            ([str(r["suite"])] if suites else [])
+            + [
+                str(r["backend"]),
+                str(r["setting"]),
+                fmt_num(r["cells"]),
+                spec("unique_mean").fmt(r["unique_mean"]),
+                DASH if is_missing(r["identical"]) else f"{r['identical']}/{total}",
+                fmt_num(r["outputs_differ"]),
+                fmt_num(r["first_div_median"], 1),
+                fmt_div(r["maxprob_div_mean"]),
+                fmt_pct(r["acceptance"]),
+                _fmt_speedup(r["speedup"]),
+            ]
+        )
+    return header, rows
+
+
+def speculative_rows(analysis: Analysis, table: pd.DataFrame | None = None) -> Rows:
+    """One row per speculative cell against its plain cell."""
+    t = speculative_table(analysis) if table is None else table
+    header = ["cell", "backend", "TP", "batch", "setting", "bitwise as plain", "outputs differ"]
+    header += ["first divergence (min / median)", "max-prob div ×1e-3", "drafted", "acceptance"]
+    header += ["tokens/s", "plain tokens/s", "speed-up"]
+    rows = []
+    for r in t.to_dict("records"):
+        first = (
+            DASH if not r["outputs_differ"] else f"{fmt_num(r['first_div_min'])} / {fmt_num(r['first_div_median'], 1)}"
+        )
+        rows.append(
+            [
+                str(r["cell_id"]),
+                str(r["backend"]),
+                fmt_num(r["tp"]),
+                fmt_num(r["batch_size"]),
+                str(r["setting"]),
+                DASH if is_missing(r["identical"]) else f"{r['identical']}/{r['compared']}",
+                f"{r['outputs_differ']}/{r['compared']}",
+                first,
+                fmt_div(r["maxprob_div_mean"]),
+                fmt_num(r["drafted"]),
+                fmt_pct(r["acceptance"]),
+                fmt_num(r["tokens_per_s"], 1),
+                fmt_num(r["plain_tokens_per_s"], 1),
+                _fmt_speedup(r["speedup"]),
+            ]
+        )
+    return header, rows
+
+
+def _sum(*values: Any) -> int:
+    return sum(int(v) for v in values if not is_missing(v))
+
+
+def _fmt_speedup(v: Any) -> str:
+    return DASH if is_missing(v) else f"{v:.2f}x"
+
+
 def headline_lines(analysis: Analysis) -> list[str]:
     """`suite / backend: N requests, K distinct completions ...` per group of a server audit."""
     return [f"{h['suite']} / {h['backend']}: {h['text']}" for h in headlines(analysis)]
@@ -302,6 +386,15 @@ def render_summary(analysis: Analysis) -> list[Table | Text]:
             for row in rows:
                 t.add_row(*row)
             out.append(t)
+    spec_summary = speculative_summary(analysis)
+    if len(spec_summary):
+        header, rows = speculative_summary_rows(analysis, spec_summary)
+        t = Table(title="speculative decoding (against the plain cells of the same TP and batch size)")
+        for h in header:
+            t.add_column(h, justify="left" if is_text(h) else "right", overflow="fold")
+        for row in rows:
+            t.add_row(*row)
+        out.append(t)
     return out + ([Text("nothing to compare: " + uncompared, style="bold yellow")] if uncompared else [])
 
 

@@ -9,6 +9,7 @@ import pandas as pd
 from detaudit.analyze import Analysis
 from detaudit.load_axis import load_table
 from detaudit.render import published_frame, write_file
+from detaudit.spec_axis import speculative_summary, speculative_table
 
 
 def agreement_long(analysis: Analysis) -> pd.DataFrame:
@@ -23,7 +24,8 @@ def agreement_long(analysis: Analysis) -> pd.DataFrame:
 def write_csv(analysis: Analysis, out_dir: str | Path) -> list[Path]:
     """unique_outputs.csv and maxprob_div_x1e-3.csv (published layout: suite, model, one column per
     backend), summary.csv, per_cell.csv, per_prompt.csv, agreement.csv, divergence_by_position.csv; for a
-    server audit also load.csv (each load configuration against the sequential baseline)."""
+    server audit also load.csv (each load configuration against the sequential baseline); for a run with
+    speculative cells speculative.csv (each against its plain cell) and speculative_summary.csv."""
     out = Path(out_dir)
     frames = {
         "unique_outputs.csv": published_frame(analysis, "unique_mean"),
@@ -37,6 +39,10 @@ def write_csv(analysis: Analysis, out_dir: str | Path) -> list[Path]:
     load = load_table(analysis)
     if len(load):
         frames["load.csv"] = load
+    spec = speculative_table(analysis)
+    if len(spec):
+        frames["speculative.csv"] = spec
+        frames["speculative_summary.csv"] = speculative_summary(analysis, spec)
     written = []
     for name, frame in frames.items():
         # floats as repr (shortest round-trip): a tiny divergence is never written as 0

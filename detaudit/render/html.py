@@ -20,6 +20,7 @@ from detaudit.metrics import MIN_CELLS, definitions, spec
 from detaudit.render import (
     EMULATED_NOTE,
     LOAD_NOTE,
+    SPECULATIVE_NOTE,
     cell_labels,
     cell_rows,
     command,
@@ -28,11 +29,14 @@ from detaudit.render import (
     load_rows,
     published_table,
     row_status,
+    speculative_rows,
+    speculative_summary_rows,
     summary_rows,
     warnings,
     write_file,
     yaml_dump,
 )
+from detaudit.spec_axis import speculative_summary, speculative_table
 
 COLORS = {"bf16": "#d62728", "bio": "#ff7f0e", "bio+tbik": "#2ca02c"}
 PALETTE = ["#1f77b4", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
@@ -310,6 +314,11 @@ agreed on every prompt).</p>
 <h2>Summary</h2>
 {{ table(summary[0], summary[1], classes=summary_classes) }}
 <dl class="defs">{% for k, v in definitions %}<dt>{{ k }}</dt><dd>{{ v }}</dd>{% endfor %}</dl>
+{% if speculative %}<h2>Speculative decoding</h2>
+<p class="muted">{{ speculative.note }}</p>
+{{ table(speculative.summary[0], speculative.summary[1]) }}
+<h3>Per cell</h3>
+{{ table(speculative.cells[0], speculative.cells[1]) }}{% endif %}
 {% for s in suite_figs %}
 <h2>{{ s.suite }}</h2>
 {% if not (s.agreement or s.divergence or s.first_div) %}<p class="muted">Nothing to compare in this suite (fewer than two done cells per backend): agreement and divergence not plotted.</p>{% endif %}
@@ -369,6 +378,14 @@ def render_html(analysis: Analysis) -> str:
                 for suite, f in zip(analysis.suites, figs)
             ],
         )
+    spec_table = speculative_table(analysis)
+    speculative = None
+    if len(spec_table):
+        speculative = dict(
+            note=SPECULATIVE_NOTE,
+            summary=speculative_summary_rows(analysis, speculative_summary(analysis, spec_table)),
+            cells=speculative_rows(analysis, spec_table),
+        )
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(TEMPLATE).render(
         is_text=is_text,
@@ -381,6 +398,7 @@ def render_html(analysis: Analysis) -> str:
         backends=analysis.backends,
         warns=warnings(analysis),
         load=load,
+        speculative=speculative,
         cell_axis="concurrency / background load" if heads else "TP size / batch size",
         unique_tables=[(s, published_table(analysis, s, "unique_mean")) for s in analysis.suites],
         div_tables=[(s, published_table(analysis, s, "maxprob_div_mean")) for s in analysis.suites],

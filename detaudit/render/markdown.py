@@ -12,17 +12,21 @@ from detaudit.metrics import definitions
 from detaudit.render import (
     EMULATED_NOTE,
     LOAD_NOTE,
+    SPECULATIVE_NOTE,
     cell_rows,
     command,
     headline_lines,
     is_text,
     load_rows,
     published_table,
+    speculative_rows,
+    speculative_summary_rows,
     summary_rows,
     warnings,
     write_file,
     yaml_dump,
 )
+from detaudit.spec_axis import speculative_summary, speculative_table
 
 PUBLISHED = (  # the published tables: (title, what it shows, summary column)
     (
@@ -73,6 +77,7 @@ def render_markdown(analysis: Analysis) -> str:
     out += ["## Summary", "", md_table(*summary_rows(analysis)), ""]
     terms = definitions(analysis.summary.to_dict("records"))  # of the columns shown
     out += ["Definitions:", ""] + [f"- **{k}**: {v}" for k, v in terms] + [""]
+    out += speculative_section(analysis)
     out += ["## Cells", "", md_table(*cell_rows(analysis)), ""]
     if (pc["tp_mode"] == "emulated").any():
         out += [f"Cells labelled `emulated`: {EMULATED_NOTE}", ""]
@@ -93,6 +98,17 @@ def load_section(analysis: Analysis) -> list[str]:
     table = load_table(analysis)
     for suite in analysis.suites:
         out += [f"### {suite}", "", md_table(*load_rows(analysis, suite, table)), ""]
+    return out
+
+
+def speculative_section(analysis: Analysis) -> list[str]:
+    """The speculative-decoding axis: per setting, then per cell (nothing for runs without it)."""
+    table = speculative_table(analysis)
+    if not len(table):
+        return []
+    out = ["## Speculative decoding", "", SPECULATIVE_NOTE, ""]
+    out += [md_table(*speculative_summary_rows(analysis, speculative_summary(analysis, table))), ""]
+    out += ["Per cell:", "", md_table(*speculative_rows(analysis, table)), ""]
     return out
 
 

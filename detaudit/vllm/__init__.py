@@ -65,6 +65,55 @@ def torch_match() -> str:
     )
 
 
+# Which of vLLM's speculative methods a `--speculative` kind needs (vLLM's `speculative_config` method)
+SPECULATIVE_METHODS = {"ngram": "ngram", "draft": "draft_model"}
+_METHODS_SCRIPT = """
+import json, typing
+try:
+    from vllm.config.speculative import SpeculativeMethod
+except Exception as e:
+    print(json.dumps({"error": type(e).__name__ + ": " + str(e)[:200]}))
+    raise SystemExit(0)
+import vllm
+def flat(t):
+    out = set()
+    for a in typing.get_args(t):
+        out |= flat(a) if typing.get_origin(a) is typing.Literal else {a}
+    return out
+print(json.dumps({"version": vllm.__version__, "methods": sorted(flat(SpeculativeMethod))}))
+"""
+
+
+def speculative_methods() -> tuple[str, list[str] | None]:
+    """(the installed vLLM's version, the speculative methods its config accepts; None without them),
+    read in a child process: importing vLLM prints to the terminal and configures its logging."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _METHODS_SCRIPT], capture_output=True, text=True, timeout=600)
+    try:
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        raise DetauditError(f"cannot read vLLM's speculative decoding methods ({last})") from None
+    return str(found.get("version", "?")), found.get("methods")
+
+
+def check_speculative(cfg) -> None:
+    """`--engine vllm --speculative ...`: refuse, before any work, a setting the installed vLLM cannot
+    run (no speculative decoding, or not that method)."""
+    wanted = [s for s in cfg.speculative_settings() if s.on]
+    if not wanted:
+        return
+    version, methods = speculative_methods()
+    for s in wanted:
+        method = SPECULATIVE_METHODS[s.kind]
+        if methods is None or method not in methods:
+            has = f"its methods: {', '.join(methods)}" if methods else "no speculative decoding"
+            raise DetauditError(f"--speculative {s}: vLLM {version} has no {method!r} speculative method ({has})")
+
+
 def open_vllm(options):
     """One child process per (backend, TP) hosting vLLM's offline engine (`host.VllmHost`), driven over
     the same pipe protocol as the built-in TP workers (crashes, hangs and Ctrl-C handled the same way)."""

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from detaudit.builtin.local import chunks, cpu_core_ids
-from detaudit.config import DecodingParams, request_seed
-from detaudit.errors import DetauditError
+from detaudit.config import NGRAM_MAX, DecodingParams, Speculative, request_seed
+from detaudit.errors import CellFailed, DetauditError
 from detaudit.records import Generation, ProgressFn
 from detaudit.vllm import MAX_MODEL_LEN
 
@@ -160,23 +160,38 @@ class VllmHost:
         self.llm: Any = None
         self.max_batch_size = options.max_batch_size
         self.max_num_seqs = 0
+        self.speculative: Speculative | None = None  # the setting the engine was built with
         self.knobs: dict[str, Any] = {}
         self.mode = engine_mode(self.backend, self.device, s.cuda_graphs)
         self.checked = False
 
-    def _engine(self, batch_size: int):
+    def _engine(self, batch_size: int, speculative: Speculative | None = None):
         """The engine for a batch of `batch_size` (built for the group's largest batch; rebuilt only for a
-        larger one)."""
-        if self.llm is None or batch_size > self.max_num_seqs:
-            self._build(max(batch_size, self.max_batch_size))
+        larger one, or for another speculative setting: vLLM fixes it when the engine is built)."""
+        spec = speculative if speculative is not None and speculative.on else None
+        if self.llm is None or batch_size > self.max_num_seqs or spec != self.speculative:
+            self._build(max(batch_size, self.max_batch_size), spec)
         self.knobs["batch_size"] = batch_size
         return self.llm
 
-    def _build(self, seqs: int) -> None:
+    def _build(self, seqs: int, spec: Speculative | None = None) -> None:
         self._shutdown()
         from vllm import LLM
 
-        self.llm = LLM(
+        extra = speculative_args(spec)
+        try:
+            self.llm = self._llm(LLM, seqs, extra)
+        except (ValueError, NotImplementedError, TypeError) as e:
+            if spec is None:
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise CellFailed(f"vLLM {self.version} cannot run --speculative {spec} here: {first}") from None
+        self.speculative = spec
+        self.max_num_seqs = seqs
+        self._knobs(extra)
+
+    def _llm(self, LLM, seqs: int, extra: dict):
+        return LLM(
             model=str(self.model_path),
             tokenizer=str(self.model_path),
             tensor_parallel_size=self.tp,
@@ -190,8 +205,10 @@ class VllmHost:
             disable_custom_all_reduce=True,
             distributed_executor_backend=self.executor,
             seed=0,
+            **extra,
         )
-        self.max_num_seqs = seqs
+
+    def _knobs(self, extra: dict) -> None:
         config = self.llm.llm_engine.vllm_config
         sched, cache, comp = config.scheduler_config, config.cache_config, config.compilation_config
         self.knobs = {
@@ -207,13 +224,23 @@ class VllmHost:
             "env": recorded_env(),
             "distributed_executor_backend": self.executor,
         }
+        if "speculative_config" in extra:
+            self.knobs["speculative_config"] = extra["speculative_config"]
 
     def generate(
-        self, prompts, prompt_ids, decoding: DecodingParams, batch_size: int, progress: ProgressFn | None = None, **load
+        self,
+        prompts,
+        prompt_ids,
+        decoding: DecodingParams,
+        batch_size: int,
+        progress: ProgressFn | None = None,
+        speculative: Speculative | None = None,
+        **load,
     ) -> list[Generation]:
+        """`speculative`: vLLM's own speculative decoding (`speculative_args`), the engine rebuilt for it."""
         from vllm import SamplingParams
 
-        llm = self._engine(batch_size)
+        llm = self._engine(batch_size, speculative)
         out: list[Generation] = []
         for r in chunks(len(prompts), batch_size):
             params = [
@@ -243,7 +270,9 @@ class VllmHost:
         """Teacher forcing: prompt log-probabilities of prompt + continuation (one prefill per sequence)."""
         from vllm import SamplingParams
 
-        llm = self._engine(batch_size)
+        # the engine as the cell's generate built it (its speculative setting too: prompt log-probabilities
+        # come from one forward, and rebuilding vLLM's CPU engine in one process fails in vLLM 0.32)
+        llm = self._engine(batch_size, self.speculative)
         out: list[list[float]] = []
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
         for r in chunks(len(prompts), batch_size):
@@ -332,6 +361,37 @@ def attention_backends(markers: list[dict]) -> str:
     return ", ".join(seen) if seen else "not recorded"
 
 
+def speculative_args(spec: Speculative | None) -> dict:
+    """The `LLM(...)` arguments of a speculative setting: vLLM's `speculative_config` (n-gram: prompt
+    lookup of up to NGRAM_MAX tokens, as the built-in engine's; a draft model: its directory), and
+    per-request acceptance counts where this vLLM has them (`per_request_spec_decode_metrics`, 0.32+).
+    (A vLLM without the method was refused before any work: `detaudit.vllm.check_speculative`.)"""
+    if spec is None:
+        return {}
+    if spec.kind == "ngram":
+        config = {
+            "method": "ngram",
+            "num_speculative_tokens": spec.k,
+            "prompt_lookup_max": NGRAM_MAX,
+            "prompt_lookup_min": 1,
+        }
+    else:
+        assert spec.model is not None
+        config = {"method": "draft_model", "model": str(spec.model.path), "num_speculative_tokens": spec.k}
+    extra: dict[str, Any] = {"speculative_config": config}
+    if _engine_arg("per_request_spec_decode_metrics"):
+        extra["per_request_spec_decode_metrics"] = "summary"
+    return extra
+
+
+def _engine_arg(name: str) -> bool:
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return any(f.name == name for f in dataclasses.fields(EngineArgs))
+
+
 def _generation(c, k: int) -> Generation:
     token_logprobs, topk_ids, topk_lps = [], [], []
     for tok, lp in zip(c.token_ids, c.logprobs):
@@ -339,8 +399,19 @@ def _generation(c, k: int) -> Generation:
         ranked = sorted((v.rank, t, v.logprob) for t, v in lp.items() if v.rank is not None and v.rank <= k)
         topk_ids.append([t for _, t, _ in ranked])
         topk_lps.append([float(x) for _, _, x in ranked])
+    drafted = accepted = None
+    metrics = getattr(c, "spec_decode_metrics", None)  # vLLM 0.32+, per_request_spec_decode_metrics on
+    if metrics is not None:
+        drafted = int(metrics.num_draft_tokens)
+        accepted = sum(j * n for j, n in enumerate(metrics.histogram))
     return Generation(
-        list(c.token_ids), token_logprobs, topk_ids, topk_lps, "stop" if c.finish_reason == "stop" else "length"
+        list(c.token_ids),
+        token_logprobs,
+        topk_ids,
+        topk_lps,
+        "stop" if c.finish_reason == "stop" else "length",
+        drafted=drafted,
+        accepted=accepted,
     )
 
 

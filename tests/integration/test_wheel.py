@@ -91,7 +91,7 @@ def test_wheel_install_finds_suites_and_sweeps(wheel_venv, smollm):
     assert purelib in suites_dir.parents and REPO not in suites_dir.parents
 
     listed = json.loads(_run([str(venv / "bin" / "detaudit"), "suites", "ls", "--json"], cwd=work, env=env).stdout)
-    assert {s["name"] for s in listed} == {"smoke", "aime24", "amc23"}
+    assert {s["name"] for s in listed} == {"smoke", "aime24", "amc23", "quote"}
 
     out = work / "run"
     env = {**env, "DETAUDIT_HOME": os.environ["DETAUDIT_HOME"]}  # the embedded model prepared by `smollm`

@@ -40,7 +40,7 @@ def _error(fn, *args, **kwargs) -> str:
 
 def test_list_suites():
     listed = {s["name"]: s for s in list_suites()}
-    assert set(listed) == {"aime24", "amc23", "smoke"}
+    assert set(listed) == {"aime24", "amc23", "quote", "smoke"}
     assert listed["smoke"]["source"] == "inline" and listed["smoke"]["needs_data_dir"] is False
     assert listed["aime24"]["dataset_path"] == "HuggingFaceH4/aime_2024"
     assert listed["amc23"]["dataset_path"] == "math-ai/amc23"
@@ -182,7 +182,7 @@ def test_custom_suite_from_jsonl(tmp_path):
 
 def test_unknown_suite():
     message = _error(load_suite, "aime2024")
-    assert "unknown suite 'aime2024'" in message and "aime24, amc23, smoke" in message
+    assert "unknown suite 'aime2024'" in message and "aime24, amc23, quote, smoke" in message
 
 
 def test_missing_suite_file(tmp_path):
