@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from detaudit.analyze import routers_differ
+from detaudit.analysis.analyze import routers_differ
+from detaudit.analysis.metrics import ALIGN_ROUTING_COLUMNS, specs
 from detaudit.config import DecodingParams, ModelRef
 from detaudit.errors import DetauditError
-from detaudit.metrics import ALIGN_ROUTING_COLUMNS, specs
 
 
 @dataclass(frozen=True)
@@ -142,10 +142,10 @@ def align(
     from rich.progress import Progress
 
     from detaudit.engines import get_engine
-    from detaudit.fingerprint import collect
-    from detaudit.inputs import check_model, eos_ids, load_suites, tokenize, tokenizer_for
+    from detaudit.inputs.prepare import check_model, eos_ids, load_suites, tokenize, tokenizer_for
     from detaudit.models import resolve_model
-    from detaudit.runs import check_output_dir
+    from detaudit.runs.fingerprint import collect
+    from detaudit.runs.rundir import check_output_dir
 
     check_output_dir(output_path)  # before the model runs: a path it cannot write is refused first
     (suite,) = load_suites([cfg.suite], data_dir, cfg.limit)
@@ -290,7 +290,7 @@ def write_alignment(df: pd.DataFrame, summary: pd.DataFrame, out_dir: Path, meta
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from detaudit.runs import atomic_write_bytes, write_alignment_data
+    from detaudit.runs.rundir import atomic_write_bytes, write_alignment_data
 
     files = write_alignment_data(out_dir, df, summary.to_dict(orient="records"), meta)
     p = out_dir / "alignment.csv"

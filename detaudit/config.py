@@ -67,7 +67,7 @@ class DecodingParams:
     seed: int = 42
     greedy: bool = False
     logprobs: int = 10  # top-k log-probabilities recorded per position (>= 5)
-    stop: tuple[str, ...] = ()  # stop strings (a suite's `generation_kwargs.until`: detaudit.generation)
+    stop: tuple[str, ...] = ()  # stop strings (a suite's `generation_kwargs.until`: detaudit.decoding)
 
     def __post_init__(self) -> None:
         """Every field is checked, greedy or not: all of them are recorded in the manifest (which must stay
@@ -374,7 +374,7 @@ class SweepConfig:
     speculative: tuple[str, ...] = ("off",)  # speculative-decoding settings (a grid axis: `Speculative`)
     # the DecodingParams fields given on the command line: they win over a suite's generation_kwargs
     decoding_flags: tuple[str, ...] = ()
-    apply_chat_template: bool | None = None  # None: each suite's own default (detaudit.suites)
+    apply_chat_template: bool | None = None  # None: each suite's own default (detaudit.inputs.suites)
     trust_suite_paths: bool = False  # suite files may read files outside their own directory
 
     def __post_init__(self) -> None:

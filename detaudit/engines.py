@@ -17,7 +17,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from detaudit.config import DecodingParams, EngineOptions, ModelRef, Speculative, SweepConfig
 from detaudit.errors import DetauditError
-from detaudit.records import Generation, ProgressFn
+from detaudit.runs.records import Generation, ProgressFn
 from detaudit.vllm import MAX_MODEL_LEN as VLLM_MAX_MODEL_LEN
 
 

@@ -16,12 +16,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from detaudit import fingerprint
 from detaudit.config import Cell, DecodingParams, EngineOptions, ModelRef, Speculative, SweepConfig
 from detaudit.engines import EngineInfo, check_engine_backends, check_tp_mode, get_engine, native_backend_names
 from detaudit.errors import DetauditError
 from detaudit.executors import CellGroup, CellJob, CellOutput, get_executor
-from detaudit.inputs import (
+from detaudit.inputs.prepare import (
     PromptSet,
     check_model,
     eos_ids,
@@ -30,9 +29,10 @@ from detaudit.inputs import (
     tokenize,
     tokenizer_for,
 )
-from detaudit.manifest import MAX_CELL_ID, CellMeta, Manifest, check_cell_id, numerics_conflicts
 from detaudit.progress import CellProgress
-from detaudit.runs import LOGS, RunDir, now
+from detaudit.runs import fingerprint
+from detaudit.runs.manifest import MAX_CELL_ID, CellMeta, Manifest, check_cell_id, numerics_conflicts
+from detaudit.runs.rundir import LOGS, RunDir, now
 
 
 @dataclass
@@ -198,10 +198,10 @@ def prepare(cfg: SweepConfig, data_dir: Path | None, console: Console, notes: li
     its own decoding (its `generation_kwargs` under the command line's flags) and prompt form, described by
     a line per suite: printed once the checks pass, or added to `notes` for the caller to print once its
     own checks pass (refused input stays one line)."""
-    from detaudit.generation import decoding_sources, describe, suite_decoding
-    from detaudit.inputs import MAX_CHARS_PER_TOKEN, chat_form
+    from detaudit.decoding import decoding_sources, describe, suite_decoding
+    from detaudit.inputs.prepare import MAX_CHARS_PER_TOKEN, chat_form
+    from detaudit.inputs.prompt_limits import model_context_len
     from detaudit.models import resolve_model
-    from detaudit.prompt_limits import model_context_len
 
     suites = load_suites(cfg.suites, data_dir, cfg.limit, cfg.trust_suite_paths)
     model = resolve_model(cfg.model, auto_prepare=True, console=console)
@@ -476,8 +476,8 @@ def _tf_routing(routes: list | None, k: int) -> dict:
 
 
 def _rows(cfg: SweepConfig, cell: Cell, model, tokenizer, ps: PromptSet, out: CellOutput, scrub=None) -> list[dict]:
-    from detaudit.generation import cut_at_stop
-    from detaudit.grading import extract_answer, is_correct
+    from detaudit.decoding import cut_at_stop
+    from detaudit.inputs.grading import extract_answer, is_correct
 
     assert out.generations is not None
     tf = out.scores

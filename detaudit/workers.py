@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from detaudit.errors import CellFailed
-from detaudit.records import Generation, ProgressFn
+from detaudit.runs.records import Generation, ProgressFn
 
 FAULT_ENV = "DETAUDIT_FAULT_INJECT"  # tests: "crash:RANK" or "hang:RANK" (at the first generate)
 

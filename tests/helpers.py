@@ -118,7 +118,7 @@ def generation_difference(a, b):
     (`records.first_difference`); None when they are equal."""
     import pyarrow as pa
 
-    from detaudit.records import SCHEMA, first_difference
+    from detaudit.runs.records import SCHEMA, first_difference
 
     routing = ("route_experts", "route_gates", "route_margins")
     fields = ("prompt_id", "prompt_index", "output_token_ids", "token_logprobs", "topk_ids", "topk_logprobs", *routing)
@@ -241,7 +241,7 @@ STOP_AT_ENV = "DETAUDIT_TEST_STOP_AT"
 STOPPING_MAIN = """
 import os, signal
 from detaudit.builtin.local import LocalEngine
-from detaudit.runs import RunDir
+from detaudit.runs.rundir import RunDir
 
 point, done = os.environ["DETAUDIT_TEST_STOP_AT"], []
 stop = lambda: os.kill(os.getpid(), signal.SIGSTOP)

@@ -24,7 +24,7 @@ import pandas as pd
 
 from detaudit.bench.e2e import _release
 from detaudit.config import DecodingParams, EngineOptions, EngineSettings, ModelRef, Speculative
-from detaudit.records import Generation
+from detaudit.runs.records import Generation
 
 
 def _bits(g: Generation) -> tuple:

@@ -32,9 +32,9 @@ from detaudit.builtin.model import Decoder
 from detaudit.builtin.moe import Routing
 from detaudit.builtin.speculative import DraftModel, ngram_propose, verify
 from detaudit.config import DecodingParams, ModelRef, Speculative, request_seed
+from detaudit.decoding import StopWatch
 from detaudit.errors import DetauditError
-from detaudit.generation import StopWatch
-from detaudit.records import Generation, ProgressFn
+from detaudit.runs.records import Generation, ProgressFn
 
 
 def request_generators(decoding: DecodingParams, prompt_ids) -> list[torch.Generator]:

@@ -14,7 +14,7 @@ from detaudit.builtin import profiling
 from detaudit.builtin.generate import Generator
 from detaudit.builtin.model import Decoder
 from detaudit.config import DecodingParams, EngineOptions, Speculative
-from detaudit.records import Generation, ProgressFn
+from detaudit.runs.records import Generation, ProgressFn
 
 
 def cpu_core_ids() -> list[int]:

@@ -69,8 +69,8 @@ def align(
     from detaudit import paths
     from detaudit.align import AlignConfig, Side, shown_columns
     from detaudit.align import align as run
+    from detaudit.analysis.metrics import routing_legend
     from detaudit.config import parse_str_list
-    from detaudit.metrics import routing_legend
 
     cfg = AlignConfig(
         rollout=Side.parse(rollout, "--rollout"),

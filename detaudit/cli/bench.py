@@ -60,10 +60,10 @@ def _print_bench(df, title: str, json_: bool, save: Optional[Path]) -> None:
 
 def _save_bench(df, title: str, save: Path) -> None:
     """The table as markdown (with the command, machine and settings) or CSV, by the file's suffix."""
-    from detaudit.runs import atomic_write_bytes
+    from detaudit.runs.rundir import atomic_write_bytes
 
     if save.suffix == ".md":
-        from detaudit.fingerprint import collect
+        from detaudit.runs.fingerprint import collect
 
         env = collect()
         head = [
@@ -88,7 +88,7 @@ def _bench_prompts(model: str, suite: str, data_dir: Optional[Path]):
     """The model (prepared if needed) and the suite's prompts as chat-templated token ids; the suite is
     read first (a bad suite is refused before the model is prepared)."""
     from detaudit import paths
-    from detaudit.inputs import load_suites, tokenize, tokenizer_for
+    from detaudit.inputs.prepare import load_suites, tokenize, tokenizer_for
     from detaudit.models import resolve_model
 
     (s,) = load_suites([suite], paths.data_dir(data_dir), None)
@@ -163,7 +163,7 @@ def bench_vllm_cmd(
     from detaudit.bench.vllm import WORKLOADS, bench_vllm
     from detaudit.config import EngineSettings, SweepConfig, check_device, check_tp_size, parse_int_list, parse_str_list
     from detaudit.engines import check_engine_backends, get_engine, native_backend_names
-    from detaudit.inputs import tokenizer_for
+    from detaudit.inputs.prepare import tokenizer_for
     from detaudit.models import resolve_model
     from detaudit.sweep import validate_devices
     from detaudit.vllm import MAX_MODEL_LEN, require_vllm
@@ -345,7 +345,7 @@ def _bench_speculative(refs, cfg, speculative: str, suite: str, data_dir, new_to
     from detaudit import paths
     from detaudit.bench.speculative import bench_speculative
     from detaudit.config import check_speculative, parse_speculative_list
-    from detaudit.inputs import load_suites, resolve_speculative, tokenize, tokenizer_for
+    from detaudit.inputs.prepare import load_suites, resolve_speculative, tokenize, tokenizer_for
 
     settings = check_speculative(parse_speculative_list(speculative))
     if not all(s.on for s in settings):

@@ -47,7 +47,7 @@ def _models() -> list[dict]:
 
 
 def _suites() -> list[dict]:
-    from detaudit.suites import list_suites
+    from detaudit.inputs.suites import list_suites
 
     return list_suites()
 
@@ -140,7 +140,7 @@ def suites_show(
     """Show a suite's prompts and answers, its decoding (generation_kwargs) and its prompt form."""
     from detaudit import paths
     from detaudit.config import check_limit
-    from detaudit.suites import load_suite
+    from detaudit.inputs.suites import load_suite
 
     check_limit(limit)
     suite = load_suite(name, data_dir=paths.data_dir(data_dir), limit=limit, trust_paths=trust_suite_paths)
@@ -201,9 +201,9 @@ def _engine_state(info) -> str:
 @handle_errors
 def doctor(json_: JsonOpt = False):
     """Print the environment fingerprint and check the installation."""
-    from detaudit import fingerprint
     from detaudit.backends import available, describe_machine
     from detaudit.engines import ENGINES, native_backend_names
+    from detaudit.runs import fingerprint
     from detaudit.vllm import torch_match
 
     env = fingerprint.collect()

@@ -17,9 +17,9 @@ def analyze_and_report(run_dir: Path, formats, json_: bool, output_path: Optiona
     """Print the summary (unless not `show`: a caller printing its own JSON), then write the report files
     into `output_path` (default: the run directory; a read-only one, e.g. a downloaded CI artifact, is only
     printed, and a note says so)."""
-    from detaudit.analyze import analyze as do_analyze
+    from detaudit.analysis.analyze import analyze as do_analyze
     from detaudit.render import render_summary, write_reports
-    from detaudit.runs import unwritable
+    from detaudit.runs.rundir import unwritable
 
     analysis = do_analyze(run_dir)
     if not show:
@@ -72,10 +72,10 @@ def report(
     ] = None,
 ):
     """Write markdown / CSV / HTML reports (tables laid out like the published ones, plots)."""
-    from detaudit.analyze import analyze as do_analyze
+    from detaudit.analysis.analyze import analyze as do_analyze
     from detaudit.config import parse_str_list
     from detaudit.render import FORMATS, write_reports
-    from detaudit.runs import RunDir, unwritable
+    from detaudit.runs.rundir import RunDir, unwritable
 
     formats = parse_str_list(format, "--format")
     bad = [f for f in formats if f not in FORMATS]
@@ -131,8 +131,8 @@ def gate(
     json_: JsonOpt = False,
 ):
     """Exit 0 when the run meets the policy, 1 when it does not (violations listed), 2 on bad input."""
-    from detaudit.gate import gate as do_gate
-    from detaudit.gate_report import (
+    from detaudit.analysis.gate import gate as do_gate
+    from detaudit.analysis.gate_report import (
         FORMATS,
         append_step_summary,
         check_report_url,
@@ -184,7 +184,7 @@ def merge(
 ):
     """Combine run directories; refuses different models, suites, decoding settings, code versions or
     numerics (a backend's cells computed differently)."""
-    from detaudit.merge import merge_runs
+    from detaudit.runs.merge import merge_runs
 
     if not run_dirs:
         raise DetauditError("merge needs at least one run directory: detaudit merge RUN [RUN ...] -o OUT")
@@ -205,7 +205,7 @@ def diff(
 ):
     """Compare two runs cell by cell, bitwise: exit 0 when every cell completed in both is equal, 1 when
     any differs (first differing field, prompt and position listed), 2 on bad input."""
-    from detaudit.diff import diff_runs
+    from detaudit.analysis.diff import diff_runs
 
     result = diff_runs(run_a, run_b)
     if json_:
@@ -217,7 +217,7 @@ def diff(
 
 def render_diff(result) -> str:
     """The comparison as markdown: manifest differences, then one row per cell, then the verdict."""
-    from detaudit.metrics import DASH, fmt_div, fmt_num
+    from detaudit.analysis.metrics import DASH, fmt_div, fmt_num
     from detaudit.render.markdown import md_table
 
     def value(v) -> str:

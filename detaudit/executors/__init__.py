@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 
 from detaudit.config import DecodingParams, EngineOptions, Speculative
 from detaudit.errors import DetauditError
-from detaudit.records import Generation
+from detaudit.runs.records import Generation
 
 
 @dataclass

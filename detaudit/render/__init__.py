@@ -10,12 +10,9 @@ import pandas as pd
 from rich.table import Table
 from rich.text import Text
 
-from detaudit.analyze import Analysis, nothing_to_compare
-from detaudit.config import speculative_of
-from detaudit.errors import DetauditError
-from detaudit.load_axis import cell_loads, headlines, load_table, repeats
-from detaudit.manifest import Manifest
-from detaudit.metrics import (
+from detaudit.analysis.analyze import Analysis, nothing_to_compare
+from detaudit.analysis.load_axis import cell_loads, headlines, load_table, repeats
+from detaudit.analysis.metrics import (
     DASH,
     MIN_CELLS,
     fmt_div,
@@ -28,8 +25,11 @@ from detaudit.metrics import (
     text_labels,
     visible,
 )
-from detaudit.runs import atomic_write_bytes
-from detaudit.spec_axis import speculative_summary, speculative_table
+from detaudit.analysis.spec_axis import speculative_summary, speculative_table
+from detaudit.config import speculative_of
+from detaudit.errors import DetauditError
+from detaudit.runs.manifest import Manifest
+from detaudit.runs.rundir import atomic_write_bytes
 
 FORMATS = ("md", "csv", "html")
 EMULATED_NOTE = (
@@ -90,7 +90,7 @@ def published_frame(analysis: Analysis, metric: str, scale: float = 1.0) -> pd.D
 
 
 def summary_rows(analysis: Analysis, table: str = "summary") -> Rows:
-    """The summary columns `table` shows (see `detaudit.metrics`; routing only where some row has it),
+    """The summary columns `table` shows (see `detaudit.analysis.metrics`; routing only where some row has it),
     one row per (suite, backend)."""
     records = analysis.summary.to_dict("records")
     columns = visible(table, records)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from detaudit.analyze import Analysis
-from detaudit.load_axis import load_table
+from detaudit.analysis.analyze import Analysis
+from detaudit.analysis.load_axis import load_table
+from detaudit.analysis.spec_axis import speculative_summary, speculative_table
 from detaudit.render import published_frame, write_file
-from detaudit.spec_axis import speculative_summary, speculative_table
 
 
 def agreement_long(analysis: Analysis) -> pd.DataFrame:

@@ -14,9 +14,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from detaudit import __version__
-from detaudit.analyze import Analysis
-from detaudit.load_axis import load_table
-from detaudit.metrics import MIN_CELLS, definitions, spec
+from detaudit.analysis.analyze import Analysis
+from detaudit.analysis.load_axis import load_table
+from detaudit.analysis.metrics import MIN_CELLS, definitions, spec
+from detaudit.analysis.spec_axis import speculative_summary, speculative_table
 from detaudit.render import (
     EMULATED_NOTE,
     LOAD_NOTE,
@@ -36,7 +37,6 @@ from detaudit.render import (
     write_file,
     yaml_dump,
 )
-from detaudit.spec_axis import speculative_summary, speculative_table
 
 COLORS = {"bf16": "#d62728", "bio": "#ff7f0e", "bio+tbik": "#2ca02c"}
 PALETTE = ["#1f77b4", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]

@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Collection, Sequence
 
-from detaudit.analyze import Analysis
-from detaudit.load_axis import load_table
-from detaudit.metrics import definitions
+from detaudit.analysis.analyze import Analysis
+from detaudit.analysis.load_axis import load_table
+from detaudit.analysis.metrics import definitions
+from detaudit.analysis.spec_axis import speculative_summary, speculative_table
 from detaudit.render import (
     EMULATED_NOTE,
     LOAD_NOTE,
@@ -26,7 +27,6 @@ from detaudit.render import (
     write_file,
     yaml_dump,
 )
-from detaudit.spec_axis import speculative_summary, speculative_table
 
 PUBLISHED = (  # the published tables: (title, what it shows, summary column)
     (

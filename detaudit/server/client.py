@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from detaudit.config import DecodingParams, EngineOptions, ServerConfig
 from detaudit.errors import DetauditError
-from detaudit.records import Generation, ProgressFn
+from detaudit.runs.records import Generation, ProgressFn
 from detaudit.server import wire
 from detaudit.server.http import Http, RetryPolicy, get_json_sync
 from detaudit.server.load import LoadStats, background_pool, run_background

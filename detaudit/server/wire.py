@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from detaudit.config import DecodingParams, request_seed
 from detaudit.errors import CellFailed, DetauditError
-from detaudit.records import LOGPROB_MAX, Generation
+from detaudit.runs.records import LOGPROB_MAX, Generation
 
 TOKEN_ID_PREFIX = "token_id:"
 # Two log-probabilities a server reports for one token (its `logprob` and its top-k entry; a greedy

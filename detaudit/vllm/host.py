@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from detaudit.builtin.local import chunks, cpu_core_ids
 from detaudit.config import NGRAM_MAX, DecodingParams, Speculative, request_seed
 from detaudit.errors import CellFailed, DetauditError
-from detaudit.records import Generation, ProgressFn
+from detaudit.runs.records import Generation, ProgressFn
 from detaudit.vllm import MAX_MODEL_LEN
 
 BACKEND_ENV = "DETAUDIT_VLLM_BACKEND"  # read by detaudit.vllm.plugin in every vLLM process
@@ -124,9 +124,9 @@ def read_markers(path: str) -> list[dict]:
 
 
 def recorded_env() -> dict[str, str]:
-    """The knobs recorded with the engine: the allow-list of `detaudit.fingerprint.knob_env` (secrets
+    """The knobs recorded with the engine: the allow-list of `detaudit.runs.fingerprint.knob_env` (secrets
     redacted, everything else left out)."""
-    from detaudit.fingerprint import knob_env
+    from detaudit.runs.fingerprint import knob_env
 
     return knob_env()
 

@@ -242,8 +242,8 @@ def smollm_gpu():
 
 
 def _smoke(model):
-    from detaudit.inputs import tokenizer_for
-    from detaudit.suites import load_suite, prompt_token_ids
+    from detaudit.inputs.prepare import tokenizer_for
+    from detaudit.inputs.suites import load_suite, prompt_token_ids
 
     suite = load_suite("smoke")
     tok = tokenizer_for(model.path)

@@ -20,9 +20,9 @@ def _free():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from detaudit.inputs import tokenizer_for
+    from detaudit.inputs.prepare import tokenizer_for
+    from detaudit.inputs.suites import load_suite, prompt_token_ids
     from detaudit.models import resolve_model, truncate_layers
-    from detaudit.suites import load_suite, prompt_token_ids
 
     model = resolve_model("smollm2-135m", auto_prepare=True)  # a model that cannot be prepared fails, never skips
     tok = tokenizer_for(model.path)

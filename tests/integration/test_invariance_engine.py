@@ -17,8 +17,8 @@ import pytest
 from helpers import generation_difference, local_engine
 
 from detaudit.config import DecodingParams
-from detaudit.inputs import tokenizer_for
-from detaudit.suites import load_suite, prompt_token_ids
+from detaudit.inputs.prepare import tokenizer_for
+from detaudit.inputs.suites import load_suite, prompt_token_ids
 
 pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
 

@@ -207,7 +207,7 @@ def test_server_audit_report_has_the_load_axis(fake, tmp_path):
     the others under load): the report names every cell by its load (cells table columns, agreement
     labels), gives the headline "N requests, K distinct completions" and one row per configuration
     against the sequential baseline, with the exact divergence the fake put in."""
-    from detaudit.analyze import analyze
+    from detaudit.analysis.analyze import analyze
     from detaudit.render import cell_labels
 
     fake.mode = "load-variant"

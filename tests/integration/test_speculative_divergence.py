@@ -3,7 +3,7 @@ A sweep of the embedded model over `--speculative off,ngram:4` on one `quote` pr
 list and add an item: n-gram drafts are accepted), greedy, batch 1: bf16's verify steps run 1 + k rows
 through oneDNN's GEMMs and PyTorch's attention where decode runs one, the log-probabilities move at every
 position and, on the 2-core AVX-512 Xeon this was found on, the greedy tokens change at position 26
-(`detaudit/spec_axis.py` reports it); bio+tbik's speculative cell is bitwise its plain cell."""
+(`detaudit/analysis/spec_axis.py` reports it); bio+tbik's speculative cell is bitwise its plain cell."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import yaml
 from typer.testing import CliRunner
 
 from detaudit import paths
-from detaudit.analyze import analyze
+from detaudit.analysis.analyze import analyze
+from detaudit.analysis.spec_axis import speculative_table
 from detaudit.cli import app
-from detaudit.spec_axis import speculative_table
-from detaudit.suites import load_suite
+from detaudit.inputs.suites import load_suite
 
 pytestmark = pytest.mark.slow  # the embedded model
 

@@ -11,9 +11,9 @@ import pytest
 from helpers import builtin_engine, generation_difference, local_engine
 
 from detaudit.config import DecodingParams, Speculative
-from detaudit.inputs import eos_ids, tokenizer_for
+from detaudit.inputs.prepare import eos_ids, tokenizer_for
+from detaudit.inputs.suites import load_suite, prompt_token_ids
 from detaudit.models import resolve_model, truncate_layers
-from detaudit.suites import load_suite, prompt_token_ids
 
 pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
 

@@ -13,7 +13,7 @@ from helpers import cli_json, one_line_error
 from typer.testing import CliRunner
 
 from detaudit.cli import app
-from detaudit.runs import RunDir
+from detaudit.runs.rundir import RunDir
 
 pytestmark = pytest.mark.slow  # sweeps
 

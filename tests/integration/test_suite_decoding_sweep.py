@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from detaudit.cli import app
-from detaudit.generation import cut_at_stop
+from detaudit.decoding import cut_at_stop
 
 pytestmark = pytest.mark.slow  # the real embedded model
 

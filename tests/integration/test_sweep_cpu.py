@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from detaudit.builtin.local import cpu_cores
 from detaudit.cli import app
 from detaudit.config import DecodingParams
-from detaudit.inputs import tokenizer_for
-from detaudit.suites import load_suite, prompt_token_ids
+from detaudit.inputs.prepare import tokenizer_for
+from detaudit.inputs.suites import load_suite, prompt_token_ids
 
 pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
 

@@ -13,8 +13,8 @@ from security.test_secrets import SECRETS
 from typer.testing import CliRunner
 
 from detaudit.cli import app
-from detaudit.records import first_difference
-from detaudit.runs import RunDir
+from detaudit.runs.records import first_difference
+from detaudit.runs.rundir import RunDir
 from detaudit.vllm.host import thread_binds
 
 runner = CliRunner()

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from detaudit import suite_paths, user_files
 from detaudit.cli import app
 from detaudit.errors import DetauditError
-from detaudit.suites import load_suite
+from detaudit.inputs import suite_paths, user_files
+from detaudit.inputs.suites import load_suite
 
 runner = CliRunner()
 

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from detaudit.errors import DetauditError
-from detaudit.prompt_limits import check_prompt_lengths, check_prompt_vocab, model_context_len
+from detaudit.inputs.prompt_limits import check_prompt_lengths, check_prompt_vocab, model_context_len
 
 
 # ------------------------------------------------------------------ prompt lengths

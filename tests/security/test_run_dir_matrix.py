@@ -32,7 +32,7 @@ from unit.test_analyze import TBIK, invariant_cells, make_run
 from detaudit.cli import app
 from detaudit.config import MAX_GRID_CELLS
 from detaudit.errors import DetauditError
-from detaudit.records import COLUMNS, LOGPROB_COLUMNS, OPTIONAL_COLUMNS, SCHEMA
+from detaudit.runs.records import COLUMNS, LOGPROB_COLUMNS, OPTIONAL_COLUMNS, SCHEMA
 
 runner = CliRunner()
 A, B = TBIK[1], TBIK[2]
@@ -459,8 +459,8 @@ def test_a_resumed_sweep_never_waits_on_a_non_regular_file(base, tmp_path, how):
     `init_or_check`: the manifest and every cell file), with a FIFO, socket or device in a file's place:
     refused in one line, or the cell counted as not done (it is recomputed, its file replaced), never a
     wait and never counted done."""
-    from detaudit.manifest import Manifest
-    from detaudit.runs import RunDir
+    from detaudit.runs.manifest import Manifest
+    from detaudit.runs.rundir import RunDir
 
     manifest = Manifest.from_dict(json.loads((base / "manifest.json").read_text()))
     run = _variant(base, tmp_path, how)
@@ -498,7 +498,7 @@ def test_the_grid_bound_is_the_sweeps_own():
     """A manifest may declare the largest grid a sweep can run (MAX_GRID_CELLS), and not one cell more:
     the bound is checked from the axes' lengths, before any cell is built."""
     from detaudit.config import SweepConfig
-    from detaudit.manifest import Manifest
+    from detaudit.runs.manifest import Manifest
 
     axes = dict(model="m", suites=("smoke",), backends=("bio+tbik",), tp=(1, 2))
     SweepConfig(**axes, batch_sizes=tuple(range(1, MAX_GRID_CELLS // 2 + 1)))

@@ -230,7 +230,7 @@ def _link_cells_outside(run, tmp_path):
 
 
 def test_a_symlinked_cells_directory_is_refused_for_reads_and_writes(run, tmp_path):
-    from detaudit.runs import RunDir
+    from detaudit.runs.rundir import RunDir
 
     outside = _link_cells_outside(run, tmp_path)
     before = sorted(p.name for p in outside.iterdir())
@@ -270,7 +270,7 @@ def test_a_symlinked_cell_file_is_refused(run, tmp_path):
 
 
 def test_a_symlinked_lock_file_is_never_truncated(run, tmp_path):
-    from detaudit.runs import RunDir
+    from detaudit.runs.rundir import RunDir
 
     victim = tmp_path / "victim"
     victim.write_text("precious\n")

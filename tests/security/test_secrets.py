@@ -13,8 +13,8 @@ import os
 import pytest
 from helpers import find_secrets, secret_pieces
 
-from detaudit import fingerprint
-from detaudit.fingerprint import REDACTED, knob_env
+from detaudit.runs import fingerprint
+from detaudit.runs.fingerprint import REDACTED, knob_env
 
 SECRETS = {
     "VLLM_API_KEY": "sk-test-SECRET123",

@@ -10,10 +10,10 @@ import resource
 import pytest
 from typer.testing import CliRunner
 
-from detaudit import suite_render
 from detaudit.cli import app
 from detaudit.errors import DetauditError
-from detaudit.suites import load_suite
+from detaudit.inputs import suite_render
+from detaudit.inputs.suites import load_suite
 
 
 def _suite(tmp_path, doc_to_text: str, extra: str = "") -> str:
@@ -75,8 +75,8 @@ def test_a_huge_field_of_the_data_is_refused_before_any_tokenizer(tmp_path, monk
 
 def test_prompt_longer_than_the_context_could_hold_is_refused_before_tokenizing():
     """The bound relative to the model: `inputs.tokenize` refuses by length before the tokenizer runs."""
-    from detaudit.inputs import tokenize
-    from detaudit.suites import Prompt, Suite
+    from detaudit.inputs.prepare import tokenize
+    from detaudit.inputs.suites import Prompt, Suite
 
     class Untouchable:  # stands in for a tokenizer: the point is that it is never called
         chat_template = None

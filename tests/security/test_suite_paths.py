@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from detaudit.cli import app
 from detaudit.errors import DetauditError
-from detaudit.suites import load_suite
+from detaudit.inputs.suites import load_suite
 
 SECRET = "s3cr3t-row"
 
@@ -154,7 +154,7 @@ def test_loading_local_files_writes_nothing(tmp_path, monkeypatch, fmt):
 
 def test_trust_flag_is_recorded_in_the_manifest_config():
     from detaudit.config import SweepConfig
-    from detaudit.manifest import _config
+    from detaudit.runs.manifest import _config
 
     config = SweepConfig(model="m", suites=("s",), trust_suite_paths=True, apply_chat_template=False).to_dict()
     assert config["trust_suite_paths"] is True and config["apply_chat_template"] is False

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from detaudit.analyze import (
+from detaudit.analysis.analyze import (
     accuracy_std,
     agreement_matrix,
     analyze,
@@ -26,9 +26,9 @@ from detaudit.analyze import (
 )
 from detaudit.config import SweepConfig
 from detaudit.errors import DetauditError
-from detaudit.manifest import Manifest
-from detaudit.records import COLUMNS
-from detaudit.runs import RunDir
+from detaudit.runs.manifest import Manifest
+from detaudit.runs.records import COLUMNS
+from detaudit.runs.rundir import RunDir
 
 SUITE = "smoke"
 BF16 = {1: "smoke__bf16__tp1__bs1", 2: "smoke__bf16__tp2__bs1"}

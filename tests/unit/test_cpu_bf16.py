@@ -11,7 +11,7 @@ import torch
 from detaudit.backends import get_backend
 from detaudit.backends.kernels import cpu_bf16, fixed
 from detaudit.errors import DetauditError
-from detaudit.manifest import numerics_conflicts
+from detaudit.runs.manifest import numerics_conflicts
 
 AVX2 = frozenset("fpu sse sse2 avx fma f16c avx2 bmi2".split())
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}

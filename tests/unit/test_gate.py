@@ -9,10 +9,10 @@ from helpers import one_line_error
 from rich.console import Console
 from typer.testing import CliRunner
 
+from detaudit.analysis.gate import gate, load_policy
+from detaudit.analysis.gate_report import render_result, violations_table
 from detaudit.cli import app
 from detaudit.errors import DetauditError
-from detaudit.gate import gate, load_policy
-from detaudit.gate_report import render_result, violations_table
 
 from .record_flips import CELLS3, FLIPS, LAST, TP3, moe_cells3
 from .test_analyze import BF16, TBIK, diverging_bf16, invariant_cells, make_run

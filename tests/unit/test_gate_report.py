@@ -11,9 +11,9 @@ import xmlschema
 from helpers import one_line_error
 from typer.testing import CliRunner
 
+from detaudit.analysis.gate import gate
+from detaudit.analysis.gate_report import gate_markdown, render_junit
 from detaudit.cli import app
-from detaudit.gate import gate
-from detaudit.gate_report import gate_markdown, render_junit
 from detaudit.render import write_reports
 
 from .test_analyze import TBIK, diverging_bf16, invariant_cells, make_run

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from detaudit.config import DecodingParams
-from detaudit.errors import DetauditError
-from detaudit.generation import (
+from detaudit.decoding import (
     GenerationKwargs,
     StopWatch,
     cut_at_stop,
     parse_generation_kwargs,
     suite_decoding,
 )
+from detaudit.errors import DetauditError
 
 CLI = DecodingParams(temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=16)  # the sweep's defaults
 
@@ -179,7 +179,7 @@ def test_server_requests_carry_the_stop_strings():
 
 
 def _task(tmp_path, extra: str = ""):
-    from detaudit.suites import load_suite
+    from detaudit.inputs.suites import load_suite
 
     path = tmp_path / "t.yaml"
     path.write_text("task: t\ndocs: [{q: x}]\ndoc_to_text: q\n" + extra)
@@ -219,7 +219,7 @@ def test_flags_still_override_lm_evals_defaults_and_say_so(tmp_path):
 
 
 def test_decoding_sources_name_the_file_lm_eval_flags_and_detaudit(tmp_path):
-    from detaudit.generation import decoding_sources
+    from detaudit.decoding import decoding_sources
 
     plain = _task(tmp_path).generation
     assert decoding_sources(CLI, plain) == {
@@ -260,7 +260,7 @@ def test_the_default_decoding_is_the_published_setup():
 
 def test_the_built_in_suites_keep_the_published_sampling():
     """They say so in their files now (without generation_kwargs lm-eval would decode them greedily)."""
-    from detaudit.suites import _resolve, list_suites, load_spec
+    from detaudit.inputs.suites import _resolve, list_suites, load_spec
 
     for row in list_suites():
         decoding, notes = suite_decoding(CLI, load_spec(_resolve(row["name"])).generation)

@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from detaudit.grading import answers_match, extract_answer, grade, is_correct
+from detaudit.inputs.grading import answers_match, extract_answer, grade, is_correct
 
 
 @pytest.mark.parametrize(

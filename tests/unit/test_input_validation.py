@@ -23,7 +23,7 @@ from detaudit.config import (
     parse_str_list,
 )
 from detaudit.errors import DetauditError
-from detaudit.manifest import Manifest
+from detaudit.runs.manifest import Manifest
 
 FAST = settings(max_examples=60, derandomize=True, deadline=None)
 LIST_TEXT = st.one_of(

@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 import yaml
 
-import detaudit.analyze as analyze_mod
-from detaudit import metrics
+import detaudit.analysis.analyze as analyze_mod
+from detaudit.analysis import metrics
+from detaudit.analysis.gate import load_policy, parse_policy
+from detaudit.analysis.metrics import MetricSpec, default_tolerances, gateable, shown, spec, summary_columns
 from detaudit.errors import DetauditError
-from detaudit.gate import load_policy, parse_policy
-from detaudit.metrics import MetricSpec, default_tolerances, gateable, shown, spec, summary_columns
 from detaudit.render import summary_rows
 
 from .test_analyze import diverging_bf16, invariant_cells, make_run
@@ -68,7 +68,7 @@ def test_alignment_metrics_are_align_columns_and_parse():
 
 
 def test_default_tolerances_are_the_shipped_policy_s():
-    shipped = Path(metrics.__file__).parent / "data" / "default-policy.yaml"
+    shipped = Path(metrics.__file__).parents[1] / "data" / "default-policy.yaml"
     assert default_tolerances() == yaml.safe_load(shipped.read_text())["baseline_tolerance"]
     assert parse_policy({"backends": {}}).baseline_tolerance == default_tolerances()
     assert load_policy().baseline_tolerance == default_tolerances()

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from detaudit.errors import DetauditError
-from detaudit.records import (
+from detaudit.runs.records import (
     COLUMNS,
     NUMERIC_FIELDS,
     SCHEMA,

@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from detaudit.analyze import analyze
+from detaudit.analysis.analyze import analyze
+from detaudit.analysis.metrics import fmt_div, fmt_unique
 from detaudit.errors import DetauditError
-from detaudit.metrics import fmt_div, fmt_unique
 from detaudit.render import command, render_summary, summary_rows, summary_table, write_reports
 from detaudit.render.html import agreement_figure, divergence_figure
 from detaudit.render.markdown import render_markdown

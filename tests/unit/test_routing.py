@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 
 from detaudit.align import routing_metrics, shown_columns, summarize
-from detaudit.analyze import analyze, expert_sets, near_ties, routers_differ, same_prefix_positions
+from detaudit.analysis.analyze import analyze, expert_sets, near_ties, routers_differ, same_prefix_positions
+from detaudit.analysis.gate import gate
+from detaudit.analysis.metrics import NEAR_TIE_MARGIN
 from detaudit.errors import DetauditError
-from detaudit.gate import gate
-from detaudit.metrics import NEAR_TIE_MARGIN
 from detaudit.render import summary_rows
 from detaudit.render.markdown import render_markdown
 
@@ -210,7 +210,7 @@ def test_the_console_tables_give_the_routing_columns_a_legend(tmp_path):
     get a legend line each below the table, from the metrics' definitions; a dense run prints none."""
     from rich.console import Console
 
-    from detaudit.metrics import routing_legend
+    from detaudit.analysis.metrics import routing_legend
     from detaudit.render import render_summary
 
     def printed(analysis) -> str:

@@ -10,8 +10,8 @@ import resource
 import pytest
 
 from detaudit.errors import DetauditError
-from detaudit.manifest import CellMeta, Manifest
-from detaudit.runs import RunDir
+from detaudit.runs.manifest import CellMeta, Manifest
+from detaudit.runs.rundir import RunDir
 
 A, B = "s__bf16__tp1__bs1", "s__bf16__tp1__bs2"
 
@@ -227,7 +227,7 @@ def test_corrupt_manifest(tmp_path):
 
 
 def test_numerics_conflicts_name_the_backend_and_field():
-    from detaudit.manifest import numerics_conflicts
+    from detaudit.runs.manifest import numerics_conflicts
 
     bio = {"backend": {"backend": "bio", "rms_norm": "a", "torch": "2.11"}, "workers": 2}
     same_code_other_torch = {"backend": {"backend": "bio", "rms_norm": "a", "torch": "2.13"}, "workers": 1}

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from detaudit.analyze import analyze
+from detaudit.analysis.analyze import analyze
+from detaudit.analysis.diff import diff_runs
+from detaudit.analysis.gate import gate
+from detaudit.analysis.spec_axis import SPEC_COLUMNS, SPEC_SUMMARY_COLUMNS, speculative_summary, speculative_table
 from detaudit.config import SweepConfig
-from detaudit.diff import diff_runs
 from detaudit.errors import DetauditError
-from detaudit.gate import gate
-from detaudit.manifest import Manifest
-from detaudit.merge import merge_runs
-from detaudit.records import COLUMNS
 from detaudit.render import write_reports
-from detaudit.runs import RunDir
-from detaudit.spec_axis import SPEC_COLUMNS, SPEC_SUMMARY_COLUMNS, speculative_summary, speculative_table
+from detaudit.runs.manifest import Manifest
+from detaudit.runs.merge import merge_runs
+from detaudit.runs.records import COLUMNS
+from detaudit.runs.rundir import RunDir
 
 TOPK = [0.5, 0.25, 0.125, 0.0625, 0.03125]
 

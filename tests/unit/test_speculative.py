@@ -21,7 +21,7 @@ from detaudit.config import (
     speculative_of,
 )
 from detaudit.errors import DetauditError
-from detaudit.manifest import CELL_ID_RE, _grid, speculative_conflicts, widen_grid
+from detaudit.runs.manifest import CELL_ID_RE, _grid, speculative_conflicts, widen_grid
 
 # ---------------------------------------------------------------- the n-gram proposer
 

@@ -7,8 +7,8 @@ import pytest
 
 from detaudit import paths
 from detaudit.errors import DetauditError
-from detaudit.grading import is_correct
-from detaudit.suites import Prompt, list_suites, load_suite, prompt_hash, prompt_token_ids
+from detaudit.inputs.grading import is_correct
+from detaudit.inputs.suites import Prompt, list_suites, load_suite, prompt_hash, prompt_token_ids
 
 SUITES_DIR = paths.builtin_suites_dir()
 
@@ -661,7 +661,7 @@ def test_include_order_as_lm_eval(tmp_path):
 
 def _count_renders(monkeypatch) -> list:
     # (these suites' fields are columns and plain substitutions: they render in this process)
-    from detaudit.suite_render import _Fields
+    from detaudit.inputs.suite_render import _Fields
 
     calls, real = [], _Fields.render
     monkeypatch.setattr(_Fields, "render", lambda self, f, row, label: calls.append(label) or real(self, f, row, label))
@@ -707,7 +707,7 @@ def test_plain_text_is_the_tokenized_prompt_without_the_template():
 
 
 def test_builtin_suites_keep_the_chat_form_and_task_files_default_to_plain(tmp_path):
-    from detaudit.inputs import chat_form
+    from detaudit.inputs.prepare import chat_form
 
     assert all(load_suite(n, data_dir=MIRROR).apply_chat_template for n in ("smoke",))
     lm_eval = load_suite(str(_suite_yaml(tmp_path, "task: t\ndoc_to_text: q\ndocs: [{q: 'What is 7 times 8?'}]\n")))
@@ -813,8 +813,8 @@ def test_gpt2_is_refused_by_its_architecture_first(tmp_path):
     """GPT-2 has no max_position_embeddings (n_positions): the built-in engine names the architecture;
     an engine that runs it reads n_positions as the context."""
     from detaudit.config import ModelRef
-    from detaudit.inputs import PromptSet, check_model
-    from detaudit.prompt_limits import model_context_len
+    from detaudit.inputs.prepare import PromptSet, check_model
+    from detaudit.inputs.prompt_limits import model_context_len
 
     gpt2 = ModelRef("gpt2", tmp_path, "GPT2LMHeadModel", "0", {"model_type": "gpt2", "n_positions": 1024})
     ps = PromptSet("s", ["a"], [[1, 2, 3]], ["h"], [None], "c", "inline")

@@ -12,7 +12,7 @@ completed cell is never recomputed. A lock file (`fcntl.flock`, released by the 
 holder dies) refuses a second writer.
 
 Run directories are shared between machines and committed, so nothing read from one is trusted:
-the manifest is validated against its schema (`detaudit.manifest`), cell ids must match the grid's
+the manifest is validated against its schema (`detaudit.runs.manifest`), cell ids must match the grid's
 pattern (they become file names), and a cell file must carry its own cell id and its run's identity.
 A JSON file nested deeper than any detaudit file is refused before it is used, and so is a run directory
 whose `cells/` (or a cell file, the lock, the logs) resolves outside it: a symlink never redirects a write.
@@ -43,8 +43,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from detaudit.errors import DetauditError
-from detaudit.manifest import CellMeta, Manifest, check_cell_id, speculative_conflicts, widen_grid
-from detaudit.records import COLUMNS, LOGPROB_COLUMNS, LOGPROB_MAX, SCHEMA
+from detaudit.runs.manifest import CellMeta, Manifest, check_cell_id, speculative_conflicts, widen_grid
+from detaudit.runs.records import COLUMNS, LOGPROB_COLUMNS, LOGPROB_MAX, SCHEMA
 
 MANIFEST = "manifest.json"
 CELLS = "cells"

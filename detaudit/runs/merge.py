@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 from detaudit.errors import DetauditError
-from detaudit.manifest import CellMeta, Manifest, numerics_conflicts, speculative_conflicts, widen_grid
-from detaudit.runs import PROMPTS, RunDir, atomic_write_bytes, now, open_regular, umask
+from detaudit.runs.manifest import CellMeta, Manifest, numerics_conflicts, speculative_conflicts, widen_grid
+from detaudit.runs.rundir import PROMPTS, RunDir, atomic_write_bytes, now, open_regular, umask
 
 
 def _check_paths(paths: list[Path], output: Path) -> None:

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from detaudit.analyze import first_divergence, maxprob_divergence_by_position, top5_probs
+from detaudit.analysis.analyze import first_divergence, maxprob_divergence_by_position, top5_probs
 from detaudit.errors import DetauditError
-from detaudit.manifest import Manifest
-from detaudit.records import RecordDifference, record_differences, records_by_key
-from detaudit.runs import RunDir
+from detaudit.runs.manifest import Manifest
+from detaudit.runs.records import RecordDifference, record_differences, records_by_key
+from detaudit.runs.rundir import RunDir
 
 # manifest sections compared, in the order they are listed: what decides a cell's bits first
 SECTIONS = (

@@ -1,6 +1,6 @@
 """Suites: lm-eval task YAML -> prompts; the model's chat template (or plain text) -> prompt token ids.
 
-A suite is an lm-evaluation-harness task file, read as lm-eval reads it (`detaudit.suite_yaml` parses
+A suite is an lm-evaluation-harness task file, read as lm-eval reads it (`detaudit.inputs.suite_yaml` parses
 it and says which keys are used, ignored or refused). The built-in suites (`smoke`, `quote`, `aime24`, `amc23`)
 live in the repository's `suites/` (shipped in the wheel as package data); any other YAML is passed
 by path.
@@ -16,7 +16,7 @@ by path.
     doc_to_id: "{{id}}"                # detaudit: optional; defaults to the row index
     apply_chat_template: true          # detaudit: prompts in the model's chat template unless the
                                        # command line says otherwise (lm-eval's default: plain text)
-    generation_kwargs: {until: [...], max_gen_toks: 256, do_sample: false}   # detaudit.generation (left
+    generation_kwargs: {until: [...], max_gen_toks: 256, do_sample: false}   # detaudit.decoding (left
                                        # out: lm-eval's defaults, greedy until "\\n\\n")
     metadata: {version: 1.0, description: "..."}
 
@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from detaudit import paths
+from detaudit.decoding import GenerationKwargs
 from detaudit.errors import DetauditError
-from detaudit.generation import GenerationKwargs
-from detaudit.suite_paths import TRUST_FLAG, bounded_walk
-from detaudit.suite_render import render_rows
-from detaudit.suite_yaml import Spec, load_spec, no_data_files, one_line
-from detaudit.user_files import decode, load_json, read_regular
+from detaudit.inputs.suite_paths import TRUST_FLAG, bounded_walk
+from detaudit.inputs.suite_render import render_rows
+from detaudit.inputs.suite_yaml import Spec, load_spec, no_data_files, one_line
+from detaudit.inputs.user_files import decode, load_json, read_regular
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def _jsonl_rows(path: Path, text: str) -> Rows:
         if not line.strip():
             continue
         where = f"{path}, line {lineno}"
-        row = load_json(line, where)  # bounded: integer digits, depth (`detaudit.user_files`)
+        row = load_json(line, where)  # bounded: integer digits, depth (`detaudit.inputs.user_files`)
         if not isinstance(row, dict):
             raise DetauditError(f"{where}: expected a JSON object, got {type(row).__name__}")
         yield where, row

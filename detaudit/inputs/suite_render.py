@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 from detaudit.errors import DetauditError
-from detaudit.suite_yaml import Field, NullField, jinja_env, one_line
-from detaudit.user_files import unicode_error
+from detaudit.inputs.suite_yaml import Field, NullField, jinja_env, one_line
+from detaudit.inputs.user_files import unicode_error
 
 MAX_FIELD_CHARS = 4_000_000
 RENDER_MEMORY = 512 << 20
@@ -232,7 +232,7 @@ def _in_child(job: RenderJob) -> tuple[list[Rendered], list[str]]:
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["detaudit.suite_render"])
+    ctx.set_forkserver_preload(["detaudit.inputs.suite_render"])
     timeout = RENDER_SECONDS + RENDER_SECONDS_PER_ROW * len(job.rows)
     at = ctx.Value("q", -1, lock=False)
     receive, send = ctx.Pipe(duplex=False)

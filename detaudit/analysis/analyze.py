@@ -67,17 +67,17 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from detaudit.analysis.metrics import MIN_CELLS, NEAR_TIE_MARGIN, summary_columns
 from detaudit.config import plain_cell_id
 from detaudit.errors import DetauditError
-from detaudit.manifest import Manifest
-from detaudit.metrics import MIN_CELLS, NEAR_TIE_MARGIN, summary_columns
-from detaudit.records import NUMERIC_FIELDS, ROUTING_COLUMNS, record_differences
-from detaudit.runs import RunDir
+from detaudit.runs.manifest import Manifest
+from detaudit.runs.records import NUMERIC_FIELDS, ROUTING_COLUMNS, record_differences
+from detaudit.runs.rundir import RunDir
 
 TOPK = 5
 BACKEND_ORDER = ("bf16", "bio", "bio+tbik")
 
-SUMMARY_COLUMNS = summary_columns()  # one per MetricSpec (detaudit.metrics)
+SUMMARY_COLUMNS = summary_columns()  # one per MetricSpec (detaudit.analysis.metrics)
 PER_PROMPT_COLUMNS = [
     "model",
     "suite",

@@ -21,10 +21,10 @@ absent from the run or has no completed cell: what was not computed cannot be ve
 With a baseline, every way it differs from the run (model, suites and their prompts, decoding,
 dtype, engine, code version, device, hardware) is listed in `GateResult.mismatches`; a baseline of
 another model or other suites fails the gate unless `allow_mismatch` (its metrics are not comparable).
-Metric names, their worse direction and default tolerances come from `detaudit.metrics`.
+Metric names, their worse direction and default tolerances come from `detaudit.analysis.metrics`.
 Given a directory written by `detaudit align`, the gate applies the `alignment:` rules instead (a
 gated backend missing from the alignment, or one with no token compared, fails).
-`GateResult.results` holds every check made (passed ones too); `detaudit.gate_report` renders them.
+`GateResult.results` holds every check made (passed ones too); `detaudit.analysis.gate_report` renders them.
 Bad input (policy, run directory) raises DetauditError.
 """
 
@@ -38,14 +38,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from detaudit.analyze import Analysis, analyze
+from detaudit.analysis.analyze import Analysis, analyze
+from detaudit.analysis.metrics import MetricSpec, default_tolerances, gateable
 from detaudit.errors import DetauditError
-from detaudit.manifest import Manifest
-from detaudit.metrics import MetricSpec, default_tolerances, gateable
-from detaudit.runs import ALIGN_SUMMARY, is_alignment_dir, load_alignment
-from detaudit.user_files import MAX_YAML_BYTES, decode, load_yaml, read_regular
+from detaudit.inputs.user_files import MAX_YAML_BYTES, decode, load_yaml, read_regular
+from detaudit.runs.manifest import Manifest
+from detaudit.runs.rundir import ALIGN_SUMMARY, is_alignment_dir, load_alignment
 
-# the metrics a policy may name, their worse direction and default tolerances: detaudit.metrics
+# the metrics a policy may name, their worse direction and default tolerances: detaudit.analysis.metrics
 METRICS = gateable("summary")
 ALIGN_METRICS = gateable("align")
 TOP_KEYS = ("version", "description", "backends", "baseline_tolerance", "alignment")

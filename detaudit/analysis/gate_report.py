@@ -1,4 +1,4 @@
-"""A gate verdict (`detaudit.gate.GateResult`) for people and CI: the terminal table (rich), a
+"""A gate verdict (`detaudit.analysis.gate.GateResult`) for people and CI: the terminal table (rich), a
 markdown summary for a pull request or `$GITHUB_STEP_SUMMARY`, and a JUnit XML file (one test case
 per check) for CI test reporters.
 
@@ -21,8 +21,8 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from detaudit.analysis.gate import FAIL, PASS, SKIP, WARN, Check, GateResult, fmt_value
 from detaudit.errors import DetauditError
-from detaudit.gate import FAIL, PASS, SKIP, WARN, Check, GateResult, fmt_value
 from detaudit.render.markdown import md_table
 
 FORMATS = ("text", "markdown", "json")
@@ -200,7 +200,7 @@ def render_junit(result: GateResult) -> bytes:
 
 def write_junit(result: GateResult, path: str | os.PathLike) -> Path:
     """Written atomically (a CI reporter reading it meanwhile, or a full disk, never sees half a file)."""
-    from detaudit.runs import atomic_write_bytes
+    from detaudit.runs.rundir import atomic_write_bytes
 
     out = Path(path)
     if out.is_dir():

@@ -2,10 +2,10 @@
 
 `load_spec(path)` parses one task YAML (with its `include:` chain) into a `Spec`: which rows to load,
 how each row becomes a prompt, an answer and an id, how it decodes, and which keys were ignored.
-Rendering happens in `detaudit.suite_render`. Every key falls in one of three classes:
+Rendering happens in `detaudit.inputs.suite_render`. Every key falls in one of three classes:
 
 - used: `task`, `include`, `dataset_path`, `dataset_name`, `dataset_kwargs`, `test_split` (else
-  `validation_split`), `doc_to_text`, `doc_to_target`, `generation_kwargs` (`detaudit.generation`; what it
+  `validation_split`), `doc_to_text`, `doc_to_target`, `generation_kwargs` (`detaudit.decoding`; what it
   leaves out gets lm-eval's defaults for `output_type: generate_until`, the default output type, with
   `fewshot_delimiter` as the default stop string), `metadata`, and detaudit's own `docs` (inline rows),
   `local_file` (the file of a `--data-dir` mirror), `doc_to_id` and `apply_chat_template` (whether prompts
@@ -24,9 +24,9 @@ Task files are shared like data, so nothing in one is trusted:
 - `dataset_kwargs` reaches `datasets.load_dataset` only with data-selection keys (`DATASET_KWARGS`):
   `cache_dir`, `storage_options`, ... are refused by name;
 - the file is read only when it is a regular file of at most `MAX_SUITE_BYTES`, and parsed by the bounded
-  loader of `detaudit.user_files` (aliases, depth, integers, dates, lone surrogates: one line each);
+  loader of `detaudit.inputs.user_files` (aliases, depth, integers, dates, lone surrogates: one line each);
 - templates render in Jinja2's `ImmutableSandboxedEnvironment` (no Python internals), bounded in time,
-  memory and size (`detaudit.suite_render`); strict undefined variables as in lm-eval.
+  memory and size (`detaudit.inputs.suite_render`); strict undefined variables as in lm-eval.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from typing import Any
 
 import yaml
 
-from detaudit import user_files
+from detaudit.decoding import FEWSHOT_DELIMITER, GenerationKwargs, lm_eval_defaults, parse_generation_kwargs
 from detaudit.errors import DetauditError
-from detaudit.generation import FEWSHOT_DELIMITER, GenerationKwargs, lm_eval_defaults, parse_generation_kwargs
-from detaudit.suite_paths import (
+from detaudit.inputs import user_files
+from detaudit.inputs.suite_paths import (
     DATASET_KWARGS,
     PACKAGED_BUILDERS,
     Scope,
@@ -121,7 +121,7 @@ class Function:
 
 
 class _Loader(user_files.Loader):
-    """The bounded safe loader (`detaudit.user_files`) with lm-eval's `!function` tag."""
+    """The bounded safe loader (`detaudit.inputs.user_files`) with lm-eval's `!function` tag."""
 
 
 def _function(loader: yaml.SafeLoader, node: yaml.Node) -> Function:
@@ -210,7 +210,7 @@ def jinja_env():
 @dataclass(frozen=True)
 class Field:
     """How a row becomes text: a column of the row (lm-eval reads a bare name as `doc[name]`), a Jinja
-    template (`source`, compiled where it is rendered: `detaudit.suite_render`), or a constant (an int
+    template (`source`, compiled where it is rendered: `detaudit.inputs.suite_render`), or a constant (an int
     `doc_to_target`). Plain data, so it can travel to the process that renders templates."""
 
     key: str  # doc_to_text / doc_to_target / doc_to_id
@@ -239,7 +239,7 @@ def _field(env, path: Path, key: str, value: object, allow_int: bool = False) ->
         return Field(key=key, source=value, column=value)  # lm-eval: `doc_to_text: question` -> doc["question"]
     try:
         env.parse(value)  # syntax errors are found here, before any row is read (compiling, which folds
-        # constants such as `'a' * 10**9`, happens where rendering is bounded: `detaudit.suite_render`)
+        # constants such as `'a' * 10**9`, happens where rendering is bounded: `detaudit.inputs.suite_render`)
     except jinja2.TemplateSyntaxError as e:
         raise DetauditError(f"{path}: `{key}` is not a valid Jinja2 template: {one_line(e.message)}") from None
     except RecursionError:  # Jinja's parser recurses about ten frames per nested bracket

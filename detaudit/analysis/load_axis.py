@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from detaudit.analyze import Analysis, first_divergence, maxprob_divergence_by_position, unique_count
+from detaudit.analysis.analyze import Analysis, first_divergence, maxprob_divergence_by_position, unique_count
 from detaudit.config import background_of, describe_key
 from detaudit.engines import ENGINES
-from detaudit.manifest import Manifest
+from detaudit.runs.manifest import Manifest
 
 LOAD_COLUMNS = [
     "suite",

@@ -39,7 +39,7 @@ class PromptSet:
 
 def load_suites(names: Sequence[str], data_dir: Path | None, limit: int | None, trust_paths: bool = False) -> list:
     """Suites by name or YAML path; cells are named by the task, which must be unique."""
-    from detaudit.suites import load_suite
+    from detaudit.inputs.suites import load_suite
 
     suites = [load_suite(name, data_dir=data_dir, limit=limit, trust_paths=trust_paths) for name in names]
     seen: dict[str, str] = {}
@@ -54,7 +54,7 @@ def chat_form(suite, tokenizer, apply_chat_template: bool | None) -> bool:
     """Whether the suite's prompts go through the chat template: the command line's choice, else the
     suite's (`apply_chat_template:` in its YAML; lm-eval task files default to plain text). A tokenizer
     without a chat template gets plain text, unless the command line asked for the template."""
-    from detaudit.suites import has_chat_template
+    from detaudit.inputs.suites import has_chat_template
 
     chat = suite.apply_chat_template if apply_chat_template is None else apply_chat_template
     if chat and not has_chat_template(tokenizer):
@@ -76,7 +76,7 @@ def tokenize(
     """The suite's prompts as token ids: through the chat template when `chat` (None: the suite's own
     default, plain text without a template). A prompt longer than `max_chars` is refused by name before
     the tokenizer sees it."""
-    from detaudit.suites import prompt_hash, prompt_token_ids
+    from detaudit.inputs.suites import prompt_hash, prompt_token_ids
 
     chat = chat_form(suite, tokenizer, None) if chat is None else chat
     if max_chars is not None:
@@ -146,7 +146,7 @@ def check_model(
     `max_new_tokens` (the PromptSet's decoding, else `max_new_tokens`) fits the model's context (refused
     per row, never truncated) and, for the built-in engine, holds only token ids within its vocabulary.
     Other engines (vLLM, servers) decide architecture support themselves."""
-    from detaudit.prompt_limits import check_prompt_lengths, check_prompt_vocab, model_context_len
+    from detaudit.inputs.prompt_limits import check_prompt_lengths, check_prompt_vocab, model_context_len
 
     mcfg = None
     if own_architecture:

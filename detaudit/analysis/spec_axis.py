@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from detaudit.analyze import Analysis, first_divergence, maxprob_divergence_by_position, unique_count
+from detaudit.analysis.analyze import Analysis, first_divergence, maxprob_divergence_by_position, unique_count
 from detaudit.config import plain_cell_id, speculative_of
-from detaudit.records import record_differences
+from detaudit.runs.records import record_differences
 
 SPEC_COLUMNS = [
     "suite",
