@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# One device session's built-in-engine work (docs/gpu.md), run ON the GPU machine from the repository
+# root, next to the vLLM audit (tools/gpu_vllm_audit.sh): the GPU tests, the benchmarks of this round's
+# issues with a `before` copy of the package, and the CPU (AMX) checks of the host. Steps:
+#
+#   bash tools/gpu_session.sh stage      copy what this call carries (.whl, .carry/home, .carry/before,
+#                                        .carry/amx: whichever are here) into /tmp (a later call that does
+#                                        not carry a path finds it removed from the checkout there)
+#   bash tools/gpu_session.sh start      the GPU job in the background (setsid: it outlives the call while
+#                                        the machine is warm), under timeouts: the GPU tests that need no
+#                                        embedded model, then bench e2e before / after (issue 50) and the
+#                                        MoE bench (issue 53), one after another on GPU 0
+#   bash tools/gpu_session.sh amx        the CPU (AMX) job in the background: tests and bench engine
+#   bash tools/gpu_session.sh wait       until the background jobs are done (or WAIT_S seconds)
+#   bash tools/gpu_session.sh spec       bench e2e --speculative on the embedded model at batch 1 (needs
+#                                        the vLLM bundle, which carries the model's wheel)
+#   bash tools/gpu_session.sh engine     the GPU tests on the embedded model: engines, graphs, speculation
+#   bash tools/gpu_session.sh collect    every log and table so far into $OUT
+#
+# Knobs: BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
+set -uo pipefail
+
+GS=${GS:-/tmp/gs}
+OUT=${OUT:-$GS/out}
+mkdir -p "$GS/logs" "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the machines' rule
+export DETAUDIT_HOME=${DETAUDIT_HOME:-$GS/home}
+SITE0=$GS/site0
+export PYTHONPATH=${SITE:-/tmp/site}:$SITE0:$PWD
+BEFORE=${BEFORE:-$GS/before}
+say() { echo "== $(date +%T) $*"; }
+
+step_stage() {
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE0" .whl/*.whl
+  fi
+  if [ -d .carry/home ]; then rm -rf "$GS/home" && cp -r .carry/home "$GS/home"; fi
+  if [ -d .carry/before ]; then rm -rf "$BEFORE" && cp -r .carry/before "$BEFORE"; fi
+  if [ -d .carry/amx ]; then rm -rf "$GS/amx" && cp -r .carry/amx "$GS/amx"; fi
+  python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())'
+}
+
+# ---------------------------------------------------------------- background jobs
+
+job_bench50() {  # issue 50: the same bench before (9aafbd9) and after the contract, one process each, twice
+  local e=(bench e2e --models qwen3-8b-shaped --tp 1 --batch-sizes 8,32 --new-tokens 32 --repeats 2
+    --compare-graphs --backends bf16,bio+tbik)
+  for round in 1 2; do
+    say "after $round"; timeout 200 python3 -m detaudit "${e[@]}" --save "$GS/logs/bench50-after-$round.md"
+    say "before $round"
+    (cd "$BEFORE" && PYTHONPATH=${SITE:-/tmp/site}:$SITE0:$PWD timeout 200 python3 -m detaudit "${e[@]}" \
+      --save "$GS/logs/bench50-before-$round.md")
+  done
+}
+
+job_moe() {  # issue 53 item 2: bio / bio+tbik against bf16's grouped experts, TP 1
+  timeout 420 python3 -m detaudit bench e2e --models qwen3-30b-a3b-shaped --tp 1 --batch-sizes 8,32 \
+    --new-tokens 32 --repeats 2 --backends bf16,bio,bio+tbik --save "$GS/logs/moe.md"
+}
+
+# test_gpu.py's tests that need no embedded model
+# (one session's budget: the kernels this round touched; the others ran unchanged in earlier rounds)
+KERNEL_TESTS="moe_on_gpu or qwen3_8b_shaped or row_ops_and_attention or tree_tp_invariant or every_tiling"
+KERNEL_TESTS+=" or grouped_expert or real_tp1 or kept_launch or bf16_products or hoisted or attention or native or fused"
+
+job_kernels() {  # the GPU tests that need no embedded model (one GPU: the peer all-reduce skips)
+  timeout 480 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_fused.py \
+    tests/gpu/test_attention_in_place.py tests/gpu/test_native_moe.py tests/gpu/test_gpu.py \
+    -k "$KERNEL_TESTS" 2>&1 | tail -40
+}
+
+job_gpu() {  # one GPU: correctness first, then the timings, one at a time
+  job_kernels; job_bench50; job_moe
+  step_amx  # the host's CPU once the GPU timings are taken (16 threads would disturb their launches)
+}
+
+job_amx() {  # issue 55 on the host's CPU (AMX): the invariance tests on the AMX path, bench engine before / after
+  local P=python3 S=$GS/amx/site T
+  lscpu | grep -E '^Model name|^CPU\(s\)'
+  echo "AMX flags: $(grep -ow 'amx[a-z0-9_]*' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+  PYTHONPATH=$S:$PYTHONPATH $P -c "
+import shutil, torch
+from pathlib import Path
+from transformers import AutoConfig as C, AutoModelForCausalLM as M
+s, d = Path('$GS/amx/model'), Path('$GS/amx-model')
+torch.manual_seed(0)
+M.from_config(C.from_pretrained(s)).to(torch.bfloat16).save_pretrained(d)
+[shutil.copy(f, d) for f in s.iterdir() if f.name != 'config.json']"
+  $P -c "from detaudit.backends import describe_machine as d; print(d())"
+  DETAUDIT_CPU_GEMM=bf16 timeout 400 $P -m pytest -q -p no:cacheprovider -rs tests/unit/test_cpu_bf16.py \
+    tests/unit/test_bio.py tests/unit/test_tbik.py tests/unit/test_cpu_attention.py 2>&1 | tail -n 12
+  echo "== vdpbf16ps path (oneDNN capped below AMX):"
+  ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 DETAUDIT_CPU_GEMM=bf16 timeout 200 $P -m pytest -q -p no:cacheprovider -rs \
+    tests/unit/test_bio.py tests/unit/test_tbik.py -k bf16 2>&1 | tail -n 3
+  local b=(bench engine --model "$GS/amx-model" --batch-size 8 --max-new-tokens 32)
+  for T in 2 16; do
+    echo "== $T threads: before (4541b76's kernels)"
+    (cd "$GS/amx/before" && OMP_NUM_THREADS=$T PYTHONPATH=$PWD:$S:$SITE0 timeout 300 $P -m detaudit "${b[@]}") \
+      || echo "before failed: rc $?"
+    echo "== $T threads: after"
+    OMP_NUM_THREADS=$T timeout 300 $P -m detaudit "${b[@]}" || echo "after failed: rc $?"
+  done
+}
+
+step_start() {
+  (CUDA_VISIBLE_DEVICES=0 setsid nohup bash "$0" run gpu >"$GS/logs/gpu.log" 2>&1 &)
+  sleep 1; ls "$GS/logs"
+}
+
+step_amx() {
+  (CUDA_VISIBLE_DEVICES= setsid nohup bash "$0" run amx >"$GS/logs/amx.log" 2>&1 &)
+  sleep 1; ls "$GS/logs"
+}
+
+step_wait() {
+  local deadline=$(($(date +%s) + ${WAIT_S:-600}))
+  while ls "$GS"/running.* >/dev/null 2>&1 && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+  ls "$GS"/running.* 2>/dev/null && echo "still running after the wait" || echo "background jobs done"
+}
+
+step_spec() {  # issue 52 item 5: n-gram (and draft-model) drafts at batch 1, answers that repeat the prompt
+  DETAUDIT_WHEEL_DIR=${DETAUDIT_WHEEL_DIR:-/tmp/vllm-bundle/models} python3 -m detaudit models prepare smollm2-135m-draft
+  DETAUDIT_WHEEL_DIR=${DETAUDIT_WHEEL_DIR:-/tmp/vllm-bundle/models} timeout 300 python3 -m detaudit bench e2e \
+    --models smollm2-135m --tp 1 --batch-sizes 1 --new-tokens 128 --backends bf16,bio+tbik \
+    --speculative ngram:4,draft:smollm2-135m-draft:4 --suite quote --repeats 3 --save "$GS/logs/spec.md" 2>&1 | tail -12
+}
+
+step_engine() {  # needs the embedded model: DETAUDIT_WHEEL_DIR from the vLLM bundle
+  DETAUDIT_WHEEL_DIR=${DETAUDIT_WHEEL_DIR:-/tmp/vllm-bundle/models} timeout 500 python3 -m pytest -q -rs \
+    -p no:cacheprovider tests/gpu/test_speculative_gpu.py "tests/gpu/test_gpu.py::test_engine_bio_batch_and_tbik_tp_invariant_on_gpu" \
+    tests/gpu/test_gpu.py::test_cuda_graph_decode_matches_eager tests/gpu/test_gpu.py::test_gpu_fast_path_gives_the_reference_bits \
+    2>&1 | tail -30
+}
+
+step_collect() {
+  tail -n 3 "$GS"/logs/*.log
+  cp "$GS"/logs/*.md "$OUT/" 2>/dev/null
+  (cd "$GS" && tar czf "$OUT/session.tar.gz" logs)
+  ls -la "$OUT"
+}
+
+if [ "${1:-}" = run ]; then  # a background job: marked running while it runs
+  touch "$GS/running.$2"
+  say "job $2"
+  "job_$2"
+  say "job $2 done (exit $?)"
+  rm -f "$GS/running.$2"
+  exit 0
+fi
+[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+for step in "$@"; do
+  say "step $step"
+  "step_$step" || echo "step $step FAILED (exit $?)"
+done
