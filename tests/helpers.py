@@ -23,6 +23,26 @@ SWEEP_LOG = re.compile(
 )
 
 
+# the grid most sweeps in the tests start from: the smoke suite's first 2 prompts, 4 new tokens
+SWEEP = {"suites": "smoke", "limit": 2, "max_new_tokens": 4}
+
+
+def sweep_args(**options) -> list[str]:
+    """A sweep's options as command-line arguments: `SWEEP`, then `options`, one `--name value` per
+    keyword (`max_new_tokens=8` -> `--max-new-tokens 8`). A keyword of `SWEEP` replaces its value in
+    place, None drops it, True makes a bare switch (`no_analyze=True` -> `--no-analyze`); a list or
+    tuple is comma-joined (`tp=(1, 2)` -> `--tp 1,2`); other values are str()-ed."""
+    out: list[str] = []
+    for name, value in {**SWEEP, **options}.items():
+        assert value is not False, f"{name}=False: name the switch itself (no_{name}=True)"
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is not None:
+            out += [flag, ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
+    return out
+
+
 def error_lines(output: str) -> list[str]:
     """The non-empty lines of `output` less the sweep's log lines."""
     return [line for line in output.splitlines() if line.strip() and not SWEEP_LOG.match(line)]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import sweep_args
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -20,21 +21,7 @@ runner = CliRunner()
 
 
 def small(batch_sizes: str = "1") -> list[str]:
-    return [
-        "--suites",
-        "smoke",
-        "--limit",
-        "1",
-        "--max-new-tokens",
-        "2",
-        "--backends",
-        "bio",
-        "--tp",
-        "1",
-        "--batch-sizes",
-        batch_sizes,
-        "--no-analyze",
-    ]
+    return sweep_args(limit=1, max_new_tokens=2, backends="bio", tp=1, batch_sizes=batch_sizes, no_analyze=True)
 
 
 SMALL = small()

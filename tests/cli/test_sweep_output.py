@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import sweep_args
 from typer.testing import CliRunner
 
 from detaudit.cli import app
 
-GRID = ["--suites", "smoke", "--limit", "2", "--max-new-tokens", "2", "--backends", "bio", "--tp", "1"]
+GRID = sweep_args(max_new_tokens=2, backends="bio", tp=1)
 
 
 @pytest.mark.slow  # a sweep: two cells through the built-in engine

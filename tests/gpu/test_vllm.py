@@ -18,6 +18,7 @@ import json
 
 import pytest
 import torch
+from helpers import sweep_args
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -29,7 +30,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (tools/vllm_bundle.py)"),
 ]
 runner = CliRunner()
-GRID = ["--limit", "4", "--max-new-tokens", "8", "--temperature", "0", "--no-cuda-graphs", "--device", "cuda"]
+GRID = sweep_args(suites=None, limit=4, max_new_tokens=8, temperature=0, no_cuda_graphs=True, device="cuda")
 
 
 def _sweep(out, *args):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import builtin_engine, cli_json, generation_difference, local_engine, with_embedded_tokenizer
+from helpers import builtin_engine, cli_json, generation_difference, local_engine, sweep_args, with_embedded_tokenizer
 
 from detaudit.config import DecodingParams
 from detaudit.errors import DetauditError
@@ -302,29 +302,9 @@ def test_cli_sweep(arch, tmp_path):
 
     path = _sweep_checkpoint(arch, tmp_path / arch)
     out = tmp_path / "run"
-    args = [
-        "sweep",
-        "--model",
-        str(path),
-        "--suites",
-        "smoke",
-        "--limit",
-        "2",
-        "--max-new-tokens",
-        "4",
-        "--backends",
-        "bf16,bio,bio+tbik",
-        "--tp",
-        "1,2",
-        "--batch-sizes",
-        "2",
-        "--dtype",
-        "float32",
-        "--tp-mode",
-        "real" if arch == "llama31" else "emulated",
-        "--output-path",
-        str(out),
-    ]
+    mode = "real" if arch == "llama31" else "emulated"
+    grid = sweep_args(backends="bf16,bio,bio+tbik", tp="1,2", batch_sizes=2, dtype="float32", tp_mode=mode)
+    args = ["sweep", "--model", str(path), *grid, "--output-path", str(out)]
     runner = CliRunner()
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import sweep_args
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -38,25 +39,9 @@ def test_sweep_runs_a_json_task_file(smollm, tmp_path, monkeypatch):
     (evals / "data" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.chdir(tmp_path / "..")  # data_files resolve relative to the YAML, not the working directory
     out = tmp_path / "run"
-    res = CliRunner().invoke(
-        app,
-        [
-            "sweep",
-            "--suites",
-            str(evals / "my_task.yaml"),
-            "--max-new-tokens",
-            "2",
-            "--backends",
-            "bio",
-            "--tp",
-            "1",
-            "--batch-sizes",
-            "1,3",
-            "--output-path",
-            str(out),
-            "--no-analyze",
-        ],
-    )
+    suite = evals / "my_task.yaml"
+    args = sweep_args(suites=suite, limit=None, max_new_tokens=2, backends="bio", tp=1, batch_sizes="1,3")
+    res = CliRunner().invoke(app, ["sweep", *args, "--output-path", str(out), "--no-analyze"])
     assert res.exit_code == 0, res.output
     manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(manifest["cells"]) == ["my_task__bio__tp1__bs1", "my_task__bio__tp1__bs3"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import with_embedded_tokenizer
+from helpers import sweep_args, with_embedded_tokenizer
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -39,8 +39,8 @@ def test_fp32_tbik_sweep_over_narrow_shards_passes_the_gate(tmp_path, dense, exp
     )
     with_embedded_tokenizer(path)
     out = tmp_path / "run"
-    args = ["sweep", "--model", str(path), "--suites", "smoke", "--limit", "2", "--max-new-tokens", "4"]
-    args += ["--greedy", "--dtype", "float32", "--backends", "bio+tbik", "--tp", "1,2,4,8", "--batch-sizes", "1,3"]
+    grid = sweep_args(greedy=True, dtype="float32", backends="bio+tbik", tp="1,2,4,8", batch_sizes="1,3")
+    args = ["sweep", "--model", str(path), *grid]
     res = runner.invoke(app, [*args, "--no-analyze", "--output-path", str(out)])
     assert res.exit_code == 0, res.output
     manifest = json.loads((out / "manifest.json").read_text())

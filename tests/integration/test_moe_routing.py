@@ -11,7 +11,7 @@ import math
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from helpers import cli_json, with_embedded_tokenizer
+from helpers import cli_json, sweep_args, with_embedded_tokenizer
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -34,8 +34,8 @@ def moe_ckpt(tmp_path_factory):
 
 def test_sweep_reports_routing_and_tbik_routes_invariantly(moe_ckpt, tmp_path):
     out = tmp_path / "run"
-    args = ["sweep", "--model", str(moe_ckpt), "--tp", "1,2", "--batch-sizes", "1,2", "--backends", "bf16,bio+tbik"]
-    args += ["--suites", "smoke", "--limit", "2", "--max-new-tokens", "6", "--output-path", str(out)]
+    grid = sweep_args(max_new_tokens=6, tp="1,2", batch_sizes="1,2", backends="bf16,bio+tbik", output_path=out)
+    args = ["sweep", "--model", str(moe_ckpt), *grid]
     res = runner.invoke(app, args, env={"COLUMNS": "250"})
     assert res.exit_code == 0, res.output
     assert "rerouted" in res.output and "near ties" in res.output  # the printed summary's routing columns

@@ -16,28 +16,14 @@ import time
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from helpers import cli_json, one_line_error, require
+from helpers import cli_json, one_line_error, require, sweep_args
 from typer.testing import CliRunner
 
 from detaudit.cli import app
 from detaudit.executors.ray import FAULT_ENV, safe_address
 
 runner = CliRunner()
-GRID = [
-    "--suites",
-    "smoke",
-    "--limit",
-    "2",
-    "--max-new-tokens",
-    "3",
-    "--backends",
-    "bf16,bio+tbik",
-    "--tp",
-    "1,2",
-    "--batch-sizes",
-    "1,2",
-    "--no-analyze",
-]
+GRID = sweep_args(max_new_tokens=3, backends="bf16,bio+tbik", tp="1,2", batch_sizes="1,2", no_analyze=True)
 KILLED = "smoke__bio-tbik__tp2__bs1"  # a TP 2 cell (real rank processes), not a reference cell
 RECORD_COLUMNS = [
     "cell_id",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import cli_json, stopped_sweep
+from helpers import cli_json, stopped_sweep, sweep_args
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -21,20 +21,8 @@ from detaudit.cli import app
 pytestmark = pytest.mark.slow  # the real embedded model and/or worker processes
 
 runner = CliRunner()
-GRID = [
-    "--suites",
-    "smoke",
-    "--limit",
-    "2",
-    "--max-new-tokens",
-    "32",
-    "--backends",
-    "bf16,bio",
-    "--tp",
-    "1",
-    "--batch-sizes",
-    "1,2,4",
-]
+GRID_OPTIONS = dict(max_new_tokens=32, backends="bf16,bio", tp=1, batch_sizes="1,2,4")
+GRID = sweep_args(**GRID_OPTIONS)
 
 
 def _workers() -> list[psutil.Process]:
@@ -145,22 +133,7 @@ def test_tp_worker_failure_fails_the_cell_and_the_sweep_goes_on(tiny_sweep_model
             "sweep",
             "--model",
             str(tiny_sweep_model),
-            "--suites",
-            "smoke",
-            "--limit",
-            "2",
-            "--max-new-tokens",
-            "4",
-            "--backends",
-            "bio",
-            "--tp",
-            "1,2",
-            "--batch-sizes",
-            "2",
-            "--hang-timeout",
-            "10",
-            "--output-path",
-            str(out),
+            *sweep_args(backends="bio", tp="1,2", batch_sizes=2, hang_timeout=10, output_path=out),
         ],
     )
     assert res.exit_code == 1, res.output
@@ -184,7 +157,7 @@ def test_shards_merge_to_the_whole(clean_run, tiny_sweep_model, tmp_path):
     _same_records(merged, clean_run)
     assert (merged / "prompts.parquet").read_bytes() == (clean_run / "prompts.parquet").read_bytes()
     other = tmp_path / "other"  # another seed (one cell is enough: merge compares the settings first)
-    one_cell = [*GRID[: GRID.index("--backends")], "--backends", "bio", "--tp", "1", "--batch-sizes", "1"]
+    one_cell = sweep_args(**{**GRID_OPTIONS, "backends": "bio", "batch_sizes": 1})
     subprocess.run(_sweep_cmd(tiny_sweep_model, other, "--seed", "1", grid=one_cell), check=True, capture_output=True)
     bad = runner.invoke(app, ["merge", parts[0], str(other), "--output-path", str(tmp_path / "m2")])
     assert bad.exit_code == 2 and "decoding" in bad.output.lower()
@@ -204,7 +177,7 @@ def test_resume_refuses_cells_computed_with_other_numerics(clean_run, tiny_sweep
     manifest["backends"]["bio@tp1"]["backend"]["rms_norm"] = "an older definition"
     (old / "manifest.json").write_text(json.dumps(manifest))
     before = _cell_files(old)
-    more = [*GRID[:-1], "1,2,4,8", "--model", str(tiny_sweep_model)]
+    more = [*sweep_args(**{**GRID_OPTIONS, "batch_sizes": "1,2,4,8"}), "--model", str(tiny_sweep_model)]
     res = runner.invoke(app, ["sweep", *more, "--output-path", str(old), "--no-analyze"])
     one_line_error(res, "computed with other numerics")
     assert "bio@tp1 (rms_norm)" in res.output and _cell_files(old) == before

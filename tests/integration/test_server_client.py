@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from fake_openai import MODEL_ID, Fake, Served, free_port
-from helpers import error_lines, find_secrets, listening
+from helpers import error_lines, find_secrets, listening, sweep_args
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -52,17 +52,7 @@ def sweep(url: str, out: Path, *extra: str):
             "openai",
             "--base-url",
             url,
-            "--suites",
-            "smoke",
-            "--limit",
-            "2",
-            "--max-new-tokens",
-            "3",
-            "--temperature",
-            "0",
-            "--api-key-env",
-            "DETAUDIT_TEST_KEY",
-            "--no-analyze",
+            *sweep_args(max_new_tokens=3, temperature=0, api_key_env="DETAUDIT_TEST_KEY", no_analyze=True),
             "-o",
             str(out),
             *extra,

@@ -27,7 +27,16 @@ import httpx
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from helpers import assert_loopback_only, cli_json, find_secrets, installed, listening, require, stopped_sweep
+from helpers import (
+    assert_loopback_only,
+    cli_json,
+    find_secrets,
+    installed,
+    listening,
+    require,
+    stopped_sweep,
+    sweep_args,
+)
 from security.test_secrets import SECRETS
 from typer.testing import CliRunner
 
@@ -49,19 +58,7 @@ def _vllm_imports():
 runner = CliRunner()
 SECRET = "sk-detaudit-vllm-0123456789abcdef"
 AUTH = ["--api-key-env", "DETAUDIT_TEST_KEY"]
-GRID = [
-    "--suites",
-    "smoke",
-    "--limit",
-    "2",
-    "--max-new-tokens",
-    "6",
-    "--temperature",
-    "0",
-    "--concurrency",
-    "1,4",
-    "--no-analyze",
-]
+GRID = sweep_args(max_new_tokens=6, temperature=0, concurrency="1,4", no_analyze=True)
 
 
 def _own_vllm(run) -> list[psutil.Process]:
@@ -248,7 +245,7 @@ def test_openai_engine_chat_api_and_text_prompts(vllm_server, api_key, tmp_path,
     (detaudit's template, decoded; the server re-tokenizes it) against the real vLLM server: both complete
     every cell with tokens and log-probabilities, the manifest says which prompt form was sent, and the
     greedy outputs are compared with the token-id prompts' (reported: the forms need not tokenize alike)."""
-    grid = [*GRID[: GRID.index("--concurrency")], "--concurrency", "1", "--no-analyze"]
+    grid = sweep_args(max_new_tokens=6, temperature=0, concurrency=1, no_analyze=True)
     runs = {}
     for name, extra in (("ids", []), ("chat", ["--api", "chat"]), ("text", ["--prompt-format", "text"])):
         run = runs[name] = tmp_path / name
@@ -278,19 +275,8 @@ def test_vllm_server_engine_killed_mid_run_leaves_no_server_and_resumes(smollm, 
     import signal
 
     run = tmp_path / "killed"
-    grid = [
-        "--suites",
-        "smoke",
-        "--limit",
-        "2",
-        "--max-new-tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--concurrency",
-        "1,4",
-        "--no-analyze",
-    ]  # 2 cells; the resume generates the one left
+    # 2 cells; the resume generates the one left
+    grid = sweep_args(max_new_tokens=8, temperature=0, concurrency="1,4", no_analyze=True)
     cmd = [
         sys.executable,
         "-c",

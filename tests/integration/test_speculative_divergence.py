@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import yaml
+from helpers import sweep_args
 from typer.testing import CliRunner
 
 from detaudit import paths
@@ -32,8 +33,8 @@ def test_bf16_speculation_changes_the_output_and_the_audit_reports_it(smollm, tm
     (doc,) = [p for p in load_suite("quote").prompts if p.id == "list"]
     assert load_suite(str(suite)).prompts[0].text == doc.text
     out = tmp_path / "run"
-    args = ["sweep", "--suites", str(suite), "--backends", "bf16,bio+tbik", "--tp", "1", "--batch-sizes", "1"]
-    args += ["--greedy", "--max-new-tokens", "32", "--speculative", "off,ngram:4", "--output-path", str(out)]
+    grid = sweep_args(suites=suite, limit=None, max_new_tokens=32, backends="bf16,bio+tbik", tp=1, batch_sizes=1)
+    args = ["sweep", *grid, "--greedy", "--speculative", "off,ngram:4", "--output-path", str(out)]
     res = runner.invoke(app, [*args, "--no-analyze"])
     assert res.exit_code == 0, res.output
     a = analyze(out)

@@ -9,7 +9,7 @@ import json
 import shutil
 
 import pytest
-from helpers import cli_json, one_line_error
+from helpers import cli_json, one_line_error, sweep_args
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -26,8 +26,8 @@ def test_sweep_with_the_speculative_axis(tmp_path, tiny_sweep_model):
     assert res.exit_code == 0, res.output
     assert json.loads((draft / "config.json").read_text())["num_hidden_layers"] == 1
     out = tmp_path / "run"
-    base = ["sweep", "--model", str(tiny_sweep_model), "--backends", "bf16,bio+tbik", "--tp", "1"]
-    base += ["--batch-sizes", "1,3", "--limit", "3", "--max-new-tokens", "8", "--output-path", str(out)]
+    grid = sweep_args(limit=3, max_new_tokens=8, backends="bf16,bio+tbik", tp=1, batch_sizes="1,3", output_path=out)
+    base = ["sweep", "--model", str(tiny_sweep_model), *grid]
     res = runner.invoke(app, [*base, "--speculative", f"off,ngram:3,draft:{draft}:2", "--no-analyze"])
     assert res.exit_code == 0, res.output
     run = RunDir(out)

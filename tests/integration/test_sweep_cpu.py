@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import builtin_engine, cli_json
+from helpers import builtin_engine, cli_json, sweep_args
 from typer.testing import CliRunner
 
 from detaudit.builtin.local import cpu_cores
@@ -49,23 +49,7 @@ def test_sweep_bio_backends_real_tp(smollm, tmp_path):
     cell. (bf16 sweeps through the CLI: test_vllm.py and the default main job; TP 2 real vs emulated:
     test_tbik_dist.py; real TP 8: test_tbik_dist.py; TP 1/2/4/8 sweeps: reports/.)"""
     out = tmp_path / "run"
-    args = [
-        "sweep",
-        "--suites",
-        "smoke",
-        "--limit",
-        "2",
-        "--max-new-tokens",
-        "4",
-        "--backends",
-        "bio,bio+tbik",
-        "--tp",
-        "1,4",
-        "--batch-sizes",
-        "1,2",
-        "--output-path",
-        str(out),
-    ]
+    args = ["sweep", *sweep_args(backends="bio,bio+tbik", tp="1,4", batch_sizes="1,2", output_path=out)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())

@@ -8,7 +8,7 @@ import importlib.util
 import json
 
 import pytest
-from helpers import cli_json, find_secrets
+from helpers import cli_json, find_secrets, sweep_args
 from security.test_secrets import SECRETS
 from typer.testing import CliRunner
 
@@ -55,24 +55,8 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     # batch 2 and 4 on smoke's first 4 prompts: two batches of 2 vs one of 4 (the CLI default grid, batch 4
     # and 8 on all 8 prompts, is in reports/cpu-vllm; this is the CI-sized version of it)
-    args = [
-        "sweep",
-        "--engine",
-        "vllm",
-        "--backends",
-        "bf16,bio,bio+tbik",
-        "--tp",
-        "1,2",
-        "--batch-sizes",
-        "2,4",
-        "--limit",
-        "4",
-        "--max-new-tokens",
-        "6",
-        "--output-path",
-        str(out),
-        "--no-analyze",
-    ]
+    grid = sweep_args(suites=None, limit=4, max_new_tokens=6, backends="bf16,bio,bio+tbik", tp="1,2", batch_sizes="2,4")
+    args = ["sweep", "--engine", "vllm", *grid, "--output-path", str(out), "--no-analyze"]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["analyze", str(out), "--json"])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import sweep_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,20 +100,7 @@ def test_wheel_install_finds_suites_and_sweeps(wheel_venv, smollm):
         [
             str(venv / "bin" / "detaudit"),
             "sweep",
-            "--suites",
-            "smoke",
-            "--limit",
-            "1",
-            "--max-new-tokens",
-            "2",
-            "--backends",
-            "bio",
-            "--tp",
-            "1",
-            "--batch-sizes",
-            "1",
-            "--output-path",
-            str(out),
+            *sweep_args(limit=1, max_new_tokens=2, backends="bio", tp=1, batch_sizes=1, output_path=out),
         ],
         cwd=work,
         env=env,

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import sweep_args
 from typer.testing import CliRunner
 
 from detaudit.errors import DetauditError
@@ -99,20 +100,7 @@ def test_sweep_refuses_non_positive_hang_timeout(tmp_path, value):
             "sweep",
             "--hang-timeout",
             value,
-            "--suites",
-            "smoke",
-            "--limit",
-            "1",
-            "--max-new-tokens",
-            "2",
-            "--backends",
-            "bio",
-            "--tp",
-            "1,2",
-            "--batch-sizes",
-            "1",
-            "--output-path",
-            str(out),
+            *sweep_args(limit=1, max_new_tokens=2, backends="bio", tp="1,2", batch_sizes=1, output_path=out),
         ],
     )
     assert res.exit_code == 2, (res.output, res.exception)
@@ -131,23 +119,7 @@ def test_sweep_refuses_prompt_over_context_before_model_work(tmp_path, smollm):
     out = tmp_path / "run"
     res = CliRunner().invoke(
         app,
-        [
-            "sweep",
-            "--suites",
-            "smoke",
-            "--limit",
-            "1",
-            "--max-new-tokens",
-            "8180",
-            "--backends",
-            "bio",
-            "--tp",
-            "1",
-            "--batch-sizes",
-            "1",
-            "--output-path",
-            str(out),
-        ],
+        ["sweep", *sweep_args(limit=1, max_new_tokens=8180, backends="bio", tp=1, batch_sizes=1, output_path=out)],
     )
     assert res.exit_code == 2, (res.output, res.exception)
     assert "Traceback" not in res.output
@@ -180,8 +152,8 @@ def test_sweep_refuses_a_tokenizer_past_the_vocabulary_before_model_work(tmp_pat
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
     out = tmp_path / "run"
-    args = ["sweep", "--model", str(model), "--suites", "smoke", "--limit", "1", "--backends", "bio"]
-    res = CliRunner().invoke(app, [*args, "--tp", "1", "--batch-sizes", "1", "--output-path", str(out)])
+    grid = sweep_args(limit=1, max_new_tokens=None, backends="bio", tp=1, batch_sizes=1, output_path=out)
+    res = CliRunner().invoke(app, ["sweep", "--model", str(model), *grid])
     assert res.exit_code == 2, (res.output, res.exception)
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in res.output, res.output

@@ -11,7 +11,7 @@ import json
 import os
 
 import pytest
-from helpers import find_secrets, secret_pieces
+from helpers import find_secrets, secret_pieces, sweep_args
 
 from detaudit.runs import fingerprint
 from detaudit.runs.fingerprint import REDACTED, knob_env
@@ -158,23 +158,7 @@ def test_sweep_run_directory_holds_no_secret(tmp_path, monkeypatch, smollm):
     out = tmp_path / "run"
     res = CliRunner().invoke(
         app,
-        [
-            "sweep",
-            "--suites",
-            "smoke",
-            "--limit",
-            "1",
-            "--max-new-tokens",
-            "2",
-            "--backends",
-            "bio",
-            "--tp",
-            "1",
-            "--batch-sizes",
-            "1",
-            "--output-path",
-            str(out),
-        ],
+        ["sweep", *sweep_args(limit=1, max_new_tokens=2, backends="bio", tp=1, batch_sizes=1, output_path=out)],
     )
     assert res.exit_code == 0, (res.output, res.exception)
     manifest = json.loads((out / "manifest.json").read_text())

@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from fake_openai import MODEL_ID, MUTATIONS, Fake, Served
-from helpers import deadline, error_lines, leaked_pieces, secret_pieces
+from helpers import deadline, error_lines, leaked_pieces, secret_pieces, sweep_args
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -324,9 +324,8 @@ def test_behaviour(fake, smollm, tmp_path, monkeypatch, behaviour):
     home = Path(os.environ["DETAUDIT_HOME"])
     home_before = _tree(home)
     max_new = int(_flag(extra, "--max-new-tokens", str(MAX_NEW)))
-    args = ["sweep", "--engine", "openai", "--base-url", fake.url, "--suites", "smoke", "--limit", "1"]
-    args += ["--max-new-tokens", str(max_new), "--temperature", "0", "--concurrency", "1"]
-    args += ["--api-key-env", KEY_ENV, "--no-analyze", "-o", "run"]
+    grid = sweep_args(limit=1, max_new_tokens=max_new, temperature=0, concurrency=1, api_key_env=KEY_ENV)
+    args = ["sweep", "--engine", "openai", "--base-url", fake.url, *grid, "--no-analyze", "-o", "run"]
     args += [x for x in extra if x not in ("--max-new-tokens", str(max_new))]
     with deadline(120):
         res = runner.invoke(app, args)

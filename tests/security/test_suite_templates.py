@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import sweep_args
 from typer.testing import CliRunner
 
 from detaudit.cli import app
@@ -56,26 +57,8 @@ def test_payload_in_doc_to_text_fails_in_suites_show(tmp_path, name):
 def test_payload_fails_in_sweep_before_any_model_work(tmp_path, name, key):
     path = _suite(tmp_path, key, PAYLOADS[name])
     out = tmp_path / "run"
-    result = CliRunner().invoke(
-        app,
-        [
-            "sweep",
-            "--suites",
-            str(path),
-            "--backends",
-            "bio",
-            "--tp",
-            "1",
-            "--batch-sizes",
-            "1",
-            "--limit",
-            "1",
-            "--max-new-tokens",
-            "2",
-            "--output-path",
-            str(out),
-        ],
-    )
+    grid = sweep_args(suites=path, limit=1, max_new_tokens=2, backends="bio", tp=1, batch_sizes=1, output_path=out)
+    result = CliRunner().invoke(app, ["sweep", *grid])
     line = _one_line_exit_2(result, tmp_path / "marker")
     assert key in line and "sandbox" in line
     assert not out.exists() or not any(out.iterdir())  # nothing was written for the run
