@@ -88,13 +88,13 @@ torch.manual_seed(0)
 M.from_config(C.from_pretrained(s)).to(torch.bfloat16).save_pretrained(d)
 [shutil.copy(f, d) for f in s.iterdir() if f.name != 'config.json']"
   $P -c "from detaudit.backends import describe_machine as d; print(d())"
-  DETAUDIT_CPU_GEMM=bf16 timeout 400 $P -m pytest -q -p no:cacheprovider -rs tests/unit/test_cpu_bf16.py \
+  [ "${AMX_TESTS:-1}" = 1 ] && DETAUDIT_CPU_GEMM=bf16 timeout 400 $P -m pytest -q -p no:cacheprovider -rs tests/unit/test_cpu_bf16.py \
     tests/unit/test_bio.py tests/unit/test_tbik.py tests/unit/test_cpu_attention.py 2>&1 | tail -n 12
   echo "== vdpbf16ps path (oneDNN capped below AMX):"
-  ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 DETAUDIT_CPU_GEMM=bf16 timeout 200 $P -m pytest -q -p no:cacheprovider -rs \
+  [ "${AMX_TESTS:-1}" = 1 ] && ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 DETAUDIT_CPU_GEMM=bf16 timeout 200 $P -m pytest -q -p no:cacheprovider -rs \
     tests/unit/test_bio.py tests/unit/test_tbik.py -k bf16 2>&1 | tail -n 3
   local b=(bench engine --model "$GS/amx-model" --batch-size 8 --max-new-tokens 32)
-  for T in 2 16; do
+  for T in ${AMX_THREADS:-2 16}; do  # (the bench reports the threads torch used)
     echo "== $T threads: before (4541b76's kernels)"
     (cd "$GS/amx/before" && OMP_NUM_THREADS=$T PYTHONPATH=$PWD:$S:$SITE0 timeout 300 $P -m detaudit "${b[@]}") \
       || echo "before failed: rc $?"
