@@ -14,6 +14,7 @@ thread binds, the CPU attention KV split, and which detaudit plugin patches are 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,6 +42,7 @@ def thread_binds(tp: int, cores: Sequence[int]) -> str:
 
 
 NATIVE_BACKENDS = ("bf16", "vllm-bi")  # computed by vLLM's own kernels (the plugin only records)
+FLASHINFER_SAMPLER_ENV = "VLLM_USE_FLASHINFER_SAMPLER"
 BI_ENV = "VLLM_BATCH_INVARIANT"  # vLLM's own batch-invariant mode: on for vllm-bi only, off (cleared) otherwise
 
 
@@ -57,6 +59,11 @@ def engine_env(backend: str, tp: int, device: str, marker_dir: str) -> dict[str,
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     }
+    if device.startswith("cuda") and importlib.util.find_spec("flashinfer") is None:
+        # vLLM 0.25.1's GPU sampler imports FlashInfer unless this says no: on a machine without it
+        # every cell of the plugin's backends failed with "No module named 'flashinfer'" (H200, this
+        # round); with it off, the sampler is vLLM's PyTorch one. A value the user set is kept.
+        env[FLASHINFER_SAMPLER_ENV] = os.environ.get(FLASHINFER_SAMPLER_ENV, "0")
     if not device.startswith("cuda"):
         cores = cpu_core_ids()
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or thread_binds(tp, cores)

@@ -74,6 +74,25 @@ def test_an_inherited_batch_invariant_switch_never_reaches_vllm(monkeypatch, bac
     assert env["VLLM_BATCH_INVARIANT"] == want and env[BACKEND_ENV] == backend
 
 
+def test_without_flashinfer_vllms_gpu_sampler_is_told_not_to_use_it(monkeypatch):
+    """vLLM 0.25.1 on an H200 without FlashInfer failed every plugin cell ("No module named
+    'flashinfer'") until VLLM_USE_FLASHINFER_SAMPLER=0; with FlashInfer, or on CPU, nothing is set, and a
+    value the user set is kept."""
+    import importlib.util
+
+    from detaudit.vllm import host
+
+    real = importlib.util.find_spec
+    monkeypatch.delenv(host.FLASHINFER_SAMPLER_ENV, raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flashinfer" else real(n, *a))
+    assert host.engine_env("bio+tbik", 1, "cuda", "/tmp/m")[host.FLASHINFER_SAMPLER_ENV] == "0"
+    assert host.FLASHINFER_SAMPLER_ENV not in host.engine_env("bio+tbik", 1, "cpu", "/tmp/m")
+    monkeypatch.setenv(host.FLASHINFER_SAMPLER_ENV, "1")
+    assert host.engine_env("bf16", 1, "cuda", "/tmp/m")[host.FLASHINFER_SAMPLER_ENV] == "1"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flashinfer" else real(n, *a))
+    assert host.FLASHINFER_SAMPLER_ENV not in host.engine_env("bio+tbik", 1, "cuda", "/tmp/m")
+
+
 def test_execution_mode_per_backend_and_device():
     from detaudit.vllm.host import engine_mode
 
