@@ -55,7 +55,7 @@ CASES = [  # (dtype, decoding, TP (emulated), batch, draft kind, k): every k, TP
     ("bfloat16", GREEDY, 1, 3, "ngram", 4),
     ("bfloat16", SAMPLED, 1, 1, "draft", 1),
     ("bfloat16", SAMPLED, 2, 3, "ngram", 2),
-    ("bfloat16", GREEDY, 4, 1, "draft", 3),
+    ("bfloat16", GREEDY, 4, 1, "ngram", 3),  # (a draft model at bf16: TP 1 above; at TP 4: fp32 below)
     ("float32", SAMPLED, 1, 3, "ngram", 3),
     ("float32", GREEDY, 2, 1, "ngram", 1),
     ("float32", SAMPLED, 4, 3, "draft", 4),
