@@ -39,7 +39,9 @@ AREAS = ("numerics", "records", "analysis", "gate/diff", "run directories", "sui
 REQUIRED = ("name", "area", "file", "bug", "search", "replace", "tests")
 OPTIONAL = ("k",)  # a pytest -k expression applied to the mutant's tests
 NOT_COPIED = (".git", ".venv", ".cache-test", "__pycache__", ".hypothesis", ".pytest_cache", ".ruff_cache")
-NOT_COPIED += ("runs", "out", "build", "dist", "*.egg-info")
+NOT_COPIED += ("*.egg-info",)
+# at the checkout's top only: run directories, build outputs, device carries (`detaudit/runs/` is a package)
+NOT_COPIED_AT_TOP = ("runs", "out", "build", "dist", ".carry", ".whl")
 FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S.*?)(?: - .*)?$")
 
 
@@ -187,9 +189,14 @@ def _pytest(copy: Path, tests: tuple[str, ...], k: str | None, fast: bool, timeo
     return "error", f"pytest exit {proc.returncode}: {last.strip()[:200]}", seconds
 
 
+def _not_copied(folder: str, names: list[str]) -> set[str]:
+    skipped = set(shutil.ignore_patterns(*NOT_COPIED)(folder, names))
+    return skipped | ({n for n in names if n in NOT_COPIED_AT_TOP} if Path(folder) == ROOT else set())
+
+
 def _copy_checkout(into: Path) -> Path:
     copy = into / "checkout"
-    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(*NOT_COPIED), symlinks=True)
+    shutil.copytree(ROOT, copy, ignore=_not_copied, symlinks=True)
     probe = subprocess.run(
         [sys.executable, "-c", "import detaudit; print(detaudit.__file__)"],
         cwd=copy,

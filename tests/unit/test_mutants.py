@@ -121,3 +121,13 @@ def test_one_cheap_mutant_is_killed_by_its_test_and_the_tree_is_untouched(capsys
     assert row["status"] == "killed"
     assert row["killed_by"] == "tests/unit/test_analyze.py::test_top5_probs_sorts_truncates_and_pads"
     assert (mutants.ROOT / m.file).read_bytes() == before
+
+
+def test_the_scratch_copy_holds_every_package_and_leaves_out_run_directories():
+    """`runs` is both a run-directory name at the checkout's top (left out) and a package (copied): a copy
+    without `detaudit/runs/` broke every mutant whose file is in it."""
+    from detaudit.devtools.mutants import ROOT, _not_copied
+
+    assert "runs" in _not_copied(str(ROOT), ["runs", "detaudit", ".carry"])
+    assert "runs" not in _not_copied(str(ROOT / "detaudit"), ["runs", "inputs"])
+    assert "__pycache__" in _not_copied(str(ROOT / "detaudit" / "runs"), ["__pycache__", "rundir.py"])
