@@ -352,6 +352,24 @@ def _read_cell(run: RunDir, cell_id: str) -> tuple[pd.DataFrame, dict[str, pa.Ta
     return df, tables
 
 
+def _cell_row(
+    cid: str, model: str, cell, tp_mode: str, state: str, error: str | None, wall_s: Any = None
+) -> dict[str, Any]:
+    """One per-cell row from a manifest cell or a grid cell (both name suite, backend, TP, batch size)."""
+    return dict(
+        cell_id=cid,
+        model=model,
+        suite=cell.suite,
+        backend=cell.backend,
+        tp=cell.tp,
+        batch_size=cell.batch_size,
+        tp_mode=tp_mode,
+        state=state,
+        error=error,
+        wall_s=wall_s,
+    )
+
+
 def _load(run_dir: str | os.PathLike) -> tuple[Manifest, pd.DataFrame, pd.DataFrame, dict[str, pa.Table]]:
     """Manifest, records of the done cells, one row per cell (grid cells absent from the manifest, and
     done cells whose file is gone, get state "missing"), and each configuration's numeric fields. A
@@ -369,36 +387,12 @@ def _load(run_dir: str | os.PathLike) -> tuple[Manifest, pd.DataFrame, pd.DataFr
                 df, numeric = _read_cell(run, cid)
                 frames.append(df)
                 tables.update(numeric)
-        rows.append(
-            dict(
-                cell_id=cid,
-                model=model,
-                suite=meta.suite,
-                backend=meta.backend,
-                tp=meta.tp,
-                batch_size=meta.batch_size,
-                tp_mode=meta.tp_mode,
-                state=state,
-                error=error if state != "done" else None,
-                wall_s=meta.extra.get("wall_s"),
-            )
-        )
+        error = error if state != "done" else None
+        rows.append(_cell_row(cid, model, meta, meta.tp_mode, state, error, meta.extra.get("wall_s")))
     for cid, cell in manifest.grid().items():  # every manifest cell is in it (Manifest.from_dict)
         if cid not in manifest.cells:
-            rows.append(
-                dict(
-                    cell_id=cid,
-                    model=model,
-                    backend=cell.backend,
-                    tp=cell.tp,
-                    batch_size=cell.batch_size,
-                    suite=cell.suite,
-                    tp_mode=manifest.tp_mode(cell.tp),
-                    state="missing",
-                    error="in the configured grid but not in the manifest",
-                    wall_s=None,
-                )
-            )
+            error = "in the configured grid but not in the manifest"
+            rows.append(_cell_row(cid, model, cell, manifest.tp_mode(cell.tp), "missing", error))
     records = (
         pd.concat(frames, ignore_index=True)
         if frames
