@@ -94,6 +94,12 @@ def tokens_per_s(analysis: Analysis, cell_id: str) -> tuple[float, float]:
     return (float(tokens), float(seconds)) if ok else (math.nan, math.nan)
 
 
+def _totals(analysis: Analysis, cells) -> tuple[float, float]:
+    """(output tokens, generation seconds) summed over `cells` (NaN where one does not record them)."""
+    pairs = [tokens_per_s(analysis, c) for c in cells]
+    return sum(t for t, _ in pairs), sum(s for _, s in pairs)
+
+
 def _ratio(a: float, b: float) -> float:
     return a / b if b and not (math.isnan(a) or math.isnan(b)) else math.nan
 
@@ -199,10 +205,8 @@ def speculative_summary(analysis: Analysis, table: pd.DataFrame | None = None) -
                 fd = first_divergence(seqs)
                 if fd is not None:
                     divs.append(fd)
-        tokens = sum(tokens_per_s(analysis, c)[0] for c in sub["cell_id"])
-        seconds = sum(tokens_per_s(analysis, c)[1] for c in sub["cell_id"])
-        plain_tokens = sum(tokens_per_s(analysis, c)[0] for c in sub["plain_cell"])
-        plain_seconds = sum(tokens_per_s(analysis, c)[1] for c in sub["plain_cell"])
+        tokens, seconds = _totals(analysis, sub["cell_id"])
+        plain_tokens, plain_seconds = _totals(analysis, sub["plain_cell"])
         drafted, accepted = int(sub["drafted"].sum()), int(sub["accepted"].sum())
         differ = sub["records_differ"]
         rows.append(
