@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -361,3 +362,14 @@ def leaked_pieces(root, secret: str, n: int = 8) -> list[tuple[str, str]]:
         for blob in file_texts(p):
             hits += [(str(p.relative_to(root)), piece) for piece in secret_pieces(blob, secret, n)]
     return sorted(set(hits))
+
+
+def tree_state(root: Path) -> dict[str, tuple]:
+    """Every path under root with its type, size and mtime (what a write would change)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return out

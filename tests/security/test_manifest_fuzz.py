@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import build_cli_once
+from helpers import build_cli_once, tree_state
 from typer.testing import CliRunner
 from unit.test_analyze import TBIK, invariant_cells, make_run
 
@@ -339,17 +339,6 @@ def test_the_fuzz_is_large_and_distinct():
     assert len(names) == len(set(names)) >= 130
 
 
-def _tree(root: Path) -> dict[str, tuple]:
-    """Every path under root with its type, size and mtime (what a write would change)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            st = p.lstat()
-            out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
-    return out
-
-
 def _variant(base: Path, root: Path, how) -> Path:
     """A copy of the base run (cell files hard-linked: no command rewrites one in place), then the
     variant applied to it."""
@@ -375,7 +364,7 @@ def _variant(base: Path, root: Path, how) -> Path:
 @pytest.mark.parametrize("how, expect", CASES)
 def test_manifest_variant(base, tmp_path, how, expect):
     run = _variant(base, tmp_path, how)
-    before = _tree(tmp_path)
+    before = tree_state(tmp_path)
     outputs = {"rep": tmp_path / "rep", "merged": tmp_path / "merged"}
     for args in (
         ["analyze", str(run)],
@@ -393,7 +382,7 @@ def test_manifest_variant(base, tmp_path, how, expect):
         assert res.exit_code in (0, 1, 2), (args[0], res.output)
         if res.exit_code == 2:
             assert len([line for line in res.output.splitlines() if line.strip()]) <= 2, (args[0], res.output)
-    after = _tree(tmp_path)
+    after = tree_state(tmp_path)
     allowed = {"run", "rep", "merged"}  # the run directory (analyze's reports) and the outputs asked for
     changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k) and k.split("/")[0] not in allowed}
     assert not changed, changed

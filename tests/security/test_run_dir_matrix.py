@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import build_cli_once, deadline
+from helpers import build_cli_once, deadline, tree_state
 from typer.testing import CliRunner
 from unit.test_analyze import TBIK, invariant_cells, make_run
 
@@ -381,16 +381,6 @@ def test_the_matrix_is_large_and_distinct():
     assert len(names) == len(set(names)) >= 200
 
 
-def _tree(root: Path) -> dict[str, tuple]:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            st = p.lstat()
-            out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns)
-    return out
-
-
 def _variant(base: Path, root: Path, how) -> Path:
     """A copy of the base run with the variant applied (cell files copied: a variant rewrites them)."""
     run = root / "run"
@@ -425,7 +415,7 @@ def _args(command: str, base: Path, run: Path, root: Path) -> list[str]:
 @pytest.mark.parametrize("how, expect", CASES)
 def test_run_dir_variant(base, tmp_path, how, expect):
     run = _variant(base, tmp_path, how)
-    before = _tree(run)
+    before = tree_state(run)
     for command in COMMANDS:
         with deadline(DEADLINE_S):
             res = runner.invoke(app, _args(command, base, run, tmp_path))
@@ -442,7 +432,7 @@ def test_run_dir_variant(base, tmp_path, how, expect):
         assert merged["cells"][A]["state"] != "done", merged["cells"][A]
         assert not (tmp_path / "merged" / CELL_FILE).exists()
     if expect in (REFUSED, CELL):  # nothing written: no report beside the run, nothing in it
-        assert _tree(run) == before
+        assert tree_state(run) == before
         assert not (tmp_path / "rep").exists()
     if expect == REFUSED:
         assert not (tmp_path / "merged").exists()
