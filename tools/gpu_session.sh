@@ -26,6 +26,7 @@ mkdir -p "$GS/logs" "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the machines' rule
 export DETAUDIT_HOME=${DETAUDIT_HOME:-$GS/home}
+export DETAUDIT_WHEEL_DIR=${DETAUDIT_WHEEL_DIR:-/tmp/vllm-bundle/models}  # the embedded model's wheel (vLLM bundle)
 SITE0=$GS/site0
 export PYTHONPATH=${SITE:-/tmp/site}:$SITE0:$PWD
 BEFORE=${BEFORE:-$GS/before}
@@ -120,14 +121,14 @@ step_wait() {
 }
 
 step_spec() {  # issue 52 item 5: n-gram (and draft-model) drafts at batch 1, answers that repeat the prompt
-  DETAUDIT_WHEEL_DIR=${DETAUDIT_WHEEL_DIR:-/tmp/vllm-bundle/models} python3 -m detaudit models prepare smollm2-135m-draft
-  DETAUDIT_WHEEL_DIR=${DETAUDIT_WHEEL_DIR:-/tmp/vllm-bundle/models} timeout 300 python3 -m detaudit bench e2e \
+  python3 -m detaudit models prepare smollm2-135m-draft
+  timeout 300 python3 -m detaudit bench e2e \
     --models smollm2-135m --tp 1 --batch-sizes 1 --new-tokens 128 --backends bf16,bio+tbik \
     --speculative ngram:4,draft:smollm2-135m-draft:4 --suite quote --repeats 3 --save "$GS/logs/spec.md" 2>&1 | tail -12
 }
 
 step_engine() {  # needs the embedded model: DETAUDIT_WHEEL_DIR from the vLLM bundle
-  DETAUDIT_WHEEL_DIR=${DETAUDIT_WHEEL_DIR:-/tmp/vllm-bundle/models} timeout 500 python3 -m pytest -q -rs \
+  timeout 500 python3 -m pytest -q -rs \
     -p no:cacheprovider tests/gpu/test_speculative_gpu.py "tests/gpu/test_gpu.py::test_engine_bio_batch_and_tbik_tp_invariant_on_gpu" \
     tests/gpu/test_gpu.py::test_cuda_graph_decode_matches_eager tests/gpu/test_gpu.py::test_gpu_fast_path_gives_the_reference_bits \
     2>&1 | tail -30
