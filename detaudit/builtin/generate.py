@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from detaudit.backends.sampling import top_p_drop
 from detaudit.builtin.graphs import (
     DecodeStep,
     RowsStep,
@@ -159,9 +160,8 @@ class Generator:
         vals, idx = torch.topk(scaled, k, dim=-1)  # exact selection, sorted descending
         probs = backend.log_softmax(vals).exp()
         if decoding.top_p < 1.0:
-            cum = probs.cumsum(dim=-1)
-            drop = (cum - probs) > decoding.top_p  # keep the smallest prefix reaching top_p
-            probs = probs.masked_fill(drop, 0.0)
+            # row-local sums (`sampling.row_cumsum`): torch.cumsum's on CUDA follow the batch's shape
+            probs = probs.masked_fill(top_p_drop(probs, decoding.top_p), 0.0)
         return probs, idx
 
     def _choose(self, logits: Tensor, decoding: DecodingParams, gens: list[torch.Generator]) -> Tensor:

@@ -166,6 +166,34 @@ def _install_bio(backend, marker) -> None:
             return backend.log_softmax(logits.float())
 
     sampler.Sampler.compute_logprobs = staticmethod(compute_logprobs)
+    _install_top_k_top_p(marker)
+
+
+def _install_top_k_top_p(marker) -> None:
+    """Sampled decoding's top-k / top-p filter through detaudit's (`backends.sampling.top_k_top_p`): vLLM's
+    own takes a Triton kernel from 8 requests a step on GPUs and a PyTorch sort below, which keep other
+    tokens at tied probabilities, so a request's token depended on its company (one H200: AIME24 prompt
+    89 at batch 8 against 16 and 32, under bio+tbik and under vllm-bi alike; reports/gpu/vllm). Replaced
+    in vLLM's module and in every module already holding it (the rejection sampler binds it at import;
+    modules imported later bind this one)."""
+    import sys
+
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from detaudit.backends.sampling import top_k_top_p
+
+    original = topk_topp_sampler.apply_top_k_top_p
+
+    def filtered(logits, k, p):
+        if k is not None or p is not None:
+            marker.op("top_k_top_p", _tp_rank())
+        return top_k_top_p(logits, k, p)
+
+    for module in list(sys.modules.values()):
+        # the module's own dict, not getattr: a lazy module __getattr__ must not import anything here
+        names = getattr(module, "__dict__", None)
+        if isinstance(names, dict) and names.get("apply_top_k_top_p") is original:
+            module.apply_top_k_top_p = filtered
 
 
 def _install_row_parallel(backend, marker, op: str) -> None:

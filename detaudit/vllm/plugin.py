@@ -6,16 +6,16 @@ It does nothing unless detaudit asks for it through `DETAUDIT_VLLM_BACKEND` (set
 - `bf16` / `vllm-bi` (vLLM's own kernels; `vllm-bi` is vLLM's batch-invariant mode, VLLM_BATCH_INVARIANT=1):
   nothing is patched; the plugin checks that VLLM_BATCH_INVARIANT is what the backend says (0 / 1) and
   records which attention backend vLLM selects.
-- `bio`: unquantized linear layers and the lm_head compute through detaudit's batch-invariant matmul
-  (vLLM's CPU GEMM dispatch, which would pick oneDNN / SGL kernels and drop the bf16 weight, is
-  skipped), RMSNorm (with its fused residual add) through detaudit's row-local RMSNorm, the sampler's
-  log-softmax through detaudit's, rotary and SiLU-and-mul through the built-in engine's functions
-  (`token_ops`), attention through the backend's fixed-split attention (CPU: `cpu_ops`; CUDA: the
-  `CUSTOM` attention backend of `gpu_attn`). `RowParallelLinear` (vLLM's out-of-tree layer
-  registration) computes an fp32 partial and combines the ranks with the backend's fixed-order
-  all-reduce over vLLM's TP group (with vLLM's own CPU all-reduce, bio outputs differed between batch
-  sizes at TP 4). VLLM_BATCH_INVARIANT=1 is refused here: it would swap vLLM's own kernels into these
-  layers (that mode is the backend `vllm-bi`).
+- `bio`: unquantized linear layers and the lm_head compute through detaudit's batch-invariant matmul (vLLM's
+  CPU GEMM dispatch, which would pick oneDNN / SGL kernels and drop the bf16 weight, is skipped), RMSNorm
+  (with its fused residual add) through detaudit's row-local RMSNorm, the sampler's log-softmax and its
+  top-k / top-p filter through detaudit's (`backends.sampling`), rotary and SiLU-and-mul through the
+  built-in engine's functions (`token_ops`), attention through the backend's fixed-split attention (CPU:
+  `cpu_ops`; CUDA: the `CUSTOM` attention backend of `gpu_attn`). `RowParallelLinear` (vLLM's out-of-tree
+  layer registration) computes an fp32 partial and combines the ranks with the backend's fixed-order
+  all-reduce over vLLM's TP group (with vLLM's own CPU all-reduce, bio outputs differed between batch sizes
+  at TP 4). VLLM_BATCH_INVARIANT=1 is refused here: it would swap vLLM's own kernels into these layers (that
+  mode is the backend `vllm-bi`).
 - `bio+tbik`: the same, and the row-parallel layer does the tree matmul + tree all-reduce instead.
 
 Every process it runs in writes `DETAUDIT_VLLM_MARKER_DIR/<pid>.json`, updated the first time each

@@ -72,6 +72,25 @@ def test_plugin_bio_tbik_is_bitwise_across_tp_and_batch_inside_vllm(prepared, tm
         assert all(want <= set(m["ops"]) and m["seen"]["VLLM_BATCH_INVARIANT"] == 0 for m in ranks.values())
 
 
+def test_plugin_bio_tbik_sampled_is_bitwise_across_batch_inside_vllm(prepared, tmp_path):
+    """Sampled decoding (the smoke suite's T 0.6, top-k 20, top-p 0.95) at batch 4 and 8: vLLM's own
+    top-k / top-p filter is a PyTorch sort below 8 requests a step and a Triton kernel from 8, so the
+    plugin must run its own (the marker shows `top_k_top_p`) for the cells to agree bit for bit."""
+    out = tmp_path / "sampled"
+    grid = sweep_args(suites="smoke", limit=8, max_new_tokens=48, no_cuda_graphs=True, device="cuda")
+    res = runner.invoke(
+        app,
+        ["sweep", "--engine", "vllm", *grid, "--backends", "bio+tbik", "--tp", "1", "--batch-sizes", "4,8"]
+        + ["--output-path", str(out), "--no-analyze"],
+    )
+    assert res.exit_code == 0, res.output
+    row = _analysis(out)["bio+tbik"]
+    assert row["cells"] == 2 and row["bitwise_diff_records"] == 0, row["bitwise_first_diff"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    markers = [m for k, d in manifest["backends"].items() if k.count("@") == 2 for m in d["plugin_markers"]]
+    assert any("top_k_top_p" in m["ops"] for m in markers), markers
+
+
 def test_vllm_bi_is_recorded_as_vllms_own_batch_invariant_mode(prepared, tmp_path):
     out = tmp_path / "bi"
     manifest = _sweep(out, "--engine", "vllm", "--backends", "vllm-bi", "--tp", "1", "--batch-sizes", "2,4")

@@ -106,8 +106,46 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys, monkeypatch):
             "rotary",
             "silu_and_mul",
             "tree_row_parallel" if backend == "bio+tbik" else "row_parallel",
+            "top_k_top_p",  # the suite samples (T 0.6, top-k 20, top-p 0.95): detaudit's filter ran
         }
         assert all(want <= set(m["ops"]) for m in ranks.values()), (key, markers)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_plugin_filter_replaces_vllms_wherever_it_is_bound():
+    """vLLM's top-k / top-p filter switches algorithm at 8 requests on GPUs (reports/gpu/vllm): the plugin
+    swaps detaudit's in, in vLLM's module and in those that bound it at import (the rejection sampler).
+    In-process here, and put back afterwards."""
+    import sys
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from detaudit.backends.sampling import top_k_top_p
+    from detaudit.vllm import patches
+
+    original = topk_topp_sampler.apply_top_k_top_p
+    holders = [
+        m
+        for m in list(sys.modules.values())
+        if isinstance(getattr(m, "__dict__", None), dict) and m.__dict__.get("apply_top_k_top_p") is original
+    ]
+    assert topk_topp_sampler in holders and rejection_sampler in holders
+    ops: list[str] = []
+    try:
+        patches._install_top_k_top_p(SimpleNamespace(op=lambda name, rank=None: ops.append(name)))
+        assert all(m.apply_top_k_top_p is not original for m in holders)
+        logits = (torch.randn(6, 512, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16).float()
+        k, p = torch.tensor([20, 512, 5, 20, 1, 100]), torch.tensor([0.95, 0.5, 1.0, 0.9, 0.95, 0.99])
+        got = rejection_sampler.apply_top_k_top_p(logits.clone(), k, p)
+        assert torch.equal(got, top_k_top_p(logits.clone(), k, p)) and ops == ["top_k_top_p"]
+        assert topk_topp_sampler.apply_top_k_top_p(logits, None, None) is logits and ops == ["top_k_top_p"]
+    finally:
+        for m in holders:
+            m.apply_top_k_top_p = original
 
 
 @needs_vllm
