@@ -9,6 +9,7 @@ from. Log-probabilities are of the model's raw distribution (temperature 1), in 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Callable, Iterator
 
 import numpy as np
@@ -116,18 +117,23 @@ NUMERIC_FIELDS = (
 class RecordDifference:
     """Where two records first differ. `field` is a NUMERIC_FIELDS name, or "record" when the prompt
     (and repeat) is in one cell only (`position` None). `position` is the output position (for
-    tf_token_logprobs: the position in the reference continuation)."""
+    tf_token_logprobs: the position in the reference continuation). `sampled`: the first difference
+    is the chosen token and both records' top-k (ids and log-probabilities) are bitwise equal up to
+    and at it, so the model gave the same distribution and the sampler picked another token (not
+    compared: it describes the difference, it does not make another one)."""
 
     field: str
     prompt_id: str
     position: int | None
     repeat: int = 0
+    sampled: bool = dataclass_field(default=False, compare=False)
 
     def __str__(self) -> str:
         prompt = f"prompt {self.prompt_id}" + (f" repeat {self.repeat}" if self.repeat else "")
         if self.field == "record":
             return f"{prompt} in one cell only"
-        return f"{self.field}, {prompt}, position {self.position}"
+        why = " (same top-k there: the sampler chose another token)" if self.sampled else ""
+        return f"{self.field}, {prompt}, position {self.position}{why}"
 
 
 def _bits(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -205,6 +211,20 @@ def _column_equal(a: pa.ChunkedArray, b: pa.ChunkedArray) -> bool:
     return len(bits_a) == len(bits_b) and all(np.array_equal(x, y) for x, y in zip(bits_a, bits_b))
 
 
+TOPK_FIELDS = ("topk_ids", "topk_logprobs")
+
+
+def _topk_at(table: pa.Table, row: int, position: int) -> bool:
+    """Whether the record holds a non-empty top-k (ids and log-probabilities) at `position`."""
+    for f in TOPK_FIELDS:
+        if f not in table.column_names:
+            return False
+        value = table.column(f)[row]
+        if not value.is_valid or len(value) <= position or not value[position].is_valid or not len(value[position]):
+            return False
+    return True
+
+
 def record_differences(
     a: pa.Table, b: pa.Table, fields: tuple[str, ...] = NUMERIC_FIELDS
 ) -> Iterator[RecordDifference]:
@@ -230,7 +250,15 @@ def record_differences(
                 found.append((pos, f))
         if found:
             pos, f = min(found, key=lambda pf: (pf[0], fields.index(pf[1])))
-            yield RecordDifference(f, key[0], pos, key[1])
+            # the chosen token first, and no top-k field differing at its position (an earlier one would
+            # have come first): the same distribution there, another token drawn
+            sampled = (
+                f == "output_token_ids"
+                and not any(p == pos for p, g in found if g in TOPK_FIELDS)
+                and _topk_at(a, i, pos)
+                and _topk_at(b, j, pos)
+            )
+            yield RecordDifference(f, key[0], pos, key[1], sampled=sampled)
     for key in (k for k in rows_b if k not in rows_a):
         yield RecordDifference("record", key[0], None, key[1])
 

@@ -115,3 +115,29 @@ def test_one_changed_number_of_any_numeric_field_is_found(flip):
     # a record holding the field against one that does not: the field's position 0
     b[1] = dict(a[1], **{flip.field: None})
     assert first_difference(table(*a), table(*b)) == RecordDifference(flip.field, "p1", 0)
+
+
+def test_another_token_from_the_same_top_k_is_named_a_sampling_difference():
+    b = records()
+    b[1]["output_token_ids"][2] = 99  # the same distribution at position 2, another token drawn
+    d = first_difference(table(*records()), table(*b))
+    assert d == RecordDifference("output_token_ids", "p1", 2) and d.sampled
+    assert str(d).endswith("(same top-k there: the sampler chose another token)")
+
+
+def test_a_token_whose_top_k_also_differs_is_not_a_sampling_difference():
+    b = records()
+    b[1]["output_token_ids"][2] = 99
+    b[1]["topk_logprobs"][2][0] = ulp(b[1]["topk_logprobs"][2][0])  # the distribution moved there too
+    d = first_difference(table(*records()), table(*b))
+    assert d == RecordDifference("output_token_ids", "p1", 2) and not d.sampled
+    assert "sampler" not in str(d)
+
+
+def test_without_top_k_a_token_difference_is_not_called_a_sampling_one():
+    a, b = records(), records()
+    for r in (*a, *b):
+        r["topk_ids"] = r["topk_logprobs"] = None
+    b[0]["output_token_ids"][1] = 99
+    d = first_difference(table(*a), table(*b))
+    assert d == RecordDifference("output_token_ids", "p0", 1) and not d.sampled
