@@ -51,7 +51,8 @@ def test_one_ulp_in_one_cell_exits_1_naming_field_and_position(tmp_path):
     assert report["equal"] is False
     (cell,) = [c for c in report["cells"] if c["status"] == "differs"]
     assert cell["cell"] == TBIK[2] and cell["records_differ"] == 1 and cell["outputs_differ"] == 0
-    assert cell["first_difference"] == {"field": "token_logprobs", "prompt_id": "p1", "position": 2, "repeat": 0}
+    want = {"field": "token_logprobs", "prompt_id": "p1", "position": 2, "repeat": 0, "sampled": False}
+    assert cell["first_difference"] == want
     assert cell["maxprob_div"] == 0  # the top-k rows did not move
 
 
@@ -136,7 +137,9 @@ def test_one_changed_number_of_any_field_in_the_third_cell_exits_1(moe_a, tmp_pa
         CELLS3[2]: "equal",
         LAST: "differs",
     }
-    want = {"field": flip.field, "prompt_id": "p1", "position": flip.position, "repeat": 0}
+    # a token changed alone leaves the top-k there as it was: the sampler's difference, and said so
+    sampled = flip.field == "output_token_ids"
+    want = {"field": flip.field, "prompt_id": "p1", "position": flip.position, "repeat": 0, "sampled": sampled}
     assert by_cell[LAST]["first_difference"] == want and by_cell[LAST]["records_differ"] == 1
     assert by_cell[LAST]["outputs_differ"] == (flip.field == "output_token_ids")
 
