@@ -702,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of a suite prompt")
     p.add_argument("--all", action="store_true", help="print every layer's rows")
     p.add_argument("--save", default=None, help="keep each side's captures (.pt, tens of MB) and log in this directory")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine")
+    p.add_argument("--timeout", type=float, default=280.0, help="seconds per engine (both within a 10-minute call)")
     p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a child process's engine
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
