@@ -43,6 +43,7 @@ def thread_binds(tp: int, cores: Sequence[int]) -> str:
 
 NATIVE_BACKENDS = ("bf16", "vllm-bi")  # computed by vLLM's own kernels (the plugin only records)
 FLASHINFER_SAMPLER_ENV = "VLLM_USE_FLASHINFER_SAMPLER"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 BI_ENV = "VLLM_BATCH_INVARIANT"  # vLLM's own batch-invariant mode: on for vllm-bi only, off (cleared) otherwise
 
 
@@ -64,6 +65,13 @@ def engine_env(backend: str, tp: int, device: str, marker_dir: str) -> dict[str,
         # every cell of the plugin's backends failed with "No module named 'flashinfer'" (H200, this
         # round); with it off, the sampler is vLLM's PyTorch one. A value the user set is kept.
         env[FLASHINFER_SAMPLER_ENV] = os.environ.get(FLASHINFER_SAMPLER_ENV, "0")
+    if device.startswith("cuda") and backend not in NATIVE_BACKENDS:
+        # vLLM 0.25.1 runs dense models on GPUs with its "model runner V2", whose sampler computes the
+        # log-probabilities in a Triton kernel of its own and never calls the sampler the plugin
+        # patches: under bio+tbik on an H200 every log-probability then differed from the built-in
+        # engine's (the plugin's markers showed no `log_softmax`). The V1 runner, vLLM's runner on CPU,
+        # samples through the patched sampler. bf16 / vllm-bi keep vLLM's choice (what users run).
+        env[V2_RUNNER_ENV] = "0"
     if not device.startswith("cuda"):
         cores = cpu_core_ids()
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or thread_binds(tp, cores)
@@ -226,6 +234,8 @@ class VllmHost:
             "enable_prefix_caching": cache.enable_prefix_caching,
             **self.mode,
             "compilation_mode": str(getattr(comp, "mode", "")),
+            # vLLM's GPU model runner: V2 samples and scores without the plugin's sampler (engine_env)
+            "model_runner": {True: "v2", False: "v1"}.get(getattr(config, "use_v2_model_runner", None), "unknown"),
             "cudagraph_mode": str(getattr(comp, "cudagraph_mode", "")),
             "disable_custom_all_reduce": True,
             "env": recorded_env(),

@@ -93,6 +93,20 @@ def test_without_flashinfer_vllms_gpu_sampler_is_told_not_to_use_it(monkeypatch)
     assert host.FLASHINFER_SAMPLER_ENV not in host.engine_env("bio+tbik", 1, "cuda", "/tmp/m")
 
 
+def test_the_plugins_backends_run_vllms_v1_model_runner_on_gpus(monkeypatch):
+    """vLLM 0.25.1's model runner V2 scores and samples without the sampler the plugin patches: bio /
+    bio+tbik on CUDA always get the V1 runner (an inherited V2 switch included); bf16 / vllm-bi keep
+    whatever vLLM or the user chose; on CPU vLLM has no V2 runner and nothing is set."""
+    from detaudit.vllm import host
+
+    monkeypatch.setenv(host.V2_RUNNER_ENV, "1")
+    for b in ("bio", "bio+tbik"):
+        assert host.engine_env(b, 1, "cuda", "/tmp/m")[host.V2_RUNNER_ENV] == "0"
+        assert host.V2_RUNNER_ENV not in host.engine_env(b, 1, "cpu", "/tmp/m")
+    for b in ("bf16", "vllm-bi"):
+        assert host.V2_RUNNER_ENV not in host.engine_env(b, 1, "cuda", "/tmp/m")
+
+
 def test_execution_mode_per_backend_and_device():
     from detaudit.vllm.host import engine_mode
 
