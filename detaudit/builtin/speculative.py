@@ -122,7 +122,8 @@ class DraftModel:
         at = torch.tensor(self.valid, device=device)
         for s in range(1, k):
             positions = torch.clamp(at + s - 1, max=length - 1)
-            logits = self.step(picks[-1], positions, int(positions.max()) + 1)[0]
+            furthest = min(max(self.valid) + s - 1, length - 1)  # positions.max(), without a device sync
+            logits = self.step(picks[-1], positions, furthest + 1)[0]
             picks.append(logits.argmax(dim=-1))
         drafted = torch.stack(picks, dim=1).tolist()
         return [d[:w] for d, w in zip(drafted, wants)]
