@@ -122,13 +122,13 @@ def request_seed(seed: int, prompt_id: str) -> int:
 
 SPEC_KINDS = ("off", "ngram", "draft")
 MAX_SPEC_K = 16  # drafted tokens per step: more is a typo (every verify step runs k + 1 rows per request)
-NGRAM_MAX = 3  # n-gram drafts: the longest suffix of the context looked up (prompt lookup), down to 1 token
+NGRAM_MAX = 5  # n-gram drafts: the longest suffix of the context looked up (prompt lookup), down to 1 token
 
 
 @dataclass(frozen=True)
 class Speculative:
     """One value of the speculative-decoding axis (`--speculative`): `off`, `ngram:K` (prompt lookup: the
-    K tokens that followed the latest earlier occurrence of the context's longest suffix of up to
+    K tokens that followed the first occurrence of the context's longest recurring suffix of up to
     NGRAM_MAX tokens) or `draft:MODEL:K` (a draft model's K greedy tokens; MODEL a checkpoint directory
     or a named model sharing the target's tokenizer). `model`: the draft's resolved checkpoint, set by
     the sweep before any engine opens (`with_model`)."""

@@ -353,16 +353,14 @@ class Generator:
             rows = 1 + max(len(d) for d in drafts)
             pending = [c[-1] if a else self.pad_id for c, a in zip(contexts, active)]
             at = [len(c) - 1 for c in contexts]  # the pending token's position
-            tokens = torch.tensor(
+            tokens, positions = _rows_to_device(
                 [[pending[i], *drafts[i]] + [self.pad_id] * (rows - 1 - len(drafts[i])) for i in range(B)],
-                dtype=torch.long,
-                device=self.device,
+                [[min(at[i] + j, length - 1) for j in range(rows)] for i in range(B)],
+                self.device,
             )
-            positions = torch.tensor(
-                [[min(at[i] + j, length - 1) for j in range(rows)] for i in range(B)], device=self.device
-            )
+            furthest = min(max(at) + rows - 1, length - 1)  # the largest position, known here without a sync
             issued = time.perf_counter()
-            logits, logprobs, route = rows_step(rows)(tokens, positions, int(positions.max()) + 1)
+            logits, logprobs, route = rows_step(rows)(tokens, positions, furthest + 1)
             issue_s += time.perf_counter() - issued
             steps += 1
         self.timings = {
@@ -423,15 +421,17 @@ class Generator:
         for j in range(logits.shape[1]):
             lj, lpj = logits[:, j].contiguous(), logprobs[:, j].contiguous()
             top_lp, top_id = torch.topk(lpj, decoding.logprobs, dim=-1)
-            if decoding.greedy:
+            if decoding.greedy:  # one candidate, drawn with certainty: no probabilities to copy
                 cand = lj.argmax(dim=-1)[:, None]
-                probs = torch.ones(cand.shape, dtype=torch.float32, device=cand.device)
+                parts.append((top_id, top_lp, cand, lpj.gather(1, cand)))
             else:
                 probs, cand = self._distribution(lj, decoding)
-            parts.append((top_id, top_lp, probs, cand, lpj.gather(1, cand)))
+                parts.append((top_id, top_lp, cand, lpj.gather(1, cand), probs))
         stacked = [torch.stack(p, dim=1) for p in zip(*parts)]  # each [B, R, ...]
+        n = len(stacked)
         host = _to_host(*stacked, *(route or ()), lists=False)()
-        return _RowPicks(*host[:5], [t.tolist() for t in host[5:]], decoding.greedy, logits.shape[1])
+        probs = None if decoding.greedy else host[4]
+        return _RowPicks(*host[:4], probs, [t.tolist() for t in host[n:]], logits.shape[1])
 
     def _draft_for(self, spec: Speculative) -> DraftModel | None:
         """The draft model of `spec` (loaded once per checkpoint), where this process runs it: in real TP
@@ -519,6 +519,16 @@ class Generator:
         return out.to(self.device)
 
 
+def _rows_to_device(tokens: list[list[int]], positions: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """A verify step's inputs on the device: one host tensor and, on GPU, one asynchronous copy from
+    pinned memory, ordered before the step on the stream, so the host does not wait for the device here
+    (`torch.tensor(..., device=)` copies blocking: the host would wait for the stream once per tensor)."""
+    host = torch.tensor([tokens, positions], dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory().to(device, non_blocking=True)
+    return host[0], host[1]
+
+
 def _draw(probs: Tensor, gen: torch.Generator) -> Tensor:
     """One draw from a row of the sampled distribution with its request's generator: the one call both
     plain and speculative decoding make per generated token."""
@@ -529,13 +539,14 @@ class _RowPicks:
     """A verify step's rows on the host (`Generator._row_picks`): per request i and row j the recorded
     top-k, and the candidates a draw picks among with their probabilities and log-probabilities."""
 
-    def __init__(self, top_id, top_lp, probs, cand, cand_lp, route, greedy: bool, rows: int) -> None:
-        self.top_id, self.top_lp, self.probs, self.cand, self.cand_lp = top_id, top_lp, probs, cand, cand_lp
-        self.route, self.greedy, self.rows = route, greedy, rows
+    def __init__(self, top_id, top_lp, cand, cand_lp, probs, route, rows: int) -> None:
+        self.top_id, self.top_lp, self.cand, self.cand_lp, self.probs = top_id, top_lp, cand, cand_lp, probs
+        self.route, self.rows = route, rows
 
     def token(self, i: int, j: int, gen: torch.Generator) -> tuple[int, float]:
-        """The token drawn at request i's row j, and its log-probability."""
-        pick = 0 if self.greedy else int(_draw(self.probs[i, j], gen))
+        """The token drawn at request i's row j, and its log-probability (greedy, `probs` None: the one
+        candidate, the argmax)."""
+        pick = 0 if self.probs is None else int(_draw(self.probs[i, j], gen))
         return int(self.cand[i, j, pick]), float(self.cand_lp[i, j, pick])
 
     def record(self, g: Generation, i: int, j: int) -> None:

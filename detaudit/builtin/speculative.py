@@ -28,9 +28,17 @@ from detaudit.config import NGRAM_MAX
 
 def ngram_propose(context: Sequence[int], k: int, max_n: int = NGRAM_MAX) -> list[int]:
     """Prompt lookup: the longest suffix of `context` of up to `max_n` tokens that also occurs earlier in
-    it (the latest such occurrence), and up to `k` tokens that followed that occurrence; [] when no
-    suffix of one token or more recurs. A pure function of the tokens: every rank, every run, every
-    batch proposes the same drafts for the same context."""
+    it, its earliest such occurrence, and up to `k` tokens that followed that occurrence (fewer where the
+    context ends first); [] when no suffix of one token or more recurs. The same drafts as vLLM's n-gram
+    proposer with `prompt_lookup_min` 1 and `prompt_lookup_max` `max_n` (NGRAM_MAX 5: vLLM's default).
+    A pure function of the tokens: every rank, every run, every batch proposes the same drafts for the
+    same context.
+
+    Why the earliest occurrence and up to 5 tokens: an answer that copies its prompt follows the text it
+    copies, usually the earliest occurrence of what it has just written (a later one is the answer's own
+    copy, or a repeat such as a second loop over the same list, whose continuation may differ); and in
+    code, suffixes of 3 tokens (`    for x in`) recur with other continuations far more than 5-token ones.
+    Both raised the acceptance of the embedded model's greedy answers on the `quote` suite."""
     a = np.asarray(context, dtype=np.int64)
     n_ctx = len(a)
     if k < 1 or n_ctx < 2:
@@ -40,7 +48,7 @@ def ngram_propose(context: Sequence[int], k: int, max_n: int = NGRAM_MAX) -> lis
         windows = sliding_window_view(a[: n_ctx - 1], n)
         hits = np.flatnonzero((windows == a[n_ctx - n :]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            start = int(hits[0]) + n
             return a[start : start + k].tolist()
     return []
 
@@ -114,7 +122,8 @@ class DraftModel:
         at = torch.tensor(self.valid, device=device)
         for s in range(1, k):
             positions = torch.clamp(at + s - 1, max=length - 1)
-            logits = self.step(picks[-1], positions, int(positions.max()) + 1)[0]
+            furthest = min(max(self.valid) + s - 1, length - 1)  # positions.max(), without a device sync
+            logits = self.step(picks[-1], positions, furthest + 1)[0]
             picks.append(logits.argmax(dim=-1))
         drafted = torch.stack(picks, dim=1).tolist()
         return [d[:w] for d, w in zip(drafted, wants)]

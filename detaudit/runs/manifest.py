@@ -415,15 +415,20 @@ def numerics(describe: dict | None) -> dict:
 
 
 def speculative_conflicts(recorded: dict[str, dict], new: dict[str, dict]) -> list[str]:
-    """Speculative settings of one label (one cell-id coordinate) whose draft model differs (another
-    checksum): cells of one id computed with two drafts. The label names the draft by its directory, so
-    a checksum is what tells two drafts apart."""
+    """Speculative settings of one label (one cell-id coordinate) that draft otherwise: a draft model of
+    another checksum (the label names the draft by its directory, so a checksum is what tells two drafts
+    apart), or an n-gram lookup of other suffix lengths (`ngram_max`, as another detaudit version records
+    it). Cells of one id computed with two proposers: their acceptance, and under bf16 their output, may
+    differ."""
     short = lambda d: str(d.get("checksum"))[:12]  # noqa: E731
-    return [
-        f"{label} (draft checksum {short(recorded[label])} vs {short(new[label])})"
-        for label in sorted(set(recorded) & set(new))
-        if recorded[label].get("checksum") != new[label].get("checksum")
-    ]
+    out = []
+    for label in sorted(set(recorded) & set(new)):
+        a, b = recorded[label], new[label]
+        if a.get("checksum") != b.get("checksum"):
+            out.append(f"{label} (draft checksum {short(a)} vs {short(b)})")
+        elif "ngram_max" in a and "ngram_max" in b and a["ngram_max"] != b["ngram_max"]:
+            out.append(f"{label} (n-gram lookup of up to {a['ngram_max']} vs {b['ngram_max']} tokens)")
+    return out
 
 
 def numerics_conflicts(recorded: dict[str, dict], new: dict[str, dict]) -> list[str]:

@@ -57,8 +57,8 @@ def _load(paths: list[Path]) -> list[RunDir]:
         clash = speculative_conflicts(first.speculative, m.speculative)
         if clash:
             raise DetauditError(
-                f"cannot merge {run.path} into {runs[0].path}: another draft model under the same name "
-                f"({'; '.join(clash)})"
+                f"cannot merge {run.path} into {runs[0].path}: another draft model or n-gram lookup under the "
+                f"same name ({'; '.join(clash)})"
             )
         clash = numerics_conflicts(first.backends, m.backends)
         if clash:

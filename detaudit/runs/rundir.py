@@ -343,8 +343,8 @@ class RunDir:
             clash = speculative_conflicts(old.speculative, manifest.speculative)
             if clash:
                 raise DetauditError(
-                    f"{self.path} holds cells of another draft model under the same name ({'; '.join(clash)}); "
-                    "use another --output-path"
+                    f"{self.path} holds cells of another draft model or n-gram lookup under the same name "
+                    f"({'; '.join(clash)}); use another --output-path"
                 )
             widen_grid(old.config, manifest.config)  # a resumed sweep may add TP sizes, batch sizes, ...
             old.speculative.update(manifest.speculative)

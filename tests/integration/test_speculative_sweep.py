@@ -67,7 +67,7 @@ def test_sweep_with_the_speculative_axis(tmp_path, tiny_sweep_model):
     gen = json.loads((other / "generation_config.json").read_text())  # (a file of the checksum)
     (other / "generation_config.json").write_text(json.dumps({**gen, "top_k": 7}))
     res = runner.invoke(app, [*base, "--speculative", f"off,draft:{other}:2", "--no-analyze"])
-    one_line_error(res, "holds cells of another draft model under the same name (draft2-tiny-draft")
+    one_line_error(res, "holds cells of another draft model or n-gram lookup under the same name (draft2-tiny-draft")
     assert len(run.load().done_cells()) == 16
 
     # diff matches the speculative cells by id

@@ -190,6 +190,6 @@ def test_merge_keeps_the_settings_and_refuses_another_draft_of_one_name(tmp_path
     merged = merge_runs([a, b], tmp_path / "merged")
     assert merged.speculative["draft2-d"]["checksum"] == "aaa" and set(merged.cells) == set(cells)
     c = make_run(tmp_path / "c", cells, draft_checksum="ccc", **kw)
-    with pytest.raises(DetauditError, match="another draft model under the same name .draft2-d"):
+    with pytest.raises(DetauditError, match="another draft model or n-gram lookup under the same name .draft2-d"):
         merge_runs([a, c], tmp_path / "refused")
     assert not (tmp_path / "refused").exists()

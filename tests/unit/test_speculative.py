@@ -12,6 +12,7 @@ import torch
 from detaudit.builtin.speculative import ngram_propose, verify
 from detaudit.config import (
     MAX_SPEC_K,
+    NGRAM_MAX,
     Cell,
     Speculative,
     SweepConfig,
@@ -26,15 +27,35 @@ from detaudit.runs.manifest import CELL_ID_RE, _grid, speculative_conflicts, wid
 # ---------------------------------------------------------------- the n-gram proposer
 
 
-def test_ngram_longest_suffix_latest_occurrence():
-    # suffix (7, 8, 9) occurs at 0 (then 1, 2) and at 5 (then 3, 4): the latest wins
+def _lookup(ctx: list[int], k: int, max_n: int) -> list[int]:
+    """Prompt lookup written plainly, as a reference: the longest n <= max_n whose suffix recurs, its first
+    occurrence, what followed it."""
+    for n in range(min(max_n, len(ctx) - 1), 0, -1):
+        for s in range(len(ctx) - n):  # (s + n <= len(ctx) - 1: a token follows, the suffix excluded)
+            if ctx[s : s + n] == ctx[-n:]:
+                return ctx[s + n : s + n + k]
+    return []
+
+
+def test_ngram_longest_suffix_first_occurrence():
+    # suffix (7, 8, 9) occurs at 0 (then 1, 2) and at 5 (then 3, 4): the first occurrence wins, which in a
+    # copy task is the text being copied, not a later repeat of it
     ctx = [7, 8, 9, 1, 2, 7, 8, 9, 3, 4, 5, 7, 8, 9]
-    assert ngram_propose(ctx, 2) == [3, 4]
-    assert ngram_propose(ctx, 10) == [3, 4, 5, 7, 8, 9]  # up to k, fewer where the context ends
-    # a 3-token suffix beats a more recent 1-token match: (5, 6, 9) occurs once before, 9 alone later
-    ctx = [5, 6, 9, 1, 9, 2, 5, 6, 9]
+    assert ngram_propose(ctx, 2) == [1, 2]
+    assert ngram_propose([7, 8, 9, 1, 2, 7, 8, 9], 10) == [1, 2, 7, 8, 9]  # up to k, fewer at the end
+    # a longer suffix beats an earlier shorter one: (5, 6, 9) occurs once before, 9 alone earlier
+    ctx = [9, 2, 5, 6, 9, 1, 5, 6, 9]
     assert ngram_propose(ctx, 1) == [1]
     assert ngram_propose(ctx, 1, max_n=1) == [2]
+
+
+def test_ngram_looks_up_suffixes_of_five_tokens():
+    """Code repeats short runs (`    for x in`) with other continuations: the 5-token suffix finds the
+    occurrence the answer is copying where the 3-token one finds the first loop."""
+    # two lines (1, 10, 2, 3, 4, 11) and (1, 20, 2, 3, 4, 21) share (2, 3, 4); the answer is copying the second
+    ctx = [1, 10, 2, 3, 4, 11, 1, 20, 2, 3, 4, 21, 1, 20, 2, 3, 4]
+    assert ngram_propose(ctx, 2) == [21, 1]  # (20, 2, 3, 4) recurs in the second line only
+    assert ngram_propose(ctx, 2, max_n=3) == [11, 1]  # (2, 3, 4) first in the first line
 
 
 def test_ngram_falls_back_to_shorter_suffixes_and_may_find_none():
@@ -45,20 +66,14 @@ def test_ngram_falls_back_to_shorter_suffixes_and_may_find_none():
     assert ngram_propose([1, 2, 1, 2], 0) == []
 
 
-def test_ngram_never_matches_the_suffix_itself():
+def test_ngram_never_matches_the_suffix_itself_and_equals_the_plain_lookup():
     # the context's own suffix is not an earlier occurrence: a repeated run proposes what followed it
-    assert ngram_propose([9, 9, 9, 9], 4) == [9]
+    assert ngram_propose([9, 9, 9, 9], 4) == [9]  # (9, 9, 9) at 0, followed by the last token
     rng = random.Random(0)
-    for _ in range(200):
-        ctx = [rng.randrange(4) for _ in range(rng.randrange(2, 30))]
-        got = ngram_propose(ctx, 3)
-        assert len(got) <= 3
-        if got:  # what it proposes followed an earlier occurrence of some suffix
-            assert any(
-                ctx[s : s + n] == ctx[-n:] and ctx[s + n : s + n + len(got)] == got
-                for n in range(1, 4)
-                for s in range(len(ctx) - n)
-            )
+    for _ in range(500):
+        ctx = [rng.randrange(4) for _ in range(rng.randrange(0, 40))]
+        k, max_n = rng.randrange(0, 6), rng.randrange(1, 7)
+        assert ngram_propose(ctx, k, max_n) == (_lookup(ctx, k, max_n) if k else [])
 
 
 # ---------------------------------------------------------------- the verification walk
@@ -252,8 +267,13 @@ def test_manifest_grid_reads_the_axis_and_old_configs():
     assert len(_grid(widened, "test")) == 3
 
 
-def test_speculative_conflicts_compare_draft_checksums():
-    a = {"draft2-d": {"checksum": "aaa"}, "ngram4": {"setting": "ngram:4"}}
+def test_speculative_conflicts_compare_draft_checksums_and_ngram_lookups():
+    a = {"draft2-d": {"checksum": "aaa"}, "ngram4": {"setting": "ngram:4", "ngram_max": 5}}
     assert speculative_conflicts(a, {"draft2-d": {"checksum": "aaa"}, "ngram3": {}}) == []
     (clash,) = speculative_conflicts(a, {"draft2-d": {"checksum": "bbb"}})
     assert "draft2-d" in clash and "aaa" in clash and "bbb" in clash
+    # an n-gram setting recorded by a detaudit that looked up other suffix lengths
+    assert speculative_conflicts(a, {"ngram4": {"setting": "ngram:4", "ngram_max": 5}}) == []
+    (clash,) = speculative_conflicts(a, {"ngram4": {"setting": "ngram:4", "ngram_max": 3}})
+    assert clash == "ngram4 (n-gram lookup of up to 5 vs 3 tokens)"
+    assert Speculative("ngram", 4).describe()["ngram_max"] == NGRAM_MAX
