@@ -101,7 +101,9 @@ def test_graphed_speculation_equals_eager_and_bf16_is_reported(setup, capsys):
         got = _generate(graphed, setup, dec, 8, spec)
         assert got == expected, backend
         assert got[2] > 0  # drafts accepted: multi-row verify steps replayed
-        assert len(graphed.generator._graphs[8][2]) > 1  # verify graphs captured beside the decode cache
+        # verify graphs (rows per request > 1) captured beside the decode graph; on the quote suite's
+        # copied answers every step drafts all 4 tokens, so one rows count (5) may be all there is
+        assert any(rows > 1 for rows in graphed.generator._graphs[8][2]), graphed.generator._graphs[8][2]
         graphed.close()
         _free()
     eng = local_engine(setup["model"], "bf16", 1, device="cuda")
