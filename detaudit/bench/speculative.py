@@ -5,7 +5,10 @@ For each (model, TP, backend) one engine is built; per batch size the first `bat
 (default `quote`: answers that repeat their prompt, where n-gram drafts are accepted; cycled under new
 request ids when the batch is larger than the suite) are generated greedily for `new_tokens` tokens with
 end of sequence disabled (every call emits the same number of tokens), after a warm-up call per setting,
-`repeats` times; each row is the median call by decode time. Per row:
+`repeats` times; each row is the median call by decode time. A speculative setting's warm-up is the timed
+call itself: a verify step's CUDA graph is captured on the first step of its row count, and greedy drafts
+are deterministic, so the warm-up meets every row count the timed calls meet and no capture is timed.
+Per row:
 
 - `decode_tok_s`: tokens generated after the prefill's first one, over the decode loop's time (drafting,
   verify steps, sampling and bookkeeping included); `tok_s`: every token over prefill + decode.
@@ -77,7 +80,7 @@ def bench_speculative(
                         batch, ids = suite_batch(suite_ids, suite_names, bs)
                         reference = None
                         for spec in (plain, *settings):
-                            eng.generate(batch, ids, warm, bs, speculative=spec)
+                            eng.generate(batch, ids, decoding if spec.on else warm, bs, speculative=spec)
                             calls = []
                             for _ in range(repeats):
                                 out = eng.generate(batch, ids, decoding, bs, speculative=spec)
