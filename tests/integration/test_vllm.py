@@ -8,11 +8,12 @@ import importlib.util
 import json
 
 import pytest
-from helpers import cli_json, find_secrets, sweep_args
+from helpers import assert_loopback_only, cli_json, find_secrets, listening, sweep_args
 from security.test_secrets import SECRETS
 from typer.testing import CliRunner
 
 from detaudit.cli import app
+from detaudit.executors import local
 from detaudit.runs.records import first_difference
 from detaudit.runs.rundir import RunDir
 from detaudit.vllm.host import thread_binds
@@ -57,8 +58,24 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys, monkeypatch):
     # and 8 on all 8 prompts, is in reports/cpu-vllm; this is the CI-sized version of it)
     grid = sweep_args(suites=None, limit=4, max_new_tokens=6, backends="bf16,bio,bio+tbik", tp="1,2", batch_sizes="2,4")
     args = ["sweep", "--engine", "vllm", *grid, "--output-path", str(out), "--no-analyze"]
+    # each TP-2 engine's listening sockets, read once it has run a cell (its workers up): the host process
+    # and the workers vLLM starts for it (file-store rendezvous, gloo groups, message queues) listen on
+    # loopback only (tests/security/test_listen_sockets.py checks the built-in engine's and Ray's)
+    sockets: dict[str, list] = {}
+    run_job = local.run_job
+
+    def run_job_and_read_sockets(engine, group, *rest):
+        out = run_job(engine, group, *rest)
+        if group.options.tp == 2 and group.options.backend not in sockets:
+            sockets[group.options.backend] = listening([p.pid for p in engine.procs])
+        return out
+
+    monkeypatch.setattr(local, "run_job", run_job_and_read_sockets)
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
+    assert set(sockets) == {"bf16", "bio", "bio+tbik"}, sockets
+    for socks in sockets.values():
+        assert_loopback_only(socks)
     res = runner.invoke(app, ["analyze", str(out), "--json"])
     assert res.exit_code == 0, res.output
     rows = {r["backend"]: r for r in cli_json(res)}
