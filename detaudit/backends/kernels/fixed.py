@@ -47,8 +47,9 @@ def derived(w: Tensor, key: str, build) -> Tensor:
 
 
 def weight_t(w: Tensor) -> Tensor:
-    """fp32 [K, N] contiguous copy of w[N, K]."""
-    return derived(w, "t", lambda d: d.float().t().contiguous())
+    """fp32 [K, N] contiguous copy of w[N, K]. Transposed in w's dtype, then widened: the same values
+    (widening to fp32 is exact), and the strided pass moves a bf16 weight's 2-byte elements, not 4."""
+    return derived(w, "t", lambda d: d.t().contiguous().float())
 
 
 def blocks_of(x: Tensor) -> Tensor:

@@ -52,9 +52,10 @@ def tree_sum(parts: list[Tensor]) -> Tensor:
 
 
 def _packed(w: Tensor, leaves: int, leaf: int) -> Tensor:
-    """fp32 leaf-major copy [leaves, K/8, N] of w[N, K_local]."""
+    """fp32 leaf-major copy [leaves, K/8, N] of w[N, K_local] (laid out in w's dtype, then widened, as
+    `fixed.weight_t`)."""
     return fixed.derived(
-        w, f"leaves{leaves}x{leaf}", lambda d: d.float().reshape(d.shape[0], leaves, leaf).permute(1, 2, 0).contiguous()
+        w, f"leaves{leaves}x{leaf}", lambda d: d.reshape(d.shape[0], leaves, leaf).permute(1, 2, 0).contiguous().float()
     )
 
 
