@@ -263,3 +263,37 @@ def test_expert_products_same_bits_in_both_layouts(backend, dtype, cpu_path):
     for j in range(e):
         _bitwise(b.expert_matmul(x[rows], w[j]), every[j, rows], f"expert {j}")
         _bitwise(b.expert_linear(x[rows], w[j]), every[j, rows].to(dtype), f"expert {j} in the model dtype")
+
+
+def test_every_parallel_job_runs_with_one_intra_op_thread(monkeypatch):
+    """torch's intra-op thread count is process-wide: `run_jobs` must hold one thread until its last job
+    has run, or a pool worker starting after the caller's own job would compute with the caller's count
+    restored (other bits at K >= 1536). The worker job here waits until the count is restored, or until
+    run_jobs has plainly held it past its own job."""
+    import threading
+
+    from detaudit.backends.kernels import cpu_gemm
+
+    restored = threading.Event()
+    real = cpu_gemm._set_num_threads
+
+    def watched(n):
+        real(n)
+        if n > 1:
+            restored.set()
+
+    monkeypatch.setattr(cpu_gemm, "_set_num_threads", watched)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = {}
+
+        def run(job):
+            if job:
+                restored.wait(timeout=1.0)
+            seen[job] = torch.get_num_threads()
+
+        cpu_gemm.run_jobs([0, 1], run)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {0: 1, 1: 1}

@@ -69,8 +69,8 @@ def _workers(n: int) -> ThreadPoolExecutor:
 
 @contextlib.contextmanager
 def one_thread() -> Iterator[int]:
-    """Run the block in this thread with one intra-op / MKL thread (thread-local settings); yields the
-    thread count it had before, restored on exit."""
+    """Run the block with one intra-op / MKL thread (torch's setting is process-wide: every thread's
+    products see it); yields the thread count it had before, restored on exit."""
     n = torch.get_num_threads()
     if n == 1:
         yield 1
@@ -123,12 +123,15 @@ def run_jobs(jobs: list, run) -> None:
                 run(job)
         return
     pool = _workers(len(jobs) - 1)
-    futures = [pool.submit(run, j) for j in jobs[1:]]
-    try:
-        with one_thread():
+    # torch's intra-op thread count is process-wide, not per thread: one intra-op thread from before the
+    # first job is handed out until the last has finished, or a worker starting late would run its
+    # product with the caller's count restored, and other bits (1 vs 2 threads differ at K >= 1536)
+    with one_thread():
+        futures = [pool.submit(run, j) for j in jobs[1:]]
+        try:
             run(jobs[0])
-    finally:  # the workers read the caller's tensors: wait for them even when this thread's job failed
-        wait(futures)
+        finally:  # the workers read the caller's tensors: wait for them even when this thread's job failed
+            wait(futures)
     for f in futures:
         f.result()
 
