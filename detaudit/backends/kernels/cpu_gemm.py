@@ -115,18 +115,17 @@ def spread(g: int, nb: int, n: int, flops: float, run, panel: int = PANEL) -> No
 
 
 def run_jobs(jobs: list, run) -> None:
-    """`run(job)` for every job: the first on this thread with one intra-op thread, the others on the
-    pool's single-threaded workers (one job: all here)."""
-    if len(jobs) < 2:
-        with one_thread():
-            for job in jobs:
-                run(job)
-        return
-    pool = _workers(len(jobs) - 1)
+    """`run(job)` for every job: the first on this thread, the others on the pool's workers (one job: all
+    here), every one with one intra-op thread."""
     # torch's intra-op thread count is process-wide, not per thread: one intra-op thread from before the
     # first job is handed out until the last has finished, or a worker starting late would run its
     # product with the caller's count restored, and other bits (1 vs 2 threads differ at K >= 1536)
     with one_thread():
+        if len(jobs) < 2:
+            for job in jobs:
+                run(job)
+            return
+        pool = _workers(len(jobs) - 1)
         futures = [pool.submit(run, j) for j in jobs[1:]]
         try:
             run(jobs[0])
