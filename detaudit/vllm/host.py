@@ -52,6 +52,7 @@ def engine_env(backend: str, tp: int, device: str, marker_dir: str) -> dict[str,
     VLLM_BATCH_INVARIANT never reaches vLLM: it is set per backend (1 for vllm-bi, 0 for the others,
     whose kernels it would otherwise replace: bf16 would silently become vllm-bi, and under bio /
     bio+tbik vLLM's kernels would stand in for the plugin's)."""
+    cuda = device.startswith("cuda")
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine core: batch composition as submitted
         BACKEND_ENV: backend,
@@ -60,19 +61,19 @@ def engine_env(backend: str, tp: int, device: str, marker_dir: str) -> dict[str,
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     }
-    if device.startswith("cuda") and importlib.util.find_spec("flashinfer") is None:
+    if cuda and importlib.util.find_spec("flashinfer") is None:
         # vLLM 0.25.1's GPU sampler imports FlashInfer unless this says no: on a machine without it
         # every cell of the plugin's backends failed with "No module named 'flashinfer'" (H200, this
         # round); with it off, the sampler is vLLM's PyTorch one. A value the user set is kept.
         env[FLASHINFER_SAMPLER_ENV] = os.environ.get(FLASHINFER_SAMPLER_ENV, "0")
-    if device.startswith("cuda") and backend not in NATIVE_BACKENDS:
+    if cuda and backend not in NATIVE_BACKENDS:
         # vLLM 0.25.1 runs dense models on GPUs with its "model runner V2", whose sampler computes the
         # log-probabilities in a Triton kernel of its own and never calls the sampler the plugin
         # patches: under bio+tbik on an H200 every log-probability then differed from the built-in
         # engine's (the plugin's markers showed no `log_softmax`). The V1 runner, vLLM's runner on CPU,
         # samples through the patched sampler. bf16 / vllm-bi keep vLLM's choice (what users run).
         env[V2_RUNNER_ENV] = "0"
-    if not device.startswith("cuda"):
+    if not cuda:
         cores = cpu_core_ids()
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or thread_binds(tp, cores)
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
