@@ -22,12 +22,13 @@
 # Every table goes to $OUT (at most 8 files come back from a device call: one .md per step and the
 # tarball); run directories stay in $RUNS (/tmp survives between the calls of a warm machine).
 # Knobs (environment): NEW (max new tokens, grid / diff, default 128), BACKENDS, TPS (default: 1,2,4
-# capped by the GPU count), BENCH_MODEL (default qwen3-8b-shaped), BENCH_TPS, SERVER_BACKENDS (default
-# bf16,vllm-bi,bio+tbik), SERVER_REPEATS (default 1000), SERVER_NEW (default 128), SERVER_PATTERNS
-# (default "mixed prefix"), SERVER_LIMIT (AIME24 prompts under load; default all 30), GRID_TAG and
-# GRID_ARGS (a second grid with other sweep options, e.g. GRID_TAG=greedy GRID_ARGS="--temperature 0").
-# vLLM runs eager everywhere here (--no-cuda-graphs): its torch.compile and graph capture would cost
-# tens of seconds per engine start, twelve starts per grid; the plugin's backends run eager anyway.
+# capped by the GPU count), BENCH_MODEL (default qwen3-8b-shaped), BENCH_TPS, BENCH_TAG (names a second
+# bench table), SERVER_BACKENDS (default bf16,vllm-bi,bio+tbik), SERVER_REPEATS (default 1000),
+# SERVER_NEW (default 128), SERVER_PATTERNS (default "mixed prefix"; empty: none), SERVER_LIMIT (AIME24
+# prompts under load; default all 30), GRID_TAG and GRID_ARGS (a second grid with other sweep options,
+# e.g. GRID_TAG=greedy GRID_ARGS="--temperature 0").
+# GRAPHS (default --cuda-graphs, what users run): decode steps from CUDA graphs for every backend (bf16 /
+# vllm-bi compiled by vLLM, the plugin's whole-step graphs uncompiled); GRAPHS=--no-cuda-graphs: eager.
 set -uo pipefail
 
 OUT=${OUT:-/tmp/vllm-out}
@@ -44,7 +45,8 @@ TPS=${TPS:-$(python3 -c "print(','.join(str(t) for t in (1, 2, 4) if t <= $NGPU)
 BACKENDS=${BACKENDS:-bf16,vllm-bi,bio,bio+tbik}
 NEW=${NEW:-128}
 BENCH_MODEL=${BENCH_MODEL:-qwen3-8b-shaped}
-COMMON=(--engine vllm --device cuda --no-cuda-graphs --data-dir "$DATA")
+GRAPHS=${GRAPHS:---cuda-graphs}
+COMMON=(--engine vllm --device cuda "$GRAPHS" --data-dir "$DATA")
 say() { echo "== $(date +%T) $*"; }
 
 step_setup() {
@@ -65,7 +67,7 @@ step_tests() {
 step_diff() {
   local g=(--suites aime24,amc23 --tp 1 --batch-sizes 8 --backends bio+tbik --temperature 0 --max-new-tokens "$NEW")
   $D sweep "${COMMON[@]}" "${g[@]}" --output-path "$RUNS/diff-vllm" --no-analyze
-  $D sweep --engine builtin --device cuda --no-cuda-graphs --data-dir "$DATA" "${g[@]}" \
+  $D sweep --engine builtin --device cuda "$GRAPHS" --data-dir "$DATA" "${g[@]}" \
     --output-path "$RUNS/diff-builtin" --no-analyze
   { echo '# vLLM bio+tbik vs built-in bio+tbik (AIME24 + AMC23, greedy, TP 1, batch 8)'; echo '```';
     $D diff "$RUNS/diff-builtin" "$RUNS/diff-vllm"; echo "exit $?"; echo '```'; } > "$OUT/diff.md" 2>&1
@@ -93,20 +95,20 @@ step_grid() {
 }
 
 step_bench() {
-  $D bench vllm --model "$BENCH_MODEL" --device cuda --tp "${BENCH_TPS:-$TPS}" --backends "$BACKENDS" \
-    --batch-size 16 --prompt-tokens 1024 --new-tokens 64 --repeats 2 --save "$OUT/bench.md"
+  $D bench vllm --model "$BENCH_MODEL" --device cuda "$GRAPHS" --tp "${BENCH_TPS:-$TPS}" --backends "$BACKENDS" \
+    --batch-size 16 --prompt-tokens 1024 --new-tokens 64 --repeats 2 --save "$OUT/bench${BENCH_TAG:+-$BENCH_TAG}.md"
 }
 
 step_server() {
   local b=${SERVER_BACKENDS:-bf16,vllm-bi,bio+tbik} n=${SERVER_NEW:-128}
-  local s=(--engine vllm-server --device cuda --no-cuda-graphs --data-dir "$DATA" --backends "$b" --tp 1
+  local s=(--engine vllm-server --device cuda "$GRAPHS" --data-dir "$DATA" --backends "$b" --tp 1
     --temperature 0 --max-new-tokens "$n" --no-analyze)
   say "server single: one prompt x ${SERVER_REPEATS:-1000}"
   $D sweep "${s[@]}" --suites aime24 --limit 1 --repeats "${SERVER_REPEATS:-1000}" --concurrency 100 \
     --output-path "$RUNS/server-single"
   local limit=()
   [ -n "${SERVER_LIMIT:-}" ] && limit=(--limit "$SERVER_LIMIT")
-  for p in ${SERVER_PATTERNS:-mixed prefix}; do
+  for p in ${SERVER_PATTERNS-mixed prefix}; do
     say "server $p"
     $D sweep "${s[@]}" --suites aime24 "${limit[@]}" --repeats 2 --concurrency 8 --background-load 0,16 \
       --background-prompts "$p" --output-path "$RUNS/server-$p"

@@ -14,6 +14,8 @@ backend can do (the model of vLLM's `quant_method`: a layer calls `self.quant_me
   rotary + cache write, silu * up), PyTorch ops around this backend's reductions or one fused GPU kernel
   each (`backends/row_ops.py`);
 - `attention(q, k, v, q_pos, scale, window, plan)` with a per-step memo `attention_plan(...)`;
+  `paged_attention(...)`: the same function over vLLM's paged KV cache and ragged query runs, read in
+  place on the device (the vLLM plugin's attention on CUDA); None where the backend has no such kernel;
 - `rms_norm`, `silu_mul`, `log_softmax`: row-local;
 - `describe()`: how it computes, for the manifest; `activate()`: its numeric switches, restored in
   `finally`, re-entrant.
@@ -227,6 +229,25 @@ class Backend:
         plan: dict | None = None,
     ) -> Tensor:
         raise NotImplementedError
+
+    def paged_attention(
+        self,
+        query: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        block_table: Tensor,
+        query_start_loc: Tensor,
+        seq_lens: Tensor,
+        max_query_len: int,
+        scale: float,
+        out: Tensor,
+    ) -> Tensor | None:
+        """`attention` of a step's ragged query runs (query / out [tokens, Hq, D], request b's queries at
+        query_start_loc[b] .. [b + 1], the last of its seq_lens[b] positions) over a paged cache
+        (key_cache / value_cache [pages, page size, Hkv, D], request b's key j in page
+        block_table[b, j // page size]), bit for bit `attention` over each request's keys in a contiguous
+        cache; writes `out`'s query rows. None where this backend has no such kernel on out's device."""
+        return None
 
 
 class TorchFlags:

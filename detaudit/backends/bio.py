@@ -27,7 +27,7 @@ from torch import Tensor
 from detaudit.backends import register_backend
 from detaudit.backends.allreduce import allreduce_mode, describe_allreduce, fixed_order_all_reduce, sequential_sum
 from detaudit.backends.base import Backend, ProcessGroup, library_versions
-from detaudit.backends.kernels import cpu_calls, fixed, fused, grouped_mm, triton_mm
+from detaudit.backends.kernels import cpu_calls, fixed, fused, grouped_mm, triton_attn, triton_mm, triton_paged
 from detaudit.backends.row_ops import fused_or_torch
 
 SPLIT = 64  # keys per attention chunk
@@ -158,6 +158,24 @@ class BioBackend(Backend):
         plan: dict | None = None,
     ) -> Tensor:
         return fixed.attention(q, k, v, q_pos, scale, SPLIT, window, plan)
+
+    def paged_attention(
+        self,
+        query: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        block_table: Tensor,
+        query_start_loc: Tensor,
+        seq_lens: Tensor,
+        max_query_len: int,
+        scale: float,
+        out: Tensor,
+    ) -> Tensor | None:
+        if not triton_attn.supported(query):  # the GPU kernel's bits; the CPU formulation has others
+            return None
+        return triton_paged.paged_attention(
+            query, key_cache, value_cache, block_table, query_start_loc, seq_lens, max_query_len, scale, SPLIT, out
+        )
 
     def log_softmax(self, logits: Tensor) -> Tensor:
         z = logits.float()

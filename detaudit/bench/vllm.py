@@ -9,7 +9,9 @@
 
 One engine per (TP, backend) serves both workloads (engine start-up is reported apart, never timed);
 each workload's time is the best of `repeats` calls after a warm-up call. `vs_bf16` is the ratio to
-bf16's tokens/s at the same TP size and workload in the same run.
+bf16's tokens/s at the same TP size and workload in the same run. With `cuda_graphs` (on CUDA) every
+backend decodes from CUDA graphs: vLLM's compiled ones for bf16 / vllm-bi, whole-step graphs without
+compilation for the plugin's (`vllm.host.engine_mode`); each row records its `cudagraph_mode`.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def bench_vllm(
                             "engine_start_s": round(start_s, 1),
                             "attention": described.get("attention_backend", ""),
                             "eager": (described.get("knobs") or {}).get("enforce_eager"),
+                            "cudagraph_mode": (described.get("knobs") or {}).get("cudagraph_mode", ""),
                         }
                     )
             finally:
@@ -110,7 +113,7 @@ def bench_vllm(
         new_tokens=new_tokens,
         dtype=dtype,
         device=device,
-        cuda_graphs_bf16=cuda_graphs,
+        cuda_graphs=cuda_graphs,
         repeats=repeats,
     )
     return df

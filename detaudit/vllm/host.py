@@ -85,23 +85,33 @@ def engine_env(backend: str, tp: int, device: str, marker_dir: str) -> dict[str,
     return env
 
 
+# the plugin's CUDA graphs: whole decode steps (its attention reads every length on the device), no
+# torch.compile (inductor would fuse the plugin's row ops into kernels that round elsewhere)
+PLUGIN_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
 def engine_mode(backend: str, device: str, cuda_graphs: bool) -> dict[str, Any]:
     """How vLLM runs a backend: its execution mode and, under the plugin on CUDA, detaudit's attention
-    backend. The plugin runs eager (its attention reads the step's lengths on the host, and
-    torch.compile would trace its ops into inductor kernels that round elsewhere), so CUDA graphs and
-    compilation are forced off for bio / bio+tbik and the reason recorded; bf16 / vllm-bi follow
-    --cuda-graphs on CUDA (vLLM's default: compiled, CUDA graphs) and run eager on CPU."""
+    backend. bf16 / vllm-bi follow --cuda-graphs on CUDA (vLLM's default: compiled, CUDA graphs). The
+    plugin's bio / bio+tbik with --cuda-graphs replay whole decode steps from CUDA graphs without
+    compilation (`PLUGIN_GRAPHS`; prefill eager). Everything runs eager on CPU and with --no-cuda-graphs;
+    the reason is recorded."""
     cuda = device.startswith("cuda")
-    if backend not in NATIVE_BACKENDS:
-        mode = {"enforce_eager": True, "enforce_eager_reason": "forced: the detaudit plugin runs vLLM eager"}
-        if cuda:
-            mode["attention_backend"] = "CUSTOM"  # detaudit.vllm.gpu_attn, registered by the plugin
-        return mode
     if not cuda:
         return {"enforce_eager": True, "enforce_eager_reason": "CPU"}
-    if cuda_graphs:
+    mode: dict[str, Any] = {}
+    if backend not in NATIVE_BACKENDS:
+        mode["attention_backend"] = "CUSTOM"  # detaudit.vllm.gpu_attn, registered by the plugin
+    if not cuda_graphs:
+        return {**mode, "enforce_eager": True, "enforce_eager_reason": "--no-cuda-graphs"}
+    if backend in NATIVE_BACKENDS:
         return {"enforce_eager": False, "enforce_eager_reason": "--cuda-graphs: vLLM's torch.compile + CUDA graphs"}
-    return {"enforce_eager": True, "enforce_eager_reason": "--no-cuda-graphs"}
+    return {
+        **mode,
+        "enforce_eager": False,
+        "compilation_config": dict(PLUGIN_GRAPHS),
+        "enforce_eager_reason": "--cuda-graphs: decode steps replayed from whole-step CUDA graphs, no torch.compile",
+    }
 
 
 def plugin_missing(backend: str, markers: list[dict], ran: bool) -> str | None:

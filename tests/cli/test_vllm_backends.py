@@ -4,7 +4,9 @@ on vLLM and the torch it pins (no vLLM is started here)."""
 
 from __future__ import annotations
 
+import json
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 from helpers import cli_json, one_line_error
@@ -108,19 +110,24 @@ def test_the_plugins_backends_run_vllms_v1_model_runner_on_gpus(monkeypatch):
 
 
 def test_execution_mode_per_backend_and_device():
+    from detaudit.server.launch import server_command
     from detaudit.vllm.host import engine_mode
 
     for b in ("bio", "bio+tbik"):
-        for graphs in (True, False):
-            m = engine_mode(b, "cuda", graphs)
-            assert (
-                m["enforce_eager"] is True
-                and m["attention_backend"] == "CUSTOM"
-                and "forced" in m["enforce_eager_reason"]
-            )
-        assert "attention_backend" not in engine_mode(b, "cpu", True)
+        graphed, eager = engine_mode(b, "cuda", True), engine_mode(b, "cuda", False)
+        assert graphed["attention_backend"] == eager["attention_backend"] == "CUSTOM"
+        # decode steps as whole CUDA graphs, never torch.compile (inductor rounds elsewhere)
+        assert graphed["enforce_eager"] is False
+        assert graphed["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+        assert eager["enforce_eager"] is True and "compilation_config" not in eager
+        assert engine_mode(b, "cpu", True) == {"enforce_eager": True, "enforce_eager_reason": "CPU"}
+        cmd = server_command(Path("/m"), 1, 1, "bfloat16", 4, "cuda", 20, graphed)
+        assert "--enforce-eager" not in cmd
+        assert json.loads(cmd[cmd.index("--compilation-config") + 1]) == graphed["compilation_config"]
+        assert "--compilation-config" not in server_command(Path("/m"), 1, 1, "bfloat16", 4, "cuda", 20, eager)
     for b in ("bf16", "vllm-bi"):
         assert engine_mode(b, "cuda", True)["enforce_eager"] is False
+        assert "compilation_config" not in engine_mode(b, "cuda", True)  # vLLM's default: compiled
         assert engine_mode(b, "cuda", False)["enforce_eager"] is True
         assert engine_mode(b, "cpu", True)["enforce_eager"] is True
         assert "attention_backend" not in engine_mode(b, "cuda", True)

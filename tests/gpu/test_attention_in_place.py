@@ -46,3 +46,80 @@ def test_in_place_attention_gives_the_copied_layouts_bits(bsz, hq, hkv, t, lengt
     # q as a view of [B, T, Hq, D] (another layout of the same values): the same bits
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)
     assert torch.equal(fixed.attention(qt, k, v, pos, d**-0.5, 64), fixed.attention(q, k, v, pos, d**-0.5, 64))
+
+
+def _paged_step(runs, hq, hkv, dtype, page=16, d=128, seed=0):
+    """A vLLM-shaped step: runs of (query tokens, positions so far), pages shuffled, NaN where no request
+    owns a slot. Returns the kernel's inputs and each request's keys / values gathered contiguously."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n_pages = 1 + sum(-(-seq // page) for _, seq in runs)
+    cache = torch.full((n_pages, 2, page, hkv, d), float("nan"), device="cuda", dtype=dtype)
+    order = (torch.randperm(n_pages - 1, device="cuda", generator=g) + 1).tolist()
+    table = torch.zeros(len(runs), max(-(-seq // page) for _, seq in runs), dtype=torch.int32, device="cuda")
+    longest = max(seq for _, seq in runs)
+    keys = torch.zeros(len(runs), hkv, longest, d, device="cuda", dtype=dtype)
+    values = torch.zeros_like(keys)
+    for b, (_, seq) in enumerate(runs):
+        mine = torch.tensor([order.pop() for _ in range(-(-seq // page))], device="cuda")
+        table[b, : len(mine)] = mine
+        kv = torch.randn(2, seq, hkv, d, device="cuda", generator=g).to(dtype)
+        j = torch.arange(seq, device="cuda")
+        cache[mine[j // page], 0, j % page], cache[mine[j // page], 1, j % page] = kv[0], kv[1]
+        keys[b, :, :seq], values[b, :, :seq] = kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+    starts = torch.tensor([0] + list(torch.tensor([t for t, _ in runs]).cumsum(0)), dtype=torch.int32, device="cuda")
+    seqs = torch.tensor([seq for _, seq in runs], dtype=torch.int32, device="cuda")
+    query = torch.randn(int(starts[-1]), hq, d, device="cuda", generator=g).to(dtype)
+    return cache, table, starts, seqs, query, keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 2), (4, 1)])
+def test_paged_attention_gives_the_contiguous_caches_bits(hq, hkv, dtype):
+    """The vLLM plugin's kernel over pages and ragged query runs (`triton_paged`) against the built-in
+    engine's (`attention_heads`) over the same keys in a contiguous cache, zero past each request's
+    length: bitwise, for a step mixing prefills of 300 / 17 tokens, chunked prefill and decodes of up to
+    900 positions, and a padding request with no queries."""
+    from detaudit.backends.kernels import triton_attn, triton_paged
+
+    runs = [(300, 300), (1, 900), (17, 530), (0, 0), (1, 1), (64, 700)]
+    cache, table, starts, seqs, query, keys, values = _paged_step(runs, hq, hkv, dtype)
+    out = torch.full_like(query, float("nan"))
+    kc, vc = cache.unbind(1)
+    steps = max(t for t, _ in runs)
+    triton_paged.paged_attention(query, kc, vc, table, starts, seqs, steps, 128**-0.5, 64, out)
+    q = torch.zeros(len(runs), hq, steps, 128, device="cuda", dtype=dtype)
+    pos = torch.zeros(len(runs), steps, dtype=torch.int64, device="cuda")
+    for b, (t, seq) in enumerate(runs):
+        q[b, :, :t] = query[int(starts[b]) : int(starts[b]) + t].transpose(0, 1)
+        pos[b, :t] = torch.arange(seq - t, seq, device="cuda")
+    want = triton_attn.attention_heads(q, keys, values, pos, 128**-0.5, 64)
+    for b, (t, _) in enumerate(runs):
+        got = out[int(starts[b]) : int(starts[b]) + t]
+        assert torch.equal(got, want[b, :, :t].transpose(0, 1)), (b, hq, hkv, dtype)
+
+
+def test_paged_decode_replays_from_a_cuda_graph():
+    """A decode step captured once (lengths 1, as vLLM captures) and replayed with other lengths and
+    queries in the same buffers gives the eager launch's bits: nothing is read on the host."""
+    from detaudit.backends.kernels import triton_paged
+
+    runs = [(1, 900), (1, 40), (1, 513), (1, 2)]
+    cache, table, starts, seqs, query, _, _ = _paged_step(runs, 32, 8, torch.bfloat16)
+    kc, vc = cache.unbind(1)
+    s_buf, q_buf, out = seqs.clone().fill_(1), torch.zeros_like(query), torch.zeros_like(query)
+
+    def step():
+        triton_paged.paged_attention(q_buf, kc, vc, table, starts, s_buf, 1, 128**-0.5, 64, out)
+
+    step()  # compiled and planned before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    s_buf.copy_(seqs)
+    q_buf.copy_(query)
+    graph.replay()
+    eager = torch.empty_like(query)
+    triton_paged.paged_attention(query, kc, vc, table, starts, seqs, 1, 128**-0.5, 64, eager)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

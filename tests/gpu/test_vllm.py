@@ -1,10 +1,11 @@
 """vLLM on CUDA (skipped unless both vLLM and a CUDA device are present): the plugin's bio+tbik inside
 vLLM, vLLM's own batch-invariant mode as the backend `vllm-bi`, and vLLM's bio+tbik against the built-in
-engine's, through the CLI as a user runs them (the embedded model, greedy decoding, eager vLLM).
+engine's, through the CLI as a user runs them (the embedded model, greedy decoding).
 
-- vLLM bio+tbik at TP 1 and TP 2 (two GPUs), batch 2 and 4: every recorded number of every record is
-  bitwise the same in all cells, and every rank's plugin marker shows the patched ops, detaudit's
-  attention backend (CUSTOM) among them, and VLLM_BATCH_INVARIANT off;
+- vLLM bio+tbik at TP 1 and TP 2 (two GPUs), batch 2 and 4, decode steps from CUDA graphs: every
+  recorded number of every record is bitwise the same in all cells, and every rank's plugin marker
+  shows the patched ops, detaudit's attention backend (CUSTOM) among them, and VLLM_BATCH_INVARIANT off;
+- vLLM bio+tbik with whole-step decode graphs against eager vLLM: `detaudit diff` equal, cell by cell;
 - vllm-bi at TP 1: recorded as vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1 in the manifest and
   in the worker's marker, the attention backend vLLM chose, the vLLM version), no op patched;
 - vLLM bio+tbik at TP 1 against the built-in engine's bio+tbik at TP 1 on the same prompts: `detaudit
@@ -30,7 +31,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (tools/vllm_bundle.py)"),
 ]
 runner = CliRunner()
-GRID = sweep_args(suites=None, limit=4, max_new_tokens=8, temperature=0, no_cuda_graphs=True, device="cuda")
+GRID = sweep_args(suites=None, limit=4, max_new_tokens=8, temperature=0, device="cuda")  # CUDA graphs on
 
 
 def _sweep(out, *args):
@@ -64,12 +65,32 @@ def test_plugin_bio_tbik_is_bitwise_across_tp_and_batch_inside_vllm(prepared, tm
         if key.count("@") != 2:
             continue
         tp = int(key.split("@")[1][2:])
-        assert desc["knobs"]["enforce_eager"] is True and desc["knobs"]["attention_backend"] == "CUSTOM"
+        knobs = desc["knobs"]
+        assert knobs["enforce_eager"] is False and knobs["attention_backend"] == "CUSTOM"
+        assert "FULL_DECODE_ONLY" in knobs["cudagraph_mode"], knobs["cudagraph_mode"]
+        assert knobs["compilation_mode"] in ("0", "CompilationMode.NONE"), knobs["compilation_mode"]
         assert desc["attention_backend"].startswith("CUSTOM ("), desc["attention_backend"]
         ranks = {m["tp_rank"]: m for m in desc["plugin_markers"] if m["ops"]}
         assert set(ranks) == set(range(tp)), (key, desc["plugin_markers"])
         want = {"linear", "rms_norm", "log_softmax", "attention", "rotary", "silu_and_mul", "tree_row_parallel"}
         assert all(want <= set(m["ops"]) and m["seen"]["VLLM_BATCH_INVARIANT"] == 0 for m in ranks.values())
+
+
+def test_plugin_decode_graphs_give_the_eager_bits(prepared, tmp_path):
+    """bio+tbik's decode steps replayed from vLLM's whole-step CUDA graphs (the plugin's attention reads
+    every length on the device) against eager vLLM: the same bits, cell by cell."""
+    grid = ["--engine", "vllm", "--backends", "bio+tbik", "--tp", "1", "--batch-sizes", "3"]
+    graphed = _sweep(tmp_path / "graphed", *grid)
+    res = runner.invoke(
+        app, ["sweep", *grid, *GRID, "--no-cuda-graphs", "--output-path", str(tmp_path / "eager"), "--no-analyze"]
+    )
+    assert res.exit_code == 0, res.output
+    knobs = [d["knobs"] for k, d in graphed["backends"].items() if k.count("@") == 2]
+    assert knobs and all("FULL_DECODE_ONLY" in k["cudagraph_mode"] for k in knobs), knobs
+    res = runner.invoke(app, ["diff", str(tmp_path / "eager"), str(tmp_path / "graphed"), "--json"])
+    report = json.loads(res.stdout)
+    assert report["cells"] and all(c["status"] == "equal" for c in report["cells"]), report["cells"]
+    assert res.exit_code == 0, res.output
 
 
 def test_plugin_bio_tbik_sampled_is_bitwise_across_batch_inside_vllm(prepared, tmp_path):
@@ -108,7 +129,8 @@ def test_vllm_bi_is_recorded_as_vllms_own_batch_invariant_mode(prepared, tmp_pat
         assert all(m["seen"]["VLLM_BATCH_INVARIANT"] == 1 for m in d["plugin_markers"])
     row = _analysis(out)["vllm-bi"]
     print(
-        f"\n[vllm-bi TP 1] batch 2 vs 4: bitwise_diff_records={row['bitwise_diff_records']}, {d['attention_backend']}"
+        f"\n[vllm-bi TP 1] batch 2 vs 4: bitwise_diff_records={row['bitwise_diff_records']}, {d['attention_backend']}, "
+        f"first difference: {row['bitwise_first_diff']}"
     )
 
 

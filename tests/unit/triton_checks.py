@@ -13,7 +13,7 @@ from triton.runtime import interpreter
 
 from detaudit.backends import get_backend
 from detaudit.backends.bio import weighted_experts
-from detaudit.backends.kernels import grouped_mm, tree, triton_attn, triton_mm, triton_rows
+from detaudit.backends.kernels import grouped_mm, tree, triton_attn, triton_mm, triton_paged, triton_rows
 
 
 def _slot_free_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -92,6 +92,7 @@ def main() -> None:
         check(torch.allclose(out.float(), ref, atol=tol, rtol=tol), f"attention kernel accuracy {dt}")
         attention_bits(q, k, v, dt)
         attention_in_place(g, dt)
+        paged_attention_bits(g, dt)
     # row sums: one program per row
     x = torch.randn(9, 2500, generator=g)
     sums = triton_rows.row_sum(x)
@@ -153,6 +154,55 @@ def attention_in_place(g: torch.Generator, dt: torch.dtype) -> None:
         what = f"attention in place {dt} hkv={hkv} t={t} q strides {q.stride()} window={window}"
         check(got.shape == q.shape and got.transpose(1, 2).is_contiguous(), f"{what}: layout")
         check(torch.equal(got.transpose(1, 2), want), f"{what}: bits")
+
+
+def paged_attention_bits(g: torch.Generator, dt: torch.dtype) -> None:
+    """The paged kernel (vLLM's cache layout and ragged query runs, read in place) gives the bits of
+    `attention_heads` over each request's keys gathered into a contiguous copy, zero past its length
+    (how the vLLM plugin computed attention before it): a step mixing prefill runs and decode tokens, pages
+    in shuffled order, a padding request (no queries, no keys), 1 and 4 query heads per KV head. Every
+    cache slot no request owns and every output row no query owns hold NaN: a read of one would show."""
+    page, d, hq = 16, 16, 8
+    runs = [(5, 37), (1, 70), (0, 0), (12, 12), (1, 1), (1, 129)]  # (query tokens, positions so far)
+    for hkv in (2, 8):
+        n_pages = 1 + sum(-(-seq // page) for _, seq in runs)
+        cache = torch.full((n_pages, 2, page, hkv, d), float("nan")).to(dt)
+        order = torch.randperm(n_pages - 1, generator=g) + 1  # page 0 stays NaN: owned by nobody
+        width = max(-(-seq // page) for _, seq in runs)
+        table = torch.zeros(len(runs), width, dtype=torch.int32)
+        used = 0
+        for b, (_, seq) in enumerate(runs):
+            n = -(-seq // page)
+            table[b, :n] = order[used : used + n]
+            used += n
+            for j in range(seq):
+                cache[table[b, j // page], :, j % page] = torch.randn(2, hkv, d, generator=g).to(dt)
+        starts = torch.tensor([0] + [sum(t for t, _ in runs[: b + 1]) for b in range(len(runs))], dtype=torch.int32)
+        seqs = torch.tensor([seq for _, seq in runs], dtype=torch.int32)
+        tokens = int(starts[-1])
+        query = torch.randn(tokens + 3, hq, d, generator=g).to(dt)  # 3 padding tokens past the runs
+        out = torch.full_like(query, float("nan"))
+        key_cache, value_cache = cache.unbind(1)
+        steps = max(t for t, _ in runs)
+        triton_paged.paged_attention(query, key_cache, value_cache, table, starts, seqs, steps, 0.25, 64, out)
+        # the gathered reference, request by request at the step's widths
+        longest = max(seq for _, seq in runs)
+        keys = torch.zeros(len(runs), hkv, longest, d).to(dt)
+        values = torch.zeros_like(keys)
+        q = torch.zeros(len(runs), hq, steps, d).to(dt)
+        pos = torch.zeros(len(runs), steps, dtype=torch.int64)
+        for b, (t, seq) in enumerate(runs):
+            for j in range(seq):
+                keys[b, :, j] = key_cache[table[b, j // page], j % page]
+                values[b, :, j] = value_cache[table[b, j // page], j % page]
+            q[b, :, :t] = query[int(starts[b]) : int(starts[b]) + t].transpose(0, 1)
+            pos[b, :t] = torch.arange(seq - t, seq)
+        want = triton_attn.attention_heads(q, keys, values, pos, 0.25, 64)  # [R, Hq, steps, D]
+        what = f"paged attention {dt} hkv={hkv}"
+        for b, (t, _) in enumerate(runs):
+            got = out[int(starts[b]) : int(starts[b]) + t]
+            check(torch.equal(got, want[b, :, :t].transpose(0, 1)), f"{what}: request {b} bits")
+        check(bool(out[tokens:].isnan().all()), f"{what}: rows no query owns are not written")
 
 
 def _spread(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:

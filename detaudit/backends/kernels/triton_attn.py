@@ -49,6 +49,25 @@ def supported(q: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def visit(q, k, v, keys, pos, m, l, acc, scale, WINDOW, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """One chunk of keys (k / v [SPLIT, D], zero where there is no key) into the rows' online softmax
+        state (m, l, acc). Every kernel that walks chunks calls this one function, so a row's arithmetic
+        is the same whichever layout its keys were read from (`triton_paged`)."""
+        if UPCAST:  # the CPU interpreter cannot multiply bf16 (numpy has none)
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.where(m_new == m, 1.0, tl.exp(m - safe))  # exactly 1 when nothing new is seen
+        p = tl.exp(s - safe[:, None])  # masked keys: exp(-inf) = 0
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l, acc
+
+    @triton.jit
     def _attn_kernel(
         q_ptr,
         k_ptr,
@@ -107,19 +126,7 @@ if triton is not None:
             inside = keys < L
             k = tl.load(k_base + keys[:, None] * skl + d[None, :], mask=inside[:, None], other=0.0)
             v = tl.load(v_base + keys[:, None] * svl + d[None, :], mask=inside[:, None], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - WINDOW)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.where(m_new == m, 1.0, tl.exp(m - safe))  # exactly 1 when nothing new is seen
-            p = tl.exp(s - safe[:, None])  # masked keys: exp(-inf) = 0
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            m, l, acc = visit(q, k, v, keys, pos, m, l, acc, scale, WINDOW, PRECISION, UPCAST)
         out = acc / l[:, None]
         out_rows = out_ptr + b * sob + head * soh + t * sot
         tl.store(out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
