@@ -60,7 +60,7 @@ def _paged_step(runs, hq, hkv, dtype, page=16, d=128, seed=0):
     keys = torch.zeros(len(runs), hkv, longest, d, device="cuda", dtype=dtype)
     values = torch.zeros_like(keys)
     for b, (_, seq) in enumerate(runs):
-        mine = torch.tensor([order.pop() for _ in range(-(-seq // page))], device="cuda")
+        mine = torch.tensor([order.pop() for _ in range(-(-seq // page))], dtype=torch.long, device="cuda")
         table[b, : len(mine)] = mine
         kv = torch.randn(2, seq, hkv, d, device="cuda", generator=g).to(dtype)
         j = torch.arange(seq, device="cuda")
