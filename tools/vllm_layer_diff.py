@@ -97,10 +97,10 @@ WHERE = {
     "qkv": "merged q|k|v product: built-in ColumnParallelLinear (backend.linear); plugin "
     "UnquantizedLinearMethod.apply (backend.linear)",
     "q_rot": "rotary: built-in ops.rope_store (GPU: kernels/fused.rope_store); plugin token_ops "
-    "(Rotary.cos_sin + row_ops.apply_rotary)",
+    "(Rotary.cos_sin once per pass + row_ops.rotary_rows)",
     "k_rot": "rotary of k and the cache store (as q_rot)",
     "attn_out": "attention: built-in backend.attention over its cache; plugin cpu_ops / gpu_attn "
-    "(vLLM's paged cache gathered, backend.attention)",
+    "(CPU: vLLM's paged cache gathered, backend.attention; GPU: backend.paged_attention over the pages)",
     "o_proj": "row-parallel product: backend.row_parallel / row_output (both)",
     "mlp_norm": "post-attention add + RMSNorm (as attn_norm)",
     "resid_mlp": "the residual add inside the norm",

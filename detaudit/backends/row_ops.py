@@ -55,6 +55,12 @@ class TorchOps:
         v_cache.view(-1, d).index_copy_(0, step.slots, v.reshape(-1, d))
         return q
 
+    def rotary_rows(self, x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
+        """x[T, H*D] rotated by cos / sin[T, D], [T, H*D] (the vLLM plugin's rotary layer: q and k each
+        alone, the cache written by vLLM)."""
+        t = x.shape[0]
+        return apply_rotary(x.reshape(t, -1, head_dim), cos[:, None], sin[:, None]).reshape(t, -1)
+
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         return self.backend.silu_mul(gate, up)
 
@@ -80,6 +86,11 @@ class FusedOps(TorchOps):
         return fused.rope_store(
             q, k, v, step.cos, step.sin, k_cache, v_cache, step.slots, step.B, step.T, step.head_dim, qk_norm
         )
+
+    def rotary_rows(self, x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
+        if not fused.rope_usable(x, head_dim):
+            return super().rotary_rows(x, cos, sin, head_dim)
+        return fused.rope_rows(x.reshape(x.shape[0], -1), cos, sin, head_dim)
 
 
 def fused_or_torch(backend, device) -> TorchOps:

@@ -19,9 +19,10 @@ built-in engine's (`kernels/triton_attn`), over vLLM's pages (`kernels/triton_pa
   (`AttentionCGSupport.UNIFORM_BATCH`: steps whose requests all have the same number of query tokens,
   one, or one plus the drafts when speculating; `engine_mode` asks for `FULL_DECODE_ONLY`).
   Prefill steps run eager.
-- What it does not cover is refused when the layer is built, by name: ALiBi, sliding windows, soft
-  caps, sinks, quantized KV caches, shared KV caches, encoder / cross attention, cascade attention,
-  fused output quantization.
+- What it does not cover is refused by name, when the layer is built: ALiBi, sliding windows, soft
+  caps, sinks, quantized KV caches, shared KV caches, encoder / cross attention, head sizes other than
+  powers of two from 16 (the kernel's tile); at the first step: cascade attention, fused output
+  quantization.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class DetauditAttentionImpl(TritonAttentionImpl):
             (self.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"), "a quantized KV cache"),
             (self.kv_sharing_target_layer_name is not None, "a KV cache shared with another layer"),
             (getattr(self, "chunk_lookback", -1) != -1, "chunked lookback"),
+            (self.head_size < 16 or self.head_size & (self.head_size - 1), f"head size {self.head_size}"),
         ):
             if bad:
                 _refuse(what)
@@ -142,6 +144,9 @@ class DetauditAttentionImpl(TritonAttentionImpl):
             _refuse("multimodal prefix ranges / windowed prefixes")
         backend, marker = _STATE["backend"], _STATE["marker"]
         marker.op("attention", _STATE["tp_rank"]())
+        if not _STATE.get("captured") and query.is_cuda and torch.cuda.is_current_stream_capturing():
+            _STATE["captured"] = True  # this rank's decode steps replay from CUDA graphs (the marker says so)
+            marker.note("cuda_graph_captured", True)
         key_cache, value_cache = kv_cache.unbind(1)  # [pages, page size, KV heads, D]
         out = output.view(output.shape[0], *query.shape[1:]) if output.dim() == 2 else output  # [tokens, heads, D]
         with backend.activate():

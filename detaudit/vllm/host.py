@@ -6,8 +6,9 @@ The suite is submitted in chunks of the batch size and each chunk runs as one ba
 `max_num_seqs` is the largest batch size of the sweep's (backend, TP) group, so one engine serves every
 batch size of the group (it is rebuilt only for a larger one), and the scheduler always takes the whole
 chunk at once (prefill of all of it, then decode of all of it). Every knob that can change the
-computation order is fixed here and recorded: the execution mode (`engine_mode`: eager under the
-plugin, on CPU and with --no-cuda-graphs; detaudit's attention backend under the plugin on CUDA),
+computation order is fixed here and recorded: the execution mode (`engine_mode`: eager on CPU and with
+--no-cuda-graphs, else CUDA graphs, under the plugin whole-step decode graphs without compilation;
+detaudit's attention backend under the plugin on CUDA),
 VLLM_BATCH_INVARIANT (per backend), prefix caching off, chunked prefill off, custom all-reduce off,
 thread binds, the CPU attention KV split, and which detaudit plugin patches are active.
 """

@@ -1,6 +1,7 @@
-"""The one-launch per-token kernels (`kernels/fused.py`) on a GPU, bitwise: rotary + cache writes and
-silu * up give the op-by-op PyTorch bits; the fused add + RMSNorm is batch invariant, position
-invariant, gives the residual sum's bits and is as accurate as the op-by-op norm against fp64."""
+"""The one-launch per-token kernels (`kernels/fused.py`) on a GPU, bitwise: rotary + cache writes, the
+vLLM plugin's rotary of packed rows and silu * up give the op-by-op PyTorch bits; the fused add +
+RMSNorm is batch invariant, position invariant, gives the residual sum's bits and is as accurate as the
+op-by-op norm against fp64."""
 
 from __future__ import annotations
 
@@ -43,6 +44,29 @@ def test_rope_store_gives_the_op_by_op_bits(b, t, hq, hkv, d, dtype):
             got_k, got_v = (c.clone() for c in caches)
             got_q = fused.rope_store(*args, cos, sin, got_k, got_v, slots, b, t, d)
             assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,hq,hkv,d", [(16, 32, 8, 128), (700, 24, 8, 64), (1, 4, 1, 128)])
+def test_rope_rows_gives_the_op_by_op_bits(t, hq, hkv, d, dtype):
+    """The vLLM plugin's rotary (q and k each alone, [T, H*D] in vLLM's packing, column slices of one qkv
+    product): `fused.rope_rows` against `apply_rotary` op by op, bitwise; the row ops' `rotary_rows`
+    takes it on GPU."""
+    from detaudit.backends.row_ops import FusedOps
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, device="cuda", generator=g) * 3).to(dtype)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+    pos = torch.randint(0, 4000, (t,), device="cuda", generator=g)
+    cos, sin = Rotary(d, 1e6, torch.device("cuda")).cos_sin(pos[None], dtype)
+    cos, sin = cos[0, 0], sin[0, 0]  # [T, D]
+    ops = get_backend("bio").row_ops(torch.device("cuda"))
+    assert isinstance(ops, FusedOps)
+    for x, h in ((q, hq), (k, hkv)):
+        want = apply_rotary(x.reshape(t, h, d), cos[:, None], sin[:, None]).reshape(t, h * d)
+        for _ in range(2):  # the JIT launch, then the kept plan
+            assert torch.equal(fused.rope_rows(x, cos, sin, d), want)
+        assert torch.equal(ops.rotary_rows(x, cos, sin, d), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -74,6 +74,8 @@ def test_plugin_bio_tbik_is_bitwise_across_tp_and_batch_inside_vllm(prepared, tm
         assert set(ranks) == set(range(tp)), (key, desc["plugin_markers"])
         want = {"linear", "rms_norm", "log_softmax", "attention", "rotary", "silu_and_mul", "tree_row_parallel"}
         assert all(want <= set(m["ops"]) and m["seen"]["VLLM_BATCH_INVARIANT"] == 0 for m in ranks.values())
+        # every rank captured its decode steps (the worker's own resolved mode, not the engine's config)
+        assert all(m["seen"].get("cuda_graph_captured") is True for m in ranks.values()), ranks
 
 
 def test_plugin_decode_graphs_give_the_eager_bits(prepared, tmp_path):

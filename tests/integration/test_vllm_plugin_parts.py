@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import require
 
 pytestmark = pytest.mark.slow
@@ -80,6 +81,8 @@ def test_custom_backend_is_registered_and_refuses_what_it_does_not_cover(attn):
         gpu_attn.DetauditAttentionImpl(**kwargs, sliding_window=128)
     with pytest.raises(NotImplementedError, match="detaudit bio: a logits soft cap"):
         gpu_attn.DetauditAttentionImpl(**kwargs, sliding_window=None, logits_soft_cap=30.0)
+    with pytest.raises(NotImplementedError, match="detaudit bio: head size 80 is not covered"):
+        gpu_attn.DetauditAttentionImpl(**{**kwargs, "head_size": 80}, sliding_window=None)
 
 
 @pytest.fixture
@@ -125,3 +128,37 @@ def test_native_backends_patch_nothing_and_record_the_attention_backend(fresh_pa
     fresh_patches._observe_attention(markers[0])
     assert selector._cached_get_attn_backend() is Chosen  # passed on as it is
     assert markers[0].seen["attention_backend"].startswith("FLASH_ATTN (")
+
+
+def test_rotary_angles_are_computed_once_per_forward_pass():
+    """The plugin's rotary computes cos / sin once per forward pass (every layer passes the same
+    positions), not once per layer; a new pass (vLLM's forward context: a new object per forward, graph
+    captures included) or other positions compute afresh, and outside a pass nothing is kept."""
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    from detaudit.vllm import token_ops
+
+    calls = []
+
+    def compute(positions):
+        calls.append(positions)
+        return positions.float() * 2, positions.float() * 3
+
+    def run(positions):
+        return token_ops._step_cache(("head", 64, torch.bfloat16), positions, lambda: compute(positions))
+
+    token_ops._STEP.clear()
+    pos = torch.arange(5)
+    step1, step2 = (ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}) for _ in range(2))
+    with override_forward_context(step1):
+        first = run(pos)
+        assert run(pos) is first and len(calls) == 1  # the step's other layers: no recompute
+        other = torch.arange(5)
+        assert run(other) is not first and len(calls) == 2  # other positions (another tensor): afresh
+    with override_forward_context(step2):
+        again = run(other)
+        assert again is not first and len(calls) == 3  # the next pass recomputes, same positions object or not
+        assert torch.equal(again[0], first[0])
+    run(pos)
+    run(pos)
+    assert len(calls) == 5  # outside a forward pass: never kept

@@ -391,6 +391,12 @@ def fused_row_ops(g: torch.Generator) -> None:
         torch.equal(normed, fused.rope_store(qn, kn, v, cos, sin, kc3, vc3, slots, b, t, d)) and torch.equal(kc2, kc3),
         "q / k norm inside the rotary kernel",
     )
+    # the vLLM plugin's rotary: q or k alone as [T, H*D] (here column slices of one product)
+    qs, ks, _ = torch.cat([q, k, v], 1).split([hq * d, hkv * d, hkv * d], dim=1)
+    cos_t, sin_t = cos.reshape(b * t, d), sin.reshape(b * t, d)
+    for x, h in ((qs, hq), (ks, hkv)):
+        want = apply_rotary(x.reshape(b * t, h, d), cos_t[:, None], sin_t[:, None]).reshape(b * t, h * d)
+        check(torch.equal(fused.rope_rows(x, cos_t, sin_t, d), want), f"rotary of packed rows, {h} heads")
     x, delta = torch.randn(6, 200, generator=g), torch.randn(6, 200, generator=g)
     w = torch.randn(200, generator=g)
     y, s = fused.rms_norm(x, w, 1e-6, delta)

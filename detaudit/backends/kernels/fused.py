@@ -156,6 +156,23 @@ if triton is not None:
             tl.store(vc_ptr + slot * D + full, tl.load(v_ptr + row * sv + j * D + full))
 
     @triton.jit
+    def _rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, sx, D: tl.constexpr, HALF: tl.constexpr):
+        """One (token, head) of x[T, H*D] rotated into o[T, H*D]: `_rope_store_kernel`'s statements for a
+        head without a norm, so the same bits (vLLM's rotary layer: q and k each alone)."""
+        row = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        DT: tl.constexpr = o_ptr.dtype.element_ty
+        lo = tl.arange(0, HALF)
+        c1 = tl.load(cos_ptr + row * D + lo).to(tl.float32)
+        c2 = tl.load(cos_ptr + row * D + HALF + lo).to(tl.float32)
+        s1 = tl.load(sin_ptr + row * D + lo).to(tl.float32)
+        s2 = tl.load(sin_ptr + row * D + HALF + lo).to(tl.float32)
+        x1, x2 = _head(x_ptr + row * sx + h * D, x_ptr, lo, 0.0, 0.0, False, D, HALF, DT)
+        dst = o_ptr + (row * tl.num_programs(1) + h) * D
+        tl.store(dst + lo, _rot(x1, c1, -x2, s1, DT))
+        tl.store(dst + HALF + lo, _rot(x2, c2, x1, s2, DT))
+
+    @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, sg, su, BLOCK: tl.constexpr, EXPF: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -300,6 +317,36 @@ def rope_store(
     return out
 
 
+def rope_rows(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
+    """x[T, H*D] (rows unit-stride, any row stride), cos / sin[T, D] -> x rotated, [T, H*D] contiguous, in
+    one launch: `row_ops.apply_rotary`'s bits (each op rounded where PyTorch's rounds, as `rope_store`)."""
+    d = head_dim
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    t, h = x.shape[0], x.shape[1] // d
+    out = torch.empty((t, h * d), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    tensors = (x, cos, sin, out)
+    key = None
+    if x.is_cuda:
+        key = (t, h, d, x.stride(0), x.dtype, x.device.index) + _aligned(*tensors)
+    _run(
+        _ROPE_ROWS,
+        key,
+        _rope_rows_kernel,
+        (t, h),
+        (*tensors, x.stride(0)),
+        dict(D=d, HALF=d // 2),
+        (0, 1, 2, 3),
+        tensors,
+        x.device.index or 0,
+    )
+    return out
+
+
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up for gate / up[M, N] (rows unit-stride, any row stride: the halves of one fused
     gate_up projection) -> [M, N] contiguous, the bits of `F.silu(gate) * up`."""
@@ -331,4 +378,5 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 
 _RMS: dict[tuple, launch.Launch] = {}
 _ROPE: dict[tuple, launch.Launch] = {}
+_ROPE_ROWS: dict[tuple, launch.Launch] = {}
 _SILU: dict[tuple, launch.Launch] = {}

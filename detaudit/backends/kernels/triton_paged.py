@@ -71,6 +71,8 @@ if triton is not None:
         start = tl.load(starts_ptr + b)
         n_q = tl.load(starts_ptr + b + 1) - start  # this request's query tokens in the step
         seq = tl.load(seq_ptr + b)  # its positions so far, the queries' included
+        if tl.program_id(1) * BLOCK_R >= n_q * GROUPS:  # no live row here (a shorter run than the step's longest)
+            return
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         live = rows < n_q * GROUPS
         t = rows // GROUPS  # row r: query t of query head h * GROUPS + r % GROUPS (position-major)
