@@ -21,7 +21,7 @@ built-in engine's (`kernels/triton_attn`), over vLLM's pages (`kernels/triton_pa
   Prefill steps run eager.
 - What it does not cover is refused by name, when the layer is built: ALiBi, sliding windows, soft
   caps, sinks, quantized KV caches, shared KV caches, encoder / cross attention, head sizes other than
-  powers of two from 16 (the kernel's tile); at the first step: cascade attention, fused output
+  powers of two from 16 to 256 (the kernel's tile); at the first step: cascade attention, fused output
   quantization.
 """
 
@@ -115,7 +115,8 @@ class DetauditAttentionImpl(TritonAttentionImpl):
             (self.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"), "a quantized KV cache"),
             (self.kv_sharing_target_layer_name is not None, "a KV cache shared with another layer"),
             (getattr(self, "chunk_lookback", -1) != -1, "chunked lookback"),
-            (self.head_size < 16 or self.head_size & (self.head_size - 1), f"head size {self.head_size}"),
+            # the kernel's tile: a power of two, and 64 keys and values of it in two stages of shared memory
+            (not 16 <= self.head_size <= 256 or self.head_size & (self.head_size - 1), f"head size {self.head_size}"),
         ):
             if bad:
                 _refuse(what)

@@ -64,9 +64,19 @@ def test_rope_rows_gives_the_op_by_op_bits(t, hq, hkv, d, dtype):
     assert isinstance(ops, FusedOps)
     for x, h in ((q, hq), (k, hkv)):
         want = apply_rotary(x.reshape(t, h, d), cos[:, None], sin[:, None]).reshape(t, h * d)
-        for _ in range(2):  # the JIT launch, then the kept plan
-            assert torch.equal(fused.rope_rows(x, cos, sin, d), want)
+        first = fused.rope_rows(x, cos, sin, d)  # the JIT launch
+        # the kept plan, on other tensors of the same layout (each result kept alive: no reused address)
+        x2, cos2, sin2 = (x * 0.5).to(dtype), cos.flip(0).contiguous(), sin.flip(0).contiguous()
+        second = fused.rope_rows(x2, cos2, sin2, d)
+        want2 = apply_rotary(x2.reshape(t, h, d), cos2[:, None], sin2[:, None]).reshape(t, h * d)
+        assert torch.equal(first, want) and torch.equal(second, want2)
         assert torch.equal(ops.rotary_rows(x, cos, sin, d), want)
+        assert torch.equal(ops.rotary_rows(x.reshape(t, h, d), cos, sin, d).view(t, h * d), want)  # [T, H, D]
+    # a row start that is not 16-byte aligned, cos / sin as strided views: copied, the same bits
+    odd = torch.empty(t * hq * d + 1, device="cuda", dtype=dtype)[1:].view(t, hq * d).copy_(q)
+    wide = torch.stack([cos, sin], 1)  # cos / sin as views with a row stride of 2 * D
+    want = apply_rotary(q.reshape(t, hq, d), cos[:, None], sin[:, None]).reshape(t, hq * d)
+    assert torch.equal(fused.rope_rows(odd, wide[:, 0], wide[:, 1], d), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -81,8 +81,9 @@ def test_custom_backend_is_registered_and_refuses_what_it_does_not_cover(attn):
         gpu_attn.DetauditAttentionImpl(**kwargs, sliding_window=128)
     with pytest.raises(NotImplementedError, match="detaudit bio: a logits soft cap"):
         gpu_attn.DetauditAttentionImpl(**kwargs, sliding_window=None, logits_soft_cap=30.0)
-    with pytest.raises(NotImplementedError, match="detaudit bio: head size 80 is not covered"):
-        gpu_attn.DetauditAttentionImpl(**{**kwargs, "head_size": 80}, sliding_window=None)
+    for size in (80, 512):  # not a power of two; past the kernel's shared memory
+        with pytest.raises(NotImplementedError, match=f"detaudit bio: head size {size} is not covered"):
+            gpu_attn.DetauditAttentionImpl(**{**kwargs, "head_size": size}, sliding_window=None)
 
 
 @pytest.fixture

@@ -321,11 +321,16 @@ def rope_rows(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
     """x[T, H*D] (rows unit-stride, any row stride), cos / sin[T, D] -> x rotated, [T, H*D] contiguous, in
     one launch: `row_ops.apply_rotary`'s bits (each op rounded where PyTorch's rounds, as `rope_store`)."""
     d = head_dim
+    t = x.shape[0]
+    if x.dim() != 2 or x.shape[1] % d or cos.shape != (t, d) or sin.shape != (t, d):
+        raise ValueError(f"rope_rows: x [T, H*{d}] and cos / sin [T, {d}], got {tuple(x.shape)}, {tuple(cos.shape)}")
+    if not (cos.dtype == sin.dtype == x.dtype):
+        raise ValueError(f"rope_rows: cos / sin must be in x's dtype {x.dtype}, got {cos.dtype}, {sin.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if not (cos.is_contiguous() and sin.is_contiguous()):
         cos, sin = cos.contiguous(), sin.contiguous()
-    t, h = x.shape[0], x.shape[1] // d
+    h = x.shape[1] // d
     out = torch.empty((t, h * d), dtype=x.dtype, device=x.device)
     if t == 0:
         return out
