@@ -87,6 +87,17 @@ if triton is not None:
         return (a + b).to(DT)
 
     @triton.jit
+    def _rotate_into(dst, x1, x2, cos_ptr, sin_ptr, row, lo, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr):
+        """A head's halves (fp32) rotated by token `row`'s cos / sin and stored at dst[0:D] in DT: the
+        rotate-half of `row_ops.apply_rotary`, every rotary kernel's one copy of it."""
+        c1 = tl.load(cos_ptr + row * D + lo).to(tl.float32)
+        c2 = tl.load(cos_ptr + row * D + HALF + lo).to(tl.float32)
+        s1 = tl.load(sin_ptr + row * D + lo).to(tl.float32)
+        s2 = tl.load(sin_ptr + row * D + HALF + lo).to(tl.float32)
+        tl.store(dst + lo, _rot(x1, c1, -x2, s1, DT))
+        tl.store(dst + HALF + lo, _rot(x2, c2, x1, s2, DT))
+
+    @triton.jit
     def _head(src, w_ptr, lo, inv_d, eps, NORM: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr):
         """One head's row as its two fp32 halves, RMS-normed first when NORM: the statements of
         `_rms_norm_kernel` without a delta for a row of D (BLOCK = D), so the same bits."""
@@ -136,41 +147,29 @@ if triton is not None:
         h = tl.program_id(1)  # q heads first, then the KV heads
         DT: tl.constexpr = qo_ptr.dtype.element_ty
         lo = tl.arange(0, HALF)
-        c1 = tl.load(cos_ptr + row * D + lo).to(tl.float32)
-        c2 = tl.load(cos_ptr + row * D + HALF + lo).to(tl.float32)
-        s1 = tl.load(sin_ptr + row * D + lo).to(tl.float32)
-        s2 = tl.load(sin_ptr + row * D + HALF + lo).to(tl.float32)
         if h < HQ:
             x1, x2 = _head(q_ptr + row * sq + h * D, qw_ptr, lo, inv_d, eps, NORM, D, HALF, DT)
             b = row // T
             dst = qo_ptr + ((b * HQ + h) * T + row % T) * D  # [B, HQ, T, D]
-            tl.store(dst + lo, _rot(x1, c1, -x2, s1, DT))
-            tl.store(dst + HALF + lo, _rot(x2, c2, x1, s2, DT))
+            _rotate_into(dst, x1, x2, cos_ptr, sin_ptr, row, lo, D, HALF, DT)
         else:
             j = h - HQ
             slot = tl.load(slot_ptr + row * HKV + j)
             x1, x2 = _head(k_ptr + row * sk + j * D, kw_ptr, lo, inv_d, eps, NORM, D, HALF, DT)
-            tl.store(kc_ptr + slot * D + lo, _rot(x1, c1, -x2, s1, DT))
-            tl.store(kc_ptr + slot * D + HALF + lo, _rot(x2, c2, x1, s2, DT))
+            _rotate_into(kc_ptr + slot * D, x1, x2, cos_ptr, sin_ptr, row, lo, D, HALF, DT)
             full = tl.arange(0, D)
             tl.store(vc_ptr + slot * D + full, tl.load(v_ptr + row * sv + j * D + full))
 
     @triton.jit
     def _rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, sx, D: tl.constexpr, HALF: tl.constexpr):
-        """One (token, head) of x[T, H*D] rotated into o[T, H*D]: `_rope_store_kernel`'s statements for a
-        head without a norm, so the same bits (vLLM's rotary layer: q and k each alone)."""
+        """One (token, head) of x[T, H*D] rotated into o[T, H*D]: `_rope_store_kernel`'s `_head` and
+        `_rotate_into` for a head without a norm, so the same bits (vLLM's rotary layer: q and k each alone)."""
         row = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         DT: tl.constexpr = o_ptr.dtype.element_ty
         lo = tl.arange(0, HALF)
-        c1 = tl.load(cos_ptr + row * D + lo).to(tl.float32)
-        c2 = tl.load(cos_ptr + row * D + HALF + lo).to(tl.float32)
-        s1 = tl.load(sin_ptr + row * D + lo).to(tl.float32)
-        s2 = tl.load(sin_ptr + row * D + HALF + lo).to(tl.float32)
         x1, x2 = _head(x_ptr + row * sx + h * D, x_ptr, lo, 0.0, 0.0, False, D, HALF, DT)
-        dst = o_ptr + (row * tl.num_programs(1) + h) * D
-        tl.store(dst + lo, _rot(x1, c1, -x2, s1, DT))
-        tl.store(dst + HALF + lo, _rot(x2, c2, x1, s2, DT))
+        _rotate_into(o_ptr + (row * tl.num_programs(1) + h) * D, x1, x2, cos_ptr, sin_ptr, row, lo, D, HALF, DT)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, sg, su, BLOCK: tl.constexpr, EXPF: tl.constexpr):
