@@ -125,6 +125,8 @@ def _install_bio(backend, marker) -> None:
     from vllm.model_executor.layers import layernorm, linear, vocab_parallel_embedding
     from vllm.v1.sample import sampler
 
+    from detaudit.vllm import token_ops
+
     def keep_weight(self, layer):  # no oneDNN / SGL prepacking, the bf16 weight stays
         pass
 
@@ -138,13 +140,6 @@ def _install_bio(backend, marker) -> None:
         cls.process_weights_after_loading = keep_weight
         cls.apply = apply
 
-    ops: dict = {}  # device -> the backend's row ops there (what the built-in engine runs on that device)
-
-    def ops_for(device):
-        if device not in ops:
-            ops[device] = backend.row_ops(device)
-        return ops[device]
-
     def rms_forward(self, x, residual=None):
         if self.variance_size_override is not None:
             raise NotImplementedError(f"detaudit {backend.name}: RMSNorm with var_hidden_size is not supported")
@@ -155,7 +150,7 @@ def _install_bio(backend, marker) -> None:
                 return backend.rms_norm(x, w, self.variance_epsilon)
             # the built-in engine's add + RMSNorm (`row_ops.add_norm`, on GPU one fused kernel): the sum
             # residual + x rounded once to the model dtype, then the backend's RMSNorm of it
-            y, s = ops_for(x.device).add_norm(residual, x, _Norm(w, self.variance_epsilon))
+            y, s = token_ops.row_ops(backend, x.device).add_norm(residual, x, _Norm(w, self.variance_epsilon))
             return y.view(x.shape), s.view(x.shape)
 
     layernorm.RMSNorm.forward = rms_forward

@@ -18,6 +18,17 @@ Both classes replace vLLM's through its out-of-tree registration (`CustomOp.regi
 
 from __future__ import annotations
 
+_ROW_OPS: dict = {}  # (backend, device) -> the backend's row ops there
+
+
+def row_ops(backend, device):
+    """The backend's row ops on `device` (what the built-in engine runs there), made once per process:
+    every patched layer of the plugin takes them from here."""
+    ops = _ROW_OPS.get((backend, device))
+    if ops is None:
+        ops = _ROW_OPS[(backend, device)] = backend.row_ops(device)
+    return ops
+
 
 def install(backend, marker, tp_rank) -> None:
     _install_rotary(backend, marker, tp_rank)
@@ -29,13 +40,6 @@ def _install_rotary(backend, marker, tp_rank) -> None:
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding, RotaryEmbeddingBase
 
     from detaudit.builtin.layers import Rotary
-
-    ops: dict = {}  # device -> the backend's row ops there (what the built-in engine runs on that device)
-
-    def ops_for(device):
-        if device not in ops:
-            ops[device] = backend.row_ops(device)
-        return ops[device]
 
     class DetauditRotaryEmbedding(RotaryEmbedding):
         """The default (unscaled) rotary embedding as the built-in engine computes it."""
@@ -53,7 +57,7 @@ def _install_rotary(backend, marker, tp_rank) -> None:
             angles = (self.head_size, float(self.base), query.dtype)  # (`key` is the keys)
             cos, sin = _step_cache(angles, positions, lambda: self._detaudit_rotary.cos_sin(pos[None], query.dtype))
             cos, sin = cos[0, 0], sin[0, 0]  # [T, D]
-            ops = ops_for(query.device)
+            ops = row_ops(backend, query.device)
 
             def rotate(x):  # on GPU one launch (`fused.rope_rows`), apply_rotary's bits
                 return ops.rotary_rows(x.reshape(pos.shape[0], -1), cos, sin, self.head_size).view(x.shape)
