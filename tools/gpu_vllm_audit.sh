@@ -23,7 +23,8 @@
 # tarball); run directories stay in $RUNS (/tmp survives between the calls of a warm machine).
 # Knobs (environment): NEW (max new tokens, grid / diff, default 128), BACKENDS, TPS (default: 1,2,4
 # capped by the GPU count), BENCH_MODEL (default qwen3-8b-shaped), BENCH_TPS, BENCH_TAG (names a second
-# bench table), SERVER_BACKENDS (default bf16,vllm-bi,bio+tbik), SERVER_REPEATS (default 1000),
+# bench table), BENCH_PROFILE (N: bench's --profile N, its top ops per workload), SERVER_BACKENDS (default
+# bf16,vllm-bi,bio+tbik), SERVER_REPEATS (default 1000; 0: no single-prompt run),
 # SERVER_NEW (default 128), SERVER_PATTERNS (default "mixed prefix"; empty: none), SERVER_LIMIT (AIME24
 # prompts under load; default all 30), GRID_TAG and GRID_ARGS (a second grid with other sweep options,
 # e.g. GRID_TAG=greedy GRID_ARGS="--temperature 0").
@@ -96,16 +97,19 @@ step_grid() {
 
 step_bench() {
   $D bench vllm --model "$BENCH_MODEL" --device cuda "$GRAPHS" --tp "${BENCH_TPS:-$TPS}" --backends "$BACKENDS" \
-    --batch-size 16 --prompt-tokens 1024 --new-tokens 64 --repeats 2 --save "$OUT/bench${BENCH_TAG:+-$BENCH_TAG}.md"
+    --batch-size 16 --prompt-tokens 1024 --new-tokens 64 --repeats 2 --profile "${BENCH_PROFILE:-0}" \
+    --save "$OUT/bench${BENCH_TAG:+-$BENCH_TAG}.md"
 }
 
 step_server() {
   local b=${SERVER_BACKENDS:-bf16,vllm-bi,bio+tbik} n=${SERVER_NEW:-128}
   local s=(--engine vllm-server --device cuda "$GRAPHS" --data-dir "$DATA" --backends "$b" --tp 1
     --temperature 0 --max-new-tokens "$n" --no-analyze)
-  say "server single: one prompt x ${SERVER_REPEATS:-1000}"
-  $D sweep "${s[@]}" --suites aime24 --limit 1 --repeats "${SERVER_REPEATS:-1000}" --concurrency 100 \
-    --output-path "$RUNS/server-single"
+  if [ "${SERVER_REPEATS:-1000}" != 0 ]; then
+    say "server single: one prompt x ${SERVER_REPEATS:-1000}"
+    $D sweep "${s[@]}" --suites aime24 --limit 1 --repeats "${SERVER_REPEATS:-1000}" --concurrency 100 \
+      --output-path "$RUNS/server-single"
+  fi
   local limit=()
   [ -n "${SERVER_LIMIT:-}" ] && limit=(--limit "$SERVER_LIMIT")
   for p in ${SERVER_PATTERNS-mixed prefix}; do

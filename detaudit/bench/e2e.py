@@ -55,15 +55,19 @@ def profile_phases(eng, prompts, ids, decoding: DecodingParams, top: int) -> lis
     for k, (calls, ms) in full.items():
         calls0, ms0 = first.get(k, (0, 0.0))
         decode[k] = (calls - calls0, ms - ms0)
-    out = []
-    for phase, times in (("prefill", first), ("decode", decode)):
-        kept = {k: v for k, v in times.items() if v[1] > 0}
-        total = sum(ms for _, ms in kept.values()) or 1.0
-        for rank, (k, (calls, ms)) in enumerate(sorted(kept.items(), key=lambda kv: -kv[1][1])[:top], 1):
-            out.append(
-                {"phase": phase, "rank": rank, "op": k[:100], "calls": calls, "self_ms": ms, "share": ms / total}
-            )
-    return out
+    phases = (("prefill", first), ("decode", decode))
+    return [{"phase": phase, **r} for phase, times in phases for r in top_ops(times, top)]
+
+
+def top_ops(times: dict[str, tuple[int, float]], top: int) -> list[dict]:
+    """The `top` ops of {op: (calls, self ms)} by self time, each with its share of the total."""
+    kept = {k: v for k, v in times.items() if v[1] > 0}
+    total = sum(ms for _, ms in kept.values()) or 1.0
+    ranked = sorted(kept.items(), key=lambda kv: -kv[1][1])[:top]
+    return [
+        {"rank": rank, "op": k[:100], "calls": calls, "self_ms": ms, "share": ms / total}
+        for rank, (k, (calls, ms)) in enumerate(ranked, 1)
+    ]
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

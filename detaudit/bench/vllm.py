@@ -16,7 +16,9 @@ compilation for the plugin's (`vllm.host.engine_mode`); each row records its `cu
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
@@ -49,7 +51,12 @@ def bench_vllm(
     cuda_graphs: bool = False,
     repeats: int = 2,
     progress=None,
+    profile: int = 0,
+    profile_rows: list[dict] | None = None,
 ) -> pd.DataFrame:
+    import tempfile
+
+    from detaudit.bench.e2e import top_ops
     from detaudit.engines import open_engine
 
     ids = [str(i) for i in range(batch_size)]
@@ -66,7 +73,11 @@ def bench_vllm(
         for backend in backends:
             t0 = time.perf_counter()
             settings = EngineSettings(name="vllm", dtype=dtype, device=device, cuda_graphs=cuda_graphs)
-            eng = open_engine(EngineOptions(settings, model, backend, tp, max_batch_size=batch_size))
+            traces = tempfile.TemporaryDirectory(prefix="detaudit-vllm-trace-") if profile else None
+            options = EngineOptions(settings, model, backend, tp, max_batch_size=batch_size)
+            if traces is not None:
+                options = dataclasses.replace(options, trace_dir=Path(traces.name))
+            eng = open_engine(options)
             try:
                 first = next(iter(plans.values()))[0]
                 eng.generate(first, ids, warm, batch_size)  # vLLM builds its engine on the first call
@@ -98,8 +109,14 @@ def bench_vllm(
                             "cudagraph_mode": (described.get("knobs") or {}).get("cudagraph_mode", ""),
                         }
                     )
+                    if profile and profile_rows is not None:
+                        eng.generate(prompts, ids, decoding, batch_size, profile=True)
+                        key = {"tp": tp, "backend": backend, "phase": w}
+                        profile_rows += [{**key, **r} for r in top_ops(eng.last_profile or {}, profile)]
             finally:
                 eng.close()
+                if traces is not None:
+                    traces.cleanup()
             if progress:
                 progress()
     df = pd.DataFrame(rows)

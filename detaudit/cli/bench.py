@@ -84,6 +84,25 @@ def _save_bench(df, title: str, save: Path) -> None:
     err.print(f"wrote {save}")
 
 
+def _print_with_profile(df, prof_rows: list, name: str, profile: int, device: str, json_: bool, save) -> None:
+    """A bench's table and, where `profile` asked for one, its profile table (`--save X.md`: X-profile.md)."""
+    if not profile:
+        _print_bench(df, name, json_, save)
+        return
+    import pandas as pd
+
+    prof = pd.DataFrame(prof_rows)
+    prof.attrs = {"ops": f"top {profile} per phase by self {'device' if device.startswith('cuda') else 'CPU'} time"}
+    if json_:  # one JSON document: the rows and the profile
+        print_json({"meta": df.attrs, "rows": df.to_dict(orient="records"), "profile": prof_rows})
+    else:
+        _print_bench(df, name, False, None)
+        _print_bench(prof, f"{name} profile", False, None)
+    if save:
+        _save_bench(df, name, save)
+        _save_bench(prof, f"{name} profile", save.with_name(f"{save.stem}-profile{save.suffix}"))
+
+
 def _bench_prompts(model: str, suite: str, data_dir: Optional[Path]):
     """The model (prepared if needed) and the suite's prompts as chat-templated token ids; the suite is
     read first (a bad suite is refused before the model is prepared)."""
@@ -152,6 +171,17 @@ def bench_vllm_cmd(
         ),
     ] = True,
     repeats: Annotated[int, typer.Option("--repeats", min=1, max=100, help="Timed calls per workload (best).")] = 2,
+    profile: Annotated[
+        int,
+        typer.Option(
+            "--profile",
+            min=0,
+            max=1000,
+            help="Also run each workload once under vLLM's profiler (its workers' torch.profiler trace, TP rank 0) "
+            "and list its top N ops by self time, device time on CUDA (0: off). With --save X.md the list is also "
+            "written to X-profile.md.",
+        ),
+    ] = 0,
     dtype: DtypeOpt = Dtype.bfloat16,
     device: DeviceOpt = "cpu",
     json_: JsonOpt = False,
@@ -208,8 +238,10 @@ def bench_vllm_cmd(
             cuda_graphs=cuda_graphs,
             repeats=repeats,
             progress=lambda: prog.advance(task),
+            profile=profile,
+            profile_rows=(prof_rows := []),
         )
-    _print_bench(df, "vllm", json_, save)
+    _print_with_profile(df, prof_rows, "vllm", profile, device, json_, save)
 
 
 @bench_app.command("e2e")
@@ -322,21 +354,7 @@ def bench_e2e_cmd(
             profile=profile,
             profile_rows=(prof_rows := []),
         )
-    if not profile:
-        _print_bench(df, "e2e", json_, save)
-        return
-    import pandas as pd
-
-    prof = pd.DataFrame(prof_rows)
-    prof.attrs = {"ops": f"top {profile} per phase by self {'device' if device.startswith('cuda') else 'CPU'} time"}
-    if json_:  # one JSON document: the rows and the profile
-        print_json({"meta": df.attrs, "rows": df.to_dict(orient="records"), "profile": prof_rows})
-    else:
-        _print_bench(df, "e2e", False, None)
-        _print_bench(prof, "e2e profile", False, None)
-    if save:
-        _save_bench(df, "e2e", save)
-        _save_bench(prof, "e2e profile", save.with_name(f"{save.stem}-profile{save.suffix}"))
+    _print_with_profile(df, prof_rows, "e2e", profile, device, json_, save)
 
 
 def _bench_speculative(refs, cfg, speculative: str, suite: str, data_dir, new_tokens, cuda_graphs, repeats):

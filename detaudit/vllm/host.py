@@ -191,6 +191,8 @@ class VllmHost:
         self.knobs: dict[str, Any] = {}
         self.mode = engine_mode(self.backend, self.device, s.cuda_graphs)
         self.checked = False
+        self.trace_dir = options.trace_dir
+        self.last_profile: dict | None = None  # of the last generate call made with profile=True
 
     def _engine(self, batch_size: int, speculative: Speculative | None = None):
         """The engine for a batch of `batch_size` (built for the group's largest batch; rebuilt only for a
@@ -233,7 +235,18 @@ class VllmHost:
             distributed_executor_backend=self.executor,
             seed=0,
             **extra,
+            **self._profiler(),
         )
+
+    def _profiler(self) -> dict:
+        """vLLM's torch profiler in its workers, where traces were asked for: created at the first
+        `start_profile`, idle until then; no stacks and no summary table (`trace.self_times` reads the
+        trace)."""
+        if self.trace_dir is None:
+            return {}
+        config = {"profiler": "torch", "torch_profiler_dir": str(Path(self.trace_dir).resolve())}
+        config.update(torch_profiler_with_stack=False, torch_profiler_dump_cuda_time_total=False)
+        return {"profiler_config": config}
 
     def _knobs(self, extra: dict) -> None:
         config = self.llm.llm_engine.vllm_config
@@ -264,12 +277,18 @@ class VllmHost:
         batch_size: int,
         progress: ProgressFn | None = None,
         speculative: Speculative | None = None,
+        profile: bool = False,
         **load,
     ) -> list[Generation]:
-        """`speculative`: vLLM's own speculative decoding (`speculative_args`), the engine rebuilt for it."""
+        """`speculative`: vLLM's own speculative decoding (`speculative_args`), the engine rebuilt for it.
+        `profile`: the call runs under vLLM's profiler (the engine built with `trace_dir`) and
+        `last_profile` holds TP rank 0's self time per op (`trace.self_times`)."""
         from vllm import SamplingParams
 
         llm = self._engine(batch_size, speculative)
+        if profile:
+            again = (prompts, prompt_ids, decoding, batch_size, progress, speculative)
+            return self._profiled(llm, lambda: self.generate(*again))
         out: list[Generation] = []
         for r in chunks(len(prompts), batch_size):
             params = [
@@ -293,6 +312,25 @@ class VllmHost:
             self._check_plugin()
             if progress:
                 progress(sum(len(o.outputs[0].token_ids) for o in res))
+        return out
+
+    def _profiled(self, llm, call) -> list[Generation]:
+        from detaudit.vllm import trace
+
+        if self.trace_dir is None:
+            raise DetauditError("generate(profile=True) under vLLM needs the engine opened with a trace_dir")
+        directory = Path(self.trace_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        before = set(directory.iterdir())
+        llm.start_profile()
+        try:
+            out = call()
+        finally:
+            llm.stop_profile()  # the workers write their traces before this returns
+        path = trace.newest_rank0(directory, before)
+        if path is None:
+            raise CellFailed(f"vLLM {self.version} wrote no profiler trace into {directory}")
+        self.last_profile = trace.self_times(path, self.device.startswith("cuda"))
         return out
 
     def score(self, prompts, continuations, batch_size: int) -> list[list[float]]:

@@ -311,3 +311,26 @@ def test_vllm_honours_a_suites_stop_strings(tmp_path):
         if first >= 3 and stop not in tok.decode(ids[first : first + 1]):
             mid_row.append(stop)
     assert mid_row, f"no stop string of {STOPS} ends the row mid-way across two tokens: {tok.decode(ids)!r}"
+
+
+@needs_vllm
+@pytest.mark.slow  # one vLLM engine on the embedded model
+def test_bench_vllm_times_both_workloads_and_profiles_them(tmp_path):
+    """bench vllm end to end on CPU, with --profile: a row per workload, then each workload run once more
+    under vLLM's own profiler in its engine process, and its top ops by self CPU time read from the
+    trace vLLM wrote (TP rank 0), ranked, in the JSON document and in X-profile.md."""
+    save = tmp_path / "v.md"
+    args = ["bench", "vllm", "--device", "cpu", "--backends", "bf16", "--tp", "1", "--batch-size", "2"]
+    args += ["--prompt-tokens", "16", "--new-tokens", "3", "--repeats", "1", "--profile", "3", "--json"]
+    doc = cli_json(runner.invoke(app, [*args, "--save", str(save)]))
+    assert sorted(r["workload"] for r in doc["rows"]) == ["decode", "prefill"]
+    assert all(r["tokens_per_s"] > 0 for r in doc["rows"])
+    for phase in ("prefill", "decode"):
+        mine = [p for p in doc["profile"] if p["phase"] == phase]
+        assert [p["rank"] for p in mine] == [1, 2, 3] and all(p["backend"] == "bf16" for p in mine), mine
+        ms = [p["self_ms"] for p in mine]
+        assert ms == sorted(ms, reverse=True) and all(p["calls"] > 0 for p in mine), mine
+        assert 0 < sum(p["share"] for p in mine) <= 1 + 1e-9, mine
+    # the model's own products are in the profile: vLLM's bf16 GEMM (oneDNN) leads the prefill
+    assert any("mm" in p["op"] for p in doc["profile"] if p["phase"] == "prefill"), doc["profile"]
+    assert "rank" in (tmp_path / "v-profile.md").read_text() and save.exists()
