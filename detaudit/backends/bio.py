@@ -27,7 +27,16 @@ from torch import Tensor
 from detaudit.backends import register_backend
 from detaudit.backends.allreduce import allreduce_mode, describe_allreduce, fixed_order_all_reduce, sequential_sum
 from detaudit.backends.base import Backend, ProcessGroup, library_versions
-from detaudit.backends.kernels import cpu_calls, fixed, fused, grouped_mm, triton_attn, triton_mm, triton_paged
+from detaudit.backends.kernels import (
+    cpu_calls,
+    cpu_gemm,
+    fixed,
+    fused,
+    grouped_mm,
+    triton_attn,
+    triton_mm,
+    triton_paged,
+)
 from detaudit.backends.row_ops import fused_or_torch
 
 SPLIT = 64  # keys per attention chunk
@@ -224,7 +233,8 @@ def _rms_compiled(x: Tensor, eps: float) -> Tensor | None:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(x2.shape, dtype=torch.float32)
     bf16 = x.dtype == torch.bfloat16
-    rows.rms_rows((x2.view(torch.int16) if bf16 else x2).numpy(), bf16, eps, out.numpy())
+    with cpu_gemm.profiled("detaudit::cpu_rms_rows"):
+        rows.rms_rows((x2.view(torch.int16) if bf16 else x2).numpy(), bf16, eps, out.numpy())
     return out.view(x.shape)
 
 

@@ -297,3 +297,24 @@ def test_every_parallel_job_runs_with_one_intra_op_thread(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert seen == {0: 1, 1: 1}
+
+
+def test_compiled_cpu_calls_are_named_in_a_cpu_profile(cpu_kernels):
+    """bench e2e --profile on CPU: the micro-kernel calls, the compiled attention and RMSNorm are no aten
+    ops, so each runs inside a named range while a profiler records (else their time is nobody's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b = get_backend("bio")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 128, generator=g).to(torch.bfloat16)
+    w = torch.randn(192, 128, generator=g).to(torch.bfloat16)
+    q, k, v, pos = _attn_inputs()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, b.activate():
+        b.linear(x, w)
+        b.rms_norm(x, w[0], 1e-6)
+        b.attention(q, k, v, pos, 0.25)
+    names = {e.key for e in prof.key_averages()}
+    products = {"detaudit::bf16_block_products", "detaudit::fp32_block_products"}
+    assert products & names, sorted(names)
+    compiled = {"detaudit::cpu_attention", "detaudit::cpu_rms_rows"}
+    assert compiled <= names if cpu_kernels == "compiled" else not compiled & names, sorted(names)

@@ -136,7 +136,8 @@ def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.nd
         def part(lo: int, hi: int) -> None:
             loop(*shape, table[lo:hi], release)
 
-    slices(n, part, min(torch.get_num_threads(), n) if flops >= cpu_gemm.MIN_SPLIT_FLOPS else 1)
+    with cpu_gemm.profiled("detaudit::bf16_block_products"):
+        slices(n, part, min(torch.get_num_threads(), n) if flops >= cpu_gemm.MIN_SPLIT_FLOPS else 1)
 
 
 def slices(n: int, part, threads: int) -> None:

@@ -135,6 +135,15 @@ def run_jobs(jobs: list, run) -> None:
         f.result()
 
 
+def profiled(name: str):
+    """A range named `name` in torch.profiler's trace while a profiler records, else nothing: the compiled
+    calls (micro-kernels, numba) are no aten ops, and without a range of their own their time would be
+    nobody's self time in `bench e2e --profile` on CPU."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 def min_columns(r: int, k: int) -> int:
     """The fewest columns a block product [r, k] @ [k, N] is computed with (see MIN_MACS)."""
     return max(MIN_COLUMNS, -(-MIN_MACS // max(r * k, 1)))
@@ -187,5 +196,6 @@ def block_products(a: Tensor, b: Tensor) -> Tensor:
                 else:
                     dest.copy_(torch.bmm(rows, rhs.expand(rows.shape[0], k, cols))[..., :width])
 
-    spread(g, nb, n, 2.0 * g * nb * r * k * n, run)
+    with profiled("detaudit::fp32_block_products"):
+        spread(g, nb, n, 2.0 * g * nb * r * k * n, run)
     return out if grouped else out[0]

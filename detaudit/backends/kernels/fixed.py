@@ -279,7 +279,8 @@ def _attention_compiled(
         kernel.attend(qs[lo:hi], pos[lo:hi], kn[lo:hi], vn[lo:hi], bf16, window or 0, on[lo:hi])
 
     work = 4.0 * g * rows * d * length  # flops of the scores and the weighted values, at most
-    cpu_calls.slices(g, part, torch.get_num_threads() if work >= ATTENTION_SPLIT_FLOPS else 1)
+    with cpu_gemm.profiled("detaudit::cpu_attention"):
+        cpu_calls.slices(g, part, torch.get_num_threads() if work >= ATTENTION_SPLIT_FLOPS else 1)
     return out
 
 
