@@ -240,3 +240,38 @@ def test_each_thread_releases_the_kernel_after_its_calls_where_the_path_says(mon
         monkeypatch.undo()
         cpu_bf16.choose()
     assert len(seen) == (2 if release else 0) and len(set(seen)) == len(seen)
+
+
+def test_micro_kernel_products_and_compiled_attention_leave_torchs_thread_count_alone(monkeypatch):
+    """A split bf16 product (the micro-kernel over 2 threads) and the compiled attention run no torch op in
+    their jobs, so they never set torch's thread count (`cpu_gemm.run_jobs(torch_ops=False)`): ATen's
+    set_num_threads resizes torch's thread pool and clears oneDNN's cache, twice per call where they did.
+    The fp32 path's jobs run torch's bmm and still hold one intra-op thread (test_bio's thread-count test)."""
+    from helpers import require
+
+    require("numba", "cpu")
+    from detaudit.backends.kernels import cpu_calls, cpu_gemm
+
+    try:
+        cpu_bf16.choose("bf16")
+    except DetauditError as e:
+        pytest.skip(str(e))
+    cpu_gemm._workers(1).submit(int).result()  # the pool's worker set to one thread once, when it starts
+    calls = []
+    monkeypatch.setattr(cpu_gemm, "_set_num_threads", calls.append)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(480, 576, generator=g).bfloat16()
+    w = torch.randn(1536, 576, generator=g).bfloat16()
+    q = torch.randn(2, 6, 70, 16, generator=g).bfloat16()
+    k, v = (torch.randn(2, 2, 70, 16, generator=g).bfloat16() for _ in range(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with get_backend("bio").activate():
+            fixed.matmul(x, w)
+            get_backend("bio").attention(q, k, v, torch.arange(70).expand(2, 70), 0.25)
+        assert cpu_calls.compiled("cpu_attention") is not None
+    finally:
+        torch.set_num_threads(threads)
+        cpu_bf16.choose()
+    assert calls == [], calls

@@ -142,10 +142,10 @@ def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.nd
 
 def slices(n: int, part, threads: int) -> None:
     """part(lo, hi) over `threads` contiguous slices of range(n) (`cpu_gemm.run_jobs`: the first on this
-    thread, the others on its single-threaded pool)."""
+    thread, the others on its single-threaded pool). `part` calls compiled code only, no torch op."""
     threads = max(1, min(threads, n))
     cuts = [i * n // threads for i in range(threads + 1)]
-    cpu_gemm.run_jobs([(cuts[i], cuts[i + 1]) for i in range(threads)], lambda job: part(*job))
+    cpu_gemm.run_jobs([(cuts[i], cuts[i + 1]) for i in range(threads)], lambda job: part(*job), torch_ops=False)
 
 
 def describe() -> str:

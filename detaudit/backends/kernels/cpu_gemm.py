@@ -114,13 +114,17 @@ def spread(g: int, nb: int, n: int, flops: float, run, panel: int = PANEL) -> No
     run_jobs(jobs or [(slice(0, g), slice(0, nb), slice(0, n))], run)
 
 
-def run_jobs(jobs: list, run) -> None:
+def run_jobs(jobs: list, run, torch_ops: bool = True) -> None:
     """`run(job)` for every job: the first on this thread, the others on the pool's workers (one job: all
-    here), every one with one intra-op thread."""
+    here), every one with one intra-op thread where the jobs run torch ops (`torch_ops`). Jobs that only
+    call single-threaded compiled code (the micro-kernel, numba's loops: `cpu_calls`) leave torch's
+    thread count alone: it cannot change what they compute, and setting it is not free (ATen's
+    set_num_threads also resizes torch's pthreadpool and clears oneDNN's computation cache, twice per
+    product and attention call)."""
     # torch's intra-op thread count is process-wide, not per thread: one intra-op thread from before the
     # first job is handed out until the last has finished, or a worker starting late would run its
     # product with the caller's count restored, and other bits (1 vs 2 threads differ at K >= 1536)
-    with one_thread():
+    with one_thread() if torch_ops else contextlib.nullcontext():
         if len(jobs) < 2:
             for job in jobs:
                 run(job)
