@@ -445,6 +445,64 @@ def bench_kernels_cmd(
     _print_bench(df, f"kernels ({device}, {dtype.value})", json_, save)
 
 
+@bench_app.command("attention")
+@handle_errors
+def bench_attention_cmd(
+    device: Annotated[str, typer.Option("--device", help="cuda (the Triton kernels' target; no CPU timing).")] = "cuda",
+    batch: Annotated[int, typer.Option("--batch", min=1, max=MAX_BATCH, help="Requests.")] = 16,
+    tokens: Annotated[
+        int, typer.Option("--tokens", min=1, max=65536, help="Prefill: each request's positions; decode: cached keys.")
+    ] = 1024,
+    heads: Annotated[str, typer.Option("--heads", help="Query heads / KV heads (Qwen3-8B: 32/8).")] = "32/8",
+    head_dim: Annotated[int, typer.Option("--head-dim", help="A power of two, 16 to 256.")] = 128,
+    block_rows: Annotated[
+        str, typer.Option("--block-rows", help="Comma-separated query rows per program (16, 32, 64, 128).")
+    ] = "16,32,64,128",
+    workloads: Annotated[str, typer.Option("--workloads", help="prefill, decode or both.")] = "prefill,decode",
+    dtype: DtypeOpt = Dtype.bfloat16,
+    json_: JsonOpt = False,
+    save: SaveOpt = None,
+):
+    """bio's GPU attention kernels (the built-in engine's contiguous one, the vLLM plugin's paged one) against
+    PyTorch's SDPA, per query rows a program owns, with whether each keeps the default's bits."""
+    import torch
+
+    from detaudit.bench.attention import BLOCK_RS, WORKLOADS, bench_attention
+    from detaudit.config import check_device, parse_int_list, parse_str_list
+
+    if not check_device(device).startswith("cuda"):
+        raise DetauditError("bench attention times the Triton attention kernels: --device cuda only")
+    match = re.fullmatch(r"([0-9]{1,4})/([0-9]{1,4})", heads.strip())
+    if not match or int(match[2]) < 1 or int(match[1]) % int(match[2]):
+        raise DetauditError(f"--heads {heads[:20]!r}: expected QUERY/KV with KV dividing QUERY, e.g. 32/8")
+    if head_dim not in (16, 32, 64, 128, 256):
+        raise DetauditError(f"--head-dim {head_dim}: must be a power of two from 16 to 256")
+    brs = parse_int_list(block_rows, "--block-rows")
+    for b in brs:
+        if b not in BLOCK_RS:
+            raise DetauditError(f"--block-rows {b}: must be one of {', '.join(map(str, BLOCK_RS))}")
+    wl = parse_str_list(workloads, "--workloads")
+    for w in wl:
+        if w not in WORKLOADS:
+            raise DetauditError(f"--workloads {w[:20]!r}: expected {' or '.join(WORKLOADS)}")
+    _check_save(save)
+    if not torch.cuda.is_available():
+        raise DetauditError("--device cuda: no CUDA device is visible")
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("attention", total=len(brs) * len(wl))
+        df = bench_attention(
+            batch,
+            tokens,
+            (int(match[1]), int(match[2])),
+            head_dim,
+            brs,
+            wl,
+            getattr(torch, dtype.value),
+            progress=lambda: progress.advance(task),
+        )
+    _print_bench(df, f"attention ({device}, {dtype.value})", json_, save)
+
+
 @bench_app.command("allreduce")
 @handle_errors
 def bench_allreduce_cmd(

@@ -350,6 +350,13 @@ OTHERS = [
     ("bench kernels --device cpu --kn axb", "expected KxN pairs"),
     ("bench kernels --device cpu --kn 4096", "expected KxN pairs"),
     ("bench kernels --device cpu --kn 4x4x4", "expected KxN pairs"),
+    ("bench attention --device cpu", "--device cuda only"),
+    ("bench attention --heads 32/5", "--heads '32/5': expected QUERY/KV"),
+    ("bench attention --heads 32", "--heads '32': expected QUERY/KV"),
+    ("bench attention --block-rows 48", "--block-rows 48: must be one of 16, 32, 64, 128"),
+    ("bench attention --head-dim 100", "--head-dim 100: must be a power of two"),
+    ("bench attention --workloads both", "--workloads 'both': expected prefill or decode"),
+    ("bench attention --tokens 0", "--tokens"),
     ("bench allreduce --device cpu --ranks 0", "--ranks 0: TP size must be one of"),
     ("bench allreduce --device cpu --ranks 3", "--ranks 3: TP size must be one of"),
     ("bench allreduce --device cpu --ranks 99999", "--ranks 99999: TP size must be one of"),
@@ -491,7 +498,8 @@ def test_the_matrix_is_large_and_distinct():
     groups = ("bench", "models", "suites", "backends")
     commands = {" ".join(a.split()[:2]) if a.startswith(groups) else a.split()[0] for a in inputs}
     assert {"sweep", "analyze", "report", "gate", "merge", "diff", "align", "doctor", "backends ls"} <= commands
-    assert {"bench engine", "bench vllm", "bench e2e", "bench kernels", "bench allreduce"} <= commands
+    benches = ("engine", "vllm", "e2e", "kernels", "allreduce", "attention")
+    assert {f"bench {b}" for b in benches} <= commands
     assert {"models prepare", "models ls", "suites show", "suites ls"} <= commands
 
 

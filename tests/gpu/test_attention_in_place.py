@@ -123,3 +123,38 @@ def test_paged_decode_replays_from_a_cuda_graph():
     triton_paged.paged_attention(query, kc, vc, table, starts, seqs, 1, 128**-0.5, 64, eager)
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("block_r", [32, 64, 128])
+def test_paged_and_contiguous_agree_at_every_block_of_rows(block_r):
+    """Whatever rows a program owns (`block_r`: the tile's M, which may change the MMA instruction and so a
+    row's bits against the default 16), the plugin's paged kernel and the built-in engine's contiguous one
+    still give each other's bits: they share the chunk update (`triton_attn.visit`)."""
+    from detaudit.backends.kernels import triton_attn, triton_paged
+
+    runs = [(300, 300), (1, 900), (17, 530), (64, 700)]
+    cache, table, starts, seqs, query, keys, values = _paged_step(runs, 32, 8, torch.bfloat16, seed=block_r)
+    out = torch.full_like(query, float("nan"))
+    kc, vc = cache.unbind(1)
+    steps = max(t for t, _ in runs)
+    triton_paged.paged_attention(query, kc, vc, table, starts, seqs, steps, 128**-0.5, 64, out, block_r)
+    q = torch.zeros(len(runs), 32, steps, 128, device="cuda", dtype=torch.bfloat16)
+    pos = torch.zeros(len(runs), steps, dtype=torch.int64, device="cuda")
+    for b, (t, seq) in enumerate(runs):
+        q[b, :, :t] = query[int(starts[b]) : int(starts[b]) + t].transpose(0, 1)
+        pos[b, :t] = torch.arange(seq - t, seq, device="cuda")
+    want = triton_attn.attention_heads(q, keys, values, pos, 128**-0.5, 64, block_r=block_r)
+    for b, (t, _) in enumerate(runs):
+        assert torch.equal(out[int(starts[b]) : int(starts[b]) + t], want[b, :, :t].transpose(0, 1)), (b, block_r)
+
+
+def test_bench_attention_runs_each_kernel_and_block():
+    """`bench attention` at a small shape: a row per workload, kernel and block of rows, SDPA's row, the
+    default block keeping its own bits and the paged kernel the contiguous one's."""
+    from detaudit.bench.attention import bench_attention
+
+    df = bench_attention(batch=2, tokens=200, heads=(8, 2), head_dim=64, block_rs=(16, 64))
+    ours = df[df.kernel != "sdpa"]
+    assert len(ours) == 2 * 2 * 2 and len(df[df.kernel == "sdpa"]) == 2
+    assert (ours.ms > 0).all() and (df.tflops > 0).all()
+    assert ours[ours.block_r == 16].bits_as_default.all() and ours.paged_bits_as_contiguous.all()

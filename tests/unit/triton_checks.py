@@ -106,6 +106,7 @@ def main() -> None:
     fast_path_end_to_end()
     gluon_fallback()
     swapped_products(g)
+    bench_attention_rows()
     print("ok")
 
 
@@ -181,10 +182,8 @@ def paged_attention_bits(g: torch.Generator, dt: torch.dtype) -> None:
         seqs = torch.tensor([seq for _, seq in runs], dtype=torch.int32)
         tokens = int(starts[-1])
         query = torch.randn(tokens + 3, hq, d, generator=g).to(dt)  # 3 padding tokens past the runs
-        out = torch.full_like(query, float("nan"))
         key_cache, value_cache = cache.unbind(1)
         steps = max(t for t, _ in runs)
-        triton_paged.paged_attention(query, key_cache, value_cache, table, starts, seqs, steps, 0.25, 64, out)
         # the gathered reference, request by request at the step's widths
         longest = max(seq for _, seq in runs)
         keys = torch.zeros(len(runs), hkv, longest, d).to(dt)
@@ -198,11 +197,34 @@ def paged_attention_bits(g: torch.Generator, dt: torch.dtype) -> None:
             q[b, :, :t] = query[int(starts[b]) : int(starts[b]) + t].transpose(0, 1)
             pos[b, :t] = torch.arange(seq - t, seq)
         want = triton_attn.attention_heads(q, keys, values, pos, 0.25, 64)  # [R, Hq, steps, D]
-        what = f"paged attention {dt} hkv={hkv}"
-        for b, (t, _) in enumerate(runs):
-            got = out[int(starts[b]) : int(starts[b]) + t]
-            check(torch.equal(got, want[b, :, :t].transpose(0, 1)), f"{what}: request {b} bits")
-        check(bool(out[tokens:].isnan().all()), f"{what}: rows no query owns are not written")
+        # a row's bits do not depend on how many rows share its program (`block_r`; with the interpreter's
+        # slot-free dot, everything but the GPU's MMA instruction): neither kernel's, 16 or 64 rows
+        wide = triton_attn.attention_heads(q, keys, values, pos, 0.25, 64, block_r=64)
+        check(torch.equal(wide, want), f"attention_heads {dt} hkv={hkv}: 64 rows a program, other bits")
+        for block_r in (triton_attn.BLOCK_R, 64):
+            out = torch.full_like(query, float("nan"))
+            triton_paged.paged_attention(
+                query, key_cache, value_cache, table, starts, seqs, steps, 0.25, 64, out, block_r=block_r
+            )
+            what = f"paged attention {dt} hkv={hkv} block_r={block_r}"
+            for b, (t, _) in enumerate(runs):
+                got = out[int(starts[b]) : int(starts[b]) + t]
+                check(torch.equal(got, want[b, :, :t].transpose(0, 1)), f"{what}: request {b} bits")
+            check(bool(out[tokens:].isnan().all()), f"{what}: rows no query owns are not written")
+
+
+def bench_attention_rows() -> None:
+    """`bench attention`'s own code (inputs, vLLM's page layout, the bit comparisons) on tiny shapes: under
+    the interpreter every block of rows keeps the default's bits (its dot is slot-free) and the paged
+    kernel the contiguous one's; on a GPU the same rows are timed (tests/gpu)."""
+    from detaudit.bench.attention import bench_attention
+
+    shape = dict(batch=2, tokens=40, heads=(4, 2), head_dim=16)
+    df = bench_attention(**shape, block_rs=(16, 32), split=16, device="cpu", reps=1)
+    ours = df[df.kernel != "sdpa"]
+    check(len(ours) == 8 and len(df) == 10, f"bench attention rows: {len(df)}")
+    check(bool(ours.bits_as_default.all()), "bench attention: a block of rows changed the interpreter's bits")
+    check(bool(ours.paged_bits_as_contiguous.all()), "bench attention: paged bits unlike contiguous")
 
 
 def _spread(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:

@@ -31,7 +31,8 @@ try:
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-BLOCK_R = 16  # query rows per program (the smallest tl.dot M)
+BLOCK_R = 16  # query rows per program (the smallest tl.dot M): the backends' choice, named in bio's description
+BLOCK_RS = (16, 32, 64, 128)  # the row counts a caller may ask for (`bench attention` compares them)
 NO_WINDOW = 2**30  # a window no position reaches past (int32-safe: pos - NO_WINDOW stays negative)
 
 
@@ -132,8 +133,26 @@ if triton is not None:
         tl.store(out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
+def check_block_r(block_r: int) -> int:
+    if block_r not in BLOCK_RS:
+        raise ValueError(f"attention rows per program must be one of {BLOCK_RS} (got {block_r})")
+    return block_r
+
+
+def warps(block_r: int) -> int:
+    """Warps per program: one warpgroup up to 64 rows, two for 128."""
+    return 4 if block_r <= 64 else 8
+
+
 def attention_heads(
-    q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, split: int, window: int | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    scale: float,
+    split: int,
+    window: int | None = None,
+    block_r: int = BLOCK_R,
 ) -> Tensor:
     """The model's layout: q[B, Hq, T, D] (any strides, D contiguous), k / v[B, Hkv, L, D] (the cache or a
     slice of it), pos[B, T] (each query position's absolute position) -> [B, Hq, T, D], a view of a
@@ -143,25 +162,33 @@ def attention_heads(
     bsz, hq, t, d = q.shape
     hkv = k.shape[1]
     out = torch.empty(bsz, t, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
-    _run(q, k, v, pos, out, hkv, hq // hkv, t * (hq // hkv), scale, split, window)
+    _run(q, k, v, pos, out, hkv, hq // hkv, t * (hq // hkv), scale, split, window, block_r)
     return out
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float, split: int, window: int | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    scale: float,
+    split: int,
+    window: int | None = None,
+    block_r: int = BLOCK_R,
 ) -> Tensor:
     """q[G, R, D] (the group's query rows), k / v[G, L, D], pos[G, R] (each row's position: key j is
     visible iff j <= pos, and with a sliding window iff pos - window < j <= pos) -> [G, R, D] in q.dtype.
     A chunk wholly before a row's window leaves it as it was (m stays -inf, alpha is 1), as past it.
     (`attention_heads` with one KV head of one query head per group: row r is position r.)"""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _run(q[:, None], k[:, None], v[:, None], pos, out[:, None], 1, 1, q.shape[1], scale, split, window)
+    _run(q[:, None], k[:, None], v[:, None], pos, out[:, None], 1, 1, q.shape[1], scale, split, window, block_r)
     return out
 
 
-def _run(q, k, v, pos, out, hkv: int, groups: int, rows: int, scale: float, split: int, window) -> None:
+def _run(q, k, v, pos, out, hkv: int, groups: int, rows: int, scale: float, split: int, window, block_r: int) -> None:
     """Launch the kernel over q / out [B, Hq, T, D], k / v [B, Hkv, L, D], pos [B, T]: B * Hkv groups of
-    `rows` rows (T positions x `groups` query heads)."""
+    `rows` rows (T positions x `groups` query heads), `block_r` rows a program."""
+    check_block_r(block_r)
     bsz, d = q.shape[0], q.shape[-1]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # cache slices stay views
     if pos.dtype != torch.int32:
@@ -184,6 +211,7 @@ def _run(q, k, v, pos, out, hkv: int, groups: int, rows: int, scale: float, spli
             float(scale),
             split,
             win,
+            block_r,
             q.device.index,
             *(x.data_ptr() % 16 == 0 for x in tensors),
         )
@@ -191,7 +219,7 @@ def _run(q, k, v, pos, out, hkv: int, groups: int, rows: int, scale: float, spli
         if plan is not None:
             plan(q.device.index, *tensors)
             return
-    grid = (bsz * hkv, triton.cdiv(rows, BLOCK_R))
+    grid = (bsz * hkv, triton.cdiv(rows, block_r))
     first = launch.Launch.first(
         _attn_kernel,
         grid,
@@ -221,10 +249,10 @@ def _run(q, k, v, pos, out, hkv: int, groups: int, rows: int, scale: float, spli
             GROUPS=groups,
             D=d,
             SPLIT=split,
-            BLOCK_R=BLOCK_R,
+            BLOCK_R=block_r,
             PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
             UPCAST=not q.is_cuda,
-            num_warps=4,
+            num_warps=warps(block_r),
             num_stages=2,
         ),
         slots=(0, 1, 2, 3, 4),

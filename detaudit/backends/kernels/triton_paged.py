@@ -113,12 +113,15 @@ def paged_attention(
     scale: float,
     split: int,
     out: Tensor,
+    block_r: int = triton_attn.BLOCK_R,
 ) -> Tensor:
     """query / out [tokens, Hq, D] (D contiguous); key_cache / value_cache [pages, PAGE, Hkv, D] (any
     strides, D contiguous: views of vLLM's [pages, 2, PAGE, Hkv, D]); block_table [requests, pages per
     request] (int32); query_start_loc [requests + 1] and seq_lens [requests] (int32, on the device);
     `max_query_len`: the longest run of query tokens (a host integer: it sizes the grid). Writes the
-    live query rows of `out` and returns it. No host sync: the lengths are read by the kernel."""
+    live query rows of `out` and returns it. No host sync: the lengths are read by the kernel. `block_r`:
+    query rows per program, as `triton_attn`'s (the backends keep its `BLOCK_R`)."""
+    triton_attn.check_block_r(block_r)
     hq, d = query.shape[1], query.shape[2]
     hkv, page = key_cache.shape[2], key_cache.shape[1]
     groups = hq // hkv
@@ -131,7 +134,7 @@ def paged_attention(
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
     tensors = (query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out)
-    grid = (requests * hkv, triton.cdiv(max_query_len * groups, triton_attn.BLOCK_R))
+    grid = (requests * hkv, triton.cdiv(max_query_len * groups, block_r))
     args = (
         *tensors,
         hkv,
@@ -151,7 +154,7 @@ def paged_attention(
     )
     key = None
     if query.is_cuda:  # a kept launch per plan key (see `launch`): every integer argument and alignment
-        key = (grid, args[len(tensors) :], query.dtype, page, d, groups, split, query.device.index)
+        key = (grid, args[len(tensors) :], query.dtype, page, d, groups, split, block_r, query.device.index)
         key += tuple(x.dtype for x in tensors) + tuple(x.data_ptr() % 16 == 0 for x in tensors)
         plan = _PLANS.get(key)
         if plan is not None:
@@ -166,10 +169,10 @@ def paged_attention(
             D=d,
             SPLIT=split,
             PAGE=page,
-            BLOCK_R=triton_attn.BLOCK_R,
+            BLOCK_R=block_r,
             PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32",
             UPCAST=not query.is_cuda,
-            num_warps=4,
+            num_warps=triton_attn.warps(block_r),
             num_stages=2,
         ),
         slots=tuple(range(len(tensors))),

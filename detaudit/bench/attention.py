@@ -1,0 +1,128 @@
+"""`detaudit bench attention`: bio's GPU attention kernels against PyTorch's SDPA (FlashAttention on
+Hopper) on one causal workload, per number of query rows a program owns (`block_r`).
+
+Two kernels, the two engines' ones: `contiguous` (`triton_attn.attention_heads`: the built-in engine's, over
+its [B, Hkv, L, D] cache) and `paged` (`triton_paged.paged_attention`: the vLLM plugin's, over vLLM's pages
+and ragged query runs). Two workloads: `prefill` (every request's `tokens` positions at once) and `decode`
+(one new position per request over `tokens` cached keys). Each row says whether its outputs are bitwise
+those of the backends' own `block_r` (`triton_attn.BLOCK_R`, `bits_as_default`), so a faster block that
+keeps the bits can be told from one that does not, and whether the paged kernel's equal the contiguous
+one's. SDPA runs the same keys repeated per query head (its MHA form). Times: median seconds
+per call of graph-replayed calls (`bench.kernels._times`: no host launch overhead).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pandas as pd
+import torch
+
+from detaudit.backends.kernels import triton_attn, triton_paged
+from detaudit.bench.kernels import _times
+
+BLOCK_RS = triton_attn.BLOCK_RS
+WORKLOADS = ("prefill", "decode")
+KERNELS = ("contiguous", "paged")
+PAGE = 16  # vLLM's default page (block) size
+
+
+def _inputs(workload: str, batch: int, tokens: int, hq: int, hkv: int, d: int, dtype, device: str, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    t = tokens if workload == "prefill" else 1
+    q = torch.randn(batch, hq, t, d, device=device, generator=g).to(dtype)
+    k = torch.randn(batch, hkv, tokens, d, device=device, generator=g).to(dtype)
+    v = torch.randn(batch, hkv, tokens, d, device=device, generator=g).to(dtype)
+    pos = torch.arange(tokens - t, tokens, device=device, dtype=torch.int32).expand(batch, t).contiguous()
+    return q, k, v, pos
+
+
+def _paged(q, k, v):
+    """The same keys in vLLM's layout: request b's key j in page b * pages + j // PAGE, slot j % PAGE; its
+    queries packed as [B * T, Hq, D]; lengths and run starts on the device."""
+    batch, hkv, tokens, d = k.shape
+    t = q.shape[2]
+    pages = -(-tokens // PAGE)
+    cache = torch.zeros(batch * pages, 2, PAGE, hkv, d, device=q.device, dtype=q.dtype)
+    for i, x in enumerate((k, v)):
+        padded = torch.nn.functional.pad(x, (0, 0, 0, pages * PAGE - tokens))  # [B, Hkv, pages * PAGE, D]
+        cache[:, i] = padded.view(batch, hkv, pages, PAGE, d).permute(0, 2, 3, 1, 4).reshape(-1, PAGE, hkv, d)
+    table = torch.arange(batch * pages, device=q.device, dtype=torch.int32).view(batch, pages)
+    starts = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * t
+    seqs = torch.full((batch,), tokens, device=q.device, dtype=torch.int32)
+    query = q.transpose(1, 2).reshape(batch * t, q.shape[1], d).contiguous()
+    kc, vc = cache.unbind(1)
+    return query, kc, vc, table, starts, seqs
+
+
+def bench_attention(
+    batch: int = 16,
+    tokens: int = 1024,
+    heads: tuple[int, int] = (32, 8),
+    head_dim: int = 128,
+    block_rs: Sequence[int] = BLOCK_RS,
+    workloads: Sequence[str] = WORKLOADS,
+    dtype: torch.dtype = torch.bfloat16,
+    split: int = 64,
+    progress=None,
+    device: str = "cuda",
+    reps: int | None = None,
+) -> pd.DataFrame:
+    """`device` cpu runs the kernels under Triton's interpreter (TRITON_INTERPRET=1): a check of this
+    function, not a timing (`reps`: calls timed per kernel)."""
+    hq, hkv = heads
+    dev = torch.device(device)
+    scale = head_dim**-0.5
+    rows = []
+    for workload in workloads:
+        q, k, v, pos = _inputs(workload, batch, tokens, hq, hkv, head_dim, dtype, device)
+        t = q.shape[2]
+        query, kc, vc, table, starts, seqs = _paged(q, k, v)
+        packed = torch.empty_like(query)
+        # causal multiply-adds of the scores and the weighted values: a query at position p sees p + 1 keys
+        seen = float((pos.to(torch.float64) + 1).sum()) * hq
+        flops = 4.0 * seen * head_dim
+        kr, vr = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))  # SDPA's MHA over the same keys
+
+        def sdpa(i):
+            return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=t > 1, scale=scale)
+
+        def run(name: str, block_r: int):
+            if name == "contiguous":
+                out = triton_attn.attention_heads(q, k, v, pos, scale, split, block_r=block_r)
+                return out.transpose(1, 2).reshape(batch * t, hq, head_dim)  # [B, T, Hq, D]: a view
+            return triton_paged.paged_attention(query, kc, vc, table, starts, seqs, t, scale, split, packed, block_r)
+
+        (sdpa_s,) = _times([sdpa], dev, reps=reps)
+        base = {name: run(name, triton_attn.BLOCK_R).clone() for name in KERNELS}
+        for block_r in block_rs:
+            fns = [lambda i, name=name, b=block_r: run(name, b) for name in KERNELS]
+            times = _times(fns, dev, reps=reps)
+            outs = {name: run(name, block_r) for name in KERNELS}
+            for (name, out), seconds in zip(outs.items(), times):
+                rows.append(
+                    {
+                        "workload": workload,
+                        "kernel": name,
+                        "block_r": block_r,
+                        "ms": seconds * 1e3,
+                        "tflops": flops / seconds / 1e12,
+                        "vs_sdpa": sdpa_s / seconds,
+                        "bits_as_default": bool(torch.equal(out, base[name])),
+                        "paged_bits_as_contiguous": bool(torch.equal(outs["paged"], outs["contiguous"])),
+                    }
+                )
+            if progress:
+                progress()
+        rows.append({"workload": workload, "kernel": "sdpa", "ms": sdpa_s * 1e3, "tflops": flops / sdpa_s / 1e12})
+    df = pd.DataFrame(rows)
+    df.attrs.update(
+        batch=batch,
+        tokens=tokens,
+        heads=f"{hq}/{hkv}",
+        head_dim=head_dim,
+        dtype=str(dtype).removeprefix("torch."),
+        split=split,
+        default_block_r=triton_attn.BLOCK_R,
+    )
+    return df
