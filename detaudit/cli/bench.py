@@ -92,7 +92,8 @@ def _print_with_profile(df, prof_rows: list, name: str, profile: int, device: st
     import pandas as pd
 
     prof = pd.DataFrame(prof_rows)
-    prof.attrs = {"ops": f"top {profile} per phase by self {'device' if device.startswith('cuda') else 'CPU'} time"}
+    per = "workload (its whole call)" if name == "vllm" else "phase"
+    prof.attrs = {"ops": f"top {profile} per {per} by self {'device' if device.startswith('cuda') else 'CPU'} time"}
     if json_:  # one JSON document: the rows and the profile
         print_json({"meta": df.attrs, "rows": df.to_dict(orient="records"), "profile": prof_rows})
     else:
@@ -473,7 +474,7 @@ def bench_attention_cmd(
     if not check_device(device).startswith("cuda"):
         raise DetauditError("bench attention times the Triton attention kernels: --device cuda only")
     match = re.fullmatch(r"([0-9]{1,4})/([0-9]{1,4})", heads.strip())
-    if not match or int(match[2]) < 1 or int(match[1]) % int(match[2]):
+    if not match or int(match[2]) < 1 or int(match[1]) < 1 or int(match[1]) % int(match[2]):
         raise DetauditError(f"--heads {heads[:20]!r}: expected QUERY/KV with KV dividing QUERY, e.g. 32/8")
     if head_dim not in (16, 32, 64, 128, 256):
         raise DetauditError(f"--head-dim {head_dim}: must be a power of two from 16 to 256")
@@ -499,6 +500,7 @@ def bench_attention_cmd(
             wl,
             getattr(torch, dtype.value),
             progress=lambda: progress.advance(task),
+            device=device,
         )
     _print_bench(df, f"attention ({device}, {dtype.value})", json_, save)
 

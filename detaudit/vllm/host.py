@@ -240,8 +240,8 @@ class VllmHost:
 
     def _profiler(self) -> dict:
         """vLLM's torch profiler in its workers, where traces were asked for: created at the first
-        `start_profile`, idle until then; no stacks and no summary table (`trace.self_times` reads the
-        trace)."""
+        `start_profile`, idle until then; no stacks, no CUDA summary table (`trace.self_times` reads the
+        trace; on CPU vLLM still writes its own CPU-time table beside it)."""
         if self.trace_dir is None:
             return {}
         config = {"profiler": "torch", "torch_profiler_dir": str(Path(self.trace_dir).resolve())}
@@ -288,7 +288,7 @@ class VllmHost:
         llm = self._engine(batch_size, speculative)
         if profile:
             again = (prompts, prompt_ids, decoding, batch_size, progress, speculative)
-            return self._profiled(llm, lambda: self.generate(*again))
+            return self._profiled(llm, lambda: self.generate(*again, **load))
         out: list[Generation] = []
         for r in chunks(len(prompts), batch_size):
             params = [

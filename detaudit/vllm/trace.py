@@ -13,6 +13,9 @@ import re
 from pathlib import Path
 
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+# aten ops, and the named ranges of code that is no aten op (`record_function`: detaudit's compiled CPU
+# calls), as torch.profiler's key_averages counts them
+CPU_EVENTS = ("cpu_op", "user_annotation")
 
 
 def self_times(path: Path, cuda: bool) -> dict[str, tuple[int, float]]:
@@ -23,7 +26,7 @@ def self_times(path: Path, cuda: bool) -> dict[str, tuple[int, float]]:
     if cuda:
         spans = [(e["name"], float(e["dur"])) for e in events if e.get("cat") in DEVICE_EVENTS]
     else:
-        spans = _cpu_self([e for e in events if e.get("cat") == "cpu_op"])
+        spans = _cpu_self([e for e in events if e.get("cat") in CPU_EVENTS])
     out: dict[str, tuple[int, float]] = {}
     for name, us in spans:
         calls, ms = out.get(name, (0, 0.0))

@@ -353,6 +353,7 @@ OTHERS = [
     ("bench attention --device cpu", "--device cuda only"),
     ("bench attention --heads 32/5", "--heads '32/5': expected QUERY/KV"),
     ("bench attention --heads 32", "--heads '32': expected QUERY/KV"),
+    ("bench attention --heads 0/8", "--heads '0/8': expected QUERY/KV"),
     ("bench attention --block-rows 48", "--block-rows 48: must be one of 16, 32, 64, 128"),
     ("bench attention --head-dim 100", "--head-dim 100: must be a power of two"),
     ("bench attention --workloads both", "--workloads 'both': expected prefill or decode"),

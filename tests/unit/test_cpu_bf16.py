@@ -275,3 +275,26 @@ def test_micro_kernel_products_and_compiled_attention_leave_torchs_thread_count_
         torch.set_num_threads(threads)
         cpu_bf16.choose()
     assert calls == [], calls
+
+
+def test_starting_the_pool_leaves_every_threads_count_as_it_was(monkeypatch):
+    """The workers' initializer sets torch's intra-op count to 1, process-wide: a pool started by jobs that
+    leave the count alone (compiled code) must still hand the caller, and threads that start after, the
+    count they had (it left the whole process on 1 thread: every later torch op ran single-threaded)."""
+    import threading
+
+    from detaudit.backends.kernels import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "_pool", None)
+    monkeypatch.setattr(cpu_gemm, "_pool_size", 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cpu_gemm.run_jobs([0, 1, 2], lambda job: None, torch_ops=False)
+        seen = []
+        later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        later.start()
+        later.join()
+        assert (torch.get_num_threads(), seen) == (2, [2])
+    finally:
+        torch.set_num_threads(threads)

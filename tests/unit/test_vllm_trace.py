@@ -35,6 +35,8 @@ def test_cpu_self_time_is_an_ops_time_less_its_direct_childrens(tmp_path):
         _op("after", 70, 20),  # within outer, after mid
         _op("outer", 200, 30),  # a second call, no children
         _op("other_thread", 5, 80, tid=2),  # another thread's op is nobody's child
+        _op("detaudit::cpu_attention", 300, 40, cat="user_annotation"),  # a named range (record_function)
+        _op("aten::empty", 310, 4),  # ...and an op within it
         {"ph": "i", "cat": "cpu_op", "name": "instant", "ts": 1, "pid": 7, "tid": 1},  # no duration: skipped
         _op("kernel_on_cpu_trace", 0, 999, cat="kernel"),  # device events do not count on CPU
     ]
@@ -45,6 +47,8 @@ def test_cpu_self_time_is_an_ops_time_less_its_direct_childrens(tmp_path):
         "leaf": (2, 15 / 1e3),
         "after": (1, 20 / 1e3),
         "other_thread": (1, 80 / 1e3),
+        "detaudit::cpu_attention": (1, 36 / 1e3),
+        "aten::empty": (1, 4 / 1e3),
     }
 
 

@@ -60,10 +60,17 @@ def _workers(n: int) -> ThreadPoolExecutor:
     global _pool, _pool_size
     with _lock:
         if _pool is None or _pool_size < n:
-            _pool, _pool_size = (
-                ThreadPoolExecutor(n, thread_name_prefix="detaudit-gemm", initializer=_set_num_threads, initargs=(1,)),
-                n,
+            pool = ThreadPoolExecutor(
+                n, thread_name_prefix="detaudit-gemm", initializer=_set_num_threads, initargs=(1,)
             )
+            # every worker is started here, inside `one_thread`: a worker's initializer sets torch's
+            # process-wide count to 1 (the caller's too), and leaving `one_thread` puts the caller's back
+            # once all of them have run. A worker started later, by a job that leaves the count alone
+            # (`run_jobs(torch_ops=False)`), would leave every thread at 1 intra-op thread.
+            with one_thread():
+                started = threading.Barrier(n)
+                wait([pool.submit(started.wait) for _ in range(n)])
+            _pool, _pool_size = pool, n
         return _pool
 
 
