@@ -1,11 +1,13 @@
 """`detaudit bench attention`: bio's GPU attention kernels against PyTorch's SDPA (FlashAttention on
-Hopper) on one causal workload, per number of query rows a program owns (`block_r`).
+Hopper) on one causal workload, per layout of a program's query rows: `block_r` rows a block (the tile's
+M: 16 is the backends'; 64 and up change the MMA instruction) and `sub` blocks a program sharing each
+chunk's key and value loads (each block computed as alone: its bits should not change).
 
 Two kernels, the two engines' ones: `contiguous` (`triton_attn.attention_heads`: the built-in engine's, over
 its [B, Hkv, L, D] cache) and `paged` (`triton_paged.paged_attention`: the vLLM plugin's, over vLLM's pages
 and ragged query runs). Two workloads: `prefill` (every request's `tokens` positions at once) and `decode`
 (one new position per request over `tokens` cached keys). Each row says whether its outputs are bitwise
-those of the backends' own `block_r` (`triton_attn.BLOCK_R`, `bits_as_default`), so a faster block that
+those of the backends' own layout (`BLOCK_R` rows, one block: `bits_as_default`), so a faster layout that
 keeps the bits can be told from one that does not, and whether the paged kernel's equal the contiguous
 one's. SDPA reads the same keys (`enable_gqa`) and is timed in each block's call (`vs_sdpa`: its time over
 the kernel's in that call); its own row is the median of those. A block the GPU cannot hold is a row with
@@ -23,7 +25,8 @@ import torch
 from detaudit.backends.kernels import triton_attn, triton_paged
 from detaudit.bench.kernels import _times
 
-BLOCK_RS = triton_attn.BLOCK_RS
+BLOCK_RS, SUBS = triton_attn.BLOCK_RS, triton_attn.SUBS
+VARIANTS = ((16, 1), (16, 2), (16, 4), (32, 1), (64, 1), (128, 1))  # (block_r, sub)
 WORKLOADS = ("prefill", "decode")
 KERNELS = ("contiguous", "paged")
 PAGE = 16  # vLLM's default page (block) size
@@ -62,7 +65,7 @@ def bench_attention(
     tokens: int = 1024,
     heads: tuple[int, int] = (32, 8),
     head_dim: int = 128,
-    block_rs: Sequence[int] = BLOCK_RS,
+    variants: Sequence[tuple[int, int]] = VARIANTS,
     workloads: Sequence[str] = WORKLOADS,
     dtype: torch.dtype = torch.bfloat16,
     split: int = 64,
@@ -90,30 +93,33 @@ def bench_attention(
                 q, k, v, is_causal=t > 1, scale=scale, enable_gqa=True
             )
 
-        def run(name: str, block_r: int):
+        def run(name: str, block_r: int, sub: int):
             if name == "contiguous":
-                out = triton_attn.attention_heads(q, k, v, pos, scale, split, block_r=block_r)
+                out = triton_attn.attention_heads(q, k, v, pos, scale, split, block_r=block_r, sub=sub)
                 return out.transpose(1, 2).reshape(batch * t, hq, head_dim)  # [B, T, Hq, D]: a view
-            return triton_paged.paged_attention(query, kc, vc, table, starts, seqs, t, scale, split, packed, block_r)
+            args = (query, kc, vc, table, starts, seqs, t, scale, split, packed)
+            return triton_paged.paged_attention(*args, block_r=block_r, sub=sub)
 
-        base = {name: run(name, triton_attn.BLOCK_R).clone() for name in KERNELS}
+        base = {name: run(name, triton_attn.BLOCK_R, 1).clone() for name in KERNELS}
         sdpa_times = []
-        for block_r in block_rs:
-            fns = [sdpa] + [lambda i, name=name, b=block_r: run(name, b) for name in KERNELS]
+        for block_r, sub in variants:
+            fns = [sdpa] + [lambda i, name=name, b=block_r, u=sub: run(name, b, u) for name in KERNELS]
             try:  # SDPA timed in the same call as the kernels: a change of clocks hits all three
                 sdpa_s, *times = _times(fns, dev, reps=reps)
             except Exception as e:  # a block the GPU cannot hold (Triton: out of shared memory or registers)
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-                rows += [{"workload": workload, "kernel": n, "block_r": block_r, "error": first} for n in KERNELS]
+                key = {"workload": workload, "block_r": block_r, "sub": sub, "error": first}
+                rows += [{"kernel": n, **key} for n in KERNELS]
                 continue
             sdpa_times.append(sdpa_s)
-            outs = {name: run(name, block_r) for name in KERNELS}
+            outs = {name: run(name, block_r, sub) for name in KERNELS}
             for (name, out), seconds in zip(outs.items(), times):
                 rows.append(
                     {
                         "workload": workload,
                         "kernel": name,
                         "block_r": block_r,
+                        "sub": sub,
                         "ms": seconds * 1e3,
                         "tflops": flops / seconds / 1e12,
                         "vs_sdpa": sdpa_s / seconds,

@@ -456,20 +456,25 @@ def bench_attention_cmd(
     ] = 1024,
     heads: Annotated[str, typer.Option("--heads", help="Query heads / KV heads (Qwen3-8B: 32/8).")] = "32/8",
     head_dim: Annotated[int, typer.Option("--head-dim", help="A power of two, 16 to 256.")] = 128,
-    block_rows: Annotated[
-        str, typer.Option("--block-rows", help="Comma-separated query rows per program (16, 32, 64, 128).")
-    ] = "16,32,64,128",
+    variants: Annotated[
+        str,
+        typer.Option(
+            "--variants",
+            help="Comma-separated ROWSxBLOCKS: query rows a block (16, 32, 64, 128) x blocks a program sharing "
+            "each chunk's loads (1, 2, 4); the backends run 16x1.",
+        ),
+    ] = "16x1,16x2,16x4,32x1,64x1,128x1",
     workloads: Annotated[str, typer.Option("--workloads", help="prefill, decode or both.")] = "prefill,decode",
     dtype: DtypeOpt = Dtype.bfloat16,
     json_: JsonOpt = False,
     save: SaveOpt = None,
 ):
     """bio's GPU attention kernels (the built-in engine's contiguous one, the vLLM plugin's paged one) against
-    PyTorch's SDPA, per query rows a program owns, with whether each keeps the default's bits."""
+    PyTorch's SDPA, per layout of a program's query rows, with whether each keeps the default's bits."""
     import torch
 
-    from detaudit.bench.attention import BLOCK_RS, WORKLOADS, bench_attention
-    from detaudit.config import check_device, parse_int_list, parse_str_list
+    from detaudit.bench.attention import BLOCK_RS, SUBS, WORKLOADS, bench_attention
+    from detaudit.config import check_device, parse_str_list
 
     if not check_device(device).startswith("cuda"):
         raise DetauditError("bench attention times the Triton attention kernels: --device cuda only")
@@ -478,10 +483,15 @@ def bench_attention_cmd(
         raise DetauditError(f"--heads {heads[:20]!r}: expected QUERY/KV with KV dividing QUERY, e.g. 32/8")
     if head_dim not in (16, 32, 64, 128, 256):
         raise DetauditError(f"--head-dim {head_dim}: must be a power of two from 16 to 256")
-    brs = parse_int_list(block_rows, "--block-rows")
-    for b in brs:
-        if b not in BLOCK_RS:
-            raise DetauditError(f"--block-rows {b}: must be one of {', '.join(map(str, BLOCK_RS))}")
+    vs = []
+    for item in parse_str_list(variants, "--variants"):
+        found = re.fullmatch(r"([0-9]{1,4})[xX]([0-9]{1,2})", item)
+        if not found or int(found[1]) not in BLOCK_RS or int(found[2]) not in SUBS:
+            raise DetauditError(
+                f"--variants {item[:20]!r}: expected ROWSxBLOCKS, rows one of {', '.join(map(str, BLOCK_RS))}, "
+                f"blocks one of {', '.join(map(str, SUBS))} (e.g. 16x2)"
+            )
+        vs.append((int(found[1]), int(found[2])))
     wl = parse_str_list(workloads, "--workloads")
     for w in wl:
         if w not in WORKLOADS:
@@ -490,13 +500,13 @@ def bench_attention_cmd(
     if not torch.cuda.is_available():
         raise DetauditError("--device cuda: no CUDA device is visible")
     with Progress(console=err, transient=True) as progress:
-        task = progress.add_task("attention", total=len(brs) * len(wl))
+        task = progress.add_task("attention", total=len(vs) * len(wl))
         df = bench_attention(
             batch,
             tokens,
             (int(match[1]), int(match[2])),
             head_dim,
-            brs,
+            vs,
             wl,
             getattr(torch, dtype.value),
             progress=lambda: progress.advance(task),

@@ -153,8 +153,34 @@ def test_bench_attention_runs_each_kernel_and_block():
     default block keeping its own bits and the paged kernel the contiguous one's."""
     from detaudit.bench.attention import bench_attention
 
-    df = bench_attention(batch=2, tokens=200, heads=(8, 2), head_dim=64, block_rs=(16, 64))
+    df = bench_attention(batch=2, tokens=200, heads=(8, 2), head_dim=64, variants=((16, 1), (16, 2), (64, 1)))
     ours = df[df.kernel != "sdpa"]
-    assert len(ours) == 2 * 2 * 2 and len(df[df.kernel == "sdpa"]) == 2
+    assert len(ours) == 2 * 3 * 2 and len(df[df.kernel == "sdpa"]) == 2
     assert (ours.ms > 0).all() and (df.tflops > 0).all()
     assert ours[ours.block_r == 16].bits_as_default.all() and ours.paged_bits_as_contiguous.all()
+
+
+@pytest.mark.parametrize("sub", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_blocks_sharing_a_program_keep_each_rows_bits(sub, dtype):
+    """`sub` blocks of 16 rows a program, sharing each chunk's key / value loads: every block is computed
+    by the same `visit` on the same [16, D] tiles as alone (the same MMA instruction, the same reductions),
+    so both kernels give the one-block bits, bitwise, at real shapes, prefill and decode."""
+    from detaudit.backends.kernels import triton_attn, triton_paged
+
+    for bsz, hq, hkv, t, length in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(bsz * t + sub)
+        k, v = (torch.randn(bsz, hkv, length, 128, device="cuda", generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(bsz, hq, t, 128, device="cuda", generator=g).to(dtype)
+        pos = torch.arange(length - t, length, device="cuda").expand(bsz, t)
+        for window in (None, 128):
+            one = triton_attn.attention_heads(q, k, v, pos, 128**-0.5, 64, window)
+            shared = triton_attn.attention_heads(q, k, v, pos, 128**-0.5, 64, window, sub=sub)
+            assert torch.equal(shared, one), (bsz, hq, hkv, t, window, sub)
+    runs = [(300, 300), (1, 900), (17, 530), (0, 0), (64, 700)]
+    cache, table, starts, seqs, query, _, _ = _paged_step(runs, 32, 8, dtype, seed=sub)
+    kc, vc = cache.unbind(1)
+    outs = [torch.full_like(query, float("nan")) for _ in range(2)]
+    for out, s in zip(outs, (1, sub)):
+        triton_paged.paged_attention(query, kc, vc, table, starts, seqs, 300, 128**-0.5, 64, out, sub=s)
+    assert torch.equal(outs[0], outs[1]), sub

@@ -155,6 +155,9 @@ def attention_in_place(g: torch.Generator, dt: torch.dtype) -> None:
         what = f"attention in place {dt} hkv={hkv} t={t} q strides {q.stride()} window={window}"
         check(got.shape == q.shape and got.transpose(1, 2).is_contiguous(), f"{what}: layout")
         check(torch.equal(got.transpose(1, 2), want), f"{what}: bits")
+        for sub in (2, 4):  # blocks of rows sharing a program's chunk loads, each computed as alone
+            shared = triton_attn.attention_heads(q, k, v, pos, 0.25, 64, window, sub=sub)
+            check(torch.equal(shared.transpose(1, 2), want), f"{what}: {sub} blocks a program, other bits")
 
 
 def paged_attention_bits(g: torch.Generator, dt: torch.dtype) -> None:
@@ -164,7 +167,8 @@ def paged_attention_bits(g: torch.Generator, dt: torch.dtype) -> None:
     in shuffled order, a padding request (no queries, no keys), 1 and 4 query heads per KV head. Every
     cache slot no request owns and every output row no query owns hold NaN: a read of one would show."""
     page, d, hq = 16, 16, 8
-    runs = [(5, 37), (1, 70), (0, 0), (12, 12), (1, 1), (1, 129)]  # (query tokens, positions so far)
+    # (query tokens, positions so far); 20 tokens x 4 heads fill every block of a 4-block program
+    runs = [(5, 37), (1, 70), (0, 0), (12, 12), (1, 1), (1, 129), (20, 45)]
     for hkv in (2, 8):
         n_pages = 1 + sum(-(-seq // page) for _, seq in runs)
         cache = torch.full((n_pages, 2, page, hkv, d), float("nan")).to(dt)
@@ -201,12 +205,12 @@ def paged_attention_bits(g: torch.Generator, dt: torch.dtype) -> None:
         # slot-free dot, everything but the GPU's MMA instruction): neither kernel's, 16 or 64 rows
         wide = triton_attn.attention_heads(q, keys, values, pos, 0.25, 64, block_r=64)
         check(torch.equal(wide, want), f"attention_heads {dt} hkv={hkv}: 64 rows a program, other bits")
-        for block_r in (triton_attn.BLOCK_R, 64):
+        for block_r, sub in ((triton_attn.BLOCK_R, 1), (64, 1), (triton_attn.BLOCK_R, 2), (triton_attn.BLOCK_R, 4)):
             out = torch.full_like(query, float("nan"))
             triton_paged.paged_attention(
-                query, key_cache, value_cache, table, starts, seqs, steps, 0.25, 64, out, block_r=block_r
+                query, key_cache, value_cache, table, starts, seqs, steps, 0.25, 64, out, block_r=block_r, sub=sub
             )
-            what = f"paged attention {dt} hkv={hkv} block_r={block_r}"
+            what = f"paged attention {dt} hkv={hkv} block_r={block_r} sub={sub}"
             for b, (t, _) in enumerate(runs):
                 got = out[int(starts[b]) : int(starts[b]) + t]
                 check(torch.equal(got, want[b, :, :t].transpose(0, 1)), f"{what}: request {b} bits")
@@ -220,7 +224,7 @@ def bench_attention_rows() -> None:
     from detaudit.bench.attention import bench_attention
 
     shape = dict(batch=2, tokens=40, heads=(4, 2), head_dim=16)
-    df = bench_attention(**shape, block_rs=(16, 32), split=16, device="cpu", reps=1)
+    df = bench_attention(**shape, variants=((16, 1), (16, 2)), split=16, device="cpu", reps=1)
     ours = df[df.kernel != "sdpa"]
     check(len(ours) == 8 and len(df) == 10, f"bench attention rows: {len(df)}")
     check(bool(ours.bits_as_default.all()), "bench attention: a block of rows changed the interpreter's bits")

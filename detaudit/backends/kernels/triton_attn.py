@@ -69,6 +69,35 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
+    def fresh(BLOCK_R: tl.constexpr, D: tl.constexpr):
+        """A block of rows' online softmax state before its first chunk: m, l, acc."""
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        return m, tl.zeros([BLOCK_R], tl.float32), tl.zeros([BLOCK_R, D], tl.float32)
+
+    @triton.jit
+    def _heads_rows(q_ptr, pos_ptr, first, ROWS, b, h, sqb, sqh, sqt, spb, spt, GROUPS, D, BLOCK_R, UPCAST):
+        """Rows first .. first + BLOCK_R of group (b, h): their queries, positions, liveness, positions t and
+        query heads. Row r of the group: position t = r // GROUPS of query head h * GROUPS + r % GROUPS
+        (position-major: a block's rows are consecutive positions), addressed in q through its strides."""
+        rows = first + tl.arange(0, BLOCK_R)
+        live = rows < ROWS
+        t = rows // GROUPS
+        head = h * GROUPS + rows % GROUPS
+        d = tl.arange(0, D)
+        q = tl.load((q_ptr + b * sqb + head * sqh + t * sqt)[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        if UPCAST:  # the CPU interpreter cannot multiply bf16 (numpy has none)
+            q = q.to(tl.float32)
+        pos = tl.load(pos_ptr + b * spb + t * spt, mask=live, other=0)
+        return q, pos, live, t, head
+
+    @triton.jit
+    def _heads_store(out_ptr, acc, l, b, t, head, live, sob, soh, sot, D):
+        out = acc / l[:, None]
+        d = tl.arange(0, D)
+        out_rows = out_ptr + b * sob + head * soh + t * sot
+        tl.store(out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
     def _attn_kernel(
         q_ptr,
         k_ptr,
@@ -98,45 +127,74 @@ if triton is not None:
         D: tl.constexpr,
         SPLIT: tl.constexpr,
         BLOCK_R: tl.constexpr,
+        SUB: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
+        """A program owns SUB blocks of BLOCK_R rows (SUB 1, 2 or 4): each chunk's keys and values are
+        loaded once for all of them, and each block is updated by `visit` alone, with the operands and
+        shapes it has when SUB is 1, so a row's bits do not depend on SUB."""
         g = tl.program_id(0)  # (request b, KV head h) = b * HKV + h
         b = g // HKV
         h = g % HKV
-        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        live = rows < ROWS
-        # row r of the group: position t = r // GROUPS of query head h * GROUPS + r % GROUPS (position-major:
-        # a program's rows are consecutive positions), addressed in q and out through their strides
-        t = rows // GROUPS
-        head = h * GROUPS + rows % GROUPS
+        first = tl.program_id(1) * (BLOCK_R * SUB)
+        q0, pos0, live0, t0, head0 = _heads_rows(
+            q_ptr, pos_ptr, first, ROWS, b, h, sqb, sqh, sqt, spb, spt, GROUPS, D, BLOCK_R, UPCAST
+        )
+        m0, l0, acc0 = fresh(BLOCK_R, D)
+        top = tl.max(pos0, 0)
+        if SUB > 1:
+            q1, pos1, live1, t1, head1 = _heads_rows(
+                q_ptr, pos_ptr, first + BLOCK_R, ROWS, b, h, sqb, sqh, sqt, spb, spt, GROUPS, D, BLOCK_R, UPCAST
+            )
+            m1, l1, acc1 = fresh(BLOCK_R, D)
+            top = tl.maximum(top, tl.max(pos1, 0))
+        if SUB > 2:
+            q2, pos2, live2, t2, head2 = _heads_rows(
+                q_ptr, pos_ptr, first + 2 * BLOCK_R, ROWS, b, h, sqb, sqh, sqt, spb, spt, GROUPS, D, BLOCK_R, UPCAST
+            )
+            q3, pos3, live3, t3, head3 = _heads_rows(
+                q_ptr, pos_ptr, first + 3 * BLOCK_R, ROWS, b, h, sqb, sqh, sqt, spb, spt, GROUPS, D, BLOCK_R, UPCAST
+            )
+            m2, l2, acc2 = fresh(BLOCK_R, D)
+            m3, l3, acc3 = fresh(BLOCK_R, D)
+            top = tl.maximum(top, tl.maximum(tl.max(pos2, 0), tl.max(pos3, 0)))
         d = tl.arange(0, D)
-        q_rows = q_ptr + b * sqb + head * sqh + t * sqt
-        q = tl.load(q_rows[:, None] + d[None, :], mask=live[:, None], other=0.0)
-        if UPCAST:  # the CPU interpreter cannot multiply bf16 (numpy has none)
-            q = q.to(tl.float32)
-        pos = tl.load(pos_ptr + b * spb + t * spt, mask=live, other=0)
         k_base = k_ptr + b * skb + h * skh
         v_base = v_ptr + b * svb + h * svh
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
-        chunks = tl.max(pos, 0) // SPLIT + 1  # the chunks this program's rows can reach
+        chunks = top // SPLIT + 1  # the chunks this program's rows can reach
         for c in range(0, chunks):
             keys = c * SPLIT + tl.arange(0, SPLIT)
             inside = keys < L
             k = tl.load(k_base + keys[:, None] * skl + d[None, :], mask=inside[:, None], other=0.0)
             v = tl.load(v_base + keys[:, None] * svl + d[None, :], mask=inside[:, None], other=0.0)
-            m, l, acc = visit(q, k, v, keys, pos, m, l, acc, scale, WINDOW, PRECISION, UPCAST)
-        out = acc / l[:, None]
-        out_rows = out_ptr + b * sob + head * soh + t * sot
-        tl.store(out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+            m0, l0, acc0 = visit(q0, k, v, keys, pos0, m0, l0, acc0, scale, WINDOW, PRECISION, UPCAST)
+            if SUB > 1:
+                m1, l1, acc1 = visit(q1, k, v, keys, pos1, m1, l1, acc1, scale, WINDOW, PRECISION, UPCAST)
+            if SUB > 2:
+                m2, l2, acc2 = visit(q2, k, v, keys, pos2, m2, l2, acc2, scale, WINDOW, PRECISION, UPCAST)
+                m3, l3, acc3 = visit(q3, k, v, keys, pos3, m3, l3, acc3, scale, WINDOW, PRECISION, UPCAST)
+        _heads_store(out_ptr, acc0, l0, b, t0, head0, live0, sob, soh, sot, D)
+        if SUB > 1:
+            _heads_store(out_ptr, acc1, l1, b, t1, head1, live1, sob, soh, sot, D)
+        if SUB > 2:
+            _heads_store(out_ptr, acc2, l2, b, t2, head2, live2, sob, soh, sot, D)
+            _heads_store(out_ptr, acc3, l3, b, t3, head3, live3, sob, soh, sot, D)
 
 
 def check_block_r(block_r: int) -> int:
     if block_r not in BLOCK_RS:
         raise ValueError(f"attention rows per program must be one of {BLOCK_RS} (got {block_r})")
     return block_r
+
+
+SUBS = (1, 2, 4)  # blocks of rows a program may own, sharing each chunk's loads (`_attn_kernel`)
+
+
+def check_sub(sub: int) -> int:
+    if sub not in SUBS:
+        raise ValueError(f"attention blocks per program must be one of {SUBS} (got {sub})")
+    return sub
 
 
 def warps(block_r: int) -> int:
@@ -153,6 +211,7 @@ def attention_heads(
     split: int,
     window: int | None = None,
     block_r: int = BLOCK_R,
+    sub: int = 1,
 ) -> Tensor:
     """The model's layout: q[B, Hq, T, D] (any strides, D contiguous), k / v[B, Hkv, L, D] (the cache or a
     slice of it), pos[B, T] (each query position's absolute position) -> [B, Hq, T, D], a view of a
@@ -162,7 +221,7 @@ def attention_heads(
     bsz, hq, t, d = q.shape
     hkv = k.shape[1]
     out = torch.empty(bsz, t, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
-    _run(q, k, v, pos, out, hkv, hq // hkv, t * (hq // hkv), scale, split, window, block_r)
+    _run(q, k, v, pos, out, hkv, hq // hkv, t * (hq // hkv), scale, split, window, block_r, sub)
     return out
 
 
@@ -175,20 +234,22 @@ def attention(
     split: int,
     window: int | None = None,
     block_r: int = BLOCK_R,
+    sub: int = 1,
 ) -> Tensor:
     """q[G, R, D] (the group's query rows), k / v[G, L, D], pos[G, R] (each row's position: key j is
     visible iff j <= pos, and with a sliding window iff pos - window < j <= pos) -> [G, R, D] in q.dtype.
     A chunk wholly before a row's window leaves it as it was (m stays -inf, alpha is 1), as past it.
     (`attention_heads` with one KV head of one query head per group: row r is position r.)"""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _run(q[:, None], k[:, None], v[:, None], pos, out[:, None], 1, 1, q.shape[1], scale, split, window, block_r)
+    _run(q[:, None], k[:, None], v[:, None], pos, out[:, None], 1, 1, q.shape[1], scale, split, window, block_r, sub)
     return out
 
 
-def _run(q, k, v, pos, out, hkv: int, groups: int, rows: int, scale: float, split: int, window, block_r: int) -> None:
+def _run(q, k, v, pos, out, hkv, groups, rows, scale, split, window, block_r: int, sub: int) -> None:
     """Launch the kernel over q / out [B, Hq, T, D], k / v [B, Hkv, L, D], pos [B, T]: B * Hkv groups of
-    `rows` rows (T positions x `groups` query heads), `block_r` rows a program."""
+    `rows` rows (T positions x `groups` query heads), `sub` blocks of `block_r` rows a program."""
     check_block_r(block_r)
+    check_sub(sub)
     bsz, d = q.shape[0], q.shape[-1]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # cache slices stay views
     if pos.dtype != torch.int32:
@@ -212,6 +273,7 @@ def _run(q, k, v, pos, out, hkv: int, groups: int, rows: int, scale: float, spli
             split,
             win,
             block_r,
+            sub,
             q.device.index,
             *(x.data_ptr() % 16 == 0 for x in tensors),
         )
@@ -219,7 +281,7 @@ def _run(q, k, v, pos, out, hkv: int, groups: int, rows: int, scale: float, spli
         if plan is not None:
             plan(q.device.index, *tensors)
             return
-    grid = (bsz * hkv, triton.cdiv(rows, block_r))
+    grid = (bsz * hkv, triton.cdiv(rows, block_r * sub))
     first = launch.Launch.first(
         _attn_kernel,
         grid,
@@ -250,6 +312,7 @@ def _run(q, k, v, pos, out, hkv: int, groups: int, rows: int, scale: float, spli
             D=d,
             SPLIT=split,
             BLOCK_R=block_r,
+            SUB=sub,
             PRECISION="ieee" if q.dtype == torch.float32 or not q.is_cuda else "tf32",
             UPCAST=not q.is_cuda,
             num_warps=warps(block_r),

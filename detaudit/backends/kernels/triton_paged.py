@@ -27,12 +27,49 @@ try:
     import triton
     import triton.language as tl
 
-    from detaudit.backends.kernels.triton_attn import visit
+    from detaudit.backends.kernels.triton_attn import fresh, visit
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
 if triton is not None:
+
+    @triton.jit
+    def _paged_rows(
+        q_ptr,
+        first,
+        n_q,
+        seq,
+        start,
+        h,
+        sqt,
+        sqh,
+        GROUPS: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """Rows first .. first + BLOCK_R of (request, KV head h): row r is query t = r // GROUPS of query
+        head h * GROUPS + r % GROUPS (position-major), the request's token start + t, at position
+        seq - n_q + t (the queries are its last n_q positions)."""
+        rows = first + tl.arange(0, BLOCK_R)
+        live = rows < n_q * GROUPS
+        t = rows // GROUPS
+        head = h * GROUPS + rows % GROUPS
+        d = tl.arange(0, D)
+        token = (start + t).to(tl.int64)
+        q = tl.load(q_ptr + token[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=live[:, None], other=0.0)
+        if UPCAST:  # the CPU interpreter cannot multiply bf16 (numpy has none)
+            q = q.to(tl.float32)
+        pos = tl.where(live, seq - n_q + t, 0)
+        return q, pos, live, token, head
+
+    @triton.jit
+    def _paged_store(out_ptr, acc, l, token, head, live, sot, soh, D: tl.constexpr):
+        out = acc / l[:, None]
+        d = tl.arange(0, D)
+        out_rows = out_ptr + token * sot + head * soh
+        tl.store(out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
     def _paged_kernel(
@@ -62,31 +99,44 @@ if triton is not None:
         SPLIT: tl.constexpr,
         PAGE: tl.constexpr,
         BLOCK_R: tl.constexpr,
+        SUB: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
+        """A program owns SUB blocks of BLOCK_R rows (`triton_attn._attn_kernel`: each chunk's page rows
+        loaded once for all of them, each block updated by `visit` alone: a row's bits do not depend on SUB)."""
         g = tl.program_id(0)  # (request b, KV head h) = b * HKV + h
         b = g // HKV
         h = g % HKV
         start = tl.load(starts_ptr + b)
         n_q = tl.load(starts_ptr + b + 1) - start  # this request's query tokens in the step
         seq = tl.load(seq_ptr + b)  # its positions so far, the queries' included
-        if tl.program_id(1) * BLOCK_R >= n_q * GROUPS:  # no live row here (a shorter run than the step's longest)
+        first = tl.program_id(1) * (BLOCK_R * SUB)
+        if first >= n_q * GROUPS:  # no live row here (a shorter run than the step's longest)
             return
-        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        live = rows < n_q * GROUPS
-        t = rows // GROUPS  # row r: query t of query head h * GROUPS + r % GROUPS (position-major)
-        head = h * GROUPS + rows % GROUPS
+        q0, pos0, live0, token0, head0 = _paged_rows(
+            q_ptr, first, n_q, seq, start, h, sqt, sqh, GROUPS, D, BLOCK_R, UPCAST
+        )
+        m0, l0, acc0 = fresh(BLOCK_R, D)
+        top = tl.max(pos0, 0)
+        if SUB > 1:
+            q1, pos1, live1, token1, head1 = _paged_rows(
+                q_ptr, first + BLOCK_R, n_q, seq, start, h, sqt, sqh, GROUPS, D, BLOCK_R, UPCAST
+            )
+            m1, l1, acc1 = fresh(BLOCK_R, D)
+            top = tl.maximum(top, tl.max(pos1, 0))
+        if SUB > 2:
+            q2, pos2, live2, token2, head2 = _paged_rows(
+                q_ptr, first + 2 * BLOCK_R, n_q, seq, start, h, sqt, sqh, GROUPS, D, BLOCK_R, UPCAST
+            )
+            q3, pos3, live3, token3, head3 = _paged_rows(
+                q_ptr, first + 3 * BLOCK_R, n_q, seq, start, h, sqt, sqh, GROUPS, D, BLOCK_R, UPCAST
+            )
+            m2, l2, acc2 = fresh(BLOCK_R, D)
+            m3, l3, acc3 = fresh(BLOCK_R, D)
+            top = tl.maximum(top, tl.maximum(tl.max(pos2, 0), tl.max(pos3, 0)))
         d = tl.arange(0, D)
-        token = (start + t).to(tl.int64)
-        q = tl.load(q_ptr + token[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=live[:, None], other=0.0)
-        if UPCAST:  # the CPU interpreter cannot multiply bf16 (numpy has none)
-            q = q.to(tl.float32)
-        pos = tl.where(live, seq - n_q + t, 0)  # the queries are the last n_q positions
-        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
-        chunks = tl.max(pos, 0) // SPLIT + 1  # the chunks this program's rows can reach
+        chunks = top // SPLIT + 1  # the chunks this program's rows can reach
         for c in range(0, chunks):
             keys = c * SPLIT + tl.arange(0, SPLIT)
             inside = keys < seq
@@ -96,10 +146,18 @@ if triton is not None:
             v_rows = vc_ptr + page * svp + slot * svs + h * svh
             k = tl.load(k_rows[:, None] + d[None, :], mask=inside[:, None], other=0.0)
             v = tl.load(v_rows[:, None] + d[None, :], mask=inside[:, None], other=0.0)
-            m, l, acc = visit(q, k, v, keys, pos, m, l, acc, scale, WINDOW, PRECISION, UPCAST)
-        out = acc / l[:, None]
-        out_rows = out_ptr + token * sot + head * soh
-        tl.store(out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+            m0, l0, acc0 = visit(q0, k, v, keys, pos0, m0, l0, acc0, scale, WINDOW, PRECISION, UPCAST)
+            if SUB > 1:
+                m1, l1, acc1 = visit(q1, k, v, keys, pos1, m1, l1, acc1, scale, WINDOW, PRECISION, UPCAST)
+            if SUB > 2:
+                m2, l2, acc2 = visit(q2, k, v, keys, pos2, m2, l2, acc2, scale, WINDOW, PRECISION, UPCAST)
+                m3, l3, acc3 = visit(q3, k, v, keys, pos3, m3, l3, acc3, scale, WINDOW, PRECISION, UPCAST)
+        _paged_store(out_ptr, acc0, l0, token0, head0, live0, sot, soh, D)
+        if SUB > 1:
+            _paged_store(out_ptr, acc1, l1, token1, head1, live1, sot, soh, D)
+        if SUB > 2:
+            _paged_store(out_ptr, acc2, l2, token2, head2, live2, sot, soh, D)
+            _paged_store(out_ptr, acc3, l3, token3, head3, live3, sot, soh, D)
 
 
 def paged_attention(
@@ -114,14 +172,16 @@ def paged_attention(
     split: int,
     out: Tensor,
     block_r: int = triton_attn.BLOCK_R,
+    sub: int = 1,
 ) -> Tensor:
     """query / out [tokens, Hq, D] (D contiguous); key_cache / value_cache [pages, PAGE, Hkv, D] (any
     strides, D contiguous: views of vLLM's [pages, 2, PAGE, Hkv, D]); block_table [requests, pages per
     request] (int32); query_start_loc [requests + 1] and seq_lens [requests] (int32, on the device);
     `max_query_len`: the longest run of query tokens (a host integer: it sizes the grid). Writes the
     live query rows of `out` and returns it. No host sync: the lengths are read by the kernel. `block_r`:
-    query rows per program, as `triton_attn`'s (the backends keep its `BLOCK_R`)."""
+    query rows per block and `sub` blocks per program, as `triton_attn`'s (the backends keep its `BLOCK_R`)."""
     triton_attn.check_block_r(block_r)
+    triton_attn.check_sub(sub)
     hq, d = query.shape[1], query.shape[2]
     hkv, page = key_cache.shape[2], key_cache.shape[1]
     groups = hq // hkv
@@ -134,7 +194,7 @@ def paged_attention(
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
     tensors = (query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out)
-    grid = (requests * hkv, triton.cdiv(max_query_len * groups, block_r))
+    grid = (requests * hkv, triton.cdiv(max_query_len * groups, block_r * sub))
     args = (
         *tensors,
         hkv,
@@ -154,7 +214,7 @@ def paged_attention(
     )
     key = None
     if query.is_cuda:  # a kept launch per plan key (see `launch`): every integer argument and alignment
-        key = (grid, args[len(tensors) :], query.dtype, page, d, groups, split, block_r, query.device.index)
+        key = (grid, args[len(tensors) :], query.dtype, page, d, groups, split, block_r, sub, query.device.index)
         key += tuple(x.dtype for x in tensors) + tuple(x.data_ptr() % 16 == 0 for x in tensors)
         plan = _PLANS.get(key)
         if plan is not None:
@@ -170,6 +230,7 @@ def paged_attention(
             SPLIT=split,
             PAGE=page,
             BLOCK_R=block_r,
+            SUB=sub,
             PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32",
             UPCAST=not query.is_cuda,
             num_warps=triton_attn.warps(block_r),
