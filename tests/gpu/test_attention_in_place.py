@@ -149,8 +149,9 @@ def test_paged_and_contiguous_agree_at_every_block_of_rows(block_r):
 
 
 def test_bench_attention_runs_each_kernel_and_block():
-    """`bench attention` at a small shape: a row per workload, kernel and block of rows, SDPA's row, the
-    default block keeping its own bits and the paged kernel the contiguous one's."""
+    """`bench attention` at a small shape: a row per workload, kernel and layout, SDPA's row, the paged
+    kernel giving the contiguous one's bits in every layout, and the default layout its own bits again
+    (its timed calls replayed from CUDA graphs change nothing: run to run determinism)."""
     from detaudit.bench.attention import bench_attention
 
     df = bench_attention(batch=2, tokens=200, heads=(8, 2), head_dim=64, variants=((16, 1), (16, 2), (64, 1)))
