@@ -75,27 +75,44 @@ if triton is not None:
         return m, tl.zeros([BLOCK_R], tl.float32), tl.zeros([BLOCK_R, D], tl.float32)
 
     @triton.jit
-    def _heads_rows(q_ptr, pos_ptr, first, ROWS, b, h, sqb, sqh, sqt, spb, spt, GROUPS, D, BLOCK_R, UPCAST):
-        """Rows first .. first + BLOCK_R of group (b, h): their queries, positions, liveness, positions t and
-        query heads. Row r of the group: position t = r // GROUPS of query head h * GROUPS + r % GROUPS
-        (position-major: a block's rows are consecutive positions), addressed in q through its strides."""
+    def _heads_rows(
+        q_g,
+        pos_g,
+        out_g,
+        first,
+        ROWS,
+        h,
+        sqh,
+        sqt,
+        spt,
+        soh,
+        sot,
+        GROUPS: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """Rows first .. first + BLOCK_R of group (b, h), `q_g` / `pos_g` / `out_g` request b's q, pos and out:
+        the rows' queries, positions, liveness and output rows. Row r of the group: position t = r // GROUPS
+        of query head h * GROUPS + r % GROUPS (position-major: a block's rows are consecutive positions),
+        addressed in q and out through their strides."""
         rows = first + tl.arange(0, BLOCK_R)
         live = rows < ROWS
         t = rows // GROUPS
         head = h * GROUPS + rows % GROUPS
         d = tl.arange(0, D)
-        q = tl.load((q_ptr + b * sqb + head * sqh + t * sqt)[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        q = tl.load((q_g + head * sqh + t * sqt)[:, None] + d[None, :], mask=live[:, None], other=0.0)
         if UPCAST:  # the CPU interpreter cannot multiply bf16 (numpy has none)
             q = q.to(tl.float32)
-        pos = tl.load(pos_ptr + b * spb + t * spt, mask=live, other=0)
-        return q, pos, live, t, head
+        pos = tl.load(pos_g + t * spt, mask=live, other=0)
+        return q, pos, live, out_g + head * soh + t * sot
 
     @triton.jit
-    def _heads_store(out_ptr, acc, l, b, t, head, live, sob, soh, sot, D):
-        out = acc / l[:, None]
+    def store_rows(dst, acc, l, live, D: tl.constexpr):
+        """A block's finished rows, acc / l in the output's dtype, at their output rows `dst` (every
+        attention kernel's one copy of it)."""
         d = tl.arange(0, D)
-        out_rows = out_ptr + b * sob + head * soh + t * sot
-        tl.store(out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(dst[:, None] + d[None, :], (acc / l[:, None]).to(dst.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
     def _attn_kernel(
@@ -138,23 +155,24 @@ if triton is not None:
         b = g // HKV
         h = g % HKV
         first = tl.program_id(1) * (BLOCK_R * SUB)
-        q0, pos0, live0, t0, head0 = _heads_rows(
-            q_ptr, pos_ptr, first, ROWS, b, h, sqb, sqh, sqt, spb, spt, GROUPS, D, BLOCK_R, UPCAST
+        q_g, pos_g, out_g = q_ptr + b * sqb, pos_ptr + b * spb, out_ptr + b * sob  # request b's
+        q0, pos0, live0, dst0 = _heads_rows(
+            q_g, pos_g, out_g, first, ROWS, h, sqh, sqt, spt, soh, sot, GROUPS, D, BLOCK_R, UPCAST
         )
         m0, l0, acc0 = fresh(BLOCK_R, D)
         top = tl.max(pos0, 0)
         if SUB > 1:
-            q1, pos1, live1, t1, head1 = _heads_rows(
-                q_ptr, pos_ptr, first + BLOCK_R, ROWS, b, h, sqb, sqh, sqt, spb, spt, GROUPS, D, BLOCK_R, UPCAST
+            q1, pos1, live1, dst1 = _heads_rows(
+                q_g, pos_g, out_g, first + BLOCK_R, ROWS, h, sqh, sqt, spt, soh, sot, GROUPS, D, BLOCK_R, UPCAST
             )
             m1, l1, acc1 = fresh(BLOCK_R, D)
             top = tl.maximum(top, tl.max(pos1, 0))
         if SUB > 2:
-            q2, pos2, live2, t2, head2 = _heads_rows(
-                q_ptr, pos_ptr, first + 2 * BLOCK_R, ROWS, b, h, sqb, sqh, sqt, spb, spt, GROUPS, D, BLOCK_R, UPCAST
+            q2, pos2, live2, dst2 = _heads_rows(
+                q_g, pos_g, out_g, first + 2 * BLOCK_R, ROWS, h, sqh, sqt, spt, soh, sot, GROUPS, D, BLOCK_R, UPCAST
             )
-            q3, pos3, live3, t3, head3 = _heads_rows(
-                q_ptr, pos_ptr, first + 3 * BLOCK_R, ROWS, b, h, sqb, sqh, sqt, spb, spt, GROUPS, D, BLOCK_R, UPCAST
+            q3, pos3, live3, dst3 = _heads_rows(
+                q_g, pos_g, out_g, first + 3 * BLOCK_R, ROWS, h, sqh, sqt, spt, soh, sot, GROUPS, D, BLOCK_R, UPCAST
             )
             m2, l2, acc2 = fresh(BLOCK_R, D)
             m3, l3, acc3 = fresh(BLOCK_R, D)
@@ -174,27 +192,21 @@ if triton is not None:
             if SUB > 2:
                 m2, l2, acc2 = visit(q2, k, v, keys, pos2, m2, l2, acc2, scale, WINDOW, PRECISION, UPCAST)
                 m3, l3, acc3 = visit(q3, k, v, keys, pos3, m3, l3, acc3, scale, WINDOW, PRECISION, UPCAST)
-        _heads_store(out_ptr, acc0, l0, b, t0, head0, live0, sob, soh, sot, D)
+        store_rows(dst0, acc0, l0, live0, D)
         if SUB > 1:
-            _heads_store(out_ptr, acc1, l1, b, t1, head1, live1, sob, soh, sot, D)
+            store_rows(dst1, acc1, l1, live1, D)
         if SUB > 2:
-            _heads_store(out_ptr, acc2, l2, b, t2, head2, live2, sob, soh, sot, D)
-            _heads_store(out_ptr, acc3, l3, b, t3, head3, live3, sob, soh, sot, D)
-
-
-def check_block_r(block_r: int) -> int:
-    if block_r not in BLOCK_RS:
-        raise ValueError(f"attention rows per program must be one of {BLOCK_RS} (got {block_r})")
-    return block_r
+            store_rows(dst2, acc2, l2, live2, D)
+            store_rows(dst3, acc3, l3, live3, D)
 
 
 SUBS = (1, 2, 4)  # blocks of rows a program may own, sharing each chunk's loads (`_attn_kernel`)
 
 
-def check_sub(sub: int) -> int:
-    if sub not in SUBS:
-        raise ValueError(f"attention blocks per program must be one of {SUBS} (got {sub})")
-    return sub
+def check_layout(block_r: int, sub: int) -> None:
+    """Refuses a layout the kernels are not compiled for: `block_r` rows a block, `sub` blocks a program."""
+    if block_r not in BLOCK_RS or sub not in SUBS:
+        raise ValueError(f"attention layout {block_r}x{sub}: rows one of {BLOCK_RS}, blocks one of {SUBS}")
 
 
 def warps(block_r: int) -> int:
@@ -248,8 +260,7 @@ def attention(
 def _run(q, k, v, pos, out, hkv, groups, rows, scale, split, window, block_r: int, sub: int) -> None:
     """Launch the kernel over q / out [B, Hq, T, D], k / v [B, Hkv, L, D], pos [B, T]: B * Hkv groups of
     `rows` rows (T positions x `groups` query heads), `sub` blocks of `block_r` rows a program."""
-    check_block_r(block_r)
-    check_sub(sub)
+    check_layout(block_r, sub)
     bsz, d = q.shape[0], q.shape[-1]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # cache slices stay views
     if pos.dtype != torch.int32:

@@ -27,7 +27,7 @@ try:
     import triton
     import triton.language as tl
 
-    from detaudit.backends.kernels.triton_attn import fresh, visit
+    from detaudit.backends.kernels.triton_attn import fresh, store_rows, visit
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -37,6 +37,7 @@ if triton is not None:
     @triton.jit
     def _paged_rows(
         q_ptr,
+        out_ptr,
         first,
         n_q,
         seq,
@@ -44,14 +45,16 @@ if triton is not None:
         h,
         sqt,
         sqh,
+        sot,
+        soh,
         GROUPS: tl.constexpr,
         D: tl.constexpr,
         BLOCK_R: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
-        """Rows first .. first + BLOCK_R of (request, KV head h): row r is query t = r // GROUPS of query
-        head h * GROUPS + r % GROUPS (position-major), the request's token start + t, at position
-        seq - n_q + t (the queries are its last n_q positions)."""
+        """Rows first .. first + BLOCK_R of (request, KV head h): their queries, positions, liveness and
+        output rows. Row r is query t = r // GROUPS of query head h * GROUPS + r % GROUPS (position-major),
+        the request's token start + t, at position seq - n_q + t (the queries are its last n_q positions)."""
         rows = first + tl.arange(0, BLOCK_R)
         live = rows < n_q * GROUPS
         t = rows // GROUPS
@@ -62,14 +65,7 @@ if triton is not None:
         if UPCAST:  # the CPU interpreter cannot multiply bf16 (numpy has none)
             q = q.to(tl.float32)
         pos = tl.where(live, seq - n_q + t, 0)
-        return q, pos, live, token, head
-
-    @triton.jit
-    def _paged_store(out_ptr, acc, l, token, head, live, sot, soh, D: tl.constexpr):
-        out = acc / l[:, None]
-        d = tl.arange(0, D)
-        out_rows = out_ptr + token * sot + head * soh
-        tl.store(out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+        return q, pos, live, out_ptr + token * sot + head * soh
 
     @triton.jit
     def _paged_kernel(
@@ -114,23 +110,23 @@ if triton is not None:
         first = tl.program_id(1) * (BLOCK_R * SUB)
         if first >= n_q * GROUPS:  # no live row here (a shorter run than the step's longest)
             return
-        q0, pos0, live0, token0, head0 = _paged_rows(
-            q_ptr, first, n_q, seq, start, h, sqt, sqh, GROUPS, D, BLOCK_R, UPCAST
+        q0, pos0, live0, dst0 = _paged_rows(
+            q_ptr, out_ptr, first, n_q, seq, start, h, sqt, sqh, sot, soh, GROUPS, D, BLOCK_R, UPCAST
         )
         m0, l0, acc0 = fresh(BLOCK_R, D)
         top = tl.max(pos0, 0)
         if SUB > 1:
-            q1, pos1, live1, token1, head1 = _paged_rows(
-                q_ptr, first + BLOCK_R, n_q, seq, start, h, sqt, sqh, GROUPS, D, BLOCK_R, UPCAST
+            q1, pos1, live1, dst1 = _paged_rows(
+                q_ptr, out_ptr, first + BLOCK_R, n_q, seq, start, h, sqt, sqh, sot, soh, GROUPS, D, BLOCK_R, UPCAST
             )
             m1, l1, acc1 = fresh(BLOCK_R, D)
             top = tl.maximum(top, tl.max(pos1, 0))
         if SUB > 2:
-            q2, pos2, live2, token2, head2 = _paged_rows(
-                q_ptr, first + 2 * BLOCK_R, n_q, seq, start, h, sqt, sqh, GROUPS, D, BLOCK_R, UPCAST
+            q2, pos2, live2, dst2 = _paged_rows(
+                q_ptr, out_ptr, first + 2 * BLOCK_R, n_q, seq, start, h, sqt, sqh, sot, soh, GROUPS, D, BLOCK_R, UPCAST
             )
-            q3, pos3, live3, token3, head3 = _paged_rows(
-                q_ptr, first + 3 * BLOCK_R, n_q, seq, start, h, sqt, sqh, GROUPS, D, BLOCK_R, UPCAST
+            q3, pos3, live3, dst3 = _paged_rows(
+                q_ptr, out_ptr, first + 3 * BLOCK_R, n_q, seq, start, h, sqt, sqh, sot, soh, GROUPS, D, BLOCK_R, UPCAST
             )
             m2, l2, acc2 = fresh(BLOCK_R, D)
             m3, l3, acc3 = fresh(BLOCK_R, D)
@@ -152,12 +148,12 @@ if triton is not None:
             if SUB > 2:
                 m2, l2, acc2 = visit(q2, k, v, keys, pos2, m2, l2, acc2, scale, WINDOW, PRECISION, UPCAST)
                 m3, l3, acc3 = visit(q3, k, v, keys, pos3, m3, l3, acc3, scale, WINDOW, PRECISION, UPCAST)
-        _paged_store(out_ptr, acc0, l0, token0, head0, live0, sot, soh, D)
+        store_rows(dst0, acc0, l0, live0, D)
         if SUB > 1:
-            _paged_store(out_ptr, acc1, l1, token1, head1, live1, sot, soh, D)
+            store_rows(dst1, acc1, l1, live1, D)
         if SUB > 2:
-            _paged_store(out_ptr, acc2, l2, token2, head2, live2, sot, soh, D)
-            _paged_store(out_ptr, acc3, l3, token3, head3, live3, sot, soh, D)
+            store_rows(dst2, acc2, l2, live2, D)
+            store_rows(dst3, acc3, l3, live3, D)
 
 
 def paged_attention(
@@ -180,8 +176,7 @@ def paged_attention(
     `max_query_len`: the longest run of query tokens (a host integer: it sizes the grid). Writes the
     live query rows of `out` and returns it. No host sync: the lengths are read by the kernel. `block_r`:
     query rows per block and `sub` blocks per program, as `triton_attn`'s (the backends keep its `BLOCK_R`)."""
-    triton_attn.check_block_r(block_r)
-    triton_attn.check_sub(sub)
+    triton_attn.check_layout(block_r, sub)
     hq, d = query.shape[1], query.shape[2]
     hkv, page = key_cache.shape[2], key_cache.shape[1]
     groups = hq // hkv
