@@ -20,7 +20,7 @@
 #   bash tools/gpu_session.sh engine     the GPU tests on the embedded model: engines, graphs, speculation
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
-# Knobs: BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
+# Knobs: AMX_BACKENDS (amxprof), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
 set -uo pipefail
 
 GS=${GS:-/tmp/gs}
@@ -116,7 +116,7 @@ step_amxprof() {  # issue 55: bench e2e on the host's CPU at AMX_THREADS (defaul
   # (.carry/amx/before, its commit in COMMIT) and this checkout in turn, two rounds, the first profiled
   amx_model
   local b=(bench e2e --models "$GS/amx-model" --device cpu --tp 1 --batch-sizes 8 --prompt-tokens 128
-    --new-tokens 16 --backends bf16,bio,bio+tbik)
+    --new-tokens 16 --backends "${AMX_BACKENDS:-bf16,bio,bio+tbik}")
   local env=(env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="${AMX_THREADS:-16}")
   for round in 1 2; do
     local prof=()

@@ -201,6 +201,14 @@ if triton is not None:
 
 
 SUBS = (1, 2, 4)  # blocks of rows a program may own, sharing each chunk's loads (`_attn_kernel`)
+SUB = 2  # the backends' blocks per program where a group has more than one block of rows (prefill)
+
+
+def blocks(rows: int, block_r: int) -> int:
+    """Blocks per program for groups of up to `rows` rows: SUB where there is more than one block of rows
+    (prefill: each chunk's keys and values loaded once for SUB blocks), else 1 (decode: a second block
+    would be all padding). Never a bit: a block's arithmetic does not depend on SUB (`_attn_kernel`)."""
+    return SUB if rows > block_r else 1
 
 
 def check_layout(block_r: int, sub: int) -> None:
@@ -223,7 +231,7 @@ def attention_heads(
     split: int,
     window: int | None = None,
     block_r: int = BLOCK_R,
-    sub: int = 1,
+    sub: int | None = None,
 ) -> Tensor:
     """The model's layout: q[B, Hq, T, D] (any strides, D contiguous), k / v[B, Hkv, L, D] (the cache or a
     slice of it), pos[B, T] (each query position's absolute position) -> [B, Hq, T, D], a view of a
@@ -246,7 +254,7 @@ def attention(
     split: int,
     window: int | None = None,
     block_r: int = BLOCK_R,
-    sub: int = 1,
+    sub: int | None = None,
 ) -> Tensor:
     """q[G, R, D] (the group's query rows), k / v[G, L, D], pos[G, R] (each row's position: key j is
     visible iff j <= pos, and with a sliding window iff pos - window < j <= pos) -> [G, R, D] in q.dtype.
@@ -257,9 +265,11 @@ def attention(
     return out
 
 
-def _run(q, k, v, pos, out, hkv, groups, rows, scale, split, window, block_r: int, sub: int) -> None:
+def _run(q, k, v, pos, out, hkv, groups, rows, scale, split, window, block_r: int, sub: int | None) -> None:
     """Launch the kernel over q / out [B, Hq, T, D], k / v [B, Hkv, L, D], pos [B, T]: B * Hkv groups of
-    `rows` rows (T positions x `groups` query heads), `sub` blocks of `block_r` rows a program."""
+    `rows` rows (T positions x `groups` query heads), `sub` blocks of `block_r` rows a program (None:
+    `blocks`)."""
+    sub = blocks(rows, block_r) if sub is None else sub
     check_layout(block_r, sub)
     bsz, d = q.shape[0], q.shape[-1]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # cache slices stay views
