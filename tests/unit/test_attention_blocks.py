@@ -1,13 +1,13 @@
-"""Which layout the backends' attention kernels launch: more than one block of a group's rows (prefill)
-share each chunk's key and value loads, SUB blocks a program; a group of one block (decode) runs alone.
-The bits do not depend on it (the interpreter checks, `triton_checks`); this is the speed choice."""
+"""How many query rows a block of the backends' attention kernels holds: a group with more than one
+16-row block of rows (prefill) runs blocks of WIDE_R rows, each chunk's keys and values loaded once for
+all of them; a group of one block (decode) runs 16. The bits do not depend on it (the GPU checks:
+`tests/gpu/test_attention_in_place.py`); this is the speed choice."""
 
 from detaudit.backends.kernels import triton_attn
 
 
-def test_prefill_groups_share_chunk_loads_and_decode_groups_run_alone():
-    assert triton_attn.SUB in triton_attn.SUBS and triton_attn.SUB > 1
-    r = triton_attn.BLOCK_R
-    assert [triton_attn.blocks(rows, r) for rows in (1, 4, r)] == [1, 1, 1]  # decode: 1 position x groups
-    assert [triton_attn.blocks(rows, r) for rows in (r + 1, 4 * 512)] == [triton_attn.SUB] * 2
-    assert triton_attn.blocks(64, 64) == 1 and triton_attn.blocks(65, 64) == triton_attn.SUB
+def test_prefill_groups_run_wide_blocks_and_decode_groups_narrow_ones():
+    r, wide = triton_attn.BLOCK_R, triton_attn.WIDE_R
+    assert r < wide < 64 and wide in triton_attn.BLOCK_RS  # 64 rows and up: another MMA instruction
+    assert [triton_attn.rows_per_block(rows) for rows in (1, 4, r)] == [r] * 3  # decode: 1 position x groups
+    assert [triton_attn.rows_per_block(rows) for rows in (r + 1, 4 * 512)] == [wide] * 2

@@ -205,7 +205,7 @@ def paged_attention_bits(g: torch.Generator, dt: torch.dtype) -> None:
         # slot-free dot, everything but the GPU's MMA instruction): neither kernel's, 16 or 64 rows
         wide = triton_attn.attention_heads(q, keys, values, pos, 0.25, 64, block_r=64)
         check(torch.equal(wide, want), f"attention_heads {dt} hkv={hkv}: 64 rows a program, other bits")
-        layouts = ((triton_attn.BLOCK_R, None), (triton_attn.BLOCK_R, 1), (64, 1), (triton_attn.BLOCK_R, 2))
+        layouts = ((None, 1), (triton_attn.BLOCK_R, 1), (64, 1), (triton_attn.BLOCK_R, 2))
         for block_r, sub in (*layouts, (triton_attn.BLOCK_R, 4)):  # None: the backends' choice
             out = torch.full_like(query, float("nan"))
             triton_paged.paged_attention(

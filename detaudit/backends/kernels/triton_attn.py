@@ -201,14 +201,16 @@ if triton is not None:
 
 
 SUBS = (1, 2, 4)  # blocks of rows a program may own, sharing each chunk's loads (`_attn_kernel`)
-SUB = 2  # the backends' blocks per program where a group has more than one block of rows (prefill)
+WIDE_R = 32  # rows a block where a group has more than BLOCK_R rows (prefill): the same MMA instruction
 
 
-def blocks(rows: int, block_r: int) -> int:
-    """Blocks per program for groups of up to `rows` rows: SUB where there is more than one block of rows
-    (prefill: each chunk's keys and values loaded once for SUB blocks), else 1 (decode: a second block
-    would be all padding). Never a bit: a block's arithmetic does not depend on SUB (`_attn_kernel`)."""
-    return SUB if rows > block_r else 1
+def rows_per_block(rows: int) -> int:
+    """The backends' rows a block for groups of up to `rows` rows: WIDE_R in prefill (each chunk's keys and
+    values loaded once for twice the rows), BLOCK_R in decode (a wider block would be padding). Not a
+    bit: up to 32 rows the tile's M is covered by the same m16 MMA instructions, each row's products and
+    sums unchanged (`bench attention`'s `bits_as_default` and `tests/gpu/test_attention_in_place.py`
+    check it on the GPU; from 64 rows on, Hopper's wgmma changes them)."""
+    return WIDE_R if rows > BLOCK_R else BLOCK_R
 
 
 def check_layout(block_r: int, sub: int) -> None:
@@ -230,8 +232,8 @@ def attention_heads(
     scale: float,
     split: int,
     window: int | None = None,
-    block_r: int = BLOCK_R,
-    sub: int | None = None,
+    block_r: int | None = None,
+    sub: int = 1,
 ) -> Tensor:
     """The model's layout: q[B, Hq, T, D] (any strides, D contiguous), k / v[B, Hkv, L, D] (the cache or a
     slice of it), pos[B, T] (each query position's absolute position) -> [B, Hq, T, D], a view of a
@@ -253,8 +255,8 @@ def attention(
     scale: float,
     split: int,
     window: int | None = None,
-    block_r: int = BLOCK_R,
-    sub: int | None = None,
+    block_r: int | None = None,
+    sub: int = 1,
 ) -> Tensor:
     """q[G, R, D] (the group's query rows), k / v[G, L, D], pos[G, R] (each row's position: key j is
     visible iff j <= pos, and with a sliding window iff pos - window < j <= pos) -> [G, R, D] in q.dtype.
@@ -265,11 +267,11 @@ def attention(
     return out
 
 
-def _run(q, k, v, pos, out, hkv, groups, rows, scale, split, window, block_r: int, sub: int | None) -> None:
+def _run(q, k, v, pos, out, hkv, groups, rows, scale, split, window, block_r: int | None, sub: int) -> None:
     """Launch the kernel over q / out [B, Hq, T, D], k / v [B, Hkv, L, D], pos [B, T]: B * Hkv groups of
     `rows` rows (T positions x `groups` query heads), `sub` blocks of `block_r` rows a program (None:
-    `blocks`)."""
-    sub = blocks(rows, block_r) if sub is None else sub
+    `rows_per_block`)."""
+    block_r = rows_per_block(rows) if block_r is None else block_r
     check_layout(block_r, sub)
     bsz, d = q.shape[0], q.shape[-1]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # cache slices stay views

@@ -167,20 +167,20 @@ def paged_attention(
     scale: float,
     split: int,
     out: Tensor,
-    block_r: int = triton_attn.BLOCK_R,
-    sub: int | None = None,
+    block_r: int | None = None,
+    sub: int = 1,
 ) -> Tensor:
     """query / out [tokens, Hq, D] (D contiguous); key_cache / value_cache [pages, PAGE, Hkv, D] (any
     strides, D contiguous: views of vLLM's [pages, 2, PAGE, Hkv, D]); block_table [requests, pages per
     request] (int32); query_start_loc [requests + 1] and seq_lens [requests] (int32, on the device);
     `max_query_len`: the longest run of query tokens (a host integer: it sizes the grid). Writes the
     live query rows of `out` and returns it. No host sync: the lengths are read by the kernel. `block_r`:
-    query rows per block and `sub` blocks per program, as `triton_attn`'s (the backends keep its `BLOCK_R`;
-    `sub` None: `triton_attn.blocks` of the longest run's rows)."""
+    query rows per block and `sub` blocks per program, as `triton_attn`'s (`block_r` None: the backends'
+    choice, `triton_attn.rows_per_block` of the longest run's rows)."""
     hq, d = query.shape[1], query.shape[2]
     hkv, page = key_cache.shape[2], key_cache.shape[1]
     groups = hq // hkv
-    sub = triton_attn.blocks(max_query_len * groups, block_r) if sub is None else sub
+    block_r = triton_attn.rows_per_block(max_query_len * groups) if block_r is None else block_r
     triton_attn.check_layout(block_r, sub)
     requests = query_start_loc.shape[0] - 1
     if requests <= 0 or max_query_len <= 0:
