@@ -203,8 +203,8 @@ class BioBackend(Backend):
             "row (residual add fused), BLOCK fp32 lanes in order then one tree",
             "log_softmax": "fp32; row max, then the row sum of exp as for rms_norm",
             "attention": f"KV chunks of {SPLIT} keys, fp32 online softmax, masked chunks exact no-ops "
-            "(GPU: one Triton kernel, a program a block of BLOCK_R=16 query rows, WIDE_R=32 in prefill, a row's "
-            "bits the same in either; CPU: see cpu_kernels)",
+            "(GPU: one Triton kernel, a program a block of BLOCK_R=16 query rows, WIDE_R=32 in 16-bit "
+            "prefill, a row's bits the same in either; CPU: see cpu_kernels)",
             "all_reduce": "fp32 partials summed in rank order, cast once",
             "experts": "per expert, its routed rows' batch-invariant products (fp32 accumulate); each token's "
             "experts weighted and summed in top-k order in fp32",

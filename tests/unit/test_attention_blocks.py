@@ -1,13 +1,18 @@
-"""How many query rows a block of the backends' attention kernels holds: a group with more than one
-16-row block of rows (prefill) runs blocks of WIDE_R rows, each chunk's keys and values loaded once for
-all of them; a group of one block (decode) runs 16. The bits do not depend on it (the GPU checks:
-`tests/gpu/test_attention_in_place.py`); this is the speed choice."""
+"""How many query rows a block of the backends' attention kernels holds: a bf16 / fp16 group with more
+than one 16-row block of rows (prefill) runs blocks of WIDE_R rows, each chunk's keys and values loaded
+once for all of them; a group of one block (decode) and fp32 queries run 16. The bits do not depend on
+it (the GPU checks: `tests/gpu/test_attention_in_place.py`); this is the speed choice."""
+
+import torch
 
 from detaudit.backends.kernels import triton_attn
 
 
-def test_prefill_groups_run_wide_blocks_and_decode_groups_narrow_ones():
+def test_16_bit_prefill_groups_run_wide_blocks_and_the_rest_narrow_ones():
     r, wide = triton_attn.BLOCK_R, triton_attn.WIDE_R
     assert r < wide < 64 and wide in triton_attn.BLOCK_RS  # 64 rows and up: another MMA instruction
-    assert [triton_attn.rows_per_block(rows) for rows in (1, 4, r)] == [r] * 3  # decode: 1 position x groups
-    assert [triton_attn.rows_per_block(rows) for rows in (r + 1, 4 * 512)] == [wide] * 2
+    for dt in (torch.bfloat16, torch.float16):
+        assert [triton_attn.rows_per_block(rows, dt) for rows in (1, 4, r)] == [r] * 3  # decode
+        assert [triton_attn.rows_per_block(rows, dt) for rows in (r + 1, 4 * 512)] == [wide] * 2
+    # fp32's "ieee" product is no MMA: 32 rows a block gave an H200 other bits
+    assert [triton_attn.rows_per_block(rows, torch.float32) for rows in (4, r + 1, 4 * 512)] == [r] * 3
