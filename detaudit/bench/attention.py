@@ -7,8 +7,9 @@ Two kernels, the two engines' ones: `contiguous` (`triton_attn.attention_heads`:
 its [B, Hkv, L, D] cache) and `paged` (`triton_paged.paged_attention`: the vLLM plugin's, over vLLM's pages
 and ragged query runs). Two workloads: `prefill` (every request's `tokens` positions at once) and `decode`
 (one new position per request over `tokens` cached keys). Each row says whether its outputs are bitwise
-those of the backends' own layout (`BLOCK_R` rows, one block: `bits_as_default`), so a faster layout that
-keeps the bits can be told from one that does not, and whether the paged kernel's equal the contiguous
+those of the layout that defines the backends' bits (`BLOCK_R` = 16 rows, one block: `bits_as_default`;
+the backends run `triton_attn.rows_per_block`, the settings name it), so a faster layout that keeps the
+bits can be told from one that does not, and whether the paged kernel's equal the contiguous
 one's. SDPA reads the same keys (`enable_gqa`) and is timed in each block's call (`vs_sdpa`: its time over
 the kernel's in that call); its own row is the median of those. A block the GPU cannot hold is a row with
 its error. Times: median seconds
@@ -26,7 +27,7 @@ from detaudit.backends.kernels import triton_attn, triton_paged
 from detaudit.bench.kernels import _times
 
 BLOCK_RS, SUBS = triton_attn.BLOCK_RS, triton_attn.SUBS
-VARIANTS = ((16, 1), (16, 2), (16, 4), (32, 1), (64, 1), (128, 1))  # (block_r, sub)
+VARIANTS = ((16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (64, 1), (128, 1))  # (block_r, sub)
 WORKLOADS = ("prefill", "decode")
 KERNELS = ("contiguous", "paged")
 PAGE = 16  # vLLM's default page (block) size
@@ -140,5 +141,7 @@ def bench_attention(
         dtype=str(dtype).removeprefix("torch."),
         split=split,
         default_block_r=triton_attn.BLOCK_R,
+        backends_block_r=f"prefill {triton_attn.rows_per_block(tokens * (hq // hkv), dtype)}, "
+        f"decode {triton_attn.rows_per_block(hq // hkv, dtype)}",
     )
     return df

@@ -461,9 +461,9 @@ def bench_attention_cmd(
         typer.Option(
             "--variants",
             help="Comma-separated ROWSxBLOCKS: query rows a block (16, 32, 64, 128) x blocks a program sharing "
-            "each chunk's loads (1, 2, 4); the backends run 16x1.",
+            "each chunk's loads (1, 2, 4); the backends run 32x1 in 16-bit prefill, else 16x1.",
         ),
-    ] = "16x1,16x2,16x4,32x1,64x1,128x1",
+    ] = "16x1,16x2,16x4,32x1,32x2,64x1,128x1",
     workloads: Annotated[str, typer.Option("--workloads", help="prefill, decode or both.")] = "prefill,decode",
     dtype: DtypeOpt = Dtype.bfloat16,
     json_: JsonOpt = False,
