@@ -167,6 +167,56 @@ def test_compiled_and_python_dispatch_give_the_same_bits(monkeypatch, rows, n):
     assert torch.allclose(outs["auto"], x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
 
 
+# (rows, K, N, TP): an o_proj prefill split over 2 threads, decode rows, an odd leaf (K / 8 = 13: each
+# leaf's columns blocked on their own), 4 and 2 leaves a rank (TP 2 and 4)
+@pytest.mark.parametrize(
+    "rows, k, n, tp", [(480, 1536, 576, 1), (8, 576, 576, 1), (16, 104, 64, 1), (24, 96, 40, 2), (40, 64, 200, 4)]
+)
+def test_leaf_sums_in_the_threads_cache_give_the_pairwise_trees_bits(monkeypatch, rows, k, n, tp):
+    """The tree matmul with each output block's leaves summed by the compiled loop that computed them
+    (`cpu_bf16.leaf_sums`) gives the fp32 bits of the leaf products summed by `tree.pairwise` (the Python
+    loop's path, DETAUDIT_CPU_COMPILED=off), on 1 and 2 threads."""
+    from helpers import require
+
+    require("numba", "cpu")
+    from detaudit.backends.kernels import cpu_calls, tree
+
+    try:
+        cpu_bf16.choose("bf16")
+    except DetauditError as e:
+        pytest.skip(str(e))
+    g = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k // tp, generator=g).bfloat16()
+    w = torch.randn(n, k // tp, generator=g).bfloat16()
+    outs = {}
+    threads = torch.get_num_threads()
+    try:
+        for how, count in (("auto", 1), ("auto", 2), ("off", 2)):
+            monkeypatch.setenv(cpu_calls.ENV, how)
+            monkeypatch.setattr(cpu_calls, "_bound", {})
+            torch.set_num_threads(count)
+            outs[how, count] = tree.tree_matmul(x, w, tp)
+    finally:
+        torch.set_num_threads(threads)
+        cpu_bf16.choose()
+    assert outs["auto", 1].dtype == torch.float32
+    assert torch.equal(outs["auto", 1], outs["off", 2]) and torch.equal(outs["auto", 2], outs["off", 2])
+    assert torch.allclose(outs["off", 2], x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
+
+
+def test_leaf_sums_refuse_a_leaf_count_that_is_no_tree():
+    try:
+        cpu_bf16.choose("bf16")
+    except DetauditError as e:
+        pytest.skip(str(e))
+    try:
+        a = torch.zeros(3, 1, cpu_bf16.choice().rows, 64, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="power-of-two"):
+            cpu_bf16.leaf_sums(a, torch.zeros(3, 1, 32, 64, 2, dtype=torch.bfloat16))
+    finally:
+        cpu_bf16.choose()
+
+
 @pytest.mark.slow  # a Python process of its own
 def test_describing_the_backends_imports_no_numba():
     """Descriptions are made before any kernel runs, in vLLM's engine process too, where an early

@@ -324,6 +324,45 @@ def products(a: Tensor, packed: Tensor) -> Tensor:
     return out
 
 
+def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
+    """fp32 [nb, R, P*W]: the G leaf products of `products(a, packed)` (G a power of two, at least 2)
+    added pairwise, ((l0 + l1) + (l2 + l3)) + ..., each output block's leaves summed by the thread that
+    computed them while they are in its cache: `tree.pairwise`'s adds in its pairs, so its bits, without
+    the [G, ...] products in memory. None where the calls are not compiled (the caller adds the leaves)."""
+    g, nb, r, k2 = a.shape
+    _, p, half, width, _ = packed.shape
+    if g < 2 or g & (g - 1):
+        raise ValueError(f"leaf sums need a power-of-two number of leaves, at least 2, got {g}")
+    if r != choice().rows or half * 2 != k2 or a.stride(3) != 1 or a.dtype != torch.bfloat16:
+        raise ValueError(f"bf16 leaf sums need bf16 [G, nb, {choice().rows}, K2] rows, got {tuple(a.shape)} {a.dtype}")
+    if _kernel is None or not torch.backends.mkldnn.enabled or not packed.is_contiguous():
+        return None
+    out = torch.empty(nb, r, p * width, dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    a_group, a_block, lda, _ = a.stride()
+    ldc = p * width
+    table = _tree_offsets(g, p, nb, a_group, a_block, r * ldc, half * width * 2 * 2, width) + np.array(
+        [a.data_ptr(), packed.data_ptr(), 0], dtype=np.int64
+    )
+    shape = (r, width, k2, lda, width, ldc)
+    flops = 2.0 * g * nb * r * k2 * p * width
+    return out if cpu_calls.run_tree(_kernel, shape, table, g, out.numpy().reshape(-1), flops) else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _tree_offsets(
+    g: int, p: int, nb: int, a_group: int, a_block: int, c_block: int, b_panel: int, width: int
+) -> np.ndarray:
+    """`_offsets` in (panel, block, leaf) order, a job's G leaves together, C the leaf-0 call's offset
+    (its place in the summed [nb, R, P*W] output)."""
+    table = _offsets(g, p, nb, a_group, a_block, c_block, b_panel, width).reshape(g, p * nb, 3)
+    table = table.transpose(1, 0, 2).reshape(-1, 3).copy()  # (the cached `_offsets` stays read-only)
+    table[:, 2] = np.repeat(table[::g, 2], g)
+    table.flags.writeable = False
+    return table
+
+
 @functools.lru_cache(maxsize=1024)
 def _offsets(g: int, p: int, nb: int, a_group: int, a_block: int, c_block: int, b_panel: int, width: int) -> np.ndarray:
     """Byte offsets (A, B, C) of every call of a product, one row per call in (group, panel, block)

@@ -97,15 +97,33 @@ def dispatcher() -> str:
     return "numba (the call loop compiled, the GIL released for a thread's whole slice)"
 
 
-def _loop(kernel: Kernel):
-    """The compiled loop calling `kernel`, or None where the loop stays in Python. One kernel per process
-    (the bf16 micro-kernel): its and brgemm_release's addresses are bound to the loop's symbols."""
+def _loops(kernel: Kernel):
+    """The compiled loops calling `kernel` (the `cpu_loop` module), or None where the loop stays in
+    Python. One kernel per process (the bf16 micro-kernel): its and brgemm_release's addresses are bound
+    to the loops' symbols."""
     if kernel.addr not in _bound:
         mod = compiled("cpu_loop")
         if mod is not None:
             mod.bind(kernel.addr, kernel.release_addr)
-        _bound[kernel.addr] = None if mod is None else mod.loop
+        _bound[kernel.addr] = mod
     return _bound[kernel.addr]
+
+
+def run_tree(kernel: Kernel, shape, table: np.ndarray, leaves: int, out: np.ndarray, flops: float) -> bool:
+    """`run` in jobs of `leaves` consecutive calls (one output block's leaves, `cpu_loop.tree_loop`: each
+    job's leaf products summed pairwise in the thread's cache and stored into `out`, flat fp32, at the
+    job's C offset), whole jobs a thread. False, and nothing done, where there is no compiled loop."""
+    mod = _loops(kernel)
+    if mod is None:
+        return False
+    jobs = len(table) // leaves
+
+    def part(lo: int, hi: int) -> None:
+        mod.tree_loop(*shape, table[lo * leaves : hi * leaves], leaves, out, kernel.release)
+
+    with cpu_gemm.profiled("detaudit::bf16_block_products"):
+        slices(jobs, part, min(torch.get_num_threads(), jobs) if flops >= cpu_gemm.MIN_SPLIT_FLOPS else 1)
+    return True
 
 
 def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.ndarray, flops: float) -> None:
@@ -118,7 +136,8 @@ def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.nd
         return
     # one call gains nothing from the loop (and so the one-call self-check of `cpu_bf16.choose`, which a
     # backend description runs, imports no numba: see `_numba_installed`)
-    loop = _loop(kernel) if n > 1 else None
+    mod = _loops(kernel) if n > 1 else None
+    loop = None if mod is None else mod.loop
     fn, release = kernel.fn, kernel.release
     if loop is None:
         rows = table.tolist()

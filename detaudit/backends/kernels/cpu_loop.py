@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import llvmlite.binding as llvm
 import numba
+import numpy as np
 from numba import types
 
 SYMBOL = "detaudit_cpu_brgemm_bf16"
@@ -28,5 +29,32 @@ def loop(m, n, k, lda, ldb, ldc, table, release):  # pragma: no cover (compiled)
     """Every call of `table`, then, where `release`, the thread's AMX tiles released (brgemm_release)."""
     for i in range(table.shape[0]):
         _kernel(m, n, k, lda, ldb, ldc, 0, table[i, 0], table[i, 1], table[i, 2], 1)
+    if release:
+        _release(1)
+
+
+@numba.njit(nogil=True, cache=True)
+def tree_loop(m, n, k, lda, ldb, ldc, table, leaves, out, release):  # pragma: no cover (compiled)
+    """The calls of `table` in jobs of `leaves` rows, a job one output block: each leaf's [m, n] product
+    into this thread's scratch, the leaves added pairwise ((l0 + l1) + (l2 + l3)) + ... (`tree.pairwise`'s
+    adds, in its pairs), the sum stored at element table[job, 2] // 4 of `out` (fp32, rows ldc apart).
+    An element's adds do not depend on which elements share a job, so these are `pairwise`'s bits."""
+    size = m * n
+    scratch = np.empty(leaves * size, dtype=np.float32)
+    base = scratch.ctypes.data
+    for i in range(0, table.shape[0], leaves):
+        for j in range(leaves):
+            _kernel(m, n, k, lda, ldb, n, 0, table[i + j, 0], table[i + j, 1], base + j * size * 4, 1)
+        step = 1
+        while step < leaves:
+            for j in range(0, leaves, 2 * step):
+                left = scratch[j * size : (j + 1) * size]
+                right = scratch[(j + step) * size : (j + step + 1) * size]
+                for e in range(size):
+                    left[e] += right[e]
+            step *= 2
+        c = table[i, 2] // 4
+        for r in range(m):
+            out[c + r * ldc : c + r * ldc + n] = scratch[r * n : (r + 1) * n]
     if release:
         _release(1)

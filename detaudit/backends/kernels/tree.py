@@ -8,8 +8,9 @@ C is (same shapes, same order) and leaves are added pairwise in the same order, 
 bitwise identical for C = 1, 2, 4, 8.
 
 - CPU: a leaf is the fixed-shape block product of `fixed` ([R, K/8] @ [K/8, N] per R rows): bf16
-  operands through `cpu_bf16`'s micro-kernel where this process chose it (fp32 accumulation), fp32
-  products otherwise.
+  operands through `cpu_bf16`'s micro-kernel where this process chose it (fp32 accumulation; with the
+  compiled call loop each output block's leaves are summed by the thread that computed them, in cache,
+  `cpu_bf16.leaf_sums`: the same adds in the same pairs as `pairwise`), fp32 products otherwise.
 - GPU: the Triton tree kernel of `triton_mm` (bf16 / fp16 up to 32 rows: `triton_swap`'s) with NUM_LEAVES = 8/C
   (leaves unrolled at compile time, each a pipelined K loop accumulated in fp32 registers, compile-time
   binary-counter carries held in registers, one fixed reduction per dtype); on Hopper at M > 256 the
@@ -127,7 +128,10 @@ def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
         else:  # the leaves as K slices of the rows' blocks: a view, the kernel takes the row stride
             xb = cpu_bf16.blocks_of(x2)
             xl = xb.view(xb.shape[0], xb.shape[1], leaves, leaf).permute(2, 0, 1, 3)
-        out = pairwise(cpu_bf16.products(xl, _packed_bf16(w, leaves, leaf)))
+        packed = _packed_bf16(w, leaves, leaf)
+        out = cpu_bf16.leaf_sums(xl, packed) if leaves > 1 else None  # in cache; else the same adds here
+        if out is None:
+            out = pairwise(cpu_bf16.products(xl, packed))
         return out.view(-1, out.shape[-1])[:m, :n]
     xb = fixed.blocks_of(x2)  # [nb, R, K_local]
     wf = _packed(w, leaves, leaf)
