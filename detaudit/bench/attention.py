@@ -9,11 +9,13 @@ and ragged query runs). Two workloads: `prefill` (every request's `tokens` posit
 (one new position per request over `tokens` cached keys). Each row says whether its outputs are bitwise
 those of the layout that defines the backends' bits (`BLOCK_R` = 16 rows, one block: `bits_as_default`;
 the backends run `triton_attn.rows_per_block`, the settings name it), so a faster layout that keeps the
-bits can be told from one that does not, and whether the paged kernel's equal the contiguous
-one's. SDPA reads the same keys (`enable_gqa`) and is timed in each block's call (`vs_sdpa`: its time over
-the kernel's in that call); its own row is the median of those. A block the GPU cannot hold is a row with
-its error. Times: median seconds
-per call of graph-replayed calls (`bench.kernels._times`: no host launch overhead).
+bits can be told from one that does not, whether the paged kernel's equal the contiguous one's, and
+(prefill rows) whether each request's last position computed again as a decode step in the same layout
+gives its prefill row's bits (`decode_bits_as_prefill`): a layout with other bits than 16 x 1 could
+become the backends' only if it keeps this. SDPA reads the same keys (`enable_gqa`) and is timed in each
+block's call (`vs_sdpa`: its time over the kernel's in that call); its own row is the median of those.
+A block the GPU cannot hold is a row with its error. Times: median seconds per call of graph-replayed
+calls (`bench.kernels._times`: no host launch overhead).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Sequence
 
 import pandas as pd
 import torch
+from torch import Tensor
 
 from detaudit.backends.kernels import triton_attn, triton_paged
 from detaudit.bench.kernels import _times
@@ -101,6 +104,18 @@ def bench_attention(
             args = (query, kc, vc, table, starts, seqs, t, scale, split, packed)
             return triton_paged.paged_attention(*args, block_r=block_r, sub=sub)
 
+        def last_rows(name: str, block_r: int, sub: int) -> Tensor:
+            """Each request's last position again as one decode step, same kernel and layout: [B, Hq, D]."""
+            if name == "contiguous":
+                one = q[:, :, -1:]
+                return triton_attn.attention_heads(one, k, v, pos[:, -1:], scale, split, block_r=block_r, sub=sub)[
+                    :, :, 0
+                ]
+            one = query.view(batch, t, hq, head_dim)[:, -1].contiguous()
+            steps = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+            args = (one, kc, vc, table, steps, seqs, 1, scale, split, torch.empty_like(one))
+            return triton_paged.paged_attention(*args, block_r=block_r, sub=sub)
+
         base = {name: run(name, triton_attn.BLOCK_R, 1).clone() for name in KERNELS}
         sdpa_times = []
         for block_r, sub in variants:
@@ -114,6 +129,12 @@ def bench_attention(
                 continue
             sdpa_times.append(sdpa_s)
             outs = {name: run(name, block_r, sub) for name in KERNELS}
+            decoded = {}  # whether a layout keeps a row's bits between prefill and decode: is it usable at all
+            if t > 1:
+                decoded = {
+                    name: bool(torch.equal(last_rows(name, block_r, sub), out.view(batch, t, hq, head_dim)[:, -1]))
+                    for name, out in outs.items()
+                }
             for (name, out), seconds in zip(outs.items(), times):
                 rows.append(
                     {
@@ -126,6 +147,7 @@ def bench_attention(
                         "vs_sdpa": sdpa_s / seconds,
                         "bits_as_default": bool(torch.equal(out, base[name])),
                         "paged_bits_as_contiguous": bool(torch.equal(outs["paged"], outs["contiguous"])),
+                        "decode_bits_as_prefill": decoded.get(name),
                     }
                 )
             if progress:

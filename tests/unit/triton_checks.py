@@ -230,6 +230,9 @@ def bench_attention_rows() -> None:
     check(len(ours) == 8 and len(df) == 10, f"bench attention rows: {len(df)}")
     check(bool(ours.bits_as_default.all()), "bench attention: a block of rows changed the interpreter's bits")
     check(bool(ours.paged_bits_as_contiguous.all()), "bench attention: paged bits unlike contiguous")
+    pre = ours[ours.workload == "prefill"]
+    check(pre.decode_bits_as_prefill.tolist() == [True] * 4, "bench attention: a decode step unlike its prefill row")
+    check(ours[ours.workload == "decode"].decode_bits_as_prefill.isna().all(), "bench attention: decode rows")
 
 
 def _spread(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
