@@ -163,7 +163,7 @@ def bench_attention(
         dtype=str(dtype).removeprefix("torch."),
         split=split,
         default_block_r=triton_attn.BLOCK_R,
-        backends_block_r=f"prefill {triton_attn.rows_per_block(tokens * (hq // hkv), dtype)}, "
-        f"decode {triton_attn.rows_per_block(hq // hkv, dtype)}",
+        backends_block_r=f"prefill {triton_attn.rows_per_block(tokens * (hq // hkv), dtype, head_dim, split)}, "
+        f"decode {triton_attn.rows_per_block(hq // hkv, dtype, head_dim, split)}",
     )
     return df

@@ -96,6 +96,37 @@ def test_paged_attention_gives_the_contiguous_caches_bits(hq, hkv, dtype):
     for b, (t, _) in enumerate(runs):
         got = out[int(starts[b]) : int(starts[b]) + t]
         assert torch.equal(got, want[b, :, :t].transpose(0, 1)), (b, hq, hkv, dtype)
+    # the backends' rows a block (32 here for 16-bit queries: the step holds prefills) and 16 alike
+    narrow = torch.full_like(query, float("nan"))
+    triton_paged.paged_attention(query, kc, vc, table, starts, seqs, steps, 128**-0.5, 64, narrow, block_r=16)
+    assert torch.equal(narrow, out), (hq, hkv, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_the_backends_rows_a_block_give_16_rows_bits(d, dtype):
+    """Wherever `triton_attn.rows_per_block` gives a prefill more than 16 rows a block (its head sizes and
+    dtypes), both kernels give, bitwise, what 16 rows a block give: a prefill of 300 positions over 700
+    cached keys, and a vLLM step that mixes it with decodes (which then run the prefill's rows a block)."""
+    from detaudit.backends.kernels import triton_attn, triton_paged
+
+    if triton_attn.rows_per_block(8 * 300, dtype, d, 64) == triton_attn.BLOCK_R:
+        pytest.skip(f"16 rows a block at head size {d}, {dtype}: nothing to compare")
+    g = torch.Generator(device="cuda").manual_seed(d)
+    k, v = (torch.randn(2, 2, 700, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(2, 8, 300, d, device="cuda", generator=g).to(dtype)
+    pos = torch.arange(400, 700, device="cuda").expand(2, 300)
+    for window in (None, 128):
+        wide = triton_attn.attention_heads(q, k, v, pos, d**-0.5, 64, window)
+        narrow = triton_attn.attention_heads(q, k, v, pos, d**-0.5, 64, window, block_r=16)
+        assert torch.equal(wide, narrow), (d, dtype, window)
+    runs = [(300, 700), (1, 900), (1, 33), (17, 530)]
+    cache, table, starts, seqs, query, _, _ = _paged_step(runs, 8, 2, dtype, d=d, seed=d)
+    kc, vc = cache.unbind(1)
+    outs = [torch.full_like(query, float("nan")) for _ in range(2)]
+    for out, rows in zip(outs, (None, 16)):
+        triton_paged.paged_attention(query, kc, vc, table, starts, seqs, 300, d**-0.5, 64, out, block_r=rows)
+    assert torch.equal(outs[0], outs[1]), (d, dtype)
 
 
 def test_paged_decode_replays_from_a_cuda_graph():
@@ -159,7 +190,7 @@ def test_bench_attention_runs_each_kernel_and_block():
     assert len(ours) == 2 * 3 * 2 and len(df[df.kernel == "sdpa"]) == 2
     assert (ours.ms > 0).all() and (df.tflops > 0).all()
     assert ours[ours.block_r == 16].bits_as_default.all() and ours.paged_bits_as_contiguous.all()
-    # the layouts the backends run keep a row's bits from prefill to decode (64 rows: measured, not asserted)
+    # the 16-row layouts keep a row's bits from prefill to decode (64 rows: reported, not asserted)
     assert ours[(ours.workload == "prefill") & (ours.block_r == 16)].decode_bits_as_prefill.all()
 
 
@@ -177,13 +208,13 @@ def test_blocks_sharing_a_program_keep_each_rows_bits(sub, dtype):
         q = torch.randn(bsz, hq, t, 128, device="cuda", generator=g).to(dtype)
         pos = torch.arange(length - t, length, device="cuda").expand(bsz, t)
         for window in (None, 128):
-            one = triton_attn.attention_heads(q, k, v, pos, 128**-0.5, 64, window)
-            shared = triton_attn.attention_heads(q, k, v, pos, 128**-0.5, 64, window, sub=sub)
+            one = triton_attn.attention_heads(q, k, v, pos, 128**-0.5, 64, window, block_r=16)
+            shared = triton_attn.attention_heads(q, k, v, pos, 128**-0.5, 64, window, block_r=16, sub=sub)
             assert torch.equal(shared, one), (bsz, hq, hkv, t, window, sub)
     runs = [(300, 300), (1, 900), (17, 530), (0, 0), (64, 700)]
     cache, table, starts, seqs, query, _, _ = _paged_step(runs, 32, 8, dtype, seed=sub)
     kc, vc = cache.unbind(1)
     outs = [torch.full_like(query, float("nan")) for _ in range(2)]
     for out, s in zip(outs, (1, sub)):
-        triton_paged.paged_attention(query, kc, vc, table, starts, seqs, 300, 128**-0.5, 64, out, sub=s)
+        triton_paged.paged_attention(query, kc, vc, table, starts, seqs, 300, 128**-0.5, 64, out, block_r=16, sub=s)
     assert torch.equal(outs[0], outs[1]), sub

@@ -168,9 +168,10 @@ def test_compiled_and_python_dispatch_give_the_same_bits(monkeypatch, rows, n):
 
 
 # (rows, K, N, TP): an o_proj prefill split over 2 threads, decode rows, an odd leaf (K / 8 = 13: each
-# leaf's columns blocked on their own), 4 and 2 leaves a rank (TP 2 and 4)
+# leaf's columns blocked on their own), 4 and 2 leaves a rank (TP 2 and 4), many column panels
 @pytest.mark.parametrize(
-    "rows, k, n, tp", [(480, 1536, 576, 1), (8, 576, 576, 1), (16, 104, 64, 1), (24, 96, 40, 2), (40, 64, 200, 4)]
+    "rows, k, n, tp",
+    [(480, 1536, 576, 1), (8, 576, 576, 1), (16, 104, 64, 1), (24, 96, 40, 2), (40, 64, 200, 4), (33, 104, 1088, 1)],
 )
 def test_leaf_sums_in_the_threads_cache_give_the_pairwise_trees_bits(monkeypatch, rows, k, n, tp):
     """The tree matmul with each output block's leaves summed by the compiled loop that computed them
@@ -202,6 +203,41 @@ def test_leaf_sums_in_the_threads_cache_give_the_pairwise_trees_bits(monkeypatch
     assert outs["auto", 1].dtype == torch.float32
     assert torch.equal(outs["auto", 1], outs["off", 2]) and torch.equal(outs["auto", 2], outs["off", 2])
     assert torch.allclose(outs["off", 2], x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
+
+
+def test_leaf_sums_are_the_pairwise_sums_of_the_leaf_products_or_left_to_the_caller(monkeypatch):
+    """Called directly: over many panels and blocks, `leaf_sums` is `tree.pairwise` of `products`, bit for
+    bit; a product worth splitting with fewer output blocks than threads (one decode block, one panel) is
+    left to the caller (None), whose leaf calls spread over the threads."""
+    from helpers import require
+
+    require("numba", "cpu")
+    from detaudit.backends.kernels import cpu_calls, tree
+
+    try:
+        cpu_bf16.choose("bf16")
+    except DetauditError as e:
+        pytest.skip(str(e))
+    threads = torch.get_num_threads()
+    monkeypatch.setenv(cpu_calls.ENV, "auto")
+    monkeypatch.setattr(cpu_calls, "_bound", {})
+    try:
+        torch.set_num_threads(2)
+        for rows, k, n, wanted in ((100, 1536, 2112, True), (8, 8192, 1024, False)):
+            g = torch.Generator().manual_seed(rows)
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            w = torch.randn(n, k, generator=g).bfloat16()
+            xb = cpu_bf16.blocks_of(x)
+            leaves = xb.view(xb.shape[0], xb.shape[1], 8, k // 8).permute(2, 0, 1, 3)
+            packed = tree._packed_bf16(w, 8, k // 8)
+            got = cpu_bf16.leaf_sums(leaves, packed)
+            assert (got is not None) == wanted, (rows, k, n)
+            if wanted:
+                assert packed.shape[1] > 1 and xb.shape[0] > 2  # several panels and blocks
+                assert torch.equal(got, tree.pairwise(cpu_bf16.products(leaves, packed)))
+    finally:
+        torch.set_num_threads(threads)
+        cpu_bf16.choose()
 
 
 def test_leaf_sums_refuse_a_leaf_count_that_is_no_tree():

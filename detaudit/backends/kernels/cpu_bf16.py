@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import cpu_calls
+from detaudit.backends.kernels import cpu_calls, cpu_gemm
 from detaudit.errors import DetauditError
 
 ENV = "DETAUDIT_CPU_GEMM"
@@ -328,7 +328,8 @@ def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
     """fp32 [nb, R, P*W]: the G leaf products of `products(a, packed)` (G a power of two, at least 2)
     added pairwise, ((l0 + l1) + (l2 + l3)) + ..., each output block's leaves summed by the thread that
     computed them while they are in its cache: `tree.pairwise`'s adds in its pairs, so its bits, without
-    the [G, ...] products in memory. None where the calls are not compiled (the caller adds the leaves)."""
+    the [G, ...] products in memory. None where the calls are not compiled, or where a product worth
+    splitting has fewer output blocks than threads: the caller adds the leaves."""
     g, nb, r, k2 = a.shape
     _, p, half, width, _ = packed.shape
     if g < 2 or g & (g - 1):
@@ -347,6 +348,8 @@ def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
     )
     shape = (r, width, k2, lda, width, ldc)
     flops = 2.0 * g * nb * r * k2 * p * width
+    if flops >= cpu_gemm.MIN_SPLIT_FLOPS and p * nb < torch.get_num_threads():
+        return None  # fewer jobs than threads (a decode step's few panels): the leaves' calls spread wider
     return out if cpu_calls.run_tree(_kernel, shape, table, g, out.numpy().reshape(-1), flops) else None
 
 

@@ -202,16 +202,22 @@ if triton is not None:
 
 SUBS = (1, 2, 4)  # blocks of rows a program may own, sharing each chunk's loads (`_attn_kernel`)
 WIDE_R = 32  # rows a block of 16-bit queries where a group has more than BLOCK_R rows (prefill)
+WIDE_DS = (128,)  # ...and the head size one of these: where an H200 ran 32 rows (bits and speed measured)
 
 
-def rows_per_block(rows: int, dtype: torch.dtype) -> int:
-    """The backends' rows a block for groups of up to `rows` rows of `dtype`: WIDE_R for bf16 / fp16 in
-    prefill (each chunk's keys and values loaded once for twice the rows), else BLOCK_R. Not a bit: a
-    16-bit tile of up to 32 rows is covered by the same m16 MMA instructions, each row's products and sums
-    unchanged (on the GPU, `bench attention`'s `bits_as_default` and `tests/gpu/test_attention_in_place.py`;
-    from 64 rows on, Hopper's wgmma changes them). fp32 queries stay at BLOCK_R: their "ieee" product is
-    not an MMA, and on an H200 32 of its rows a block gave other bits than 16."""
-    return WIDE_R if rows > BLOCK_R and dtype in (torch.bfloat16, torch.float16) else BLOCK_R
+def rows_per_block(rows: int, dtype: torch.dtype, head_dim: int, split: int) -> int:
+    """The backends' rows a block for groups of up to `rows` rows: WIDE_R for bf16 / fp16 queries in
+    prefill with a head size in WIDE_DS and chunks of at least 64 keys (each chunk's keys
+    and values loaded once for twice the rows), else BLOCK_R. Not a bit: there a tile of 32 rows is
+    covered by the same m16 MMA instructions as one of 16, with the warps laid out the same way (Triton's
+    rule for chained dots, as its source reads, puts them along a tile's columns while the columns, D or
+    SPLIT, outnumber the rows), so each row's products and sums are unchanged;
+    `tests/gpu/test_attention_in_place.py` checks it for every head size and dtype this rule widens,
+    `bench attention`'s `bits_as_default` at its shape. Other head sizes stay at BLOCK_R until a GPU has
+    checked them (a 32-column tile, D or SPLIT 32, could lay the warps along the rows instead), and so
+    do fp32 queries: their "ieee" product is no MMA, and 32 rows gave other bits on an H200."""
+    wide = head_dim in WIDE_DS and split >= 64 and dtype in (torch.bfloat16, torch.float16)
+    return WIDE_R if wide and rows > BLOCK_R else BLOCK_R
 
 
 def check_layout(block_r: int, sub: int) -> None:
@@ -272,7 +278,7 @@ def _run(q, k, v, pos, out, hkv, groups, rows, scale, split, window, block_r: in
     """Launch the kernel over q / out [B, Hq, T, D], k / v [B, Hkv, L, D], pos [B, T]: B * Hkv groups of
     `rows` rows (T positions x `groups` query heads), `sub` blocks of `block_r` rows a program (None:
     `rows_per_block`)."""
-    block_r = rows_per_block(rows, q.dtype) if block_r is None else block_r
+    block_r = rows_per_block(rows, q.dtype, q.shape[-1], split) if block_r is None else block_r
     check_layout(block_r, sub)
     bsz, d = q.shape[0], q.shape[-1]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # cache slices stay views

@@ -180,7 +180,8 @@ def paged_attention(
     hq, d = query.shape[1], query.shape[2]
     hkv, page = key_cache.shape[2], key_cache.shape[1]
     groups = hq // hkv
-    block_r = triton_attn.rows_per_block(max_query_len * groups, query.dtype) if block_r is None else block_r
+    if block_r is None:
+        block_r = triton_attn.rows_per_block(max_query_len * groups, query.dtype, d, split)
     triton_attn.check_layout(block_r, sub)
     requests = query_start_loc.shape[0] - 1
     if requests <= 0 or max_query_len <= 0:
