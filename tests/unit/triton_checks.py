@@ -155,7 +155,7 @@ def attention_in_place(g: torch.Generator, dt: torch.dtype) -> None:
         what = f"attention in place {dt} hkv={hkv} t={t} q strides {q.stride()} window={window}"
         check(got.shape == q.shape and got.transpose(1, 2).is_contiguous(), f"{what}: layout")
         check(torch.equal(got.transpose(1, 2), want), f"{what}: bits")
-        for sub in (1, 2, 4):  # blocks of rows sharing a program's chunk loads, each computed as alone
+        for sub in (2, 4):  # blocks of rows sharing a program's chunk loads, each computed as alone
             shared = triton_attn.attention_heads(q, k, v, pos, 0.25, 64, window, sub=sub)
             check(torch.equal(shared.transpose(1, 2), want), f"{what}: {sub} blocks a program, other bits")
 
@@ -205,8 +205,7 @@ def paged_attention_bits(g: torch.Generator, dt: torch.dtype) -> None:
         # slot-free dot, everything but the GPU's MMA instruction): neither kernel's, 16 or 64 rows
         wide = triton_attn.attention_heads(q, keys, values, pos, 0.25, 64, block_r=64)
         check(torch.equal(wide, want), f"attention_heads {dt} hkv={hkv}: 64 rows a program, other bits")
-        layouts = ((None, 1), (triton_attn.BLOCK_R, 1), (64, 1), (triton_attn.BLOCK_R, 2))
-        for block_r, sub in (*layouts, (triton_attn.BLOCK_R, 4)):  # None: the backends' choice
+        for block_r, sub in ((triton_attn.BLOCK_R, 1), (64, 1), (triton_attn.BLOCK_R, 2), (triton_attn.BLOCK_R, 4)):
             out = torch.full_like(query, float("nan"))
             triton_paged.paged_attention(
                 query, key_cache, value_cache, table, starts, seqs, steps, 0.25, 64, out, block_r=block_r, sub=sub
