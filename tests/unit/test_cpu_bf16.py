@@ -19,6 +19,20 @@ AVX512_BF16 = AVX512 | {"avx512_bf16"}
 AMX = AVX512_BF16 | {"amx_bf16", "amx_tile", "amx_int8"}
 
 
+@pytest.fixture
+def bf16_chosen():
+    """The bf16 product path for the test (skipped where this machine cannot run it); after it, the
+    environment's path and torch's thread count as they were."""
+    threads = torch.get_num_threads()
+    try:
+        cpu_bf16.choose("bf16")
+    except DetauditError as e:
+        pytest.skip(str(e))
+    yield
+    torch.set_num_threads(threads)
+    cpu_bf16.choose()
+
+
 def _decide(setting="auto", flags=AVX512_BF16, environ=None, kernel=True, onednn=True, onednn_amx=False):
     c = cpu_bf16.decide(setting, flags, environ or {}, kernel, onednn, onednn_amx)
     return c.path, c.why
@@ -136,7 +150,7 @@ def test_self_check_passes_and_bf16_products_match_fp32_to_rounding(cpu_path):
 
 
 @pytest.mark.parametrize("rows, n", [(8, 512), (480, 1536)])  # one thread; split over the threads
-def test_compiled_and_python_dispatch_give_the_same_bits(monkeypatch, rows, n):
+def test_compiled_and_python_dispatch_give_the_same_bits(bf16_chosen, monkeypatch, rows, n):
     """The call loop compiled by numba (`cpu_loop`) and the Python loop make the same calls, so every
     product has the same bits; with 2 threads the 480-row product is split between them."""
     from helpers import require
@@ -144,25 +158,16 @@ def test_compiled_and_python_dispatch_give_the_same_bits(monkeypatch, rows, n):
     require("numba", "cpu")
     from detaudit.backends.kernels import cpu_calls
 
-    try:
-        cpu_bf16.choose("bf16")
-    except DetauditError as e:
-        pytest.skip(str(e))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(rows, 576, generator=g).bfloat16()
     w = torch.randn(n, 576, generator=g).bfloat16()
     outs = {}
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        for how in ("auto", "off"):
-            monkeypatch.setenv(cpu_calls.ENV, how)
-            monkeypatch.setattr(cpu_calls, "_bound", {})
-            assert cpu_calls.dispatcher().startswith("numba" if how == "auto" else "python loop")
-            outs[how] = fixed.matmul(x, w)
-    finally:
-        torch.set_num_threads(threads)
-        cpu_bf16.choose()
+    torch.set_num_threads(2)
+    for how in ("auto", "off"):
+        monkeypatch.setenv(cpu_calls.ENV, how)
+        monkeypatch.setattr(cpu_calls, "_bound", {})
+        assert cpu_calls.dispatcher().startswith("numba" if how == "auto" else "python loop")
+        outs[how] = fixed.matmul(x, w)
     assert torch.equal(outs["auto"], outs["off"])
     assert torch.allclose(outs["auto"], x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
 
@@ -173,7 +178,7 @@ def test_compiled_and_python_dispatch_give_the_same_bits(monkeypatch, rows, n):
     "rows, k, n, tp",
     [(480, 1536, 576, 1), (8, 576, 576, 1), (16, 104, 64, 1), (24, 96, 40, 2), (40, 64, 200, 4), (33, 104, 1088, 1)],
 )
-def test_leaf_sums_in_the_threads_cache_give_the_pairwise_trees_bits(monkeypatch, rows, k, n, tp):
+def test_leaf_sums_in_the_threads_cache_give_the_pairwise_trees_bits(bf16_chosen, monkeypatch, rows, k, n, tp):
     """The tree matmul with each output block's leaves summed by the compiled loop that computed them
     (`cpu_bf16.leaf_sums`) gives the fp32 bits of the leaf products summed by `tree.pairwise` (the Python
     loop's path, DETAUDIT_CPU_COMPILED=off), on 1 and 2 threads."""
@@ -182,30 +187,21 @@ def test_leaf_sums_in_the_threads_cache_give_the_pairwise_trees_bits(monkeypatch
     require("numba", "cpu")
     from detaudit.backends.kernels import cpu_calls, tree
 
-    try:
-        cpu_bf16.choose("bf16")
-    except DetauditError as e:
-        pytest.skip(str(e))
     g = torch.Generator().manual_seed(rows + k)
     x = torch.randn(rows, k // tp, generator=g).bfloat16()
     w = torch.randn(n, k // tp, generator=g).bfloat16()
     outs = {}
-    threads = torch.get_num_threads()
-    try:
-        for how, count in (("auto", 1), ("auto", 2), ("off", 2)):
-            monkeypatch.setenv(cpu_calls.ENV, how)
-            monkeypatch.setattr(cpu_calls, "_bound", {})
-            torch.set_num_threads(count)
-            outs[how, count] = tree.tree_matmul(x, w, tp)
-    finally:
-        torch.set_num_threads(threads)
-        cpu_bf16.choose()
+    for how, count in (("auto", 1), ("auto", 2), ("off", 2)):
+        monkeypatch.setenv(cpu_calls.ENV, how)
+        monkeypatch.setattr(cpu_calls, "_bound", {})
+        torch.set_num_threads(count)
+        outs[how, count] = tree.tree_matmul(x, w, tp)
     assert outs["auto", 1].dtype == torch.float32
     assert torch.equal(outs["auto", 1], outs["off", 2]) and torch.equal(outs["auto", 2], outs["off", 2])
     assert torch.allclose(outs["off", 2], x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
 
 
-def test_leaf_sums_are_the_pairwise_sums_of_the_leaf_products_or_left_to_the_caller(monkeypatch):
+def test_leaf_sums_are_the_pairwise_sums_of_the_leaf_products_or_left_to_the_caller(bf16_chosen, monkeypatch):
     """Called directly: over many panels and blocks, `leaf_sums` is `tree.pairwise` of `products`, bit for
     bit; a product worth splitting with fewer output blocks than threads (one decode block, one panel) is
     left to the caller (None), whose leaf calls spread over the threads."""
@@ -214,43 +210,27 @@ def test_leaf_sums_are_the_pairwise_sums_of_the_leaf_products_or_left_to_the_cal
     require("numba", "cpu")
     from detaudit.backends.kernels import cpu_calls, tree
 
-    try:
-        cpu_bf16.choose("bf16")
-    except DetauditError as e:
-        pytest.skip(str(e))
-    threads = torch.get_num_threads()
     monkeypatch.setenv(cpu_calls.ENV, "auto")
     monkeypatch.setattr(cpu_calls, "_bound", {})
-    try:
-        torch.set_num_threads(2)
-        for rows, k, n, wanted in ((100, 1536, 2112, True), (8, 8192, 1024, False)):
-            g = torch.Generator().manual_seed(rows)
-            x = torch.randn(rows, k, generator=g).bfloat16()
-            w = torch.randn(n, k, generator=g).bfloat16()
-            xb = cpu_bf16.blocks_of(x)
-            leaves = xb.view(xb.shape[0], xb.shape[1], 8, k // 8).permute(2, 0, 1, 3)
-            packed = tree._packed_bf16(w, 8, k // 8)
-            got = cpu_bf16.leaf_sums(leaves, packed)
-            assert (got is not None) == wanted, (rows, k, n)
-            if wanted:
-                assert packed.shape[1] > 1 and xb.shape[0] > 2  # several panels and blocks
-                assert torch.equal(got, tree.pairwise(cpu_bf16.products(leaves, packed)))
-    finally:
-        torch.set_num_threads(threads)
-        cpu_bf16.choose()
+    torch.set_num_threads(2)
+    for rows, k, n, wanted in ((100, 1536, 2112, True), (8, 8192, 1024, False)):
+        g = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        w = torch.randn(n, k, generator=g).bfloat16()
+        xb = cpu_bf16.blocks_of(x)
+        leaves = xb.view(xb.shape[0], xb.shape[1], 8, k // 8).permute(2, 0, 1, 3)
+        packed = tree._packed_bf16(w, 8, k // 8)
+        got = cpu_bf16.leaf_sums(leaves, packed)
+        assert (got is not None) == wanted, (rows, k, n)
+        if wanted:
+            assert packed.shape[1] > 1 and xb.shape[0] > 2  # several panels and blocks
+            assert torch.equal(got, tree.pairwise(cpu_bf16.products(leaves, packed)))
 
 
-def test_leaf_sums_refuse_a_leaf_count_that_is_no_tree():
-    try:
-        cpu_bf16.choose("bf16")
-    except DetauditError as e:
-        pytest.skip(str(e))
-    try:
-        a = torch.zeros(3, 1, cpu_bf16.choice().rows, 64, dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match="power-of-two"):
-            cpu_bf16.leaf_sums(a, torch.zeros(3, 1, 32, 64, 2, dtype=torch.bfloat16))
-    finally:
-        cpu_bf16.choose()
+def test_leaf_sums_refuse_a_leaf_count_that_is_no_tree(bf16_chosen):
+    a = torch.zeros(3, 1, cpu_bf16.choice().rows, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="power-of-two"):
+        cpu_bf16.leaf_sums(a, torch.zeros(3, 1, 32, 64, 2, dtype=torch.bfloat16))
 
 
 @pytest.mark.slow  # a Python process of its own
@@ -328,7 +308,7 @@ def test_each_thread_releases_the_kernel_after_its_calls_where_the_path_says(mon
     assert len(seen) == (2 if release else 0) and len(set(seen)) == len(seen)
 
 
-def test_micro_kernel_products_and_compiled_attention_leave_torchs_thread_count_alone(monkeypatch):
+def test_micro_kernel_products_and_compiled_attention_leave_torchs_thread_count_alone(bf16_chosen, monkeypatch):
     """A split bf16 product (the micro-kernel over 2 threads) and the compiled attention run no torch op in
     their jobs, so they never set torch's thread count (`cpu_gemm.run_jobs(torch_ops=False)`): ATen's
     set_num_threads resizes torch's thread pool and clears oneDNN's cache, twice per call where they did.
@@ -338,10 +318,6 @@ def test_micro_kernel_products_and_compiled_attention_leave_torchs_thread_count_
     require("numba", "cpu")
     from detaudit.backends.kernels import cpu_calls, cpu_gemm
 
-    try:
-        cpu_bf16.choose("bf16")
-    except DetauditError as e:
-        pytest.skip(str(e))
     cpu_gemm._workers(1).submit(int).result()  # the pool's worker set to one thread once, when it starts
     calls = []
     monkeypatch.setattr(cpu_gemm, "_set_num_threads", calls.append)
@@ -350,16 +326,11 @@ def test_micro_kernel_products_and_compiled_attention_leave_torchs_thread_count_
     w = torch.randn(1536, 576, generator=g).bfloat16()
     q = torch.randn(2, 6, 70, 16, generator=g).bfloat16()
     k, v = (torch.randn(2, 2, 70, 16, generator=g).bfloat16() for _ in range(2))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        with get_backend("bio").activate():
-            fixed.matmul(x, w)
-            get_backend("bio").attention(q, k, v, torch.arange(70).expand(2, 70), 0.25)
-        assert cpu_calls.compiled("cpu_attention") is not None
-    finally:
-        torch.set_num_threads(threads)
-        cpu_bf16.choose()
+    torch.set_num_threads(2)
+    with get_backend("bio").activate():
+        fixed.matmul(x, w)
+        get_backend("bio").attention(q, k, v, torch.arange(70).expand(2, 70), 0.25)
+    assert cpu_calls.compiled("cpu_attention") is not None
     assert calls == [], calls
 
 
