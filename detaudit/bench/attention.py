@@ -107,10 +107,10 @@ def bench_attention(
         def last_rows(name: str, block_r: int, sub: int) -> Tensor:
             """Each request's last position again as one decode step, same kernel and layout: [B, Hq, D]."""
             if name == "contiguous":
-                one = q[:, :, -1:]
-                return triton_attn.attention_heads(one, k, v, pos[:, -1:], scale, split, block_r=block_r, sub=sub)[
-                    :, :, 0
-                ]
+                out = triton_attn.attention_heads(
+                    q[:, :, -1:], k, v, pos[:, -1:], scale, split, block_r=block_r, sub=sub
+                )
+                return out[:, :, 0]
             one = query.view(batch, t, hq, head_dim)[:, -1].contiguous()
             steps = torch.arange(batch + 1, device=dev, dtype=torch.int32)
             args = (one, kc, vc, table, steps, seqs, 1, scale, split, torch.empty_like(one))

@@ -338,6 +338,9 @@ def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
         raise ValueError(f"bf16 leaf sums need bf16 [G, nb, {choice().rows}, K2] rows, got {tuple(a.shape)} {a.dtype}")
     if _kernel is None or not torch.backends.mkldnn.enabled or not packed.is_contiguous():
         return None
+    flops = 2.0 * g * nb * r * k2 * p * width
+    if flops >= cpu_gemm.MIN_SPLIT_FLOPS and p * nb < torch.get_num_threads():
+        return None  # fewer jobs than threads (a decode step's few panels): the leaves' calls spread wider
     out = torch.empty(nb, r, p * width, dtype=torch.float32)
     if out.numel() == 0:
         return out
@@ -347,9 +350,6 @@ def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
         [a.data_ptr(), packed.data_ptr(), 0], dtype=np.int64
     )
     shape = (r, width, k2, lda, width, ldc)
-    flops = 2.0 * g * nb * r * k2 * p * width
-    if flops >= cpu_gemm.MIN_SPLIT_FLOPS and p * nb < torch.get_num_threads():
-        return None  # fewer jobs than threads (a decode step's few panels): the leaves' calls spread wider
     return out if cpu_calls.run_tree(_kernel, shape, table, g, out.numpy().reshape(-1), flops) else None
 
 

@@ -122,7 +122,7 @@ def run_tree(kernel: Kernel, shape, table: np.ndarray, leaves: int, out: np.ndar
         mod.tree_loop(*shape, table[lo * leaves : hi * leaves], leaves, out, kernel.release)
 
     with cpu_gemm.profiled("detaudit::bf16_block_products"):
-        slices(jobs, part, min(torch.get_num_threads(), jobs) if flops >= cpu_gemm.MIN_SPLIT_FLOPS else 1)
+        slices(jobs, part, _threads(jobs, flops))
     return True
 
 
@@ -156,7 +156,13 @@ def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.nd
             loop(*shape, table[lo:hi], release)
 
     with cpu_gemm.profiled("detaudit::bf16_block_products"):
-        slices(n, part, min(torch.get_num_threads(), n) if flops >= cpu_gemm.MIN_SPLIT_FLOPS else 1)
+        slices(n, part, _threads(n, flops))
+
+
+def _threads(n: int, flops: float) -> int:
+    """Threads for `n` pieces of work of `flops` in all: one below `cpu_gemm.MIN_SPLIT_FLOPS` (a hand-off
+    would cost more than it saves), else up to torch's thread count."""
+    return min(torch.get_num_threads(), n) if flops >= cpu_gemm.MIN_SPLIT_FLOPS else 1
 
 
 def slices(n: int, part, threads: int) -> None:
