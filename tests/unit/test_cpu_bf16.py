@@ -227,6 +227,20 @@ def test_leaf_sums_are_the_pairwise_sums_of_the_leaf_products_or_left_to_the_cal
             assert torch.equal(got, tree.pairwise(cpu_bf16.products(leaves, packed)))
 
 
+def test_products_and_leaf_sums_refuse_rows_the_calls_cannot_take(bf16_chosen):
+    r, bf16 = cpu_bf16.choice().rows, torch.bfloat16
+    packed = torch.zeros(2, 1, 32, 64, 2, dtype=bf16)  # K2 = 64
+    wrong_rows, fp32_rows, wrong_k = (
+        torch.zeros(2, 1, r + 1, 64, dtype=bf16),
+        torch.zeros(2, 1, r, 64),
+        torch.zeros(2, 1, r, 66, dtype=bf16),
+    )
+    for a in (wrong_rows, fp32_rows, wrong_k):
+        for fn, what in ((cpu_bf16.products, "products"), (cpu_bf16.leaf_sums, "leaf sums")):
+            with pytest.raises(ValueError, match=f"bf16 {what} need bf16"):
+                fn(a, packed)
+
+
 def test_leaf_sums_refuse_a_leaf_count_that_is_no_tree(bf16_chosen):
     a = torch.zeros(3, 1, cpu_bf16.choice().rows, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="power-of-two"):

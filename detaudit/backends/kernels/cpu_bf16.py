@@ -297,17 +297,25 @@ def blocks_of(x2: Tensor) -> Tensor:
     return xp.view(nb, r, k2)
 
 
+def _operands(a: Tensor, packed: Tensor, what: str) -> tuple[int, int, int, int]:
+    """a's (G, nb, R, K2), refusing operands the calls cannot take: rows other than this path's R, bf16
+    rows not contiguous, a K2 unlike the packed weight's, a packed weight not contiguous."""
+    g, nb, r, k2 = a.shape
+    rows = choice().rows
+    half = packed.shape[2]
+    if r != rows or half * 2 != k2 or a.stride(3) != 1 or a.dtype != torch.bfloat16 or not packed.is_contiguous():
+        raise ValueError(f"bf16 {what} need bf16 [G, nb, {rows}, K2] rows, got {tuple(a.shape)} {a.dtype}")
+    return g, nb, r, k2
+
+
 def products(a: Tensor, packed: Tensor) -> Tensor:
     """fp32 [G, nb, R, P*W]: out[g, j] = a[g, j] @ packed[g], one call per (group, block, panel).
 
     a[G, nb, R, K2] bf16 may be a strided view (the tree's leaves are K slices of the rows' blocks) as
     long as each row is contiguous; packed[G, P, K2/2, W, 2] holds G weights packed by `pack`. All
     calls of one product, every group's, are one table run over the threads at once (`cpu_calls`)."""
-    g, nb, r, k2 = a.shape
+    g, nb, r, k2 = _operands(a, packed, "products")
     _, p, half, width, _ = packed.shape
-    rows = choice().rows
-    if r != rows or half * 2 != k2 or a.stride(3) != 1 or a.dtype != torch.bfloat16 or not packed.is_contiguous():
-        raise ValueError(f"bf16 products need bf16 [G, nb, {rows}, K2] rows, got {tuple(a.shape)} {a.dtype}")
     out = torch.empty(g, nb, r, p * width, dtype=torch.float32)
     if out.numel() == 0:
         return out
@@ -330,13 +338,11 @@ def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
     computed them while they are in its cache: `tree.pairwise`'s adds in its pairs, so its bits, without
     the [G, ...] products in memory. None where the calls are not compiled, or where a product worth
     splitting has fewer output blocks than threads: the caller adds the leaves."""
-    g, nb, r, k2 = a.shape
-    _, p, half, width, _ = packed.shape
+    g, nb, r, k2 = _operands(a, packed, "leaf sums")
     if g < 2 or g & (g - 1):
         raise ValueError(f"leaf sums need a power-of-two number of leaves, at least 2, got {g}")
-    if r != choice().rows or half * 2 != k2 or a.stride(3) != 1 or a.dtype != torch.bfloat16:
-        raise ValueError(f"bf16 leaf sums need bf16 [G, nb, {choice().rows}, K2] rows, got {tuple(a.shape)} {a.dtype}")
-    if _kernel is None or not torch.backends.mkldnn.enabled or not packed.is_contiguous():
+    _, p, half, width, _ = packed.shape
+    if _kernel is None or not torch.backends.mkldnn.enabled:
         return None
     flops = 2.0 * g * nb * r * k2 * p * width
     if flops >= cpu_gemm.MIN_SPLIT_FLOPS and p * nb < torch.get_num_threads():
