@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 import pandas as pd
 import torch
 
+from detaudit import omp_wait
 from detaudit.config import DecodingParams, EngineOptions, EngineSettings, ModelRef
 
 
@@ -175,5 +176,5 @@ def bench_e2e(
     if device == "cpu":  # bio / bio+tbik's CPU product path and kernels (the table's title names them)
         from detaudit.backends import describe_machine
 
-        df.attrs.update(describe_machine(), threads=torch.get_num_threads())
+        df.attrs.update(describe_machine(), threads=torch.get_num_threads(), omp_wait=omp_wait.describe())
     return df

@@ -14,6 +14,7 @@ import time
 import pandas as pd
 import torch
 
+from detaudit import omp_wait
 from detaudit.backends.kernels.cpu_bf16 import choice
 from detaudit.backends.kernels.cpu_calls import dispatcher
 from detaudit.backends.kernels.fixed import describe_cpu
@@ -114,6 +115,7 @@ def bench_engine(
         df["prefill_vs_bf16"] = base["prefill_s"] / df["prefill_s"]
         df["decode_vs_bf16"] = df["decode_tokens_per_s"] / base["decode_tokens_per_s"]
     df.attrs.update(batch_size=batch_size, max_new_tokens=max_new_tokens, dtype=dtype, threads=torch.get_num_threads())
+    df.attrs["omp_wait"] = omp_wait.describe()
     df.attrs["cpu_gemm"] = describe_cpu()["cpu_gemm"]  # bio / bio+tbik's CPU product path (bf16 inputs or fp32)
     if choice().bf16:  # how its calls were made (the same bits either way; the speed differs)
         df.attrs["cpu_dispatch"] = dispatcher()

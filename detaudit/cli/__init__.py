@@ -17,6 +17,7 @@ except ImportError:  # pragma: no cover - older typer on the real click
     from click import echo
     from click import exceptions as cx
 
+from detaudit import omp_wait
 from detaudit.cli import align, bench, catalog, results, sweep
 from detaudit.cli.common import App, Group, err, out
 from detaudit.cli.hints import foreign_flag
@@ -95,6 +96,8 @@ app.add_typer(bench.bench_app, name="bench")
 
 
 def main() -> None:
+    # before anything loads torch (and with it libgomp, which reads its wait settings once): `omp_wait`
+    omp_wait.apply()
     if not sys.stderr.isatty():  # a CI log or a file: one line per event, no bar redrawn with carriage returns
         for var in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):  # read when tqdm / the hub is imported
             os.environ.setdefault(var, "1")

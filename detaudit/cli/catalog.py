@@ -201,6 +201,7 @@ def _engine_state(info) -> str:
 @handle_errors
 def doctor(json_: JsonOpt = False):
     """Print the environment fingerprint and check the installation."""
+    from detaudit import omp_wait
     from detaudit.backends import available, describe_machine
     from detaudit.engines import ENGINES, native_backend_names
     from detaudit.runs import fingerprint
@@ -213,6 +214,7 @@ def doctor(json_: JsonOpt = False):
         "vllm": torch_match(),  # one line: which vLLM, the torch it pins, whether the installed one matches
     }
     checks.update(describe_machine())  # the CPU product path and compiled kernels (the cpu extra), and why
+    checks["omp_wait"] = omp_wait.describe()
     try:
         from detaudit.models import list_models
 

@@ -28,6 +28,8 @@ KNOB_ENV = frozenset(
         "OMP_SCHEDULE",
         "KMP_AFFINITY",
         "KMP_BLOCKTIME",
+        "GOMP_SPINCOUNT",  # how long torch's OpenMP threads spin (detaudit.omp_wait): speed only, no bits
+        "OMP_WAIT_POLICY",
         "MKL_NUM_THREADS",
         "MKL_DYNAMIC",
         "MKL_CBWR",
