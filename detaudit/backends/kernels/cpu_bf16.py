@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import cpu_calls, cpu_gemm
+from detaudit.backends.kernels import cpu_calls
 from detaudit.errors import DetauditError
 
 ENV = "DETAUDIT_CPU_GEMM"
@@ -345,7 +345,7 @@ def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
     if _kernel is None or not torch.backends.mkldnn.enabled:
         return None
     flops = 2.0 * g * nb * r * k2 * p * width
-    if flops >= cpu_gemm.MIN_SPLIT_FLOPS and p * nb < torch.get_num_threads():
+    if flops >= cpu_calls.MIN_SPLIT_FLOPS and p * nb < torch.get_num_threads():
         return None  # fewer jobs than threads (a decode step's few panels): the leaves' calls spread wider
     out = torch.empty(nb, r, p * width, dtype=torch.float32)
     if out.numel() == 0:

@@ -34,6 +34,12 @@ from detaudit.backends.kernels import cpu_gemm
 from detaudit.errors import DetauditError
 
 ENV = "DETAUDIT_CPU_COMPILED"  # auto (numba's compiled code where installed) | off
+# below this a table's calls stay on the calling thread. A compiled table's hand-off to the pool costs
+# less than the torch-op jobs' (`cpu_gemm.MIN_SPLIT_FLOPS`: those set torch's thread count too), and
+# since the command line keeps libgomp's threads from spinning on the pool's cores (`omp_wait`) a
+# decode step's products (8 rows, 14-28 MFLOP on the embedded model) gain from two threads:
+# reports/cpu-bf16
+MIN_SPLIT_FLOPS = 4e6
 
 _bound: dict[int, object] = {}  # kernel address -> the compiled loop calling it (None: Python's)
 
@@ -129,7 +135,7 @@ def run_tree(kernel: Kernel, shape, table: np.ndarray, leaves: int, out: np.ndar
 def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.ndarray, flops: float) -> None:
     """Make every call of `table` (int64 [n, 3]: A, B, C addresses) to `kernel` with the fixed `shape`
     (M, N, K, lda, ldb, ldc): in contiguous slices, one per thread, where the table's `flops` pay for the
-    hand-off (`cpu_gemm.MIN_SPLIT_FLOPS`), else all on this thread. Each thread releases the kernel's
+    hand-off (`MIN_SPLIT_FLOPS`), else all on this thread. Each thread releases the kernel's
     hardware state after its slice where `kernel.release` says so."""
     n = len(table)
     if n == 0:
@@ -160,9 +166,9 @@ def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.nd
 
 
 def _threads(n: int, flops: float) -> int:
-    """Threads for `n` pieces of work of `flops` in all: one below `cpu_gemm.MIN_SPLIT_FLOPS` (a hand-off
-    would cost more than it saves), else up to torch's thread count."""
-    return min(torch.get_num_threads(), n) if flops >= cpu_gemm.MIN_SPLIT_FLOPS else 1
+    """Threads for `n` pieces of work of `flops` in all: one below `MIN_SPLIT_FLOPS` (a hand-off would
+    cost more than it saves), else up to torch's thread count."""
+    return min(torch.get_num_threads(), n) if flops >= MIN_SPLIT_FLOPS else 1
 
 
 def slices(n: int, part, threads: int) -> None:
