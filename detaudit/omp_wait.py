@@ -12,7 +12,9 @@ run-to-run spread. So the command line sets GOMP_SPINCOUNT to `SPINS` before tor
 user set neither variable (libgomp reads them once, when torch loads it; the processes it starts
 inherit them). How long a thread waits changes no result's bits, only its speed.
 
-Library use is left alone: a program that imports torch itself decides its own OpenMP settings.
+Library use is left alone: a program that imports torch itself decides its own OpenMP settings. Only
+GNU OpenMP (libgomp, which torch's Linux wheels bundle) reads GOMP_SPINCOUNT; a torch on another runtime
+(Intel's, preloaded; LLVM's on macOS) ignores it, and `describe` reports the variables as set.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from collections.abc import Mapping, MutableMapping
 SPIN_ENV = "GOMP_SPINCOUNT"
 POLICY_ENV = "OMP_WAIT_POLICY"
 SPINS = "10000"
-ORIGIN_ENV = "DETAUDIT_OMP_WAIT"  # set with the default, so a worker process says where its value came from
+# the value the command line set, so a worker process says where its value came from (a user's own
+# GOMP_SPINCOUNT beside a stale marker differs from it)
+ORIGIN_ENV = "DETAUDIT_OMP_WAIT"
 
 
 def apply(environ: MutableMapping[str, str] | None = None, modules: Mapping | None = None) -> str:
@@ -34,8 +38,7 @@ def apply(environ: MutableMapping[str, str] | None = None, modules: Mapping | No
     environ = os.environ if environ is None else environ
     modules = sys.modules if modules is None else modules
     if SPIN_ENV not in environ and POLICY_ENV not in environ and "torch" not in modules:
-        environ[SPIN_ENV] = SPINS
-        environ[ORIGIN_ENV] = "default"
+        environ[SPIN_ENV] = environ[ORIGIN_ENV] = SPINS
     return describe(environ)
 
 
@@ -43,8 +46,15 @@ def describe(environ: Mapping[str, str] | None = None) -> str:
     """The OpenMP wait this process's torch runs with, and where it came from (bench settings, `doctor`)."""
     environ = os.environ if environ is None else environ
     if SPIN_ENV in environ:
-        origin = "detaudit's default" if environ.get(ORIGIN_ENV) == "default" else "set by the user"
+        origin = "detaudit's default" if environ.get(ORIGIN_ENV) == environ[SPIN_ENV] else "set by the user"
         return f"{SPIN_ENV}={environ[SPIN_ENV]} ({origin})"
     if POLICY_ENV in environ:
         return f"{POLICY_ENV}={environ[POLICY_ENV]} (set by the user)"
     return f"libgomp's default ({SPIN_ENV} unset: 300,000 spins)"
+
+
+def forwarded(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The wait variables set in this process, for processes that do not inherit its environment (the
+    workers of a Ray cluster detaudit connects to)."""
+    environ = os.environ if environ is None else environ
+    return {k: environ[k] for k in (SPIN_ENV, POLICY_ENV, ORIGIN_ENV) if k in environ}

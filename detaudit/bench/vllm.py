@@ -24,6 +24,7 @@ from typing import Sequence
 
 import pandas as pd
 
+from detaudit import omp_wait
 from detaudit.config import DecodingParams, EngineOptions, EngineSettings, ModelRef
 
 WORKLOADS = ("prefill", "decode")
@@ -131,4 +132,6 @@ def bench_vllm(
         cuda_graphs=cuda_graphs,
         repeats=repeats,
     )
+    if device == "cpu":  # vLLM's CPU processes inherit the command line's OpenMP wait (`omp_wait`)
+        df.attrs["omp_wait"] = omp_wait.describe()
     return df

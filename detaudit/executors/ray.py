@@ -47,6 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from detaudit import omp_wait
 from detaudit.errors import DetauditError
 from detaudit.executors import CellGroup, CellJob, CellOutput, EventFn, OutputFn, ReferenceFn
 from detaudit.workers import ENGINE_START_S
@@ -235,7 +236,15 @@ class RayExecutor:
 
         if self.address:
             try:
-                ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
+                # a cluster's workers get the cluster's environment, not this process's: the OpenMP wait the
+                # manifest records goes with the job (`omp_wait`)
+                env = omp_wait.forwarded()
+                ray.init(
+                    address=self.address,
+                    logging_level=logging.WARNING,
+                    log_to_driver=False,
+                    runtime_env={"env_vars": env} if env else None,
+                )
             except (ConnectionError, ValueError, RuntimeError) as e:
                 raise DetauditError(
                     f"--ray-address {safe_address(self.address)}: cannot connect to a Ray cluster "

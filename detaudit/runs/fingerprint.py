@@ -16,7 +16,8 @@ import detaudit
 
 # Environment variables recorded in the manifest: the knobs that can change what is computed or in
 # which order (thread counts and binds, CPU ISA dispatch, TF32 / cuBLAS / NCCL algorithm choices, the
-# devices used, vLLM's kernels and scheduling, detaudit's own switches). Nothing else is recorded, not
+# devices used, vLLM's kernels and scheduling, detaudit's own switches), and OpenMP's wait, which changes
+# only the speed that benchmarks report (`detaudit.omp_wait`). Nothing else is recorded, not
 # even its name: manifests are committed and shared, and the environment carries API keys and tokens.
 KNOB_ENV = frozenset(
     {
