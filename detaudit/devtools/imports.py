@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("inputs.suites", "models", "backends", "runs.rundir"),
     ("builtin",),
     ("vllm", "server"),
-    ("engines", "analysis.analyze", "analysis.diff", "analysis.load_axis", "analysis.spec_axis"),
+    ("engines", "analysis.analyze", "analysis.diff", "analysis.load_axis", "analysis.spec_axis", "analysis.tp_axis"),
     ("executors", "inputs.prepare", "render"),
     ("analysis.gate", "analysis.gate_report"),
     ("sweep", "align", "runs.merge", "bench"),

@@ -26,6 +26,7 @@ from detaudit.analysis.metrics import (
     visible,
 )
 from detaudit.analysis.spec_axis import speculative_summary, speculative_table
+from detaudit.analysis.tp_axis import axis_table
 from detaudit.config import speculative_of
 from detaudit.errors import DetauditError
 from detaudit.runs.manifest import Manifest
@@ -37,7 +38,7 @@ EMULATED_NOTE = (
     "the way the backend's all-reduce would; native emulation cannot reproduce a ring all-reduce's "
     "order, so emulated bf16 / bio cells may understate the divergence of a real multi-GPU run."
 )
-CELL_TEXT_COLUMNS = {"model", "cell", "TP mode", "state", "configuration", "pattern", "setting"}
+CELL_TEXT_COLUMNS = {"model", "cell", "TP mode", "state", "configuration", "pattern", "setting", "axis", "at", "varied"}
 
 
 def is_text(column: str) -> bool:
@@ -224,6 +225,33 @@ def speculative_summary_rows(analysis: Analysis, summary: pd.DataFrame | None = 
                 fmt_pct(r["acceptance"]),
                 _fmt_speedup(r["speedup"]),
             ]
+        )
+    return header, rows
+
+
+AXIS_NOTE = (
+    "Which axis moved the records. batch rows: at one TP size, each cell against the cell of the smallest "
+    "batch size; TP rows: at one batch size, each cell against the cell of the smallest TP size (plain cells: "
+    "speculation off, no background load). records differ: records not bitwise equal to the reference "
+    "cell's in some recorded number; outputs differ: those whose tokens differ; unique: distinct outputs per "
+    "prompt across the row's cells, mean over prompts (1 = the axis changed no output)."
+)
+
+
+def axis_rows(analysis: Analysis, table: pd.DataFrame | None = None) -> Rows:
+    """One row per (suite, backend, fixed TP size or batch size) along the other axis."""
+    t = axis_table(analysis) if table is None else table
+    suites = len(set(t["suite"])) > 1
+    header = (["suite"] if suites else []) + ["backend", "axis", "at", "varied", "cells", "records differ"]
+    header += ["outputs differ", "unique", "first difference"]
+    rows = []
+    for r in t.to_dict("records"):
+        compared = r["prompts"] * (r["cells"] - 1)
+        rows.append(
+            ([str(r["suite"])] if suites else [])
+            + [str(r["backend"]), str(r["axis"]), str(r["fixed"]), str(r["varied"]), fmt_num(r["cells"])]
+            + [f"{r['records_differ']}/{compared}", f"{r['outputs_differ']}/{compared}"]
+            + [spec("unique_mean").fmt(r["unique_mean"]), r["first_diff"] or DASH]
         )
     return header, rows
 

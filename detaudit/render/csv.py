@@ -9,6 +9,7 @@ import pandas as pd
 from detaudit.analysis.analyze import Analysis
 from detaudit.analysis.load_axis import load_table
 from detaudit.analysis.spec_axis import speculative_summary, speculative_table
+from detaudit.analysis.tp_axis import axis_table
 from detaudit.render import published_frame, write_file
 
 
@@ -24,6 +25,7 @@ def agreement_long(analysis: Analysis) -> pd.DataFrame:
 def write_csv(analysis: Analysis, out_dir: str | Path) -> list[Path]:
     """unique_outputs.csv and maxprob_div_x1e-3.csv (published layout: suite, model, one column per
     backend), summary.csv, per_cell.csv, per_prompt.csv, agreement.csv, divergence_by_position.csv; for a
+    run with more than one batch size or TP size axes.csv (each axis apart, `tp_axis`); for a
     server audit also load.csv (each load configuration against the sequential baseline); for a run with
     speculative cells speculative.csv (each against its plain cell) and speculative_summary.csv."""
     out = Path(out_dir)
@@ -36,6 +38,9 @@ def write_csv(analysis: Analysis, out_dir: str | Path) -> list[Path]:
         "agreement.csv": agreement_long(analysis),
         "divergence_by_position.csv": analysis.divergence_by_position,
     }
+    axes = axis_table(analysis)
+    if len(axes):
+        frames["axes.csv"] = axes
     load = load_table(analysis)
     if len(load):
         frames["load.csv"] = load

@@ -18,10 +18,13 @@ from detaudit.analysis.analyze import Analysis
 from detaudit.analysis.load_axis import load_table
 from detaudit.analysis.metrics import MIN_CELLS, definitions, spec
 from detaudit.analysis.spec_axis import speculative_summary, speculative_table
+from detaudit.analysis.tp_axis import axis_table
 from detaudit.render import (
+    AXIS_NOTE,
     EMULATED_NOTE,
     LOAD_NOTE,
     SPECULATIVE_NOTE,
+    axis_rows,
     cell_labels,
     cell_rows,
     command,
@@ -314,6 +317,9 @@ agreed on every prompt).</p>
 <h2>Summary</h2>
 {{ table(summary[0], summary[1], classes=summary_classes) }}
 <dl class="defs">{% for k, v in definitions %}<dt>{{ k }}</dt><dd>{{ v }}</dd>{% endfor %}</dl>
+{% if axes %}<h2>Batch and TP axes</h2>
+<p class="muted">{{ axes.note }}</p>
+{{ table(axes.rows[0], axes.rows[1]) }}{% endif %}
 {% if speculative %}<h2>Speculative decoding</h2>
 <p class="muted">{{ speculative.note }}</p>
 {{ table(speculative.summary[0], speculative.summary[1]) }}
@@ -386,6 +392,8 @@ def render_html(analysis: Analysis) -> str:
             summary=speculative_summary_rows(analysis, speculative_summary(analysis, spec_table)),
             cells=speculative_rows(analysis, spec_table),
         )
+    axis = axis_table(analysis)
+    axes = dict(note=AXIS_NOTE, rows=axis_rows(analysis, axis)) if len(axis) else None
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(TEMPLATE).render(
         is_text=is_text,
@@ -399,6 +407,7 @@ def render_html(analysis: Analysis) -> str:
         warns=warnings(analysis),
         load=load,
         speculative=speculative,
+        axes=axes,
         cell_axis="concurrency / background load" if heads else "TP size / batch size",
         unique_tables=[(s, published_table(analysis, s, "unique_mean")) for s in analysis.suites],
         div_tables=[(s, published_table(analysis, s, "maxprob_div_mean")) for s in analysis.suites],

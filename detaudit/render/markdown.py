@@ -10,10 +10,13 @@ from detaudit.analysis.analyze import Analysis
 from detaudit.analysis.load_axis import load_table
 from detaudit.analysis.metrics import definitions
 from detaudit.analysis.spec_axis import speculative_summary, speculative_table
+from detaudit.analysis.tp_axis import axis_table
 from detaudit.render import (
+    AXIS_NOTE,
     EMULATED_NOTE,
     LOAD_NOTE,
     SPECULATIVE_NOTE,
+    axis_rows,
     cell_rows,
     command,
     headline_lines,
@@ -77,6 +80,7 @@ def render_markdown(analysis: Analysis) -> str:
     out += ["## Summary", "", md_table(*summary_rows(analysis)), ""]
     terms = definitions(analysis.summary.to_dict("records"))  # of the columns shown
     out += ["Definitions:", ""] + [f"- **{k}**: {v}" for k, v in terms] + [""]
+    out += axis_section(analysis)
     out += speculative_section(analysis)
     out += ["## Cells", "", md_table(*cell_rows(analysis)), ""]
     if (pc["tp_mode"] == "emulated").any():
@@ -99,6 +103,15 @@ def load_section(analysis: Analysis) -> list[str]:
     for suite in analysis.suites:
         out += [f"### {suite}", "", md_table(*load_rows(analysis, suite, table)), ""]
     return out
+
+
+def axis_section(analysis: Analysis) -> list[str]:
+    """The batch and TP axes apart (nothing for a run with one TP size and one batch size)."""
+    table = axis_table(analysis)
+    if not len(table):
+        return []
+    rows = md_table(*axis_rows(analysis, table), text={"first difference"})
+    return ["## Batch and TP axes", "", AXIS_NOTE, "", rows, ""]
 
 
 def speculative_section(analysis: Analysis) -> list[str]:
