@@ -1,12 +1,14 @@
 """Progress of a sweep's cells: live bars on a terminal; in a CI log or a file (no terminal), plain lines:
 one when a cell starts, one when it finishes, and a heartbeat for a cell still running after each
-HEARTBEAT_S seconds (so a long cell is visibly alive, and a hung one visibly stuck)."""
+HEARTBEAT_S seconds (so a long cell is visibly alive, and a hung one visibly stuck). A benchmark's steps
+(`steps`): a bar on a terminal, one line per finished step elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from rich.console import Console
 from rich.markup import escape
@@ -113,3 +115,27 @@ class CellProgress:
 
     def failed(self, cell_id: str, error: str) -> None:
         self.bars.console.print(f"[red]cell {escape(cell_id)} failed:[/] {escape(error)}", soft_wrap=True)
+
+
+@contextlib.contextmanager
+def steps(
+    console: Console, label: str, total: int, *, transient: bool = False, clock: Callable[[], float] = time.monotonic
+) -> Iterator[Callable[..., None]]:
+    """Yields `advance(what="")`, called once per finished step of a benchmark: a live bar on a terminal; in
+    a log (no terminal, where a bar shows only when it ends) one line per step, `[2/8] vLLM engines: TP 2
+    vllm-bi (149 s)` (the step's own seconds), so a long benchmark is visibly alive."""
+    if console.is_terminal:
+        with Progress(console=console, transient=transient) as bar:
+            task = bar.add_task(label, total=total)
+            yield lambda what="": bar.advance(task)
+        return
+    done, last = 0, clock()
+
+    def advance(what: str = "") -> None:
+        nonlocal done, last
+        done, now = done + 1, clock()
+        name = f"{label}: {what}" if what else label
+        console.print(f"[{done}/{total}] {name} ({now - last:.0f} s)", markup=False, highlight=False)
+        last = now
+
+    yield advance

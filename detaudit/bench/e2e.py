@@ -86,7 +86,7 @@ def bench_e2e(
     device: str = "cuda",
     tp_mode: str = "real",
     cuda_graphs: bool | str = True,
-    progress: Callable[[], None] | None = None,
+    progress: Callable[..., None] | None = None,
     repeats: int = 1,
     profile: int = 0,
     profile_rows: list[dict] | None = None,
@@ -150,7 +150,8 @@ def bench_e2e(
                             keys = ("model", "tp", "backend", "batch", "cuda_graphs")
                             to_profile.append(({k: row[k] for k in keys}, prompts, ids))
                         if progress:
-                            progress()
+                            graphs = " graphs" if row["cuda_graphs"] else ""
+                            progress(f"{name} TP {tp} {backend} batch {bs}{graphs}")
                     # after every timed row of this engine: the profiler may leave a process slower
                     for key, prompts, ids in to_profile:
                         profile_rows += [{**key, **r} for r in profile_phases(eng, prompts, ids, timed, profile)]

@@ -117,7 +117,7 @@ def bench_vllm(
                         key = {"tp": tp, "backend": backend, "phase": w}
                         profile_rows += [{**key, **r} for r in top_ops(eng.last_profile or {}, profile)]
             if progress:
-                progress()
+                progress(f"TP {tp} {backend}")
     df = pd.DataFrame(rows)
     if "bf16" in backends and len(df):
         base = df[df.backend == "bf16"].set_index(["tp", "workload"])["tokens_per_s"]

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import Progress
 
 from detaudit.cli.common import (
     ALL_BACKENDS,
@@ -31,6 +30,7 @@ from detaudit.cli.common import (
 )
 from detaudit.config import MAX_BATCH, MAX_NEW_TOKENS
 from detaudit.errors import DetauditError
+from detaudit.progress import steps
 
 MAX_DIM = 1 << 20  # a matrix dimension, payload or token count past this is a typo, not a benchmark
 bench_app = App(no_args_is_help=True, help="Benchmarks (speed targets live here, not in tests).")
@@ -223,8 +223,7 @@ def bench_vllm_cmd(
     validate_devices(cfg)
     ref = resolve_model(model, auto_prepare=True, console=err)
     vocab = min(int(ref.config.get("vocab_size") or 32000), len(tokenizer_for(ref.path)))
-    with Progress(console=err) as prog:
-        task = prog.add_task("vLLM engines", total=len(bl) * len(tps))
+    with steps(err, "vLLM engines", len(bl) * len(tps)) as advance:
         df = bench_vllm(
             ref,
             backends=bl,
@@ -238,7 +237,7 @@ def bench_vllm_cmd(
             device=device,
             cuda_graphs=cuda_graphs,
             repeats=repeats,
-            progress=lambda: prog.advance(task),
+            progress=advance,
             profile=profile,
             profile_rows=(prof_rows := []),
         )
@@ -338,8 +337,7 @@ def bench_e2e_cmd(
         df = _bench_speculative(refs, cfg, speculative, suite, data_dir, new_tokens, cuda_graphs, repeats)
         _print_bench(df, "e2e speculative", json_, save)
         return
-    with Progress(console=err) as prog:
-        task = prog.add_task("e2e", total=len(refs) * len(tps) * len(bl) * len(bss) * (2 if compare_graphs else 1))
+    with steps(err, "e2e", len(refs) * len(tps) * len(bl) * len(bss) * (2 if compare_graphs else 1)) as advance:
         df = bench_e2e(
             refs,
             bl,
@@ -350,7 +348,7 @@ def bench_e2e_cmd(
             device=device,
             tp_mode=tp_mode.value,
             cuda_graphs="both" if compare_graphs else cuda_graphs,
-            progress=lambda: prog.advance(task),
+            progress=advance,
             repeats=repeats,
             profile=profile,
             profile_rows=(prof_rows := []),
@@ -379,9 +377,8 @@ def _bench_speculative(refs, cfg, speculative: str, suite: str, data_dir, new_to
     resolved = list(specs[refs[0].name].values())
     if any(list(v.values()) != resolved for v in specs.values()):  # (the same drafts for every model)
         raise DetauditError("--speculative with several --models: each draft must resolve alike for every model")
-    with Progress(console=err) as prog:
-        calls = len(cfg.tp) * len(cfg.backends) * len(cfg.batch_sizes) * (1 + len(resolved))
-        task = prog.add_task("e2e", total=len(refs) * calls)
+    calls = len(cfg.tp) * len(cfg.backends) * len(cfg.batch_sizes) * (1 + len(resolved))
+    with steps(err, "e2e", len(refs) * calls) as advance:
         return bench_speculative(
             refs,
             cfg.backends,
@@ -394,7 +391,7 @@ def _bench_speculative(refs, cfg, speculative: str, suite: str, data_dir, new_to
             tp_mode=cfg.tp_mode,
             cuda_graphs=cuda_graphs,
             repeats=repeats,
-            progress=lambda: prog.advance(task),
+            progress=advance,
         )
 
 
@@ -438,11 +435,8 @@ def bench_kernels_cmd(
     ms = parse_int_list(m, "--m", 1, MAX_DIM)
     tps = parse_int_list(tp, "--tp", 1, 8)
     _check_save(save)
-    with Progress(console=err, transient=True) as progress:
-        task = progress.add_task("kernels", total=len(ms) * len(shapes) * len(tps))
-        df = bench_kernels(
-            device, getattr(torch, dtype.value), ms, shapes, progress=lambda: progress.advance(task), tp_values=tps
-        )
+    with steps(err, "kernels", len(ms) * len(shapes) * len(tps), transient=True) as advance:
+        df = bench_kernels(device, getattr(torch, dtype.value), ms, shapes, progress=advance, tp_values=tps)
     _print_bench(df, f"kernels ({device}, {dtype.value})", json_, save)
 
 
@@ -499,8 +493,7 @@ def bench_attention_cmd(
     _check_save(save)
     if not torch.cuda.is_available():
         raise DetauditError("--device cuda: no CUDA device is visible")
-    with Progress(console=err, transient=True) as progress:
-        task = progress.add_task("attention", total=len(vs) * len(wl))
+    with steps(err, "attention", len(vs) * len(wl), transient=True) as advance:
         df = bench_attention(
             batch,
             tokens,
@@ -509,7 +502,7 @@ def bench_attention_cmd(
             vs,
             wl,
             getattr(torch, dtype.value),
-            progress=lambda: progress.advance(task),
+            progress=advance,
             device=device,
         )
     _print_bench(df, f"attention ({device}, {dtype.value})", json_, save)

@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from detaudit.progress import CellProgress
+from detaudit.progress import CellProgress, steps
 
 
 class Clock:
@@ -72,3 +72,21 @@ def test_the_heartbeat_thread_stops_with_the_sweep():
     with progress:
         assert progress.thread is not None and progress.thread.is_alive()
     assert not progress.thread.is_alive()  # woken by the stop event, not by its next tick
+
+
+def test_bench_steps_print_a_line_each_off_a_terminal():
+    clock, buf = Clock(), io.StringIO()
+    with steps(Console(file=buf, force_terminal=False, width=200), "vLLM engines", 3, clock=clock) as advance:
+        clock.now += 149.4
+        advance("TP 2 vllm-bi")
+        clock.now += 56
+        advance()
+    assert buf.getvalue().splitlines() == ["[1/3] vLLM engines: TP 2 vllm-bi (149 s)", "[2/3] vLLM engines (56 s)"]
+
+
+def test_bench_steps_draw_a_bar_on_a_terminal():
+    buf = io.StringIO()
+    with steps(Console(file=buf, force_terminal=True, width=100), "kernels", 2) as advance:
+        advance("a")
+        advance()
+    assert "kernels" in buf.getvalue() and "[1/2]" not in buf.getvalue()
