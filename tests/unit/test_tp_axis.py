@@ -116,3 +116,12 @@ def test_no_section_without_two_sizes(tmp_path):
     written = {p.name: p for p in write_reports(a, tmp_path / "out", formats=("md", "csv"))}
     assert "axes.csv" not in written
     assert "Batch and TP axes" not in written["report.md"].read_text()
+
+
+def test_each_cell_against_the_rows_reference(tmp_path):
+    # batch 8 drifts from batch 4 and batch 16 keeps the drift: both differ from the reference (batch 4)
+    moved = [rec(0, [1, 2, 3]), rec(1, [4, 9, 6])]
+    run = make_run(tmp_path / "r", {(1, 4): SAME, (1, 8): moved, (1, 16): moved}, tp=(1,), batch_sizes=(4, 8, 16))
+    (row,) = axis_table(analyze(run)).to_dict("records")
+    assert (row["varied"], row["cells"], row["records_differ"], row["outputs_differ"]) == ("4, 8, 16", 3, 2, 2)
+    assert row["unique_mean"] == 1.5
