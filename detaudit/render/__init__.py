@@ -38,7 +38,8 @@ EMULATED_NOTE = (
     "the way the backend's all-reduce would; native emulation cannot reproduce a ring all-reduce's "
     "order, so emulated bf16 / bio cells may understate the divergence of a real multi-GPU run."
 )
-CELL_TEXT_COLUMNS = {"model", "cell", "TP mode", "state", "configuration", "pattern", "setting", "axis", "at", "varied"}
+CELL_TEXT_COLUMNS = {"model", "cell", "TP mode", "state", "configuration", "pattern", "setting"}
+CELL_TEXT_COLUMNS |= {"axis", "at", "varied", "first difference"}
 
 
 def is_text(column: str) -> bool:
@@ -231,10 +232,11 @@ def speculative_summary_rows(analysis: Analysis, summary: pd.DataFrame | None = 
 
 AXIS_NOTE = (
     "Which axis moved the records. batch rows: at one TP size, each cell against the cell of the smallest "
-    "batch size; TP rows: at one batch size, each cell against the cell of the smallest TP size (plain cells: "
-    "speculation off, no background load). records differ: records not bitwise equal to the reference "
-    "cell's in some recorded number; outputs differ: those whose tokens differ; unique: distinct outputs per "
-    "prompt across the row's cells, mean over prompts (1 = the axis changed no output)."
+    "batch size; TP rows: at one batch size, each cell against the cell of the smallest TP size (done cells "
+    "only, speculation off, one configuration each). records differ: records not bitwise equal to the "
+    "reference cell's in some recorded number, of those compared; outputs differ: those whose tokens differ; "
+    "unique: distinct outputs per prompt across the row's cells, mean over prompts (1 = the axis changed no "
+    "output)."
 )
 
 
@@ -246,7 +248,7 @@ def axis_rows(analysis: Analysis, table: pd.DataFrame | None = None) -> Rows:
     header += ["outputs differ", "unique", "first difference"]
     rows = []
     for r in t.to_dict("records"):
-        compared = r["prompts"] * (r["cells"] - 1)
+        compared = r["compared"]
         rows.append(
             ([str(r["suite"])] if suites else [])
             + [str(r["backend"]), str(r["axis"]), str(r["fixed"]), str(r["varied"]), fmt_num(r["cells"])]

@@ -110,7 +110,7 @@ def axis_section(analysis: Analysis) -> list[str]:
     table = axis_table(analysis)
     if not len(table):
         return []
-    rows = md_table(*axis_rows(analysis, table), text={"first difference"})
+    rows = md_table(*axis_rows(analysis, table))
     return ["## Batch and TP axes", "", AXIS_NOTE, "", rows, ""]
 
 

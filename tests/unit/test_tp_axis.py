@@ -12,7 +12,7 @@ import pytest
 
 from detaudit.analysis.analyze import analyze
 from detaudit.analysis.tp_axis import AXIS_COLUMNS, axis_table
-from detaudit.config import SweepConfig
+from detaudit.config import EngineSettings, SweepConfig
 from detaudit.render import write_reports
 from detaudit.runs.manifest import Manifest
 from detaudit.runs.records import COLUMNS
@@ -36,15 +36,35 @@ def rec(prompt: int, ids, first_logprob: float = math.log(0.5)) -> dict:
 SAME = [rec(0, [1, 2, 3]), rec(1, [4, 5, 6])]
 
 
-def make_run(path: Path, cells: dict[tuple[int, int], list[dict]], tp=(1, 2), batch_sizes=(4, 8)) -> Path:
-    """One backend (bf16), one suite, the grid tp x batch_sizes; `cells` maps (tp, batch) to records."""
-    cfg = SweepConfig(model="tiny", suites=("s",), backends=("bf16",), tp=tp, batch_sizes=batch_sizes)
+def make_run(
+    path: Path,
+    cells: dict[tuple[int, int], list[dict]],
+    tp=(1, 2),
+    batch_sizes=(4, 8),
+    *,
+    failed=(),
+    speculative=("off",),
+    engine: str = "builtin",
+) -> Path:
+    """One backend (bf16), one suite, the grid tp x batch_sizes (x `speculative`); `cells` maps (tp, batch)
+    to records, the same for a speculative cell as for its plain one; the cells at `failed` failed."""
+    cfg = SweepConfig(
+        model="tiny",
+        suites=("s",),
+        backends=("bf16",),
+        tp=tp,
+        batch_sizes=batch_sizes,
+        speculative=speculative,
+        engine=EngineSettings(name=engine),
+    )
     manifest = {
         "comparable": {"model_checksum": "ck", "suites": {"s": "ck"}, "decoding": cfg.decoding.to_dict()},
         "config": cfg.to_dict(),
         "model": {"name": "tiny"},
         "cells": {
-            c.id: dict(backend=c.backend, tp=c.tp, batch_size=c.batch_size, suite=c.suite, state="pending")
+            c.id: dict(
+                backend=c.backend, tp=c.tp, batch_size=c.batch_size, suite=c.suite, state="pending", engine=engine
+            )
             for c in cfg.cells()
         },
     }
@@ -52,11 +72,14 @@ def make_run(path: Path, cells: dict[tuple[int, int], list[dict]], tp=(1, 2), ba
     with run.locked():
         run.init_or_check(Manifest.from_dict(json.loads(json.dumps(manifest))))
         for c in cfg.cells():
+            if (c.tp, c.batch_size) in failed:
+                run.mark(c.id, "failed", error="out of memory")
+                continue
             rows = []
             for r in cells[(c.tp, c.batch_size)]:
                 row = {k: None for k in COLUMNS}
                 row.update(cell_id=c.id, backend=c.backend, tp=c.tp, batch_size=c.batch_size, suite="s")
-                row.update(finish_reason="length", engine="builtin", model="tiny", **r)
+                row.update(finish_reason="length", engine=engine, model="tiny", **r)
                 rows.append(row)
             run.write_cell(c.id, rows, {})
     return path
@@ -76,7 +99,7 @@ def test_batch_and_tp_apart(tmp_path):
     rows = rows_by(t)
     assert set(rows) == {("batch", "TP 1"), ("batch", "TP 2"), ("TP", "batch 4"), ("TP", "batch 8")}
     r = rows[("batch", "TP 1")]
-    assert (r["cells"], r["prompts"], r["records_differ"], r["outputs_differ"], r["unique_mean"]) == (2, 2, 0, 0, 1.0)
+    assert (r["cells"], r["compared"], r["records_differ"], r["outputs_differ"], r["unique_mean"]) == (2, 2, 0, 0, 1.0)
     assert r["varied"] == "4, 8" and r["first_diff"] == ""
     r = rows[("batch", "TP 2")]
     assert (r["records_differ"], r["outputs_differ"], r["unique_mean"]) == (1, 1, 1.5)
@@ -108,7 +131,10 @@ def test_in_the_reports(tmp_path, fmt):
         assert axes[axes["fixed"] == "batch 4"]["outputs_differ"].tolist() == [1]
         return
     text = written["report.md" if fmt == "md" else "report.html"].read_text()
-    assert "Batch and TP axes" in text and "1/2" in text
+    assert "Batch and TP axes" in text
+    # the TP row at batch 4: one record of two differs, in its tokens
+    row = "| TP | batch 4 | 1, 2 | 2 | 1/2 | 1/2 |" if fmt == "md" else '<td class="">1/2</td><td class="">1/2</td>'
+    assert row in text
 
 
 def test_no_section_without_two_sizes(tmp_path):
@@ -125,3 +151,24 @@ def test_each_cell_against_the_rows_reference(tmp_path):
     (row,) = axis_table(analyze(run)).to_dict("records")
     assert (row["varied"], row["cells"], row["records_differ"], row["outputs_differ"]) == ("4, 8, 16", 3, 2, 2)
     assert row["unique_mean"] == 1.5
+
+
+def test_failed_speculative_and_server_cells_are_left_out(tmp_path):
+    moved = [rec(0, [1, 2, 3]), rec(1, [4, 9, 6])]
+    # batch 4 failed: the reference is batch 8, and batch 16 is compared with it alone
+    run = make_run(tmp_path / "f", {(1, 8): SAME, (1, 16): moved}, tp=(1,), batch_sizes=(4, 8, 16), failed={(1, 4)})
+    (row,) = axis_table(analyze(run)).to_dict("records")
+    assert (row["varied"], row["cells"], row["compared"], row["records_differ"]) == ("8, 16", 2, 2, 1)
+    # a speculative cell is its own axis (spec_axis), never a TP or batch neighbour of the plain ones
+    run = make_run(tmp_path / "s", {(1, 4): SAME, (2, 4): moved}, batch_sizes=(4,), speculative=("off", "ngram:4"))
+    (row,) = axis_table(analyze(run)).to_dict("records")
+    assert (row["axis"], row["cells"], row["compared"], row["outputs_differ"]) == ("TP", 2, 2, 1)
+    # a server audit's axes are its loads
+    run = make_run(tmp_path / "v", {(1, 4): SAME, (1, 8): moved}, tp=(1,), engine="vllm-server")
+    assert len(axis_table(analyze(run))) == 0
+
+
+def test_compared_counts_prompts_either_cell_holds(tmp_path):
+    run = make_run(tmp_path / "r", {(1, 4): SAME, (1, 8): SAME[:1] + [rec(2, [7])]}, tp=(1,))
+    (row,) = axis_table(analyze(run)).to_dict("records")
+    assert (row["compared"], row["records_differ"]) == (3, 2)  # p1 only in batch 4, p2 only in batch 8
