@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 HEARTBEAT_S = 60.0
+QUIET_S = 10.0  # a transient benchmark's steps off a terminal: at most a line this often (and the last)
 
 
 class CellProgress:
@@ -122,18 +123,23 @@ def steps(
     console: Console, label: str, total: int, *, transient: bool = False, clock: Callable[[], float] = time.monotonic
 ) -> Iterator[Callable[..., None]]:
     """Yields `advance(what="")`, called once per finished step of a benchmark: a live bar on a terminal; in
-    a log (no terminal, where a bar shows only when it ends) one line per step, `[2/8] vLLM engines: TP 2
-    vllm-bi (149 s)` (the step's own seconds), so a long benchmark is visibly alive."""
+    a log (no terminal, where a bar shows only when it ends) a line per step, `[2/8] vLLM engines: TP 2
+    vllm-bi (149 s)` (seconds since the previous line), so a long benchmark is visibly alive. `transient`
+    (many short steps): off a terminal, a line only once QUIET_S seconds have passed since the last, and
+    for the last step."""
     if console.is_terminal:
         with Progress(console=console, transient=transient) as bar:
             task = bar.add_task(label, total=total)
             yield lambda what="": bar.advance(task)
         return
+    quiet = QUIET_S if transient else 0.0
     done, last = 0, clock()
 
     def advance(what: str = "") -> None:
         nonlocal done, last
         done, now = done + 1, clock()
+        if now - last < quiet and done < total:
+            return
         name = f"{label}: {what}" if what else label
         console.print(f"[{done}/{total}] {name} ({now - last:.0f} s)", markup=False, highlight=False)
         last = now

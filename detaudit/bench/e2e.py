@@ -150,7 +150,7 @@ def bench_e2e(
                             keys = ("model", "tp", "backend", "batch", "cuda_graphs")
                             to_profile.append(({k: row[k] for k in keys}, prompts, ids))
                         if progress:
-                            graphs = " graphs" if row["cuda_graphs"] else ""
+                            graphs = (" graphs" if row["cuda_graphs"] else " eager") if len(modes) > 1 else ""
                             progress(f"{name} TP {tp} {backend} batch {bs}{graphs}")
                     # after every timed row of this engine: the profiler may leave a process slower
                     for key, prompts, ids in to_profile:

@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from detaudit.progress import CellProgress, steps
+from detaudit.progress import QUIET_S, CellProgress, steps
 
 
 class Clock:
@@ -90,3 +90,14 @@ def test_bench_steps_draw_a_bar_on_a_terminal():
         advance("a")
         advance()
     assert "kernels" in buf.getvalue() and "[1/2]" not in buf.getvalue()
+
+
+def test_transient_bench_steps_are_quiet_off_a_terminal():
+    # many short steps (bench kernels): a line once QUIET_S has passed since the last one, and the last step
+    clock, buf = Clock(), io.StringIO()
+    console = Console(file=buf, force_terminal=False, width=200)
+    with steps(console, "kernels", 4, transient=True, clock=clock) as advance:
+        for dt in (1, 1, QUIET_S, 1):
+            clock.now += dt
+            advance()
+    assert buf.getvalue().splitlines() == [f"[3/4] kernels ({2 + QUIET_S:.0f} s)", "[4/4] kernels (1 s)"]
