@@ -258,6 +258,27 @@ def axis_rows(analysis: Analysis, table: pd.DataFrame | None = None) -> Rows:
     return header, rows
 
 
+def axis_lines(analysis: Analysis, table: pd.DataFrame | None = None) -> list[str]:
+    """The axes table in a line per (suite, backend), for the terminal: along which axis the records moved
+    (`axes.csv` has the rows). Empty for a run with one TP size and one batch size."""
+    t = axis_table(analysis) if table is None else table
+    suites = len(set(t["suite"])) > 1
+    lines = []
+    for (suite, backend), sub in t.groupby(["suite", "backend"], sort=False):
+        parts = []
+        for axis, size, other in (("batch", "batch size", "TP size"), ("TP", "TP size", "batch size")):
+            rows = sub[sub["axis"] == axis]
+            if not len(rows):
+                continue
+            moved = rows[rows["records_differ"] > 0]
+            if not len(moved):
+                parts.append(f"bitwise across {size}s at every {other}")
+            else:
+                parts.append(f"the {size} moves records at " + ", ".join(moved["fixed"]))
+        lines.append(f"{suite + ' ' if suites else ''}{backend}: " + "; ".join(parts))
+    return lines
+
+
 def speculative_rows(analysis: Analysis, table: pd.DataFrame | None = None) -> Rows:
     """One row per speculative cell against its plain cell."""
     t = speculative_table(analysis) if table is None else table
@@ -398,8 +419,8 @@ def summary_table(analysis: Analysis) -> Table:
 
 
 def render_summary(analysis: Analysis) -> list[Table | Text]:
-    """What `detaudit analyze` prints: the summary table, a server audit's headline and load table, then a
-    line when a group compares nothing."""
+    """What `detaudit analyze` prints: the summary table, a server audit's headline and load table, a line
+    per backend on the batch and TP axes, then a line when a group compares nothing."""
     uncompared = nothing_to_compare(analysis.summary, analysis.per_cell)
     out: list[Table | Text] = [summary_table(analysis)]
     legend = routing_legend(summary_rows(analysis, "cli")[0])  # MoE models: what the routing columns mean
@@ -416,6 +437,10 @@ def render_summary(analysis: Analysis) -> list[Table | Text]:
             for row in rows:
                 t.add_row(*row)
             out.append(t)
+    axes = axis_lines(analysis)
+    if axes:
+        out.append(Text("batch and TP axes (each cell against the smallest batch / TP size; the report's axes.csv):"))
+        out += [Text("  " + line, style="dim") for line in axes]
     spec_summary = speculative_summary(analysis)
     if len(spec_summary):
         header, rows = speculative_summary_rows(analysis, spec_summary)

@@ -172,3 +172,19 @@ def test_compared_counts_prompts_either_cell_holds(tmp_path):
     run = make_run(tmp_path / "r", {(1, 4): SAME, (1, 8): SAME[:1] + [rec(2, [7])]}, tp=(1,))
     (row,) = axis_table(analyze(run)).to_dict("records")
     assert (row["compared"], row["records_differ"]) == (3, 2)  # p1 only in batch 4, p2 only in batch 8
+
+
+def test_a_line_per_backend_in_the_terminal(tmp_path):
+    from rich.console import Console
+
+    from detaudit.render import render_summary
+
+    tp2 = [rec(0, [1, 2, 3], math.log(0.25)), rec(1, [4, 5, 6], math.log(0.25))]
+    a = analyze(make_run(tmp_path / "r", {(1, 4): SAME, (1, 8): SAME, (2, 4): tp2, (2, 8): tp2}))
+    console = Console(record=True, width=300)
+    for r in render_summary(a):
+        console.print(r)
+    text = console.export_text()
+    assert "bf16: bitwise across batch sizes at every TP size; the TP size moves records at batch 4, batch 8" in text
+    one = analyze(make_run(tmp_path / "one", {(1, 4): SAME}, tp=(1,), batch_sizes=(4,)))
+    assert not any("axes" in str(r) for r in render_summary(one))  # one TP size, one batch size: no axes
