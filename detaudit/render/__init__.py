@@ -203,18 +203,24 @@ SPECULATIVE_NOTE = (
 )
 
 
+def _suite_first(t: pd.DataFrame, header: list[str], rows: list[list[str]]) -> Rows:
+    """`header` and `rows` (one per row of `t`, in order) with `t`'s suite as their first column where `t`
+    spans several suites (one suite: the report's heading names it)."""
+    if len(set(t["suite"])) <= 1:
+        return header, rows
+    return ["suite", *header], [[str(suite), *row] for suite, row in zip(t["suite"], rows)]
+
+
 def speculative_summary_rows(analysis: Analysis, summary: pd.DataFrame | None = None) -> Rows:
     """One row per (suite, backend, speculative setting): the setting's cells against the plain ones."""
     t = speculative_summary(analysis) if summary is None else summary
-    suites = len(set(t["suite"])) > 1
-    header = (["suite"] if suites else []) + ["backend", "setting", "cells", "unique", "bitwise as plain"]
+    header = ["backend", "setting", "cells", "unique", "bitwise as plain"]
     header += ["outputs differ", "first div (median)", "max-prob div ×1e-3", "acceptance", "speed-up"]
     rows = []
     for r in t.to_dict("records"):
         total = _sum(r["identical"], r["records_differ"])
         rows.append(
-            ([str(r["suite"])] if suites else [])
-            + [
+            [
                 str(r["backend"]),
                 str(r["setting"]),
                 fmt_num(r["cells"]),
@@ -227,7 +233,7 @@ def speculative_summary_rows(analysis: Analysis, summary: pd.DataFrame | None = 
                 _fmt_speedup(r["speedup"]),
             ]
         )
-    return header, rows
+    return _suite_first(t, header, rows)
 
 
 AXIS_NOTE = (
@@ -243,19 +249,17 @@ AXIS_NOTE = (
 def axis_rows(analysis: Analysis, table: pd.DataFrame | None = None) -> Rows:
     """One row per (suite, backend, fixed TP size or batch size) along the other axis."""
     t = axis_table(analysis) if table is None else table
-    suites = len(set(t["suite"])) > 1
-    header = (["suite"] if suites else []) + ["backend", "axis", "at", "varied", "cells", "records differ"]
-    header += ["outputs differ", "unique", "first difference"]
+    header = ["backend", "axis", "at", "varied", "cells", "records differ", "outputs differ", "unique"]
+    header += ["first difference"]
     rows = []
     for r in t.to_dict("records"):
         compared = r["compared"]
         rows.append(
-            ([str(r["suite"])] if suites else [])
-            + [str(r["backend"]), str(r["axis"]), str(r["fixed"]), str(r["varied"]), fmt_num(r["cells"])]
+            [str(r["backend"]), str(r["axis"]), str(r["fixed"]), str(r["varied"]), fmt_num(r["cells"])]
             + [f"{r['records_differ']}/{compared}", f"{r['outputs_differ']}/{compared}"]
             + [spec("unique_mean").fmt(r["unique_mean"]), r["first_diff"] or DASH]
         )
-    return header, rows
+    return _suite_first(t, header, rows)
 
 
 def axis_lines(analysis: Analysis, table: pd.DataFrame | None = None) -> list[str]:

@@ -188,3 +188,15 @@ def test_a_line_per_backend_in_the_terminal(tmp_path):
     assert "bf16: bitwise across batch sizes at every TP size; the TP size moves records at batch 4, batch 8" in text
     one = analyze(make_run(tmp_path / "one", {(1, 4): SAME}, tp=(1,), batch_sizes=(4,)))
     assert not any("axes" in str(r) for r in render_summary(one))  # one TP size, one batch size: no axes
+
+
+def test_the_suite_column_only_when_the_table_spans_suites():
+    from detaudit.render import axis_rows
+
+    row = dict(backend="bf16", axis="TP", fixed="batch 4", varied="1, 2", cells=2, compared=2)
+    row.update(records_differ=1, outputs_differ=0, unique_mean=1.0, first_diff="")
+    two = pd.DataFrame([dict(row, suite="aime24"), dict(row, suite="amc23")], columns=AXIS_COLUMNS)
+    header, rows = axis_rows(None, two)
+    assert header[:2] == ["suite", "backend"] and [r[:2] for r in rows] == [["aime24", "bf16"], ["amc23", "bf16"]]
+    header, rows = axis_rows(None, two[:1])
+    assert header[0] == "backend" and rows[0][:3] == ["bf16", "TP", "batch 4"]
