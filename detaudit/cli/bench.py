@@ -116,6 +116,16 @@ def _bench_prompts(model: str, suite: str, data_dir: Optional[Path]):
     return ref, tokenize(s, tokenizer_for(ref.path)).token_ids
 
 
+def _heads(heads: str, head_dim: int) -> tuple[int, int]:
+    """--heads QUERY/KV and --head-dim of the attention-shaped benches, checked: (query heads, KV heads)."""
+    match = re.fullmatch(r"([0-9]{1,4})/([0-9]{1,4})", heads.strip())
+    if not match or int(match[2]) < 1 or int(match[1]) < 1 or int(match[1]) % int(match[2]):
+        raise DetauditError(f"--heads {heads[:20]!r}: expected QUERY/KV with KV dividing QUERY, e.g. 32/8")
+    if head_dim not in (16, 32, 64, 128, 256):
+        raise DetauditError(f"--head-dim {head_dim}: must be a power of two from 16 to 256")
+    return int(match[1]), int(match[2])
+
+
 @bench_app.command("engine")
 @handle_errors
 def bench_engine_cmd(
@@ -472,11 +482,7 @@ def bench_attention_cmd(
 
     if not check_device(device).startswith("cuda"):
         raise DetauditError("bench attention times the Triton attention kernels: --device cuda only")
-    match = re.fullmatch(r"([0-9]{1,4})/([0-9]{1,4})", heads.strip())
-    if not match or int(match[2]) < 1 or int(match[1]) < 1 or int(match[1]) % int(match[2]):
-        raise DetauditError(f"--heads {heads[:20]!r}: expected QUERY/KV with KV dividing QUERY, e.g. 32/8")
-    if head_dim not in (16, 32, 64, 128, 256):
-        raise DetauditError(f"--head-dim {head_dim}: must be a power of two from 16 to 256")
+    hq, hkv = _heads(heads, head_dim)
     vs = []
     for item in parse_str_list(variants, "--variants"):
         found = re.fullmatch(r"([0-9]{1,4})[xX]([0-9]{1,2})", item)
@@ -497,7 +503,7 @@ def bench_attention_cmd(
         df = bench_attention(
             batch,
             tokens,
-            (int(match[1]), int(match[2])),
+            (hq, hkv),
             head_dim,
             vs,
             wl,
@@ -506,6 +512,49 @@ def bench_attention_cmd(
             device=device,
         )
     _print_bench(df, f"attention ({device}, {dtype.value})", json_, save)
+
+
+@bench_app.command("rows")
+@handle_errors
+def bench_rows_cmd(
+    device: Annotated[str, typer.Option("--device", help="cuda (the Triton kernels' target; no CPU timing).")] = "cuda",
+    tokens: Annotated[int, typer.Option("--tokens", min=1, max=1 << 20, help="Rows: a prefill's tokens.")] = 16384,
+    hidden: Annotated[int, typer.Option("--hidden", min=16, max=65536, help="Hidden size.")] = 4096,
+    heads: Annotated[str, typer.Option("--heads", help="Query heads / KV heads (Qwen3-8B: 32/8).")] = "32/8",
+    head_dim: Annotated[int, typer.Option("--head-dim", help="A power of two, 16 to 256.")] = 128,
+    intermediate: Annotated[int, typer.Option("--intermediate", min=1, max=131072, help="MLP width.")] = 12288,
+    dtype: DtypeOpt = Dtype.bfloat16,
+    json_: JsonOpt = False,
+    save: SaveOpt = None,
+):
+    """The GPU backends' per-token kernels (add + RMSNorm, q / k head norms, rotary, silu * up) per launch
+    layout, against a device copy of the same bytes, with whether each layout keeps the default's bits."""
+    import torch
+
+    from detaudit.bench.rows import bench_rows
+    from detaudit.config import check_device
+
+    if not check_device(device).startswith("cuda"):
+        raise DetauditError("bench rows times the Triton row kernels: --device cuda only")
+    hq, hkv = _heads(heads, head_dim)
+    _check_save(save)
+    if not torch.cuda.is_available():
+        raise DetauditError("--device cuda: no CUDA device is visible")
+    from detaudit.bench.rows import NORM_ROWS, ROPE_HEADS
+
+    total = 1 + 2 * (len(NORM_ROWS) + 1) + 2 * (len(ROPE_HEADS) + 1) + 1
+    with steps(err, "row kernels", total, transient=True) as advance:
+        df = bench_rows(
+            tokens,
+            hidden,
+            (hq, hkv),
+            head_dim,
+            intermediate,
+            getattr(torch, dtype.value),
+            device=device,
+            progress=advance,
+        )
+    _print_bench(df, f"row kernels ({device}, {dtype.value}, {tokens} tokens)", json_, save)
 
 
 @bench_app.command("allreduce")

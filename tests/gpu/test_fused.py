@@ -117,6 +117,48 @@ def test_add_rms_norm_invariant_and_accurate(n, dtype):
     assert err <= 2 * err_ops + 1e-6, (err, err_ops)
 
 
+@pytest.mark.parametrize("n", [128, 576, 4096, 5120])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_gives_the_one_row_kernels_bits(n, dtype):
+    """Rows a program and rows read through strides are never a bit: `fused.rms_norm` at every rows a
+    program of `bench rows`, on plain rows (with and without the residual) and on heads of a column slice
+    of one q/k/v product read in place ([T, H, N] and [B, T, H, N] views), against the one-row-a-program
+    kernel it replaced (`unit/fused_reference.py`, kept verbatim), bitwise."""
+    from unit import fused_reference
+
+    from detaudit.bench.rows import NORM_ROWS
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = (torch.randn(301, n, device="cuda", generator=g) * 2).to(dtype)
+    delta = torch.randn(301, n, device="cuda", generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(dtype)
+    want_y, want_s = fused_reference.rms_norm(x, w, 1e-6, delta)
+    want_alone = fused_reference.rms_norm(x, w, 1e-6)[0]
+    qkv = (torch.randn(30, 7 * n, device="cuda", generator=g) * 2).to(dtype)
+    heads = qkv[:, n : 5 * n].view(30, 4, n)  # 4 heads of a column slice: strided rows, no plain view
+    want_heads = fused_reference.rms_norm(heads.contiguous(), w, 1e-6)[0].view(30, 4, n)
+    for rows in (None, *NORM_ROWS):
+        y, s = fused.rms_norm(x, w, 1e-6, delta, rows=rows)
+        assert torch.equal(y, want_y) and torch.equal(s, want_s), rows
+        assert torch.equal(fused.rms_norm(x, w, 1e-6, rows=rows)[0], want_alone), rows
+        assert torch.equal(fused.rms_norm(heads, w, 1e-6, rows=rows)[0], want_heads), rows
+        four = fused.rms_norm(heads.view(5, 6, 4, n), w, 1e-6, rows=rows)[0]
+        assert torch.equal(four, want_heads.view(5, 6, 4, n)), rows
+
+
+def test_rope_rows_heads_a_program_are_not_a_bit():
+    """`rope_rows` at 1, 4 or 16 heads a program (masked heads of a tile included: 24 heads): the op-by-op bits."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    t, h, d = 40, 24, 128
+    x = (torch.randn(t, 2 * h * d, device="cuda", generator=g) * 3).bfloat16()[:, : h * d]
+    pos = torch.randint(0, 4000, (t,), device="cuda", generator=g)
+    cos, sin = Rotary(d, 1e6, torch.device("cuda")).cos_sin(pos[None], torch.bfloat16)
+    cos, sin = cos[0, 0], sin[0, 0]
+    want = apply_rotary(x.reshape(t, h, d), cos[:, None], sin[:, None]).reshape(t, h * d)
+    for heads in (None, 1, 4, 16):
+        assert torch.equal(fused.rope_rows(x, cos, sin, d, heads=heads), want), heads
+
+
 def test_backends_rms_norm_is_the_fused_kernel_on_gpu():
     """bio's and bf16's GPU RMSNorm are the kernel, whatever the leading shape (q/k norms are [B, T, H, D])."""
     g = torch.Generator(device="cuda").manual_seed(4)

@@ -426,10 +426,23 @@ def fused_row_ops(g: torch.Generator) -> None:
     for x, h in ((qs, hq), (ks, hkv)):
         want = apply_rotary(x.reshape(b * t, h, d), cos_t[:, None], sin_t[:, None]).reshape(b * t, h * d)
         check(torch.equal(fused.rope_rows(x, cos_t, sin_t, d), want), f"rotary of packed rows, {h} heads")
+        check(torch.equal(fused.rope_rows(x, cos_t, sin_t, d, heads=1), want), f"rotary, {h} heads one a program")
+    three = qs[:, : 3 * d]  # 3 heads in a tile of 4: the fourth masked
+    want = apply_rotary(three.reshape(b * t, 3, d), cos_t[:, None], sin_t[:, None]).reshape(b * t, 3 * d)
+    check(torch.equal(fused.rope_rows(three, cos_t, sin_t, d), want), "rotary, a tile's masked head")
+    # RMSNorm: the one-row-a-program kernel's bits at other rows a program, and on heads read in place
+    import fused_reference
+
+    heads = qs.view(b * t, hq, d)  # heads of a column slice: no plain view of its rows
+    want_heads = fused_reference.rms_norm(heads, qw, 1e-6)[0].view(b * t, hq, d)
+    for rows in (1, 8):
+        check(torch.equal(fused.rms_norm(heads, qw, 1e-6, rows=rows)[0], want_heads), f"heads norm, {rows} rows")
     x, delta = torch.randn(6, 200, generator=g), torch.randn(6, 200, generator=g)
     w = torch.randn(200, generator=g)
     y, s = fused.rms_norm(x, w, 1e-6, delta)
     check(torch.equal(s, x + delta), "fused residual sum")
+    want_y, want_s = fused_reference.rms_norm(x, w, 1e-6, delta)
+    check(torch.equal(y, want_y) and torch.equal(s, want_s), "add + norm: the one-row kernel's bits")
     sd = s.double()
     ref = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
     check(((y.double() - ref).abs().max() < 1e-5 * ref.abs().max()).item(), "fused rms_norm accuracy")

@@ -34,6 +34,8 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 MAX_BLOCK = 1024  # fp32 lanes of the row-sum (rows longer than this are walked in BLOCK steps)
+SHORT_N, SHORT_ROWS = 256, 8  # rows of at most SHORT_N run SHORT_ROWS a program (`rows_per_program`)
+ROPE_LANES = 1024  # a rotary program's [heads, D / 2] tile: at most this many elements per half
 SILU_BLOCK = 1024
 _OPTS = dict(num_warps=4, enable_fp_fusion=False)
 
@@ -52,32 +54,57 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, d_ptr, s_ptr, y_ptr, w_ptr, N, sx, sd, ss, sy, inv_n, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr
+        x_ptr,
+        d_ptr,
+        s_ptr,
+        y_ptr,
+        w_ptr,
+        M,
+        N,
+        INNER,
+        sxo,
+        sxi,
+        sd,
+        ss,
+        sy,
+        inv_n,
+        eps,
+        HAS_DELTA: tl.constexpr,
+        BLOCK: tl.constexpr,
+        ROWS: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
+        """Rows pid * ROWS ... of M, one after another: each row's statements are the same whichever
+        program runs it and however many rows it runs (the loop repeats them, the tensors and their
+        layouts are the same), so ROWS is never a bit. x's row r is at (r // INNER) * sxo + (r % INNER) *
+        sxi: a [T, H, N] view with a row stride per token and per head (vLLM's q / k heads, column slices
+        of one q/k/v product) is read in place."""
         offs = tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, N, BLOCK):
-            idx = start + offs
-            inside = idx < N
-            x = tl.load(x_ptr + row * sx + idx, mask=inside, other=0.0)
-            if HAS_DELTA:  # the residual sum, rounded once to the model dtype (as x + delta is)
-                d = tl.load(d_ptr + row * sd + idx, mask=inside, other=0.0)
-                x = (x.to(tl.float32) + d.to(s_ptr.dtype.element_ty).to(tl.float32)).to(s_ptr.dtype.element_ty)
-                tl.store(s_ptr + row * ss + idx, x, mask=inside)
-            xf = x.to(tl.float32)
-            acc += xf * xf
-        r = tl.rsqrt(tl.sum(acc, 0) * inv_n + eps)
-        for start in range(0, N, BLOCK):
-            idx = start + offs
-            inside = idx < N
-            x = tl.load(x_ptr + row * sx + idx, mask=inside, other=0.0)
-            if HAS_DELTA:  # recomputed, not read back: another thread of this program stored it
-                d = tl.load(d_ptr + row * sd + idx, mask=inside, other=0.0)
-                x = (x.to(tl.float32) + d.to(s_ptr.dtype.element_ty).to(tl.float32)).to(s_ptr.dtype.element_ty)
-            w = tl.load(w_ptr + idx, mask=inside, other=0.0).to(tl.float32)
-            y = (x.to(tl.float32) * r).to(y_ptr.dtype.element_ty).to(tl.float32) * w
-            tl.store(y_ptr + row * sy + idx, y.to(y_ptr.dtype.element_ty), mask=inside)
+        for i in range(ROWS):
+            row = tl.program_id(0).to(tl.int64) * ROWS + i
+            if row < M:
+                xr = x_ptr + (row // INNER) * sxo + (row % INNER) * sxi
+                acc = tl.zeros([BLOCK], tl.float32)
+                for start in range(0, N, BLOCK):
+                    idx = start + offs
+                    inside = idx < N
+                    x = tl.load(xr + idx, mask=inside, other=0.0)
+                    if HAS_DELTA:  # the residual sum, rounded once to the model dtype (as x + delta is)
+                        d = tl.load(d_ptr + row * sd + idx, mask=inside, other=0.0)
+                        x = (x.to(tl.float32) + d.to(s_ptr.dtype.element_ty).to(tl.float32)).to(s_ptr.dtype.element_ty)
+                        tl.store(s_ptr + row * ss + idx, x, mask=inside)
+                    xf = x.to(tl.float32)
+                    acc += xf * xf
+                r = tl.rsqrt(tl.sum(acc, 0) * inv_n + eps)
+                for start in range(0, N, BLOCK):
+                    idx = start + offs
+                    inside = idx < N
+                    x = tl.load(xr + idx, mask=inside, other=0.0)
+                    if HAS_DELTA:  # recomputed, not read back: another thread of this program stored it
+                        d = tl.load(d_ptr + row * sd + idx, mask=inside, other=0.0)
+                        x = (x.to(tl.float32) + d.to(s_ptr.dtype.element_ty).to(tl.float32)).to(s_ptr.dtype.element_ty)
+                    w = tl.load(w_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+                    y = (x.to(tl.float32) * r).to(y_ptr.dtype.element_ty).to(tl.float32) * w
+                    tl.store(y_ptr + row * sy + idx, y.to(y_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _rot(x, c, y, s, DT: tl.constexpr):
@@ -87,15 +114,18 @@ if triton is not None:
         return (a + b).to(DT)
 
     @triton.jit
-    def _rotate_into(dst, x1, x2, cos_ptr, sin_ptr, row, lo, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr):
-        """A head's halves (fp32) rotated by token `row`'s cos / sin and stored at dst[0:D] in DT: the
-        rotate-half of `row_ops.apply_rotary`, every rotary kernel's one copy of it."""
+    def _rotate_into(
+        dst, x1, x2, cos_ptr, sin_ptr, row, lo, live, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr
+    ):
+        """Heads' halves (fp32; one head, or a [heads, HALF] tile with `dst` per head) rotated by token
+        `row`'s cos / sin and stored at dst[0:D] in DT where `live`: the rotate-half of
+        `row_ops.apply_rotary`, every rotary kernel's one copy of it."""
         c1 = tl.load(cos_ptr + row * D + lo).to(tl.float32)
         c2 = tl.load(cos_ptr + row * D + HALF + lo).to(tl.float32)
         s1 = tl.load(sin_ptr + row * D + lo).to(tl.float32)
         s2 = tl.load(sin_ptr + row * D + HALF + lo).to(tl.float32)
-        tl.store(dst + lo, _rot(x1, c1, -x2, s1, DT))
-        tl.store(dst + HALF + lo, _rot(x2, c2, x1, s2, DT))
+        tl.store(dst + lo, _rot(x1, c1, -x2, s1, DT), mask=live)
+        tl.store(dst + HALF + lo, _rot(x2, c2, x1, s2, DT), mask=live)
 
     @triton.jit
     def _head(src, w_ptr, lo, inv_d, eps, NORM: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr):
@@ -151,25 +181,31 @@ if triton is not None:
             x1, x2 = _head(q_ptr + row * sq + h * D, qw_ptr, lo, inv_d, eps, NORM, D, HALF, DT)
             b = row // T
             dst = qo_ptr + ((b * HQ + h) * T + row % T) * D  # [B, HQ, T, D]
-            _rotate_into(dst, x1, x2, cos_ptr, sin_ptr, row, lo, D, HALF, DT)
+            _rotate_into(dst, x1, x2, cos_ptr, sin_ptr, row, lo, lo < HALF, D, HALF, DT)
         else:
             j = h - HQ
             slot = tl.load(slot_ptr + row * HKV + j)
             x1, x2 = _head(k_ptr + row * sk + j * D, kw_ptr, lo, inv_d, eps, NORM, D, HALF, DT)
-            _rotate_into(kc_ptr + slot * D, x1, x2, cos_ptr, sin_ptr, row, lo, D, HALF, DT)
+            _rotate_into(kc_ptr + slot * D, x1, x2, cos_ptr, sin_ptr, row, lo, lo < HALF, D, HALF, DT)
             full = tl.arange(0, D)
             tl.store(vc_ptr + slot * D + full, tl.load(v_ptr + row * sv + j * D + full))
 
     @triton.jit
-    def _rope_rows_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, sx, D: tl.constexpr, HALF: tl.constexpr):
-        """One (token, head) of x[T, H*D] rotated into o[T, H*D]: `_rope_store_kernel`'s `_head` and
-        `_rotate_into` for a head without a norm, so the same bits (vLLM's rotary layer: q and k each alone)."""
+    def _rope_rows_kernel(
+        x_ptr, cos_ptr, sin_ptr, o_ptr, sx, H, D: tl.constexpr, HALF: tl.constexpr, HEADS: tl.constexpr
+    ):
+        """HEADS heads of one token of x[T, H*D] rotated into o[T, H*D] as one [HEADS, HALF] tile per
+        half: `_rope_store_kernel`'s `_rotate_into` for heads without a norm. Every element's ops are its
+        own (no reduction), so the tile's shape is never a bit (vLLM's rotary layer: q and k each alone)."""
         row = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
+        live = h < H
         DT: tl.constexpr = o_ptr.dtype.element_ty
-        lo = tl.arange(0, HALF)
-        x1, x2 = _head(x_ptr + row * sx + h * D, x_ptr, lo, 0.0, 0.0, False, D, HALF, DT)
-        _rotate_into(o_ptr + (row * tl.num_programs(1) + h) * D, x1, x2, cos_ptr, sin_ptr, row, lo, D, HALF, DT)
+        lo = tl.arange(0, HALF)[None, :]
+        src = x_ptr + row * sx + h * D
+        x1 = tl.load(src + lo, mask=live, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + lo, mask=live, other=0.0).to(tl.float32)
+        _rotate_into(o_ptr + (row * H + h) * D, x1, x2, cos_ptr, sin_ptr, row, lo, live, D, HALF, DT)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, sg, su, BLOCK: tl.constexpr, EXPF: tl.constexpr):
@@ -239,26 +275,71 @@ def _inverse(n: int) -> float:
     return float(torch.tensor(1.0, dtype=torch.float32) / n)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def rows_per_program(n: int) -> int:
+    """Rows one RMSNorm program runs, by row length: SHORT_ROWS for rows of at most SHORT_N (Qwen3's q / k
+    heads: one program per row of 128 was most of the launch's time), else one. Never a bit."""
+    return SHORT_ROWS if n <= SHORT_N else 1
+
+
+def _row_view(x: Tensor) -> Tensor | None:
+    """x as [rows, N] without a copy, where that is a layout the kernels read as it is, else None."""
+    try:
+        x2 = x.view(-1, x.shape[-1])
+    except RuntimeError:  # no such view (e.g. heads of a column slice)
+        return None
+    return x2 if _plain_rows(x2) else None
+
+
+def _heads_view(x: Tensor) -> tuple[Tensor, int, int, int] | None:
+    """x[..., H, N] whose rows the kernel can read in place as (token, head): (x as [T, H, N], H, the
+    token stride, the head stride), or None. Unit stride along N, 16-byte aligned start and strides (so
+    the loads take the layout of a contiguous row: the same reduction order)."""
+    if x.dim() < 3 or x.stride(-1) != 1:
+        return None
+    x3 = x.reshape(-1, x.shape[-2], x.shape[-1]) if x.dim() > 3 else x
+    if x3.dim() != 3 or x3.stride(-1) != 1:
+        return None
+    size = x3.element_size()
+    if x3.data_ptr() & 15 or (x3.stride(0) * size) & 15 or (x3.stride(1) * size) & 15:
+        return None
+    return x3, x3.shape[1], x3.stride(0), x3.stride(1)
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None, rows: int | None = None
+) -> tuple[Tensor, Tensor | None]:
     """RMSNorm over the last dim of `x` (+ `delta`, when given: the residual sum, in x's dtype) ->
-    (normed, the sum or None). fp32 statistics; the result and the sum in x's dtype."""
-    x2 = _rows(x)
-    n = x2.shape[1]
+    (normed, the sum or None). fp32 statistics; the result and the sum in x's dtype. Without a delta, x
+    may be a strided [..., H, N] view (rows per token and head), read where it lies. `rows`: rows a
+    program (None: `rows_per_program`; `bench rows` compares them)."""
+    n = x.shape[-1]
+    heads = _heads_view(x) if delta is None and _row_view(x) is None else None
+    if heads is not None:
+        x2, inner, sxo, sxi = heads
+        m = x2.shape[0] * inner
+    else:
+        x2 = _rows(x)
+        inner, sxo, sxi, m = 1, x2.stride(0), x2.stride(0), x2.shape[0]
     d2 = _rows(delta) if delta is not None else x2
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     s = torch.empty_like(y) if delta is not None else y  # (without a delta the sum is not written)
-    if x2.shape[0]:
+    if m:
+        rows = rows_per_program(n) if rows is None else rows
         key = None
         if x.is_cuda:
             key = (
-                x2.shape,
-                x2.stride(),
-                d2.stride(),
+                m,
+                n,
+                inner,
+                sxo,
+                sxi,
+                d2.stride(0),
                 d2.dtype,
                 x.dtype,
                 weight.dtype,
                 float(eps),
                 delta is not None,
+                rows,
                 x.device.index,
                 *_aligned(x2, d2, s, y, weight),
             )
@@ -266,9 +347,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None)
             _RMS,
             key,
             _rms_norm_kernel,
-            (x2.shape[0],),
-            (x2, d2, s, y, weight, n, x2.stride(0), d2.stride(0), s.stride(0), y.stride(0), _inverse(n), float(eps)),
-            dict(HAS_DELTA=delta is not None, BLOCK=min(MAX_BLOCK, triton.next_power_of_2(n))),
+            (triton.cdiv(m, rows),),
+            (x2, d2, s, y, weight, m, n, inner, sxo, sxi, d2.stride(0), s.stride(0), y.stride(0))
+            + (_inverse(n), float(eps)),
+            dict(HAS_DELTA=delta is not None, BLOCK=min(MAX_BLOCK, triton.next_power_of_2(n)), ROWS=rows),
             (0, 1, 2, 3, 4),
             (x2, d2, s, y, weight),
             x.device.index if x.is_cuda else 0,
@@ -316,9 +398,10 @@ def rope_store(
     return out
 
 
-def rope_rows(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
+def rope_rows(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int, heads: int | None = None) -> Tensor:
     """x[T, H*D] (rows unit-stride, any row stride), cos / sin[T, D] -> x rotated, [T, H*D] contiguous, in
-    one launch: `row_ops.apply_rotary`'s bits (each op rounded where PyTorch's rounds, as `rope_store`)."""
+    one launch: `row_ops.apply_rotary`'s bits (each op rounded where PyTorch's rounds, as `rope_store`).
+    `heads`: heads a program, a power of two (None: as many as fill ROPE_LANES; `bench rows` compares)."""
     d = head_dim
     t = x.shape[0]
     if x.dim() != 2 or x.shape[1] % d or cos.shape != (t, d) or sin.shape != (t, d):
@@ -333,17 +416,21 @@ def rope_rows(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
     out = torch.empty((t, h * d), dtype=x.dtype, device=x.device)
     if t == 0:
         return out
+    if heads is None:
+        heads = min(triton.next_power_of_2(h), max(1, ROPE_LANES // (d // 2)))
+    elif heads < 1 or heads & (heads - 1):
+        raise ValueError(f"rope_rows: heads a program must be a power of two, got {heads}")
     tensors = (x, cos, sin, out)
     key = None
     if x.is_cuda:
-        key = (t, h, d, x.stride(0), x.dtype, x.device.index) + _aligned(*tensors)
+        key = (t, h, d, heads, x.stride(0), x.dtype, x.device.index) + _aligned(*tensors)
     _run(
         _ROPE_ROWS,
         key,
         _rope_rows_kernel,
-        (t, h),
-        (*tensors, x.stride(0)),
-        dict(D=d, HALF=d // 2),
+        (t, triton.cdiv(h, heads)),
+        (*tensors, x.stride(0), h),
+        dict(D=d, HALF=d // 2, HEADS=heads),
         (0, 1, 2, 3),
         tensors,
         x.device.index or 0,
