@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from detaudit.backends.base import ProcessGroup
+from detaudit.backends.kernels import peer_reduce
 from detaudit.errors import DetauditError
 
 ALLREDUCE_ENV = "DETAUDIT_ALLREDUCE"  # how fixed-order all-reduces move data (`fixed_order_all_reduce`)
@@ -74,15 +75,24 @@ def fixed_order_all_reduce(
                 f"{ALLREDUCE_ENV}=peer: this TP group has no peer-memory transport (detaudit's NCCL groups only)"
             )
     if mode == "gather" or (mode != "scatter" and p.numel() * 4 < GATHER_MAX_BYTES) or p.numel() < c:
-        return reduce(list(group.all_gather(p).unbind(0))).to(dtype)
+        parts = group.all_gather(p)
+        return _sum_cast(parts.view(c, -1), dtype, reduce, order).view(partial.shape)
     flat = p.view(-1)
     n = flat.numel()
     per = -(-n // c)
     if per * c != n:
         flat = torch.nn.functional.pad(flat, (0, per * c - n))
     mine = group.all_to_all(flat.view(c, per))  # [C, per]: slice `rank` of every rank's partial
-    reduced = reduce(list(mine.unbind(0))).to(dtype)
+    reduced = _sum_cast(mine, dtype, reduce, order)
     return group.all_gather(reduced).view(-1)[:n].view(partial.shape)
+
+
+def _sum_cast(parts: Tensor, dtype: torch.dtype, reduce, order: str) -> Tensor:
+    """parts [C, per] fp32 -> `reduce` of the C rows, cast to `dtype`: on a GPU one Triton launch of the
+    same additions in `order` (`peer_reduce.reduce_cast`: the sum stays in registers), else op by op."""
+    if parts.is_cuda and peer_reduce.triton is not None and parts.is_contiguous():
+        return peer_reduce.reduce_cast(parts, dtype, order)
+    return reduce(list(parts.unbind(0))).to(dtype)
 
 
 def sequential_sum(partials: Sequence[Tensor], dtype: torch.dtype) -> Tensor:

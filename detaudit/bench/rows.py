@@ -4,17 +4,17 @@ per launch layout, against a device copy of the same bytes.
 Workloads, as the engines call them on `tokens` rows of a model with `hidden` columns, `heads` query / KV
 heads of `head_dim` and an MLP of `intermediate`:
 - `add_norm`: the residual add + RMSNorm of the hidden rows (every layer twice);
-- `q_norm` / `k_norm`: Qwen3's RMSNorm of each q / k head, read where vLLM leaves them (heads of a column
-  slice of one q/k/v product), in place or (`copied`) after the copy the kernel needed before;
+- `q_norm` / `k_norm`: Qwen3's RMSNorm of each q / k head, where vLLM leaves them (heads of a column
+  slice of one q/k/v product);
 - `rotary_q` / `rotary_k`: the vLLM plugin's rotary of q / k alone (`fused.rope_rows`);
 - `silu_mul`: silu(gate) * up of the merged gate/up product's halves.
 
-Layouts: rows a program for the norms (`rows_per_program` is the default), heads a program for the
-rotary. Every layout of one workload must give the default's bits (`bits_as_default`: no layout is a
-bit, by construction; this checks it on the device). `bytes_moved`: what the kernel must read and
-write at least; `vs_copy`: the time of a device-to-device copy of that many bytes over the kernel's, in
-the same call (1.0: the kernel runs at copy bandwidth). Times: median seconds per graph-replayed call
-(`bench.kernels._times`).
+Layouts: the head norms read in place or (`copied`) from a contiguous copy, as before the kernel took
+strides; heads a program for the rotary (`default`: as many as fill `fused.ROPE_LANES`). Every layout
+of one workload must give the first's bits (`bits_as_default`: no layout is a bit, by construction;
+this checks it on the device). `bytes_moved`: what the kernel must read and write at least; `vs_copy`:
+the time of a device-to-device copy of that many bytes over the kernel's, in the same call (1.0: the
+kernel runs at copy bandwidth). Times: median seconds per graph-replayed call (`bench.kernels._times`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch
 from detaudit.backends.kernels import fused
 from detaudit.bench.kernels import _times
 
-NORM_ROWS = (1, 2, 4, 8, 16)  # rows a program compared for the head norms
 ROPE_HEADS = (1, 4, 16)  # heads a program compared for the rotary
 
 
@@ -50,10 +49,8 @@ def _workloads(tokens: int, hidden: int, hq: int, hkv: int, d: int, inter: int, 
     for name, t, h in (("q_norm", q, hq), ("k_norm", k, hkv)):
         heads = t.view(tokens, h, d)
         moved = 2 * tokens * h * d * size
-        default = fused.rows_per_program(d)
-        for r in (default, *(r for r in NORM_ROWS if r != default)):
-            rows.append((name, f"{r} rows", lambda v=heads, r=r: fused.rms_norm(v, hw, 1e-6, rows=r)[0], moved))
-        rows.append((name, "copied, 1 row", lambda v=heads: fused.rms_norm(v.contiguous(), hw, 1e-6, rows=1)[0], moved))
+        rows.append((name, "in place", lambda v=heads: fused.rms_norm(v, hw, 1e-6)[0], moved))
+        rows.append((name, "copied", lambda v=heads: fused.rms_norm(v.contiguous(), hw, 1e-6)[0], moved))
     for name, t, h in (("rotary_q", q, hq), ("rotary_k", k, hkv)):
         moved = 2 * tokens * h * d * size
         rows.append((name, "default", lambda t=t: fused.rope_rows(t, cos, sin, d), moved))

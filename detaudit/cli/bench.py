@@ -540,9 +540,9 @@ def bench_rows_cmd(
     _check_save(save)
     if not torch.cuda.is_available():
         raise DetauditError("--device cuda: no CUDA device is visible")
-    from detaudit.bench.rows import NORM_ROWS, ROPE_HEADS
+    from detaudit.bench.rows import ROPE_HEADS
 
-    total = 1 + 2 * (len(NORM_ROWS) + 1) + 2 * (len(ROPE_HEADS) + 1) + 1
+    total = 1 + 2 * 2 + 2 * (len(ROPE_HEADS) + 1) + 1
     with steps(err, "row kernels", total, transient=True) as advance:
         df = bench_rows(
             tokens,

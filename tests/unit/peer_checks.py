@@ -36,6 +36,9 @@ def main() -> None:
             if c >= 4 and shape != (1, 7):
                 check(not torch.equal(rank, tree_), f"the orders differ on these inputs C={c} {shape}")
             for order, want in (("rank", rank), ("tree", tree_)):
+                stacked = torch.stack([p.reshape(-1) for p in parts])  # as NCCL's all-gather leaves them
+                got = peer_reduce.reduce_cast(stacked, torch.float32, order)
+                check(torch.equal(got, want.view(-1)), f"the NCCL transport's fused sum C={c} {shape} {order}")
                 for dt in (torch.bfloat16, torch.float32):
                     outs = peer_reduce.emulate(parts, dt, order)
                     ok = all(torch.equal(o, want.to(dt)) for o in outs)

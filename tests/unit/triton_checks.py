@@ -430,13 +430,12 @@ def fused_row_ops(g: torch.Generator) -> None:
     three = qs[:, : 3 * d]  # 3 heads in a tile of 4: the fourth masked
     want = apply_rotary(three.reshape(b * t, 3, d), cos_t[:, None], sin_t[:, None]).reshape(b * t, 3 * d)
     check(torch.equal(fused.rope_rows(three, cos_t, sin_t, d), want), "rotary, a tile's masked head")
-    # RMSNorm: the one-row-a-program kernel's bits at other rows a program, and on heads read in place
+    # RMSNorm of heads read in place: the bits of the kernel that read copied rows
     import fused_reference
 
     heads = qs.view(b * t, hq, d)  # heads of a column slice: no plain view of its rows
     want_heads = fused_reference.rms_norm(heads, qw, 1e-6)[0].view(b * t, hq, d)
-    for rows in (1, 8):
-        check(torch.equal(fused.rms_norm(heads, qw, 1e-6, rows=rows)[0], want_heads), f"heads norm, {rows} rows")
+    check(torch.equal(fused.rms_norm(heads, qw, 1e-6)[0], want_heads), "heads norm read in place")
     x, delta = torch.randn(6, 200, generator=g), torch.randn(6, 200, generator=g)
     w = torch.randn(200, generator=g)
     y, s = fused.rms_norm(x, w, 1e-6, delta)

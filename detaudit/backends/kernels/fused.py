@@ -34,7 +34,6 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 MAX_BLOCK = 1024  # fp32 lanes of the row-sum (rows longer than this are walked in BLOCK steps)
-SHORT_N, SHORT_ROWS = 256, 8  # rows of at most SHORT_N run SHORT_ROWS a program (`rows_per_program`)
 ROPE_LANES = 1024  # a rotary program's [heads, D / 2] tile: at most this many elements per half
 SILU_BLOCK = 1024
 _OPTS = dict(num_warps=4, enable_fp_fusion=False)
@@ -59,7 +58,6 @@ if triton is not None:
         s_ptr,
         y_ptr,
         w_ptr,
-        M,
         N,
         INNER,
         sxo,
@@ -71,40 +69,35 @@ if triton is not None:
         eps,
         HAS_DELTA: tl.constexpr,
         BLOCK: tl.constexpr,
-        ROWS: tl.constexpr,
     ):
-        """Rows pid * ROWS ... of M, one after another: each row's statements are the same whichever
-        program runs it and however many rows it runs (the loop repeats them, the tensors and their
-        layouts are the same), so ROWS is never a bit. x's row r is at (r // INNER) * sxo + (r % INNER) *
-        sxi: a [T, H, N] view with a row stride per token and per head (vLLM's q / k heads, column slices
-        of one q/k/v product) is read in place."""
+        """One row a program. x's row r is at (r // INNER) * sxo + (r % INNER) * sxi: a [T, H, N] view
+        with a row stride per token and per head (vLLM's q / k heads, column slices of one q/k/v product)
+        is read where it lies. Only the address differs from a plain row's, never the bits."""
+        row = tl.program_id(0).to(tl.int64)
+        xr = x_ptr + (row // INNER) * sxo + (row % INNER) * sxi
         offs = tl.arange(0, BLOCK)
-        for i in range(ROWS):
-            row = tl.program_id(0).to(tl.int64) * ROWS + i
-            if row < M:
-                xr = x_ptr + (row // INNER) * sxo + (row % INNER) * sxi
-                acc = tl.zeros([BLOCK], tl.float32)
-                for start in range(0, N, BLOCK):
-                    idx = start + offs
-                    inside = idx < N
-                    x = tl.load(xr + idx, mask=inside, other=0.0)
-                    if HAS_DELTA:  # the residual sum, rounded once to the model dtype (as x + delta is)
-                        d = tl.load(d_ptr + row * sd + idx, mask=inside, other=0.0)
-                        x = (x.to(tl.float32) + d.to(s_ptr.dtype.element_ty).to(tl.float32)).to(s_ptr.dtype.element_ty)
-                        tl.store(s_ptr + row * ss + idx, x, mask=inside)
-                    xf = x.to(tl.float32)
-                    acc += xf * xf
-                r = tl.rsqrt(tl.sum(acc, 0) * inv_n + eps)
-                for start in range(0, N, BLOCK):
-                    idx = start + offs
-                    inside = idx < N
-                    x = tl.load(xr + idx, mask=inside, other=0.0)
-                    if HAS_DELTA:  # recomputed, not read back: another thread of this program stored it
-                        d = tl.load(d_ptr + row * sd + idx, mask=inside, other=0.0)
-                        x = (x.to(tl.float32) + d.to(s_ptr.dtype.element_ty).to(tl.float32)).to(s_ptr.dtype.element_ty)
-                    w = tl.load(w_ptr + idx, mask=inside, other=0.0).to(tl.float32)
-                    y = (x.to(tl.float32) * r).to(y_ptr.dtype.element_ty).to(tl.float32) * w
-                    tl.store(y_ptr + row * sy + idx, y.to(y_ptr.dtype.element_ty), mask=inside)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, N, BLOCK):
+            idx = start + offs
+            inside = idx < N
+            x = tl.load(xr + idx, mask=inside, other=0.0)
+            if HAS_DELTA:  # the residual sum, rounded once to the model dtype (as x + delta is)
+                d = tl.load(d_ptr + row * sd + idx, mask=inside, other=0.0)
+                x = (x.to(tl.float32) + d.to(s_ptr.dtype.element_ty).to(tl.float32)).to(s_ptr.dtype.element_ty)
+                tl.store(s_ptr + row * ss + idx, x, mask=inside)
+            xf = x.to(tl.float32)
+            acc += xf * xf
+        r = tl.rsqrt(tl.sum(acc, 0) * inv_n + eps)
+        for start in range(0, N, BLOCK):
+            idx = start + offs
+            inside = idx < N
+            x = tl.load(xr + idx, mask=inside, other=0.0)
+            if HAS_DELTA:  # recomputed, not read back: another thread of this program stored it
+                d = tl.load(d_ptr + row * sd + idx, mask=inside, other=0.0)
+                x = (x.to(tl.float32) + d.to(s_ptr.dtype.element_ty).to(tl.float32)).to(s_ptr.dtype.element_ty)
+            w = tl.load(w_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+            y = (x.to(tl.float32) * r).to(y_ptr.dtype.element_ty).to(tl.float32) * w
+            tl.store(y_ptr + row * sy + idx, y.to(y_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _rot(x, c, y, s, DT: tl.constexpr):
@@ -275,12 +268,6 @@ def _inverse(n: int) -> float:
     return float(torch.tensor(1.0, dtype=torch.float32) / n)
 
 
-def rows_per_program(n: int) -> int:
-    """Rows one RMSNorm program runs, by row length: SHORT_ROWS for rows of at most SHORT_N (Qwen3's q / k
-    heads: one program per row of 128 was most of the launch's time), else one. Never a bit."""
-    return SHORT_ROWS if n <= SHORT_N else 1
-
-
 def _row_view(x: Tensor) -> Tensor | None:
     """x as [rows, N] without a copy, where that is a layout the kernels read as it is, else None."""
     try:
@@ -305,13 +292,11 @@ def _heads_view(x: Tensor) -> tuple[Tensor, int, int, int] | None:
     return x3, x3.shape[1], x3.stride(0), x3.stride(1)
 
 
-def rms_norm(
-    x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None, rows: int | None = None
-) -> tuple[Tensor, Tensor | None]:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """RMSNorm over the last dim of `x` (+ `delta`, when given: the residual sum, in x's dtype) ->
     (normed, the sum or None). fp32 statistics; the result and the sum in x's dtype. Without a delta, x
-    may be a strided [..., H, N] view (rows per token and head), read where it lies. `rows`: rows a
-    program (None: `rows_per_program`; `bench rows` compares them)."""
+    may be a strided [..., H, N] view (rows per token and head, e.g. vLLM's q heads), read where it lies
+    instead of copied first."""
     n = x.shape[-1]
     heads = _heads_view(x) if delta is None and _row_view(x) is None else None
     if heads is not None:
@@ -324,7 +309,6 @@ def rms_norm(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     s = torch.empty_like(y) if delta is not None else y  # (without a delta the sum is not written)
     if m:
-        rows = rows_per_program(n) if rows is None else rows
         key = None
         if x.is_cuda:
             key = (
@@ -339,7 +323,6 @@ def rms_norm(
                 weight.dtype,
                 float(eps),
                 delta is not None,
-                rows,
                 x.device.index,
                 *_aligned(x2, d2, s, y, weight),
             )
@@ -347,10 +330,10 @@ def rms_norm(
             _RMS,
             key,
             _rms_norm_kernel,
-            (triton.cdiv(m, rows),),
-            (x2, d2, s, y, weight, m, n, inner, sxo, sxi, d2.stride(0), s.stride(0), y.stride(0))
+            (m,),
+            (x2, d2, s, y, weight, n, inner, sxo, sxi, d2.stride(0), s.stride(0), y.stride(0))
             + (_inverse(n), float(eps)),
-            dict(HAS_DELTA=delta is not None, BLOCK=min(MAX_BLOCK, triton.next_power_of_2(n)), ROWS=rows),
+            dict(HAS_DELTA=delta is not None, BLOCK=min(MAX_BLOCK, triton.next_power_of_2(n))),
             (0, 1, 2, 3, 4),
             (x2, d2, s, y, weight),
             x.device.index if x.is_cuda else 0,

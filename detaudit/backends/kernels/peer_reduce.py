@@ -241,6 +241,22 @@ def reduce(receive: Tensor, result: Tensor, rank: int, c: int, per: int, order: 
     _run("reduce", _reduce_kernel, _grid(per), receive, args, dict(C=c, TREE=tree, BLOCK=BLOCK), (), key)
 
 
+def reduce_cast(parts: Tensor, dtype: torch.dtype, order: str) -> Tensor:
+    """parts [C, per] fp32 (contiguous: the C ranks' slices as NCCL's all-to-all or all-gather leaves them)
+    -> their fixed-order sum cast to `dtype`, [per]: `reduce`'s kernel as rank 0 of one buffer, one launch
+    where `reduce(list(parts)).to(dtype)` runs C - 1 adds and a cast, each through memory. The same
+    additions in the same order, the same cast: the same bits (the NCCL transport's fused step)."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    c, per = parts.shape
+    out = torch.empty(per, dtype=dtype, device=parts.device)
+    tree = order == "tree"
+    key = (per, c, tree, dtype, parts.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+    args = (parts, out, per, 0)
+    _run("reduce_cast", _reduce_kernel, _grid(per), parts, args, dict(C=c, TREE=tree, BLOCK=BLOCK), (0, 1), key)
+    return out
+
+
 def gather(results: Sequence[Tensor], out: Tensor, per: int) -> None:
     """out (flat, n elements) = slice j of results[j] (rank j's B area), for each rank j."""
     c, n = len(results), out.numel()
