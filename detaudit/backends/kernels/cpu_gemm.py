@@ -33,11 +33,13 @@ FEW_BLOCKS = 4  # up to this many blocks per group, b is copied per block and on
 # PyTorch's CPU bmm computes a product of fewer than 400 multiply-adds (R x K x N) with its own loop (a
 # multiply, then an add) and a one-column product with a matrix-vector kernel whose order depends on the
 # rows; every other product goes to the BLAS GEMM (fused multiply-adds), whose column bits do not depend on
-# N (measured, torch 2.13: every K up to 40 and N up to 72). So a narrow product (a column shard of width
-# I/C, a panel's last columns) would get other bits than the same columns of a wider one: a product is
-# never computed with fewer than `min_columns` columns (zero columns added, dropped after), with a margin
-# over both limits.
-MIN_COLUMNS = 8
+# N from some width on: N >= 8 where MKL runs its AVX-512 kernels (measured, torch 2.13: every K up to 40
+# and N up to 72), N >= 12 on an AVX2-only CPU (an AMD EPYC without AVX-512, R 8 or 16, K 24 to 4096, N up
+# to 1024: narrower products add K in another order). So a narrow product (a column shard of width I/C, a
+# panel's last columns) would get other bits than the same columns of a wider one: a product is never
+# computed with fewer than `min_columns` columns (zero columns added, dropped after), with a margin over
+# both limits (tests/unit/test_bio.py checks it on the machine that runs it).
+MIN_COLUMNS = 16
 MIN_MACS = 1024
 
 _pool: ThreadPoolExecutor | None = None
