@@ -26,6 +26,9 @@ from detaudit.backends.kernels import fused
 from detaudit.bench.kernels import _times
 
 ROPE_HEADS = (1, 4, 16)  # heads a program compared for the rotary
+# the table's rows, in `_workloads`' order: add_norm; q / k norms in place and copied; q / k rotary at the
+# default and each ROPE_HEADS; silu_mul
+ROWS = 1 + 2 * 2 + 2 * (1 + len(ROPE_HEADS)) + 1
 
 
 def _workloads(tokens: int, hidden: int, hq: int, hkv: int, d: int, inter: int, dtype, device: str) -> list:

@@ -531,7 +531,7 @@ def bench_rows_cmd(
     layout, against a device copy of the same bytes, with whether each layout keeps the default's bits."""
     import torch
 
-    from detaudit.bench.rows import bench_rows
+    from detaudit.bench.rows import ROWS, bench_rows
     from detaudit.config import check_device
 
     if not check_device(device).startswith("cuda"):
@@ -540,10 +540,7 @@ def bench_rows_cmd(
     _check_save(save)
     if not torch.cuda.is_available():
         raise DetauditError("--device cuda: no CUDA device is visible")
-    from detaudit.bench.rows import ROPE_HEADS
-
-    total = 1 + 2 * 2 + 2 * (len(ROPE_HEADS) + 1) + 1
-    with steps(err, "row kernels", total, transient=True) as advance:
+    with steps(err, "row kernels", ROWS, transient=True) as advance:
         df = bench_rows(
             tokens,
             hidden,

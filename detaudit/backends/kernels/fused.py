@@ -283,9 +283,7 @@ def _heads_view(x: Tensor) -> tuple[Tensor, int, int, int] | None:
     the loads take the layout of a contiguous row: the same reduction order)."""
     if x.dim() < 3 or x.stride(-1) != 1:
         return None
-    x3 = x.reshape(-1, x.shape[-2], x.shape[-1]) if x.dim() > 3 else x
-    if x3.dim() != 3 or x3.stride(-1) != 1:
-        return None
+    x3 = x.reshape(-1, x.shape[-2], x.shape[-1]) if x.dim() > 3 else x  # (a copy, if any, is contiguous)
     size = x3.element_size()
     if x3.data_ptr() & 15 or (x3.stride(0) * size) & 15 or (x3.stride(1) * size) & 15:
         return None
@@ -298,12 +296,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None)
     may be a strided [..., H, N] view (rows per token and head, e.g. vLLM's q heads), read where it lies
     instead of copied first."""
     n = x.shape[-1]
-    heads = _heads_view(x) if delta is None and _row_view(x) is None else None
+    x2 = _row_view(x)
+    heads = _heads_view(x) if x2 is None and delta is None else None
     if heads is not None:
         x2, inner, sxo, sxi = heads
         m = x2.shape[0] * inner
     else:
-        x2 = _rows(x)
+        x2 = _rows(x) if x2 is None else x2
         inner, sxo, sxi, m = 1, x2.stride(0), x2.stride(0), x2.shape[0]
     d2 = _rows(delta) if delta is not None else x2
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -217,6 +217,13 @@ def _run(name: str, kernel, grid: int, device: Tensor, args: tuple, constexprs: 
 _PLANS: dict[tuple, launch.Launch] = {}
 
 
+def _is_tree(order: str) -> bool:
+    """Whether the reduce kernels add in `order` along the tree (else in rank order); refuses another name."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    return order == "tree"
+
+
 def _grid(per: int) -> int:
     return -(-per // BLOCK)
 
@@ -233,9 +240,7 @@ def push(src: Tensor, receive: Sequence[Tensor], rank: int, per: int) -> None:
 def reduce(receive: Tensor, result: Tensor, rank: int, c: int, per: int, order: str) -> None:
     """result[rank * per:(rank + 1) * per] = the fixed-order fp32 sum of the C slices of this rank's
     receive area, cast to result's dtype."""
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    tree = order == "tree"
+    tree = _is_tree(order)
     key = (per, rank, c, tree, receive.data_ptr(), result.data_ptr(), result.dtype)
     args = (receive, result, per, rank)
     _run("reduce", _reduce_kernel, _grid(per), receive, args, dict(C=c, TREE=tree, BLOCK=BLOCK), (), key)
@@ -246,11 +251,9 @@ def reduce_cast(parts: Tensor, dtype: torch.dtype, order: str) -> Tensor:
     -> their fixed-order sum cast to `dtype`, [per]: `reduce`'s kernel as rank 0 of one buffer, one launch
     where `reduce(list(parts)).to(dtype)` runs C - 1 adds and a cast, each through memory. The same
     additions in the same order, the same cast: the same bits (the NCCL transport's fused step)."""
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    tree = _is_tree(order)
     c, per = parts.shape
     out = torch.empty(per, dtype=dtype, device=parts.device)
-    tree = order == "tree"
     key = (per, c, tree, dtype, parts.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
     args = (parts, out, per, 0)
     _run("reduce_cast", _reduce_kernel, _grid(per), parts, args, dict(C=c, TREE=tree, BLOCK=BLOCK), (0, 1), key)
@@ -282,9 +285,7 @@ def oneshot_push(src: Tensor, areas: Sequence[Tensor], rank: int, counters: Tens
 def oneshot_reduce(area: Tensor, out: Tensor, c: int, order: str, counters: Tensor) -> None:
     """out (flat) = the fixed-order sum of the C slots of the current half of this rank's area, cast to
     out's dtype; then the epoch (counters[0]) advances (counters[1]: the programs' tickets, back to 0)."""
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    n, tree = out.numel(), order == "tree"
+    n, tree = out.numel(), _is_tree(order)
     key = (n, c, tree, area.data_ptr(), counters.data_ptr(), out.dtype, out.data_ptr() % 16 == 0)
     args = (area, out, n, counters, counters[1:], ONESHOT_MAX)
     consts = dict(C=c, TREE=tree, BLOCK=BLOCK)
