@@ -24,12 +24,11 @@ from detaudit.errors import DetauditError
 class TorchGroup(ProcessGroup):
     """`pg`: a torch ProcessGroup (default: the default group), ranks in `pg`'s order."""
 
-    def __init__(self, rank: int, size: int, pg=None, store=None, peer: bool = True) -> None:
+    def __init__(self, rank: int, size: int, pg=None, store=None) -> None:
         self.rank = rank
         self.size = size
         self.pg = pg
         self.store = store  # the default group's TCPStore (served by rank 0), where `init` made it
-        self.peer = peer  # whether the peer-memory transport may run on this group (detaudit's own groups)
         self._peer = None  # the peer-memory transport, made at the first peer all-reduce
 
     def all_gather(self, t: Tensor) -> Tensor:
@@ -59,7 +58,7 @@ class TorchGroup(ProcessGroup):
 
     def peer_all_reduce(self, p: Tensor, dtype: torch.dtype, order: str, required: bool = False) -> Tensor | None:
         """The fixed-order all-reduce of fp32 `p` over peer memory (`peer.PeerTransport`), or None where it
-        does not run: groups made with peer=False (vLLM's), CPU / gloo groups, sizes other than 2, 4 and 8
+        does not run: CPU / gloo groups, sizes other than 2, 4 and 8
         (the kernels' unrolling), no symmetric memory (`required`: that is an error naming the reason), a
         new size while a CUDA graph is being captured."""
         if self._transport(p.device) is None:
@@ -86,7 +85,7 @@ class TorchGroup(ProcessGroup):
         return transport.row_all_reduce(m, n, dtype, order, rows_partial, device)
 
     def _transport(self, device: torch.device):
-        if not self.peer or device.type != "cuda" or self.size not in (2, 4, 8) or dist.get_backend(self.pg) != "nccl":
+        if device.type != "cuda" or self.size not in (2, 4, 8) or dist.get_backend(self.pg) != "nccl":
             return None
         if self._peer is None:
             from detaudit.backends.peer import PeerTransport

@@ -192,10 +192,10 @@ def _install_top_k_top_p(marker) -> None:
 
 
 def _install_row_parallel(backend, marker, op: str) -> None:
-    """o_proj / down_proj through the backend: this rank's fp32 partial, then the backend's all-reduce
-    over vLLM's TP group. bio: all-gather + rank-order sum (with vLLM's own CPU all-reduce, bio outputs
-    differed between batch 4 and 8 at TP 4 on the CI CPU; with this one they agree); bio+tbik: tree
-    matmul + tree all-reduce."""
+    """o_proj / down_proj through the backend (`row_group`): this rank's fp32 partial, then the backend's
+    all-reduce over vLLM's TP group, in a prefill block by block while the next block is computed. bio:
+    rank-order sum (with vLLM's own CPU all-reduce, bio outputs differed between batch 4 and 8 at TP 4 on
+    the CI CPU; with this one they agree); bio+tbik: tree matmul + tree all-reduce."""
     from vllm.model_executor.custom_op import PluggableLayer
     from vllm.model_executor.layers.linear import RowParallelLinear
 
@@ -212,8 +212,7 @@ def _install_row_parallel(backend, marker, op: str) -> None:
             marker.op(op, self.tp_rank)
             with backend.activate():
                 if self.tp_size > 1:
-                    partial = backend.row_partial(x, self.weight, self.tp_size, name=self.prefix)
-                    out = backend.all_reduce(partial, vllm_tp_group(), x.dtype)
+                    out = backend.row_group(x, self.weight, vllm_tp_group(), x.dtype, name=self.prefix)
                 else:
                     out = backend.row_output(x, self.weight, x.dtype, name=self.prefix)
             if self.bias is not None and not self.skip_bias_add:
@@ -225,16 +224,24 @@ def _install_row_parallel(backend, marker, op: str) -> None:
     PluggableLayer.register_oot(DetauditRowParallelLinear, name="RowParallelLinear")
 
 
+_GROUPS: dict[int, object] = {}  # vLLM's TP device group (by id) -> its TorchGroup, one per process
+
+
 def vllm_tp_group():
     """Inside a vLLM worker: vLLM's TP group (gloo on CPU, NCCL on GPU) with the collectives the
-    backends need. Not the peer-memory transport: this wrapper is made per call, and a transport's
-    buffers must live as long as the group (the fixed-order all-reduce goes through NCCL here)."""
+    backends need, made once per process: on GPUs it carries detaudit's peer-memory transport
+    (`backends/peer.py`), whose buffers live as long as the group; a prefill's row-parallel layer then
+    copies each slice to its owner while the next is computed (`row_group`), and where symmetric memory
+    does not run the transport says None and the partials go through NCCL, with the same bits."""
     from vllm.distributed.parallel_state import get_tp_group
 
     from detaudit.builtin.dist import TorchGroup
 
     g = get_tp_group()
-    return TorchGroup(g.rank_in_group, g.world_size, g.device_group, peer=False)
+    group = _GROUPS.get(id(g.device_group))
+    if group is None:
+        group = _GROUPS[id(g.device_group)] = TorchGroup(g.rank_in_group, g.world_size, g.device_group)
+    return group
 
 
 class _Norm:
