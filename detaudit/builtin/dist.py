@@ -58,9 +58,9 @@ class TorchGroup(ProcessGroup):
 
     def peer_all_reduce(self, p: Tensor, dtype: torch.dtype, order: str, required: bool = False) -> Tensor | None:
         """The fixed-order all-reduce of fp32 `p` over peer memory (`peer.PeerTransport`), or None where it
-        does not run: CPU / gloo groups, sizes other than 2, 4 and 8
-        (the kernels' unrolling), no symmetric memory (`required`: that is an error naming the reason), a
-        new size while a CUDA graph is being captured."""
+        does not run: CPU / gloo groups, sizes other than 2, 4 and 8 (the kernels' unrolling), no
+        symmetric memory (`required`: that is an error naming the reason), a new size while a CUDA graph
+        is being captured."""
         if self._transport(p.device) is None:
             return None
         out = self._peer.all_reduce(p, dtype, order)

@@ -193,9 +193,10 @@ def _install_top_k_top_p(marker) -> None:
 
 def _install_row_parallel(backend, marker, op: str) -> None:
     """o_proj / down_proj through the backend (`row_group`): this rank's fp32 partial, then the backend's
-    all-reduce over vLLM's TP group, in a prefill block by block while the next block is computed. bio:
-    rank-order sum (with vLLM's own CPU all-reduce, bio outputs differed between batch 4 and 8 at TP 4 on
-    the CI CPU; with this one they agree); bio+tbik: tree matmul + tree all-reduce."""
+    all-reduce over vLLM's TP group (on GPUs in a prefill each slice owner's rows are copied to it while
+    the next are computed: `vllm_tp_group`'s peer transport). bio: rank-order sum (with vLLM's own CPU
+    all-reduce, bio outputs differed between batch 4 and 8 at TP 4 on the CI CPU; with this one they
+    agree); bio+tbik: tree matmul + tree all-reduce."""
     from vllm.model_executor.custom_op import PluggableLayer
     from vllm.model_executor.layers.linear import RowParallelLinear
 
