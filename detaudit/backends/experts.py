@@ -1,19 +1,22 @@
 """The experts of a mixture-of-experts MLP after its router (`Backend.experts`), built on the backend's
 expert products.
 
-The experts run in one of two layouts: in decode steps (one token per request) and with few tokens,
-every expert computes every token (`Dense`: one batched product per projection, static shapes, so a
-CUDA graph can capture the step; the rows nobody chose are computed and dropped); otherwise each expert
-computes only the rows routed to it (`Sorted`: the rows sorted by expert, one product per expert; or,
-where the backend groups them, `Grouped`: one launch per projection over every expert's run,
+Decode steps (one token per request) and short prefills run every expert on every token (`Dense`: one
+batched product per projection, static shapes, so a CUDA graph can capture the step; the rows nobody chose
+are computed and dropped), except where the backend groups the experts' products (the invariant backends
+on GPU) and the step has at most one (token, slot) row an expert: then the grouped layout reads only the
+chosen experts' weights (no host sync, so graphed decode steps take it too). Longer prefills have each
+expert compute only the rows routed to it (`Sorted`: the rows sorted by expert, one product per expert;
+or, where the backend groups them, `Grouped`: one launch per projection over every expert's run,
 `kernels/grouped_mm.py`). The experts' gate / up products are column-parallel (each rank holds its slice
 of every expert's intermediate dimension); the down projection and each token's weighted sum of its
 experts' outputs are one row-parallel step (`backend.expert_down`), reduced across ranks like any
 row-parallel layer (`TPContext.reduce`). Under the invariant backends a row's products do not depend on
 the other rows, so the layouts give the same bits (tested). A backend that reduces the down projection
 along a tree (bio+tbik: `expert_leaf_plan`) gets the down weights stored leaf-major, [E, leaves, N, leaf],
-and every leaf's products at once: one batched product over (expert, leaf) in decode steps, one product
-per expert over its leaves otherwise.
+and every leaf's products at once: one batched product over (expert, leaf) in the every-expert layout, one
+launch storing each leaf apart in the grouped one, one product per expert over its leaves in the sorted
+one.
 """
 
 from __future__ import annotations
@@ -59,14 +62,17 @@ def run(backend, h: Tensor, experts: Tensor, gates: Tensor, w: ExpertWeights, ct
     `RowParallelLinear` returns): each local rank's experts in the layout the tokens call for, long
     prefills in pieces of tokens, reduced across the TP ranks."""
     t, step = h.shape[0], h.shape[0]
-    if decode or t <= DENSE_TOKENS:
-        layout = Dense
-    else:
+    if not (decode or t <= DENSE_TOKENS):
         layout = Grouped if backend.grouped_experts(h) else Sorted
+    elif t * experts.shape[1] <= w.num_experts and backend.grouped_experts(h):
+        layout = Grouped  # few rows: only the chosen experts' weights are read, not every expert's
+    else:
+        layout = Dense
+    if layout is not Dense:
         # per (token, slot) row: its fp32 down outputs (per leaf) and its gate / up output and activation
         leaves, inter = (w.leaves[1] if w.leaves else 1), w.gate_up[0].shape[1] // 2
         row = leaves * h.shape[1] * 4 + 3 * inter * h.element_size()
-        pieces = -(-t * experts.shape[1] * row // PREFILL_BYTES)
+        pieces = max(1, -(-t * experts.shape[1] * row // PREFILL_BYTES))
         step = -(-t // pieces)
     step = max(step, 1)  # no tokens: one empty piece
     partials = []

@@ -101,7 +101,7 @@ class MoE:
 
     def __call__(self, h: Tensor, routing: Routing, decode: bool = False) -> Tensor:
         """This layer's residual delta for h[T, H] (a partial where the residual add rounds it, as
-        `RowParallelLinear` returns). `decode`: one token per request (the every-expert layout)."""
+        `RowParallelLinear` returns). `decode`: one token per request (on CPU, the every-expert layout)."""
         experts, gates, margin = self.route(h, routing.forced_for_next())
         routing.add(experts, gates, margin)
         return self.ctx.backend.experts(h, experts, gates, self.weights, self.ctx, decode, self.name)

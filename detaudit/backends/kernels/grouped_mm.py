@@ -2,7 +2,8 @@
 weighted sum of its experts (then the leaves' tree) in one more.
 
 `Runs` sorts one step's (token, slot) rows by expert and cuts every expert's run into blocks of BLOCK_M
-rows of that expert, on the device: no host sync, whatever the routing. `grouped` computes every
+rows of that expert, on the device: no host sync, whatever the routing (graphed decode steps of at most
+one row an expert take it too: only the chosen experts' weights are read). `grouped` computes every
 block's product with its expert's weight in one launch; a row is gathered from its source row of x and
 stored at its destination row, so the gate / up product reads the tokens' hidden states in place and
 the down product writes (token, slot) order directly (no gather, index_put or cat of fp32 rows). With
@@ -31,12 +32,24 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-# One config per projection shape class; a config only tiles, it never changes an element's sum.
-# Experts get ~T*k/E rows each (256 at 4,096 tokens, top 8 of 128): 64-row blocks waste at most 63
-# rows an expert. BLOCK_K 32 divides every tree leaf of Qwen3-30B-A3B's experts (768 / 8 = 96).
+# One config per projection shape class; a config only tiles, it never changes an element's sum (every
+# config below gave the default's bits in `tools/grouped_sweep.py`, and tests/gpu checks the kernels
+# against the per-expert products). Experts get ~T*k/E rows each (256 at 4,096 tokens, top 8 of 128).
+# BLOCK_K 32 divides every tree leaf of Qwen3-30B-A3B's experts (768 / 8 = 96). Chosen on an H200 at
+# Qwen3-30B-A3B's shapes (tools/grouped_sweep.py): prefill's gate / up and down at 128 x 256 tiles (0.96-
+# 1.2x torch's CUTLASS grouped mm, from 1.26-1.8x at 64 x 128); decode-sized steps (at most T*k = E rows)
+# 64 x 256 with two warpgroups; the tree's leaf products keep 64 x 128 in prefill, where the stores of
+# every leaf's fp32 outputs bound them. Other GPUs keep the 64 x 128 tiles (their shared memory may not
+# hold the larger ones' stages).
 BLOCK_M = 64
 CONFIG = dict(BLOCK_M=BLOCK_M, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
 LEAF_CONFIG = dict(BLOCK_M=BLOCK_M, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=3)
+HOPPER = {
+    (False, False): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    (False, True): LEAF_CONFIG,
+    (True, False): dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    (True, True): dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=32, num_warps=8, num_stages=3),
+}  # keyed by (decode-sized, leaves)
 INTERPRET_CONFIG = dict(triton_mm.INTERPRET_CONFIG)  # the per-expert path's tiles under the interpreter
 SUM_BLOCK = 512  # columns a program of `weighted_tree` sums
 
@@ -56,36 +69,56 @@ def describe() -> str:
         return " ".join(f"{k}={v}" for k, v in c.items())
 
     return (
-        f"prefill: one launch a projection over every expert's {BLOCK_M}-row blocks, each element "
-        f"triton_mm's K-order sum ({cfg(CONFIG)}; tree leaves: {cfg(LEAF_CONFIG)}); decode: the batched "
-        f"products; weighted sums (and leaves' tree) in one kernel, fp fusion off"
+        f"prefill, and decode steps of at most one row an expert: one launch a projection over every expert's "
+        f"blocks of its rows, each element triton_mm's K-order sum (tiles on compute capability 9.x: "
+        f"{'; '.join(cfg(c) for c in HOPPER.values())}; elsewhere {cfg(CONFIG)}, tree leaves {cfg(LEAF_CONFIG)}); "
+        f"other decode steps: the batched products; weighted sums (and leaves' tree) in one kernel, fp fusion off"
     )
 
 
 class Runs:
     """One MoE step's T*k (token, slot) rows sorted by expert (stable: tokens in order within an expert),
-    cut into blocks of `block_m` rows of one expert. `order[r]`: the (token, slot) row (t*k + j) of
-    sorted row r; `blocks` [3, max_blocks] int32: each block's expert (-1 past the last), first sorted
-    row and row count. max_blocks = T*k / block_m + E bounds the blocks of any routing."""
+    without a host sync (so graphed decode steps take it too). `order[r]`: the (token, slot) row (t*k + j)
+    of sorted row r. `tiles(block_m)`: every expert's run cut into blocks of `block_m` rows of that expert,
+    (blocks, max_blocks): `blocks` [3, max_blocks] int32, each block's expert (-1 past the last), first
+    sorted row and row count; max_blocks = T*k / block_m + E bounds the blocks of any routing. `blocks`,
+    `max_blocks`: those of the `block_m` given."""
 
     def __init__(self, experts: Tensor, num_experts: int, block_m: int) -> None:
         flat = experts.reshape(-1)
-        self.order = torch.sort(flat, stable=True).indices
-        counts = torch.bincount(flat, minlength=num_experts)
-        starts = torch.cumsum(counts, 0) - counts
-        per = (counts + block_m - 1) // block_m
-        ends = torch.cumsum(per, 0)
-        self.max_blocks = flat.numel() // block_m + num_experts
-        b = torch.arange(self.max_blocks, device=flat.device)
-        e = torch.searchsorted(ends, b, right=True)
-        live = e < num_experts
-        ec = e.clamp(max=num_experts - 1)
-        local = b - (ends[ec] - per[ec])
-        first = starts[ec] + local * block_m
-        rows = (counts[ec] - local * block_m).clamp(max=block_m)
-        self.blocks = torch.stack([torch.where(live, e, -1), first, torch.where(live, rows, 0)]).to(torch.int32)
+        by_expert, self.order = torch.sort(flat, stable=True)
+        # each expert's first and past-the-last sorted row, on the device (torch.bincount would read its
+        # size back to the host, and a decode step's CUDA graph cannot hold a host sync)
+        ids = torch.arange(num_experts, device=flat.device, dtype=by_expert.dtype)
+        self.starts = torch.searchsorted(by_expert, ids)
+        self.counts = torch.searchsorted(by_expert, ids, right=True) - self.starts
+        self.num_experts, self.rows = num_experts, flat.numel()
+        self._tiles: dict[int, tuple[Tensor, int]] = {}
+        self.blocks, self.max_blocks = self.tiles(block_m)
         self.block_m = block_m
         self.identity = torch.arange(flat.numel(), device=flat.device, dtype=torch.int32)
+
+    def tiles(self, block_m: int) -> tuple[Tensor, int]:
+        if block_m not in self._tiles:
+            counts, experts = self.counts, self.num_experts
+            per = (counts + block_m - 1) // block_m
+            ends = torch.cumsum(per, 0)
+            max_blocks = self.rows // block_m + experts
+            b = torch.arange(max_blocks, device=counts.device)
+            e = torch.searchsorted(ends, b, right=True)
+            live = e < experts
+            ec = e.clamp(max=experts - 1)
+            local = b - (ends[ec] - per[ec])
+            first = self.starts[ec] + local * block_m
+            rows = (counts[ec] - local * block_m).clamp(max=block_m)
+            blocks = torch.stack([torch.where(live, e, -1), first, torch.where(live, rows, 0)]).to(torch.int32)
+            self._tiles[block_m] = blocks, max_blocks
+        return self._tiles[block_m]
+
+    def decode_sized(self) -> bool:
+        """At most one (token, slot) row an expert: a decode step's size, whose products stream the chosen
+        experts' weights (`experts.run` takes the grouped layout for them; the tiles differ)."""
+        return self.rows <= self.num_experts
 
 
 def grouped(
@@ -111,21 +144,20 @@ def grouped(
     if x.shape[1] != leaf * leaves:
         raise AssertionError(f"x has K={x.shape[1]}, the weights {leaf * leaves}")
     interpret = x.device.type == "cpu"
-    cfg = dict(config or (INTERPRET_CONFIG if interpret else LEAF_CONFIG if w.dim() == 4 else CONFIG))
-    if cfg["BLOCK_M"] != runs.block_m:
-        raise AssertionError(f"runs cut in blocks of {runs.block_m} rows, the config tiles {cfg['BLOCK_M']}")
+    cfg = dict(config or (INTERPRET_CONFIG if interpret else _config(x, w.dim() == 4, runs)))
     cfg.pop("GROUP_M", None)
+    blocks, max_blocks = runs.tiles(cfg["BLOCK_M"])
     store = torch.float32 if interpret else out_dtype  # the interpreter's bf16 store does not round like torch
     out = torch.empty(leaves, out_rows, n, dtype=store, device=x.device)
-    grid = (runs.max_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (max_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
     _grouped_kernel[grid](
         x,
         src,
         w,
         out,
         dst,
-        runs.blocks,
-        runs.max_blocks,
+        blocks,
+        max_blocks,
         x.shape[0],
         n,
         leaf,
@@ -143,6 +175,14 @@ def grouped(
     )
     out = out.to(out_dtype)
     return out if w.dim() == 4 else out[0]
+
+
+def _config(x: Tensor, leaves: bool, runs: Runs) -> dict:
+    """The tiles of a product: on Hopper (compute capability 9.x, where they were timed) by the step's size
+    and whether it stores leaves; elsewhere the 64 x 128 tiles."""
+    if torch.cuda.get_device_capability(x.device)[0] == 9:
+        return HOPPER[runs.decode_sized(), leaves]
+    return LEAF_CONFIG if leaves else CONFIG
 
 
 def weighted_tree(y: Tensor, gates: Tensor) -> Tensor:
