@@ -106,6 +106,21 @@ def test_panel_width_divides_n_padded_to_64():
     assert leaves == {576: 576, 1536: 768, 4096: 1024, 300: 320}
 
 
+def test_a_table_takes_one_thread_per_share_that_pays_for_its_hand_off(monkeypatch):
+    """`cpu_calls.threads_for`: one thread below the split threshold, else one per `per_thread` flops (a
+    decode step's products on a 16-core host take a few threads, not all), never more than the pieces or
+    torch's thread count."""
+    from detaudit.backends.kernels import cpu_calls
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert cpu_calls.threads_for(10, 3.9e6, 4e6, 16e6) == 1
+    assert cpu_calls.threads_for(10, 4e6, 4e6, 16e6) == 1
+    assert cpu_calls.threads_for(10, 24e6, 4e6, 16e6) == 2  # a decode q/k/v product of the embedded model
+    assert cpu_calls.threads_for(10, 1e9, 4e6, 16e6) == 10  # at most one thread a piece
+    assert cpu_calls.threads_for(100, 1e9, 4e6, 16e6) == 16  # and torch's thread count
+    assert cpu_calls._threads(100, 40e6) == 3
+
+
 def test_description_names_the_path(cpu_path):
     d = get_backend("bio+tbik").describe()
     assert d["cpu_gemm"] == cpu_path.describe()

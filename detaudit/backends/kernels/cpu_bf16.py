@@ -345,7 +345,7 @@ def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
     if _kernel is None or not torch.backends.mkldnn.enabled:
         return None
     flops = 2.0 * g * nb * r * k2 * p * width
-    if flops >= cpu_calls.MIN_SPLIT_FLOPS and p * nb < torch.get_num_threads():
+    if p * nb < cpu_calls.threads_for(g * nb * p, flops, cpu_calls.MIN_SPLIT_FLOPS, cpu_calls.FLOPS_PER_THREAD):
         return None  # fewer jobs than threads (a decode step's few panels): the leaves' calls spread wider
     out = torch.empty(nb, r, p * width, dtype=torch.float32)
     if out.numel() == 0:

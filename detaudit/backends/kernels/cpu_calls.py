@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 
@@ -40,6 +41,11 @@ ENV = "DETAUDIT_CPU_COMPILED"  # auto (numba's compiled code where installed) | 
 # decode step's products (8 rows, 14-28 MFLOP on the embedded model) gain from two threads:
 # reports/cpu-bf16
 MIN_SPLIT_FLOPS = 4e6
+# past it, one thread per FLOPS_PER_THREAD of the table (up to torch's thread count): each thread's share
+# must pay for its hand-off (a future, a pool thread's wake-up, the GIL around both), which the calls of
+# a decode-sized product spread over 16 threads did not (a 16-core AMX host, where 4, 16 and 64 MFLOP a
+# thread were timed: reports/cpu-bf16). On two threads, tables of 4-16 MFLOP now stay on one.
+FLOPS_PER_THREAD = 16e6
 
 _bound: dict[int, object] = {}  # kernel address -> the compiled loop calling it (None: Python's)
 
@@ -167,8 +173,17 @@ def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.nd
 
 def _threads(n: int, flops: float) -> int:
     """Threads for `n` pieces of work of `flops` in all: one below `MIN_SPLIT_FLOPS` (a hand-off would
-    cost more than it saves), else up to torch's thread count."""
-    return min(torch.get_num_threads(), n) if flops >= MIN_SPLIT_FLOPS else 1
+    cost more than it saves), else one per `FLOPS_PER_THREAD`, up to torch's thread count."""
+    return threads_for(n, flops, MIN_SPLIT_FLOPS, FLOPS_PER_THREAD)
+
+
+def threads_for(n: int, flops: float, least: float, per_thread: float) -> int:
+    """Threads for `n` pieces of work of `flops` in all: one below `least`, else one per `per_thread`
+    flops, at most one per piece and torch's thread count. Which thread runs a piece never changes its
+    bits (each piece is one thread's, whole)."""
+    if flops < least:
+        return 1
+    return max(1, min(torch.get_num_threads(), n, math.ceil(flops / per_thread)))
 
 
 def slices(n: int, part, threads: int) -> None:

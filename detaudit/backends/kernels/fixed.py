@@ -251,6 +251,7 @@ def attention(
 
 
 ATTENTION_SPLIT_FLOPS = 1e6  # below this one thread computes the compiled attention (a hand-off costs ~0.1 ms)
+ATTENTION_FLOPS_PER_THREAD = 4e6  # past it, a thread per this much (`cpu_calls.threads_for`, FLOPS_PER_THREAD)
 
 
 def _attention_compiled(
@@ -280,7 +281,8 @@ def _attention_compiled(
 
     work = 4.0 * g * rows * d * length  # flops of the scores and the weighted values, at most
     with cpu_gemm.profiled("detaudit::cpu_attention"):
-        cpu_calls.slices(g, part, torch.get_num_threads() if work >= ATTENTION_SPLIT_FLOPS else 1)
+        threads = cpu_calls.threads_for(g, work, ATTENTION_SPLIT_FLOPS, ATTENTION_FLOPS_PER_THREAD)
+        cpu_calls.slices(g, part, threads)
     return out
 
 
