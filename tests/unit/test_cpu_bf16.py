@@ -109,7 +109,7 @@ def test_panel_width_divides_n_padded_to_64():
 def test_a_table_takes_one_thread_per_share_that_pays_for_its_hand_off(monkeypatch):
     """`cpu_calls.threads_for`: one thread below the split threshold, else one per `per_thread` flops (a
     decode step's products on a 16-core host take a few threads, not all), never more than the pieces or
-    torch's thread count."""
+    torch's thread count; the share is the path's (AMX's calls are faster than vdpbf16ps')."""
     from detaudit.backends.kernels import cpu_calls
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
@@ -118,7 +118,10 @@ def test_a_table_takes_one_thread_per_share_that_pays_for_its_hand_off(monkeypat
     assert cpu_calls.threads_for(10, 24e6, 4e6, 16e6) == 2  # a decode q/k/v product of the embedded model
     assert cpu_calls.threads_for(10, 1e9, 4e6, 16e6) == 10  # at most one thread a piece
     assert cpu_calls.threads_for(100, 1e9, 4e6, 16e6) == 16  # and torch's thread count
-    assert cpu_calls._threads(100, 40e6) == 3
+    kernel = cpu_calls.Kernel(None, 0, None, 0, True, cpu_bf16.PER_THREAD["amx"])
+    assert cpu_calls._threads(kernel, 100, 40e6) == 3  # AMX: a thread per 16 MFLOP of calls
+    kernel = cpu_calls.Kernel(None, 0, None, 0, False, cpu_bf16.PER_THREAD["avx512_bf16"])
+    assert cpu_calls._threads(kernel, 100, 5e6) == 2  # vdpbf16ps: any table past the threshold splits
 
 
 def test_description_names_the_path(cpu_path):

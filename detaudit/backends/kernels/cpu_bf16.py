@@ -54,6 +54,12 @@ CHOICES = ("auto", "bf16", "fp32")
 # 8. An AMX tile holds 16 rows and a call loads each 16-column tile of B once per block whatever its
 # rows, so 16 rows halve B's loads per row in prefill and fill the tiles
 ROWS = {"avx512_bf16": 8, "amx": 16}
+# flops of calls worth a thread of their own (`cpu_calls.threads_for`), per path: a thread's share must pay
+# for its hand-off. vdpbf16ps: 4 MFLOP, where a 2-core VM's decode products (14-28 MFLOP) gained from two
+# threads; AMX calls are ~4x faster (6.5 against 29 us for one [16, 576] x [576, 256] call on one AMX
+# host, tools/amx_calls.py), and there a decode product over 16 threads spent more in hand-offs than in
+# calls (0.67 ms against torch's 45 us): 16 MFLOP (reports/cpu-bf16)
+PER_THREAD = {"avx512_bf16": 4e6, "amx": 16e6}
 PANEL_UNIT = 64  # W is a multiple of this...
 PANEL_MAX = 256  # ...and at most this for a linear layer (of 64..512, 256 was at or near the fastest for
 # the embedded model's shapes here; all of a wide N in one call was slower)
@@ -225,7 +231,8 @@ def choose(setting: str | None = None) -> Choice:
     _chosen = decide(setting, flags, os.environ, fn is not None and release is not None, onednn, amx)
     _kernel = None
     if _chosen.bf16:
-        _kernel = cpu_calls.Kernel(fn, _address(fn), release, _address(release), _chosen.path == "amx")
+        amx = _chosen.path == "amx"
+        _kernel = cpu_calls.Kernel(fn, _address(fn), release, _address(release), amx, PER_THREAD[_chosen.path])
         if bad := _self_check():
             _kernel = None
             if setting == "bf16":
@@ -345,7 +352,7 @@ def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
     if _kernel is None or not torch.backends.mkldnn.enabled:
         return None
     flops = 2.0 * g * nb * r * k2 * p * width
-    if p * nb < cpu_calls.threads_for(g * nb * p, flops, cpu_calls.MIN_SPLIT_FLOPS, cpu_calls.FLOPS_PER_THREAD):
+    if p * nb < cpu_calls.threads_for(g * nb * p, flops, cpu_calls.MIN_SPLIT_FLOPS, _kernel.per_thread):
         return None  # fewer jobs than threads (a decode step's few panels): the leaves' calls spread wider
     out = torch.empty(nb, r, p * width, dtype=torch.float32)
     if out.numel() == 0:

@@ -41,11 +41,9 @@ ENV = "DETAUDIT_CPU_COMPILED"  # auto (numba's compiled code where installed) | 
 # decode step's products (8 rows, 14-28 MFLOP on the embedded model) gain from two threads:
 # reports/cpu-bf16
 MIN_SPLIT_FLOPS = 4e6
-# past it, one thread per FLOPS_PER_THREAD of the table (up to torch's thread count): each thread's share
-# must pay for its hand-off (a future, a pool thread's wake-up, the GIL around both), which the calls of
-# a decode-sized product spread over 16 threads did not (a 16-core AMX host, where 4, 16 and 64 MFLOP a
-# thread were timed: reports/cpu-bf16). On two threads, tables of 4-16 MFLOP now stay on one.
-FLOPS_PER_THREAD = 16e6
+# past it, one thread per `Kernel.per_thread` flops of the table (up to torch's thread count): each
+# thread's share must pay for its hand-off (a future, a pool thread's wake-up, the GIL around both), so
+# the share follows how fast the kernel's calls are (`cpu_bf16.PER_THREAD`)
 
 _bound: dict[int, object] = {}  # kernel address -> the compiled loop calling it (None: Python's)
 
@@ -54,13 +52,15 @@ _bound: dict[int, object] = {}  # kernel address -> the compiled loop calling it
 class Kernel:
     """The micro-kernel of a process's products: `fn` (ctypes) at `addr`, and `at::native::cpublas::
     brgemm_release` (`release_fn` at `release_addr`), which a thread calls after its slice of calls where
-    `release` is set (AMX: the tiles are per-thread state that other AMX code on the thread may change)."""
+    `release` is set (AMX: the tiles are per-thread state that other AMX code on the thread may change);
+    `per_thread`: a table takes a thread per this many flops of its calls."""
 
     fn: object
     addr: int
     release_fn: object
     release_addr: int
     release: bool
+    per_thread: float = MIN_SPLIT_FLOPS  # flops of calls worth a thread of their own
 
 
 def _wanted() -> bool:
@@ -134,7 +134,7 @@ def run_tree(kernel: Kernel, shape, table: np.ndarray, leaves: int, out: np.ndar
         mod.tree_loop(*shape, table[lo * leaves : hi * leaves], leaves, out, kernel.release)
 
     with cpu_gemm.profiled("detaudit::bf16_block_products"):
-        slices(jobs, part, _threads(jobs, flops))
+        slices(jobs, part, _threads(kernel, jobs, flops))
     return True
 
 
@@ -168,13 +168,13 @@ def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.nd
             loop(*shape, table[lo:hi], release)
 
     with cpu_gemm.profiled("detaudit::bf16_block_products"):
-        slices(n, part, _threads(n, flops))
+        slices(n, part, _threads(kernel, n, flops))
 
 
-def _threads(n: int, flops: float) -> int:
-    """Threads for `n` pieces of work of `flops` in all: one below `MIN_SPLIT_FLOPS` (a hand-off would
-    cost more than it saves), else one per `FLOPS_PER_THREAD`, up to torch's thread count."""
-    return threads_for(n, flops, MIN_SPLIT_FLOPS, FLOPS_PER_THREAD)
+def _threads(kernel: Kernel, n: int, flops: float) -> int:
+    """Threads for `n` calls of `flops` in all: one below `MIN_SPLIT_FLOPS` (a hand-off would cost more
+    than it saves), else one per the kernel's `per_thread`, up to torch's thread count."""
+    return threads_for(n, flops, MIN_SPLIT_FLOPS, kernel.per_thread)
 
 
 def threads_for(n: int, flops: float, least: float, per_thread: float) -> int:

@@ -251,7 +251,7 @@ def attention(
 
 
 ATTENTION_SPLIT_FLOPS = 1e6  # below this one thread computes the compiled attention (a hand-off costs ~0.1 ms)
-ATTENTION_FLOPS_PER_THREAD = 4e6  # past it, a thread per this much (`cpu_calls.threads_for`, FLOPS_PER_THREAD)
+ATTENTION_FLOPS_PER_THREAD = 4e6  # past it, a thread per this much (`cpu_calls.threads_for`)
 
 
 def _attention_compiled(
