@@ -484,10 +484,11 @@ def test_bf16_products_are_f_linear():
 
 
 def test_moe_on_gpu_layouts_graphs_and_tp_invariance(tmp_path):
-    """A shrunk copy of `qwen3-30b-a3b-shaped` (the same parameter names and routing) on a GPU: the
-    every-expert decode layout and the per-expert prefill layout give the same bits (teacher forcing
-    re-scores the generated tokens in one long prefill), graphed decode equals eager decode, bio is batch
-    invariant and bio+tbik at emulated TP 2 equals TP 1, routing records included."""
+    """A shrunk copy of `qwen3-30b-a3b-shaped` (the same parameter names and routing) on a GPU: decode
+    steps (grouped at batch 1 and 4: at most one (token, slot) row of its 32 experts; every expert on
+    every token is `test_grouped_decode.py`'s reference) and the long prefill give the same bits (teacher
+    forcing re-scores the generated tokens in one prefill), graphed decode equals eager decode, bio is
+    batch invariant and bio+tbik at emulated TP 2 equals TP 1, routing records included."""
     import json
     import shutil
 
