@@ -70,7 +70,7 @@ def main(tp: int, tokens: list[int]) -> None:
         for kind, cfgs in CANDIDATES.items():
             ref = {}
             for cfg in cfgs:
-                runs = grouped_mm.Runs(experts, E, cfg["BLOCK_M"])
+                runs = grouped_mm.Runs(experts, E)
                 src, dst = (runs.order // K).int(), runs.order.int()
                 calls = (
                     {

@@ -188,7 +188,7 @@ class Grouped:
     def __init__(self, b, w: ExpertWeights, rank: int, name: str, h: Tensor, experts: Tensor) -> None:
         self.b, self.down_w, self.name = b, w.down[rank], name
         t, k = self.shape = tuple(experts.shape)
-        self.runs = grouped_mm.Runs(experts, w.num_experts, grouped_mm.BLOCK_M)
+        self.runs = grouped_mm.Runs(experts, w.num_experts)
         src = (self.runs.order // k).to(torch.int32)  # sorted row -> its token's row of h
         gate_up = b.expert_runs_matmul(h, src, w.gate_up[rank], self.runs, self.runs.identity, t * k, out_dtype=h.dtype)
         self.act = _silu(b, gate_up)  # [T*k, I/C], rows sorted by expert

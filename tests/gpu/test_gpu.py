@@ -91,7 +91,7 @@ def test_grouped_expert_products_give_the_per_expert_bits():
     # skewed routing: low experts get long runs (TMA tiles), high ones a few rows or none
     scores = torch.rand(t, e, device="cuda", generator=g) * torch.linspace(4, 1, e, device="cuda") ** 3
     experts = scores.topk(k).indices
-    runs = grouped_mm.Runs(experts, e, grouped_mm.BLOCK_M)
+    runs = grouped_mm.Runs(experts, e)
     order, counts = runs.order, torch.bincount(experts.reshape(-1), minlength=e).tolist()
     x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
     w_gu = torch.randn(e, 2 * inter, h, device="cuda", generator=g).bfloat16() / 32

@@ -527,10 +527,11 @@ def grouped_experts(g: torch.Generator) -> None:
     experts = torch.randint(0, e, (t, k), generator=g)
     experts[:7, 0] = 2  # one expert past one 16-row block; expert 5 gets none
     experts[experts == 5] = 4
-    runs = grouped_mm.Runs(experts, e, grouped_mm.INTERPRET_CONFIG["BLOCK_M"])
+    runs = grouped_mm.Runs(experts, e)
     order = runs.order
     counts = torch.bincount(experts.reshape(-1), minlength=e)
-    check(int((runs.blocks[0] >= 0).sum()) == int(((counts + 15) // 16).sum()), "one block per 16 rows of an expert")
+    blocks = runs.tiles(grouped_mm.INTERPRET_CONFIG["BLOCK_M"])[0]
+    check(int((blocks[0] >= 0).sum()) == int(((counts + 15) // 16).sum()), "one block per 16 rows of an expert")
     x = torch.randn(t, h, generator=g).bfloat16()
     w_gu = torch.randn(e, 2 * inter, h, generator=g).bfloat16()
     src = (order // k).to(torch.int32)
@@ -588,10 +589,9 @@ def grouped_layout_tp_invariant() -> None:
 
     from detaudit.config import DecodingParams
 
-    usable, block_m = grouped_mm.usable, grouped_mm.BLOCK_M
+    usable = grouped_mm.usable
     asked = []
     grouped_mm.usable = lambda x: asked.append(x.shape[0]) or True  # the GPU layout on CPU tensors
-    grouped_mm.BLOCK_M = grouped_mm.INTERPRET_CONFIG["BLOCK_M"]
     try:
         with tempfile.TemporaryDirectory() as d:
             path = test_moe.build("mixtral", Path(d) / "mixtral")
@@ -602,7 +602,7 @@ def grouped_layout_tp_invariant() -> None:
                 gen = local_engine(path, "bio+tbik", tp, emulated=tp > 1).generate(prompt, ["a"], dec, 1)[0]
                 runs[tp] = (gen.token_ids, gen.token_logprobs, gen.route_experts, gen.route_gates)
     finally:
-        grouped_mm.usable, grouped_mm.BLOCK_M = usable, block_m
+        grouped_mm.usable = usable
     check(bool(asked), "grouped MoE layout: the prefill never took the grouped layout")
     check(runs[2] == runs[1] and runs[8] == runs[1], "grouped MoE layout: emulated TP 2 and 8 == TP 1")
 
@@ -618,10 +618,10 @@ def grouped_layer_fp32_partials() -> None:
     from detaudit.backends import experts
     from unit.test_props_moe import _layer, _run
 
-    saved = grouped_mm.usable, grouped_mm.BLOCK_M, experts.DENSE_TOKENS
+    saved = grouped_mm.usable, experts.DENSE_TOKENS
     asked = []
     grouped_mm.usable = lambda x: asked.append(x.shape[0]) or True  # the GPU layout on CPU tensors
-    grouped_mm.BLOCK_M, experts.DENSE_TOKENS = grouped_mm.INTERPRET_CONFIG["BLOCK_M"], 0
+    experts.DENSE_TOKENS = 0
     try:
         h = _spread(19, 16, seed=3, dtype=torch.bfloat16)
         layers = {c: _layer("bio+tbik", c, 4, 2, 16, 24, True, torch.bfloat16, 7) for c in (1, 2, 8)}
@@ -631,7 +631,7 @@ def grouped_layer_fp32_partials() -> None:
             check(torch.equal(_run(layers[c], h, decode=False)[0], ref), f"grouped MoE layer fp32: TP {c} == TP 1")
         check(torch.equal(_run(layers[1], h[5:6], decode=False)[0], ref[5:6]), "grouped MoE layer fp32: token alone")
     finally:
-        grouped_mm.usable, grouped_mm.BLOCK_M, experts.DENSE_TOKENS = saved
+        grouped_mm.usable, experts.DENSE_TOKENS = saved
 
 
 def swapped_products(g: torch.Generator) -> None:

@@ -1,8 +1,8 @@
 """The invariant backends' MoE expert products on GPU in one launch per projection, and each token's
 weighted sum of its experts (then the leaves' tree) in one more.
 
-`Runs` sorts one step's (token, slot) rows by expert and cuts every expert's run into blocks of BLOCK_M
-rows of that expert, on the device: no host sync, whatever the routing (graphed decode steps of at most
+`Runs` sorts one step's (token, slot) rows by expert and cuts every expert's run into blocks of a config's
+BLOCK_M rows of that expert, on the device: no host sync, whatever the routing (graphed decode steps of at most
 one row an expert take it too: only the chosen experts' weights are read). `grouped` computes every
 block's product with its expert's weight in one launch; a row is gathered from its source row of x and
 stored at its destination row, so the gate / up product reads the tokens' hidden states in place and
@@ -41,9 +41,8 @@ except ImportError:  # pragma: no cover - depends on the install
 # 64 x 256 with two warpgroups; the tree's leaf products keep 64 x 128 in prefill, where the stores of
 # every leaf's fp32 outputs bound them. Other GPUs keep the 64 x 128 tiles (their shared memory may not
 # hold the larger ones' stages).
-BLOCK_M = 64
-CONFIG = dict(BLOCK_M=BLOCK_M, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
-LEAF_CONFIG = dict(BLOCK_M=BLOCK_M, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=3)
+CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+LEAF_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=3)
 HOPPER = {
     (False, False): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
     (False, True): LEAF_CONFIG,
@@ -81,10 +80,10 @@ class Runs:
     without a host sync (so graphed decode steps take it too). `order[r]`: the (token, slot) row (t*k + j)
     of sorted row r. `tiles(block_m)`: every expert's run cut into blocks of `block_m` rows of that expert,
     (blocks, max_blocks): `blocks` [3, max_blocks] int32, each block's expert (-1 past the last), first
-    sorted row and row count; max_blocks = T*k / block_m + E bounds the blocks of any routing. `blocks`,
-    `max_blocks`: those of the `block_m` given."""
+    sorted row and row count; max_blocks = T*k / block_m + E bounds the blocks of any routing. Made when a
+    product first asks for its config's block_m, once a step."""
 
-    def __init__(self, experts: Tensor, num_experts: int, block_m: int) -> None:
+    def __init__(self, experts: Tensor, num_experts: int) -> None:
         flat = experts.reshape(-1)
         by_expert, self.order = torch.sort(flat, stable=True)
         # each expert's first and past-the-last sorted row, on the device (torch.bincount would read its
@@ -94,8 +93,6 @@ class Runs:
         self.counts = torch.searchsorted(by_expert, ids, right=True) - self.starts
         self.num_experts, self.rows = num_experts, flat.numel()
         self._tiles: dict[int, tuple[Tensor, int]] = {}
-        self.blocks, self.max_blocks = self.tiles(block_m)
-        self.block_m = block_m
         self.identity = torch.arange(flat.numel(), device=flat.device, dtype=torch.int32)
 
     def tiles(self, block_m: int) -> tuple[Tensor, int]:
