@@ -12,13 +12,11 @@ import pytest
 import torch
 
 from detaudit.backends import experts as layouts
-from detaudit.backends import get_backend
-from detaudit.backends.base import TPContext
 from detaudit.backends.kernels import grouped_mm
+from gpu import moe_inputs
+from gpu.moe_inputs import H
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-E, K, H, INTER = 128, 8, 2048, 768  # Qwen3-30B-A3B's experts
 
 
 class _Partials:
@@ -32,33 +30,12 @@ class _Partials:
         return torch.stack(partials)
 
 
-def _setup(backend: str, tp: int, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    b = get_backend(backend)
-    ctx = TPContext(b, tp, 0, emulated=tp > 1, dtype=torch.bfloat16)
-    gate, up = (torch.randn(E, INTER, H, device="cuda", generator=g).bfloat16() / 32 for _ in range(2))
-    down = torch.randn(E, H, INTER, device="cuda", generator=g).bfloat16() / 32
-    p = INTER // tp
-    gate_up = [torch.cat([gate[:, r * p : (r + 1) * p], up[:, r * p : (r + 1) * p]], 1) for r in range(tp)]
-    downs = [down[..., r * p : (r + 1) * p].contiguous() for r in range(tp)]
-    return b, b.expert_weights(gate_up, downs, ctx, "t")
-
-
-def _tokens(t: int, seed: int):
-    """h[t, H] and a skewed top-K routing (low experts chosen often, high ones rarely or never)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    h = torch.randn(t, H, device="cuda", generator=g).bfloat16()
-    scores = torch.rand(t, E, device="cuda", generator=g) * torch.linspace(4, 1, E, device="cuda") ** 3
-    top = scores.topk(K)
-    return h, top.indices, top.values / top.values.sum(1, keepdim=True)
-
-
 @pytest.mark.parametrize("backend", ["bio", "bio+tbik"])
 @pytest.mark.parametrize("tp", [1, 4])
 @pytest.mark.parametrize("tokens", [1, 8, 16, 32])  # 8 to 256 rows: decode-sized up to E = 128 rows
 def test_grouped_layout_equals_every_expert_layout_at_decode_shapes(backend, tp, tokens):
-    b, w = _setup(backend, tp, 7)
-    h, experts, gates = _tokens(tokens, 3)
+    b, _, w = moe_inputs.experts(backend, tp, 7)
+    h, experts, gates = moe_inputs.tokens(tokens, 3)
     for r in range(tp):
         got = layouts.Grouped(b, w, r, "t", h, experts).down(gates, tp)
         assert got.dtype == torch.float32 and got.shape == (tokens, H)
@@ -67,9 +44,9 @@ def test_grouped_layout_equals_every_expert_layout_at_decode_shapes(backend, tp,
 
 @pytest.mark.parametrize("backend", ["bio", "bio+tbik"])
 def test_grouped_decode_no_host_sync_and_graph_replay(backend, monkeypatch):
-    b, w = _setup(backend, 1, 5)
+    b, _, w = moe_inputs.experts(backend, 1, 5)
     ctx = _Partials(1)
-    h, experts, gates = _tokens(16, 4)  # 128 rows: decode-sized
+    h, experts, gates = moe_inputs.tokens(16, 4)  # 128 rows: decode-sized
     launches = []
     grouped = grouped_mm.grouped
     monkeypatch.setattr(grouped_mm, "grouped", lambda *a, **k: launches.append(1) or grouped(*a, **k))
@@ -89,7 +66,7 @@ def test_grouped_decode_no_host_sync_and_graph_replay(backend, monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = layouts.run(b, h, experts, gates, w, ctx, True, "t")
-    h2, experts2, gates2 = _tokens(16, 9)
+    h2, experts2, gates2 = moe_inputs.tokens(16, 9)
     for static, new in ((h, h2), (experts, experts2), (gates, gates2)):
         static.copy_(new)
     graph.replay()

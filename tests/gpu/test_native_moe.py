@@ -9,38 +9,19 @@ import pytest
 import torch
 
 from detaudit.backends import experts as layouts
-from detaudit.backends import get_backend, native_moe
-from detaudit.backends.base import TPContext
+from detaudit.backends import native_moe
+from gpu import moe_inputs
+from gpu.moe_inputs import E, H
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-E, K, H, INTER = 128, 8, 2048, 768  # Qwen3-30B-A3B's experts
-
 
 def _experts(tp: int, seed: int):
-    """(backend, ctx, weights) of E random experts sharded over TP `tp` (emulated: every rank's shards here),
-    laid out as the MoE layer loads them."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    b = get_backend("bf16")
-    ctx = TPContext(b, tp, 0, emulated=tp > 1, dtype=torch.bfloat16)
-    gate, up = (torch.randn(E, INTER, H, device="cuda", generator=g).bfloat16() / 32 for _ in range(2))
-    down = torch.randn(E, H, INTER, device="cuda", generator=g).bfloat16() / 32
-    p = INTER // tp
-    gate_up = [torch.cat([gate[:, r * p : (r + 1) * p], up[:, r * p : (r + 1) * p]], 1) for r in range(tp)]
-    downs = [down[..., r * p : (r + 1) * p].contiguous() for r in range(tp)]
-    w = b.expert_weights(gate_up, downs, ctx, "t")
+    """bf16's (backend, ctx, weights) of the shared random experts, where torch's grouped mm can run them."""
+    b, ctx, w = moe_inputs.experts("bf16", tp, seed)
     if not native_moe.usable(torch.empty(1, H, device="cuda", dtype=torch.bfloat16), w):
         pytest.skip("torch's grouped mm has no CUTLASS path on this GPU (compute capability 9.x / 10.x)")
     return b, ctx, w
-
-
-def _tokens(t: int, seed: int):
-    """h[t, H] and a skewed top-K routing (low experts get long runs, high ones a few rows or none)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    h = torch.randn(t, H, device="cuda", generator=g).bfloat16()
-    scores = torch.rand(t, E, device="cuda", generator=g) * torch.linspace(4, 1, E, device="cuda") ** 3
-    top = scores.topk(K)
-    return h, top.indices, top.values / top.values.sum(1, keepdim=True)
 
 
 @pytest.mark.parametrize("tp", [1, 4])
@@ -49,7 +30,7 @@ def test_grouped_experts_match_the_per_expert_layouts(tp, tokens):
     """The grouped products (one launch per projection) against the backend's per-expert layouts (batched
     or one cuBLAS product per expert), both against an fp32 computation of the same layer: bf16 tolerance."""
     b, ctx, w = _experts(tp, 1)
-    h, experts, gates = _tokens(tokens, 2)
+    h, experts, gates = moe_inputs.tokens(tokens, 2)
     got = native_moe.run(b, h, experts, gates, w, ctx)
     want = layouts.run(b, h, experts, gates, w, ctx, tokens <= layouts.DENSE_TOKENS, "t")
     ref = torch.zeros(tokens, H, device="cuda")  # fp32, expert by expert over its (token, slot) rows
@@ -71,7 +52,7 @@ def test_grouped_experts_no_host_sync_and_cuda_graph_replay():
     """A decode step's experts (64 requests) issue no host sync (torch's sync debug mode raises on one), and a
     CUDA graph captured over them gives, replayed on new hidden states and routing, the eager call's bits."""
     b, ctx, w = _experts(1, 3)
-    h, experts, gates = _tokens(64, 4)
+    h, experts, gates = moe_inputs.tokens(64, 4)
     b.experts(h, experts, gates, w, ctx, decode=True)  # warm-up: lazy initialisation may sync
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -87,7 +68,7 @@ def test_grouped_experts_no_host_sync_and_cuda_graph_replay():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = b.experts(h, experts, gates, w, ctx, decode=True)
-    h2, experts2, gates2 = _tokens(64, 5)
+    h2, experts2, gates2 = moe_inputs.tokens(64, 5)
     for static, new in ((h, h2), (experts, experts2), (gates, gates2)):
         static.copy_(new)
     graph.replay()
