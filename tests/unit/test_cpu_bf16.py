@@ -245,6 +245,31 @@ def test_leaf_sums_are_the_pairwise_sums_of_the_leaf_products_or_left_to_the_cal
             assert torch.equal(got, tree.pairwise(cpu_bf16.products(leaves, packed)))
 
 
+@pytest.mark.parametrize("leaves, shape", [(2, (16, 576)), (4, (3, 5)), (8, (16, 576)), (8, (2, 16, 77))])
+def test_leaf_tree_is_the_pairwise_tree_bit_for_bit(monkeypatch, leaves, shape):
+    """The compiled tree over leaf products (`cpu_bf16.leaf_tree`: a decode step's leaves where
+    `leaf_sums` leaves them to the caller) adds what `tree.pairwise`'s torch ops add, in the same pairs:
+    the same fp32 bits, on magnitudes where another order would round differently. Any CPU with numba."""
+    from helpers import require
+
+    require("numba", "cpu")
+    from detaudit.backends.kernels import cpu_calls, tree
+
+    monkeypatch.setenv(cpu_calls.ENV, "auto")
+    g = torch.Generator().manual_seed(leaves)
+    x = torch.randn(leaves, *shape, generator=g) * torch.logspace(-6, 6, leaves).view(-1, *[1] * len(shape))
+    got = cpu_bf16.leaf_tree(x)
+    assert got is not None and got.shape == shape
+    assert torch.equal(got, tree.pairwise(x))
+    if leaves >= 4 and got.numel() > 1000:  # in leaf order the sum rounds otherwise: the pairs are tested
+        in_order = x[0]
+        for leaf in x[1:]:
+            in_order = in_order + leaf
+        assert not torch.equal(got, in_order)
+    monkeypatch.setenv(cpu_calls.ENV, "off")
+    assert cpu_bf16.leaf_tree(x) is None  # nothing compiled: the caller's torch adds
+
+
 def test_products_and_leaf_sums_refuse_rows_the_calls_cannot_take(bf16_chosen):
     r, bf16 = cpu_bf16.choice().rows, torch.bfloat16
     packed = torch.zeros(2, 1, 32, 64, 2, dtype=bf16)  # K2 = 64

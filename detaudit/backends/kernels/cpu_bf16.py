@@ -366,6 +366,21 @@ def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
     return out if cpu_calls.run_tree(_kernel, shape, table, g, out.numpy().reshape(-1), flops) else None
 
 
+def leaf_tree(leaves: Tensor) -> Tensor | None:
+    """fp32 leaves[G, ...] (G a power of two, at least 2) added pairwise, ((l0 + l1) + (l2 + l3)) + ...:
+    `tree.pairwise`'s adds in its pairs, so its bits, as one compiled call on this thread instead of a
+    torch op per level. Where `leaf_sums` leaves the sums to the caller (a decode step's few output
+    blocks), those torch adds were a parallel region each on a many-core host (reports/cpu-bf16). None
+    where nothing is compiled."""
+    g = leaves.shape[0]
+    mod = cpu_calls.compiled("cpu_loop")
+    if mod is None or g < 2 or g & (g - 1) or leaves.dtype != torch.float32 or not leaves.is_contiguous():
+        return None
+    out = torch.empty(g // 2, *leaves.shape[1:], dtype=torch.float32)
+    mod.pairwise(leaves.view(g, -1).numpy(), out.view(g // 2, -1).numpy())
+    return out[0]
+
+
 @functools.lru_cache(maxsize=1024)
 def _tree_offsets(
     g: int, p: int, nb: int, a_group: int, a_block: int, c_block: int, b_panel: int, width: int

@@ -58,3 +58,22 @@ def tree_loop(m, n, k, lda, ldb, ldc, table, leaves, out, release):  # pragma: n
             out[c + r * ldc : c + r * ldc + n] = scratch[r * n : (r + 1) * n]
     if release:
         _release(1)
+
+
+@numba.njit(nogil=True, cache=True)
+def pairwise(leaves, out):  # pragma: no cover (compiled)
+    """out = the tree over leaves[G, S] (fp32, G a power of two, at least 2): (l0 + l1) into out's first
+    level, then ((l0 + l1) + (l2 + l3)) + ... in place, `tree.pairwise`'s adds in its pairs, so its bits
+    (an element's adds never depend on the other elements). out: fp32 [G / 2, S], the sum in out[0]."""
+    g, size = leaves.shape
+    for j in range(0, g, 2):
+        left, right, dst = leaves[j], leaves[j + 1], out[j // 2]
+        for e in range(size):
+            dst[e] = left[e] + right[e]
+    step = 1
+    while step < g // 2:
+        for j in range(0, g // 2, 2 * step):
+            left, right = out[j], out[j + step]
+            for e in range(size):
+                left[e] += right[e]
+        step *= 2
