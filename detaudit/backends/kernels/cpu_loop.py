@@ -33,6 +33,20 @@ def loop(m, n, k, lda, ldb, ldc, table, release):  # pragma: no cover (compiled)
         _release(1)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _tree_in_place(nodes):  # pragma: no cover (compiled)
+    """nodes[G, S] (G a power of two) summed up the tree into nodes[0]: each level adds every node into its
+    left sibling, ((n0 + n1) + (n2 + n3)) + ..., `tree.pairwise`'s adds in its pairs."""
+    g, size = nodes.shape
+    step = 1
+    while step < g:
+        for j in range(0, g, 2 * step):
+            left, right = nodes[j], nodes[j + step]
+            for e in range(size):
+                left[e] += right[e]
+        step *= 2
+
+
 @numba.njit(nogil=True, cache=True)
 def tree_loop(m, n, k, lda, ldb, ldc, table, leaves, out, release):  # pragma: no cover (compiled)
     """The calls of `table` in jobs of `leaves` rows, a job one output block: each leaf's [m, n] product
@@ -45,14 +59,7 @@ def tree_loop(m, n, k, lda, ldb, ldc, table, leaves, out, release):  # pragma: n
     for i in range(0, table.shape[0], leaves):
         for j in range(leaves):
             _kernel(m, n, k, lda, ldb, n, 0, table[i + j, 0], table[i + j, 1], base + j * size * 4, 1)
-        step = 1
-        while step < leaves:
-            for j in range(0, leaves, 2 * step):
-                left = scratch[j * size : (j + 1) * size]
-                right = scratch[(j + step) * size : (j + step + 1) * size]
-                for e in range(size):
-                    left[e] += right[e]
-            step *= 2
+        _tree_in_place(scratch.reshape(leaves, size))
         c = table[i, 2] // 4
         for r in range(m):
             out[c + r * ldc : c + r * ldc + n] = scratch[r * n : (r + 1) * n]
@@ -66,14 +73,8 @@ def pairwise(leaves, out):  # pragma: no cover (compiled)
     level, then ((l0 + l1) + (l2 + l3)) + ... in place, `tree.pairwise`'s adds in its pairs, so its bits
     (an element's adds never depend on the other elements). out: fp32 [G / 2, S], the sum in out[0]."""
     g, size = leaves.shape
-    for j in range(0, g, 2):
+    for j in range(0, g, 2):  # the first level out of place (the leaves stay the caller's)
         left, right, dst = leaves[j], leaves[j + 1], out[j // 2]
         for e in range(size):
             dst[e] = left[e] + right[e]
-    step = 1
-    while step < g // 2:
-        for j in range(0, g // 2, 2 * step):
-            left, right = out[j], out[j + step]
-            for e in range(size):
-                left[e] += right[e]
-        step *= 2
+    _tree_in_place(out)

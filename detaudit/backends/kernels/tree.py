@@ -132,7 +132,7 @@ def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
         out = cpu_bf16.leaf_sums(xl, packed) if leaves > 1 else None  # in cache; else the same adds here
         if out is None:
             products = cpu_bf16.products(xl, packed)
-            out = cpu_bf16.leaf_tree(products) if leaves > 1 else None
+            out = cpu_bf16.leaf_tree(products)  # (None for one leaf, or nothing compiled)
             out = pairwise(products) if out is None else out
         return out.view(-1, out.shape[-1])[:m, :n]
     xb = fixed.blocks_of(x2)  # [nb, R, K_local]
