@@ -17,8 +17,9 @@ from detaudit.backends.kernels import cpu_bf16
 SHAPES = [(576, 2560), (576, 3072), (1536, 576), (576, 576)]  # (K, N): q/k/v, gate/up, down, o
 
 
-def per_call(fn, reps: int) -> float:
-    for _ in range(3):
+def per_call(fn, reps: int, warm: int = 3) -> float:
+    """Microseconds a call of fn(): the mean of `reps` after `warm` calls (also `cpu_attention_calls`')."""
+    for _ in range(warm):
         fn()
     start = time.perf_counter()
     for _ in range(reps):

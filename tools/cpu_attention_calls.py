@@ -7,23 +7,14 @@ after 20 warm-up calls."""
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+from amx_calls import per_call  # (this folder: run as `python3 tools/cpu_attention_calls.py`)
 
 from detaudit.backends.kernels import fixed
 
 B, HQ, HKV, D = 8, 24, 8, 64
-
-
-def per_call(fn, reps: int = 200) -> float:
-    for _ in range(20):
-        fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps * 1e6
 
 
 def main(lengths: list[int]) -> None:
@@ -35,8 +26,8 @@ def main(lengths: list[int]) -> None:
         k, v = (torch.randn(B, HKV, length, D, generator=g).bfloat16() for _ in range(2))
         q = torch.randn(B, HQ, 1, D, generator=g).bfloat16()
         pos = torch.full((B, 1), length - 1, dtype=torch.int64)
-        ours = per_call(lambda: fixed.attention(q, k, v, pos, D**-0.5, 256, None, {}))
-        sdpa = per_call(lambda: F.scaled_dot_product_attention(q, k, v, scale=D**-0.5, enable_gqa=True))
+        ours = per_call(lambda: fixed.attention(q, k, v, pos, D**-0.5, 256, None, {}), 200, warm=20)
+        sdpa = per_call(lambda: F.scaled_dot_product_attention(q, k, v, scale=D**-0.5, enable_gqa=True), 200, warm=20)
         print(f"| {length} | {ours:.1f} | {sdpa:.1f} |", flush=True)
 
 
