@@ -21,11 +21,13 @@ tests/unit/test_cpu_bf16.py compares them.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
 import importlib.util
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +37,8 @@ from detaudit.backends.kernels import cpu_gemm
 from detaudit.errors import DetauditError
 
 ENV = "DETAUDIT_CPU_COMPILED"  # auto (numba's compiled code where installed) | off
+TEAM_ENV = "DETAUDIT_CPU_TEAM"  # auto (a compiled product's slices on `cpu_team`'s workers) | off (the
+# Python pool of `cpu_gemm.run_jobs`, as before the team; the same calls, so the same bits)
 # below this a table's calls stay on the calling thread. A compiled table's hand-off to the pool costs
 # less than the torch-op jobs' (`cpu_gemm.MIN_SPLIT_FLOPS`: those set torch's thread count too), and
 # since the command line keeps libgomp's threads from spinning on the pool's cores (`omp_wait`) a
@@ -110,15 +114,9 @@ def dispatcher() -> str:
 
 
 def _loops(kernel: Kernel):
-    """The compiled loops calling `kernel` (the `cpu_loop` module), or None where the loop stays in
-    Python. One kernel per process (the bf16 micro-kernel): its and brgemm_release's addresses are bound
-    to the loops' symbols."""
-    if kernel.addr not in _bound:
-        mod = compiled("cpu_loop")
-        if mod is not None:
-            mod.bind(kernel.addr, kernel.release_addr)
-        _bound[kernel.addr] = mod
-    return _bound[kernel.addr]
+    """The compiled loops calling `kernel` (the `cpu_loop` module, which calls it through its address), or
+    None where the loop stays in Python."""
+    return compiled("cpu_loop")
 
 
 def run_tree(kernel: Kernel, shape, table: np.ndarray, leaves: int, out: np.ndarray, flops: float) -> bool:
@@ -131,10 +129,13 @@ def run_tree(kernel: Kernel, shape, table: np.ndarray, leaves: int, out: np.ndar
     jobs = len(table) // leaves
 
     def part(lo: int, hi: int) -> None:
-        mod.tree_loop(*shape, table[lo * leaves : hi * leaves], leaves, out, kernel.release)
+        rows = table[lo * leaves : hi * leaves]
+        mod.tree_loop(kernel.addr, kernel.release_addr, *shape, rows, leaves, out, kernel.release)
 
+    threads = _threads(kernel, jobs, flops)
     with cpu_gemm.profiled("detaudit::bf16_block_products"):
-        slices(jobs, part, _threads(kernel, jobs, flops))
+        if not (threads > 1 and _on_team(kernel, "tree", jobs, threads, shape, table, leaves, out)):
+            slices(jobs, part, threads)
     return True
 
 
@@ -165,10 +166,110 @@ def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.nd
     else:
 
         def part(lo: int, hi: int) -> None:
-            loop(*shape, table[lo:hi], release)
+            loop(kernel.addr, kernel.release_addr, *shape, table[lo:hi], release)
 
+    threads = _threads(kernel, n, flops)
     with cpu_gemm.profiled("detaudit::bf16_block_products"):
-        slices(n, part, _threads(kernel, n, flops))
+        if not (loop is not None and threads > 1 and _on_team(kernel, "loop", n, threads, shape, table, 1, None)):
+            slices(n, part, threads)
+
+
+class Team:
+    """This process's `cpu_team`: workers started as jobs need them, one job at a time (a second thread
+    that finds the team busy, e.g. an emulated TP rank, takes the Python pool instead)."""
+
+    def __init__(self, mod) -> None:
+        self.mod = mod
+        self.ctl = np.zeros(mod.SIZE, dtype=np.int64)
+        self.workers: list[threading.Thread] = []
+        self.job = 0
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+
+    def run(self, kind: int, jobs: int, threads: int, fields: dict[int, int]) -> bool:
+        """The job of `jobs` pieces with `fields` ({cpu_team field: value}) on `threads` threads (this one
+        and threads - 1 workers); False, nothing done, where the team is busy or cannot have that many
+        workers. The arrays whose addresses the fields hold must outlive the call (the caller's do)."""
+        if threads - 1 > self.mod.MAX_WORKERS or not self.lock.acquire(blocking=False):
+            return False
+        try:
+            while len(self.workers) < threads - 1:
+                w = threading.Thread(
+                    target=self.mod.serve, args=(self.ctl, len(self.workers)), daemon=True, name="detaudit-team"
+                )
+                w.start()
+                self.workers.append(w)
+            c = self.ctl
+            c[self.mod.KIND], c[self.mod.JOBS] = kind, jobs
+            for field, value in fields.items():
+                c[field] = value
+            self.job += 1
+            self.mod.dispatch(c, threads, self.job)
+            return True
+        finally:
+            self.lock.release()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.mod.stop(self.ctl, len(self.workers))
+            for w in self.workers:
+                w.join(timeout=1.0)
+            self.workers = []
+            self.ctl[:] = 0  # tickets back to 0: a worker started later waits for its first job
+
+
+_team_of: dict[str, Team | None] = {}
+
+
+def team() -> Team | None:
+    """This process's team (None where nothing is compiled or DETAUDIT_CPU_TEAM=off); a forked child
+    starts its own."""
+    if os.environ.get(TEAM_ENV, "auto").strip().lower() == "off":
+        return None
+    t = _team_of.get("team", False)
+    if t is False or (t is not None and t.pid != os.getpid()):
+        mod = compiled("cpu_team")
+        t = None
+        if mod is not None:
+            t = Team(mod)
+            atexit.register(t.stop)
+        _team_of["team"] = t
+    return t
+
+
+def _on_team(kernel: Kernel, kind: str, jobs: int, threads: int, shape, table, leaves: int, out) -> bool:
+    """A compiled product's table on the team (`cpu_team`), whose workers wait in compiled code: False
+    where there is none or it is busy (the caller takes the Python pool)."""
+    t = team()
+    if t is None:
+        return False
+    m = t.mod
+    fields = {m.SHAPE + i: v for i, v in enumerate(shape)}
+    fields.update({m.TABLE: table.ctypes.data, m.LEAVES: leaves, m.RELEASE: int(kernel.release)})
+    fields.update({m.KERNEL_AT: kernel.addr, m.RELEASE_AT: kernel.release_addr})
+    if out is not None:
+        fields.update({m.OUT: out.ctypes.data, m.OUT_SIZE: out.size})
+    return t.run(m.TREE if kind == "tree" else m.LOOP, jobs, threads, fields)
+
+
+def attend_on_team(qs, pos, k, v, bf16: bool, window: int, out, threads: int) -> bool:
+    """`cpu_attention.attend` over the KV heads (G, qs[G, R, D]) on the team: False where there is none,
+    it is busy, or an operand's layout is not one it takes (qs, pos, out contiguous; k and v [G, L, D]
+    with rows of D contiguous elements and heads a whole number of rows apart, as a cache slice is)."""
+    t = team()
+    if t is None:
+        return False
+    g, rows, d = qs.shape
+    item = k.itemsize
+    if not (qs.flags.c_contiguous and pos.flags.c_contiguous and out.flags.c_contiguous):
+        return False
+    if k.strides != v.strides or k.strides[1:] != (d * item, item) or k.strides[0] % (d * item):
+        return False
+    m = t.mod
+    fields = {m.QS: qs.ctypes.data, m.POS: pos.ctypes.data, m.K_AT: k.ctypes.data, m.V_AT: v.ctypes.data}
+    fields.update({m.OUT: out.ctypes.data, m.ROWS: rows, m.DIM: d, m.KEYS: k.shape[1]})
+    fields.update({m.KV_STRIDE: k.strides[0] // item, m.BF16: int(bf16), m.WINDOW: window})
+    return t.run(m.ATTEND, g, threads, fields)
 
 
 def _threads(kernel: Kernel, n: int, flops: float) -> int:

@@ -1,36 +1,56 @@
 """The compiled call loop of `cpu_calls` (imported only where numba is installed).
 
-The kernel and brgemm_release are bound by name (`SYMBOL`, `RELEASE`, given their addresses in this
-process by `bind` before the first call), not by address, so numba can cache the compiled loop on disk:
-later processes load it in about 10 ms instead of compiling it again. Pointers travel as int64 (the
-same registers on x86-64), the C++ bools as uint8 0 / 1 (a C++ bool is one byte)."""
+The kernel and brgemm_release are called through their addresses, passed as int64 with every loop (an
+LLVM indirect call built by `_brgemm` / `_release`): nothing is bound by name, so numba caches the
+compiled loops on disk (later processes load them in about 10 ms instead of compiling them again) and
+code that merely contains a loop (`cpu_team`) compiles in a process with no micro-kernel at all. The C++
+bools travel as uint8 0 / 1 (a C++ bool is one byte), pointers as int64 (the same registers on x86-64)."""
 
 from __future__ import annotations
 
-import llvmlite.binding as llvm
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import types
+from numba.extending import intrinsic
 
-SYMBOL = "detaudit_cpu_brgemm_bf16"
-RELEASE = "detaudit_cpu_brgemm_release"
-_SIG = types.void(*([types.int64] * 6), types.uint8, types.int64, types.int64, types.int64, types.uint8)
-_kernel = types.ExternalFunction(SYMBOL, _SIG)
-_release = types.ExternalFunction(RELEASE, types.void(types.uint8))
+_I64, _I8 = ir.IntType(64), ir.IntType(8)
+# at::native::cpublas::brgemm(M, N, K, ld_a, ld_b, ld_c, add_C, A, B, C, is_vnni) and brgemm_release(is_vnni)
+_KERNEL = ir.FunctionType(ir.VoidType(), [_I64] * 6 + [_I8, _I64, _I64, _I64, _I8])
+_RELEASE = ir.FunctionType(ir.VoidType(), [_I8])
 
 
-def bind(addr: int, release_addr: int) -> None:
-    llvm.add_symbol(SYMBOL, addr)
-    llvm.add_symbol(RELEASE, release_addr)
+@intrinsic
+def _brgemm(typingctx, fn, m, n, k, lda, ldb, ldc, a, b, c):
+    """The kernel at address `fn`: C = A @ B (add_C false, B in VNNI pairs)."""
+
+    def codegen(context, builder, signature, args):
+        zero, one = ir.Constant(_I8, 0), ir.Constant(_I8, 1)
+        target = builder.inttoptr(args[0], _KERNEL.as_pointer())
+        builder.call(target, [*args[1:7], zero, *args[7:10], one])
+        return context.get_dummy_value()
+
+    return types.void(*([types.int64] * 10)), codegen
+
+
+@intrinsic
+def _release(typingctx, fn):
+    """brgemm_release(true) at address `fn`: this thread's AMX tiles released."""
+
+    def codegen(context, builder, signature, args):
+        builder.call(builder.inttoptr(args[0], _RELEASE.as_pointer()), [ir.Constant(_I8, 1)])
+        return context.get_dummy_value()
+
+    return types.void(types.int64), codegen
 
 
 @numba.njit(nogil=True, cache=True)
-def loop(m, n, k, lda, ldb, ldc, table, release):  # pragma: no cover (compiled)
+def loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, release):  # pragma: no cover (compiled)
     """Every call of `table`, then, where `release`, the thread's AMX tiles released (brgemm_release)."""
     for i in range(table.shape[0]):
-        _kernel(m, n, k, lda, ldb, ldc, 0, table[i, 0], table[i, 1], table[i, 2], 1)
+        _brgemm(kernel, m, n, k, lda, ldb, ldc, table[i, 0], table[i, 1], table[i, 2])
     if release:
-        _release(1)
+        _release(release_at)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -48,7 +68,7 @@ def _tree_in_place(nodes):  # pragma: no cover (compiled)
 
 
 @numba.njit(nogil=True, cache=True)
-def tree_loop(m, n, k, lda, ldb, ldc, table, leaves, out, release):  # pragma: no cover (compiled)
+def tree_loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, leaves, out, release):  # pragma: no cover (compiled)
     """The calls of `table` in jobs of `leaves` rows, a job one output block: each leaf's [m, n] product
     into this thread's scratch, the leaves added pairwise ((l0 + l1) + (l2 + l3)) + ... (`tree.pairwise`'s
     adds, in its pairs), the sum stored at element table[job, 2] // 4 of `out` (fp32, rows ldc apart).
@@ -58,13 +78,13 @@ def tree_loop(m, n, k, lda, ldb, ldc, table, leaves, out, release):  # pragma: n
     base = scratch.ctypes.data
     for i in range(0, table.shape[0], leaves):
         for j in range(leaves):
-            _kernel(m, n, k, lda, ldb, n, 0, table[i + j, 0], table[i + j, 1], base + j * size * 4, 1)
+            _brgemm(kernel, m, n, k, lda, ldb, n, table[i + j, 0], table[i + j, 1], base + j * size * 4)
         _tree_in_place(scratch.reshape(leaves, size))
         c = table[i, 2] // 4
         for r in range(m):
             out[c + r * ldc : c + r * ldc + n] = scratch[r * n : (r + 1) * n]
     if release:
-        _release(1)
+        _release(release_at)
 
 
 @numba.njit(nogil=True, cache=True)

@@ -282,7 +282,8 @@ def _attention_compiled(
     work = 4.0 * g * rows * d * length  # flops of the scores and the weighted values, at most
     with cpu_gemm.profiled("detaudit::cpu_attention"):
         threads = cpu_calls.threads_for(g, work, ATTENTION_SPLIT_FLOPS, ATTENTION_FLOPS_PER_THREAD)
-        cpu_calls.slices(g, part, threads)
+        if not (threads > 1 and cpu_calls.attend_on_team(qs, pos, kn, vn, bf16, window or 0, on, threads)):
+            cpu_calls.slices(g, part, threads)
     return out
 
 
