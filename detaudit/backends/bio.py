@@ -197,8 +197,8 @@ class BioBackend(Backend):
             **fixed.describe_cpu(),
             "matmul_gpu": "Triton kernels (persistent; SWAP=1: one bf16 / fp16 product of up to 32 rows, "
             f"operands swapped, a program a tile), no split-K, fp32 accumulate; {triton_mm.describe()}",
-            "silu_mul": "fp32 gate / (1 + exp(-gate)), rounded to the model dtype, * up; CPU: exp by torch's vml "
-            "kernel, the same code for every element",
+            "silu_mul": "fp32 gate / (1 + exp(-gate)), rounded to the model dtype, * up; CPU: the compiled row "
+            "kernel (cpu_kernels) where it runs, else exp by torch's vml kernel, the same code for every element",
             "rms_norm": "fp32; row sum of squares: CPU a fixed-shape product with ones; GPU one Triton program per "
             "row (residual add fused), BLOCK fp32 lanes in order then one tree",
             "log_softmax": "fp32; row max, then the row sum of exp as for rms_norm",
@@ -234,8 +234,13 @@ def _rms_compiled(x: Tensor, eps: float) -> Tensor | None:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(x2.shape, dtype=torch.float32)
     bf16 = x.dtype == torch.bfloat16
+    xn, on = (x2.view(torch.int16) if bf16 else x2).numpy(), out.numpy()
+
+    def part(lo: int, hi: int) -> None:  # a row's bits are the row's alone: any split gives the same
+        rows.rms_rows(xn[lo:hi], bf16, eps, on[lo:hi])
+
     with cpu_gemm.profiled("detaudit::cpu_rms_rows"):
-        rows.rms_rows((x2.view(torch.int16) if bf16 else x2).numpy(), bf16, eps, out.numpy())
+        cpu_calls.rows("rms", part, x2.shape[0], xn, None, on, bf16, eps)
     return out.view(x.shape)
 
 

@@ -154,9 +154,51 @@ def test_row_ops_invariant_and_correct(threads, dtype, cpu_kernels):
         torch.set_num_threads(before)
 
 
+def test_silu_mul_rounds_as_torch_does(cpu_kernels):
+    """In bf16, silu(gate) is rounded to bf16, then multiplied by up and rounded again, as torch's
+    `silu(g).to(bf16) * up` rounds (to nearest even): on each CPU path its bf16 result is its own fp32
+    silu put through those two torch roundings, bit for bit."""
+    b = get_backend("bio")
+    g = torch.Generator().manual_seed(5)
+    gate = (torch.randn(7, 300, generator=g) * 6).bfloat16()
+    up = (torch.randn(7, 300, generator=g) * 3).bfloat16()
+    wide = b.silu_mul(gate.float(), torch.ones(7, 300))  # the path's fp32 silu of the same gate
+    want = (wide.bfloat16().float() * up.float()).bfloat16()
+    _bitwise(b.silu_mul(gate, up).view(torch.int16), want.view(torch.int16), "bf16 silu * up")
+
+
+@pytest.mark.parametrize("dispatch", ["team", "pool"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_kernels_spread_over_threads_keep_each_rows_bits(dispatch, dtype, monkeypatch):
+    """A prefill's rows are spread over threads (`cpu_calls.rows`: the team's RMS / SILU jobs, or the
+    Python pool's slices where the team is off): every row of RMSNorm and silu * up, the gate and up
+    strided slices of a merged product as in the MLP, gets the bits it has computed alone."""
+    from detaudit.backends.kernels import cpu_calls
+
+    if cpu_calls.compiled("cpu_rows") is None:
+        pytest.skip("numba not installed (the cpu extra)")
+    monkeypatch.setenv(cpu_calls.TEAM_ENV, "auto" if dispatch == "team" else "off")
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        b = get_backend("bio")
+        tall = _rand(600, 576, dtype=dtype, seed=3)  # 345,600 elements: past `ROWS_SPLIT`
+        wt = _rand(576, dtype=dtype, seed=2)
+        assert cpu_calls.threads_for(600, tall.numel(), cpu_calls.ROWS_SPLIT, cpu_calls.ROWS_PER_THREAD) > 1
+        norm = b.rms_norm(tall, wt, 1e-5)
+        merged = _rand(600, 2 * 288, dtype=dtype, seed=4) * 4
+        act = b.silu_mul(merged[:, :288], merged[:, 288:])
+        for i in (0, 149, 150, 299, 300, 449, 450, 599):  # the first and last rows of each thread's slice
+            _bitwise(b.rms_norm(tall[i : i + 1], wt, 1e-5), norm[i : i + 1], f"rms_norm row {i} of 600")
+            alone = b.silu_mul(merged[i : i + 1, :288], merged[i : i + 1, 288:])
+            _bitwise(alone, act[i : i + 1], f"silu_mul row {i} of 600")
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("backend", ["bio", "bio+tbik"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_bits_do_not_depend_on_the_shard_width(backend, dtype):
+def test_silu_mul_bits_do_not_depend_on_the_shard_width(backend, dtype, cpu_kernels):
     """A rank's gate is a strided column slice of its merged gate / up product, as wide as I / C: each
     element's fp32 bits must not depend on that width, the slice's stride or the element's place (with
     F.silu, shards narrower than 32 columns took a scalar path with other bits: TP 4 of a 64-wide MLP
@@ -174,6 +216,37 @@ def test_silu_mul_bits_do_not_depend_on_the_shard_width(backend, dtype):
         _bitwise(b.silu_mul(gate_up[:m, :inter], gate_up[:m, inter:]), full[:m], f"rows {m}")
     ref = torch.nn.functional.silu(gate_up[:, :inter].double()) * gate_up[:, inter:].double()
     assert torch.allclose(full.double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_at_the_extremes(dtype, cpu_kernels):
+    """silu(gate) * up where exp(-|gate|) underflows through the subnormals to 0, at +-inf and NaN, on each
+    CPU path: the IEEE limits (silu(+inf) = inf, silu(-inf) = -0, NaN stays NaN), the rest close to
+    fp64, and the compiled kernel's vector lanes and scalar tail alike (each value alone and in a row)."""
+    b = get_backend("bio")
+    vals = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, -1e-30, 3.0, -3.0, 20.0, -20.0]
+    vals += [86.0, -86.0, 87.5, -87.5, 89.0, -89.0, 100.0, -100.0, 1e30, -1e30, 1e38, -1e38]
+    gate = torch.tensor(vals, dtype=torch.float32).to(dtype)
+    up = torch.full_like(gate, 1.5)
+    out = b.silu_mul(gate[None], up[None])[0].float()
+    assert torch.isnan(out[0]) and out[1] == float("inf"), out[:3]
+    if cpu_kernels == "compiled":  # g * exp(-|g|): -0 at -inf; torch's g / (1 + exp(-g)) is -inf / inf, NaN
+        assert out[2] == 0 and torch.signbit(out[2]), out[2]
+    else:
+        assert torch.isnan(out[2]), out[2]
+    g64 = gate.double()
+    ref = (g64 * torch.sigmoid(g64) * 1.5)[3:]
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    assert torch.allclose(out[3:].double(), ref, rtol=tol, atol=1e-30), torch.stack([out[3:].double(), ref])
+    as_bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    row = b.silu_mul(gate.repeat(3)[None], up.repeat(3)[None])[0].view(as_bits)  # 69 values: lanes and a tail
+    for i in range(len(vals)):  # each value alone: the scalar remainder of a one-element row
+        alone = b.silu_mul(gate[i : i + 1][None], up[i : i + 1][None])[0].view(as_bits)
+        for j in (i, i + len(vals), i + 2 * len(vals)):
+            if torch.isnan(alone.view(dtype)).all():  # NaN (and the ops' silu(-inf)): their payload differs
+                assert torch.isnan(alone.view(dtype)).all() and torch.isnan(row[j : j + 1].view(dtype)).all()
+            else:
+                _bitwise(alone, row[j : j + 1], f"value {vals[i]} at {j}")
 
 
 def _attn_inputs(bsz=3, hq=6, hkv=2, t=70, d=16, seed=0, dtype=torch.bfloat16):

@@ -118,10 +118,15 @@ def test_a_table_takes_one_thread_per_share_that_pays_for_its_hand_off(monkeypat
     assert cpu_calls.threads_for(10, 24e6, 4e6, 16e6) == 2  # a decode q/k/v product of the embedded model
     assert cpu_calls.threads_for(10, 1e9, 4e6, 16e6) == 10  # at most one thread a piece
     assert cpu_calls.threads_for(100, 1e9, 4e6, 16e6) == 16  # and torch's thread count
-    kernel = cpu_calls.Kernel(None, 0, None, 0, True, cpu_bf16.PER_THREAD["amx"])
-    assert cpu_calls._threads(kernel, 100, 40e6) == 3  # AMX: a thread per 16 MFLOP of calls
-    kernel = cpu_calls.Kernel(None, 0, None, 0, False, cpu_bf16.PER_THREAD["avx512_bf16"])
-    assert cpu_calls._threads(kernel, 100, 5e6) == 2  # vdpbf16ps: any table past the threshold splits
+    amx = cpu_calls.Kernel(None, 0, None, 0, True, cpu_bf16.PER_THREAD["amx"], cpu_bf16.TEAM_PER_THREAD["amx"])
+    vdp = "avx512_bf16"
+    vdpbf16ps = cpu_calls.Kernel(None, 0, None, 0, False, cpu_bf16.PER_THREAD[vdp], cpu_bf16.TEAM_PER_THREAD[vdp])
+    monkeypatch.setattr(cpu_calls, "_team_wanted", lambda: False)  # the Python pool
+    assert cpu_calls.kernel_threads(amx, 100, 40e6) == 3  # AMX: a thread per 16 MFLOP of calls
+    assert cpu_calls.kernel_threads(vdpbf16ps, 100, 5e6) == 2  # vdpbf16ps: any table past the threshold splits
+    monkeypatch.setattr(cpu_calls, "_team_wanted", lambda: True)  # the compiled team: a cheaper hand-off
+    assert cpu_calls.kernel_threads(amx, 100, 40e6) == 10  # AMX: a thread per 4 MFLOP
+    assert cpu_calls.kernel_threads(vdpbf16ps, 100, 5e6) == 2
 
 
 def test_description_names_the_path(cpu_path):

@@ -60,6 +60,11 @@ ROWS = {"avx512_bf16": 8, "amx": 16}
 # host, tools/amx_calls.py), and there a decode product over 16 threads spent more in hand-offs than in
 # calls (0.67 ms against torch's 45 us): 16 MFLOP (reports/cpu-bf16)
 PER_THREAD = {"avx512_bf16": 4e6, "amx": 16e6}
+# ...where the compiled team (`cpu_team`) makes the calls: its hand-off is ~30 us, not the pool's 0.1-0.2
+# ms, and a decode product's weight is read from memory at the bandwidth of the threads that share it: on
+# the 16-core AMX host 4 MFLOP (a decode product over 4-7 threads) doubled bio+tbik's decode against 16
+# (reports/cpu-bf16). vdpbf16ps keeps its 4 (not measured with the team)
+TEAM_PER_THREAD = {"avx512_bf16": 4e6, "amx": 4e6}
 PANEL_UNIT = 64  # W is a multiple of this...
 PANEL_MAX = 256  # ...and at most this for a linear layer (of 64..512, 256 was at or near the fastest for
 # the embedded model's shapes here; all of a wide N in one call was slower)
@@ -232,7 +237,9 @@ def choose(setting: str | None = None) -> Choice:
     _kernel = None
     if _chosen.bf16:
         amx = _chosen.path == "amx"
-        _kernel = cpu_calls.Kernel(fn, _address(fn), release, _address(release), amx, PER_THREAD[_chosen.path])
+        path = _chosen.path
+        shares = PER_THREAD[path], TEAM_PER_THREAD[path]
+        _kernel = cpu_calls.Kernel(fn, _address(fn), release, _address(release), amx, *shares)
         if bad := _self_check():
             _kernel = None
             if setting == "bf16":
@@ -352,7 +359,7 @@ def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
     if _kernel is None or not torch.backends.mkldnn.enabled:
         return None
     flops = 2.0 * g * nb * r * k2 * p * width
-    if p * nb < cpu_calls.threads_for(g * nb * p, flops, cpu_calls.MIN_SPLIT_FLOPS, _kernel.per_thread):
+    if p * nb < cpu_calls.kernel_threads(_kernel, g * nb * p, flops):
         return None  # fewer jobs than threads (a decode step's few panels): the leaves' calls spread wider
     out = torch.empty(nb, r, p * width, dtype=torch.float32)
     if out.numel() == 0:

@@ -9,10 +9,11 @@ runs with the GIL released, so a thread hands off once per product instead of on
 calls of a 480-row prefill product took 4.2 ms on one thread and 2.6 ms on two (from Python threads:
 4.7 ms). Without numba, or with DETAUDIT_CPU_COMPILED=off, the loop stays in Python.
 
-The threads are ours either way (`cpu_gemm.run_jobs`: contiguous slices of the table, one per
-thread). numba's parallel layers are not used: its OpenMP layer loads a second OpenMP runtime,
-whose spinning threads slowed PyTorch's own OpenMP ops here up to 70x, and its workqueue layer took
-about 200 us to start a loop.
+The threads are ours either way: contiguous slices of the table, one per thread, on the compiled
+team's workers (`cpu_team`, where numba runs; ~30 us a hand-off) or else on the Python pool
+(`cpu_gemm.run_jobs`; 0.1-0.2 ms). numba's parallel layers are not used: its OpenMP layer loads a
+second OpenMP runtime, whose spinning threads slowed PyTorch's own OpenMP ops here up to 70x, and its
+workqueue layer took about 200 us to start a loop.
 
 Which thread makes a call never changes what the call computes (a call writes its own output block
 and reads nothing another call writes), so every dispatch gives the same bits;
@@ -64,7 +65,8 @@ class Kernel:
     release_fn: object
     release_addr: int
     release: bool
-    per_thread: float = MIN_SPLIT_FLOPS  # flops of calls worth a thread of their own
+    per_thread: float = MIN_SPLIT_FLOPS  # flops of calls worth a thread of their own (the Python pool)
+    team_per_thread: float = MIN_SPLIT_FLOPS  # the same where the team makes the calls (`share`)
 
 
 def _wanted() -> bool:
@@ -132,7 +134,7 @@ def run_tree(kernel: Kernel, shape, table: np.ndarray, leaves: int, out: np.ndar
         rows = table[lo * leaves : hi * leaves]
         mod.tree_loop(kernel.addr, kernel.release_addr, *shape, rows, leaves, out, kernel.release)
 
-    threads = _threads(kernel, jobs, flops)
+    threads = kernel_threads(kernel, jobs, flops)
     with cpu_gemm.profiled("detaudit::bf16_block_products"):
         if not (threads > 1 and _on_team(kernel, "tree", jobs, threads, shape, table, leaves, out)):
             slices(jobs, part, threads)
@@ -168,7 +170,7 @@ def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.nd
         def part(lo: int, hi: int) -> None:
             loop(kernel.addr, kernel.release_addr, *shape, table[lo:hi], release)
 
-    threads = _threads(kernel, n, flops)
+    threads = kernel_threads(kernel, n, flops)
     with cpu_gemm.profiled("detaudit::bf16_block_products"):
         if not (loop is not None and threads > 1 and _on_team(kernel, "loop", n, threads, shape, table, 1, None)):
             slices(n, part, threads)
@@ -181,6 +183,7 @@ class Team:
     def __init__(self, mod) -> None:
         self.mod = mod
         self.ctl = np.zeros(mod.SIZE, dtype=np.int64)
+        self.ctl[mod.SPIN] = mod.SPINS
         self.workers: list[threading.Thread] = []
         self.job = 0
         self.lock = threading.Lock()
@@ -216,15 +219,21 @@ class Team:
                 w.join(timeout=1.0)
             self.workers = []
             self.ctl[:] = 0  # tickets back to 0: a worker started later waits for its first job
+            self.ctl[self.mod.SPIN] = self.mod.SPINS
 
 
 _team_of: dict[str, Team | None] = {}
 
 
+def _team_wanted() -> bool:
+    """Whether this process makes its compiled tables on the team (decided without importing numba)."""
+    return _unavailable() is None and os.environ.get(TEAM_ENV, "auto").strip().lower() != "off"
+
+
 def team() -> Team | None:
     """This process's team (None where nothing is compiled or DETAUDIT_CPU_TEAM=off); a forked child
     starts its own."""
-    if os.environ.get(TEAM_ENV, "auto").strip().lower() == "off":
+    if not _team_wanted():
         return None
     t = _team_of.get("team", False)
     if t is False or (t is not None and t.pid != os.getpid()):
@@ -272,10 +281,55 @@ def attend_on_team(qs, pos, k, v, bf16: bool, window: int, out, threads: int) ->
     return t.run(m.ATTEND, g, threads, fields)
 
 
-def _threads(kernel: Kernel, n: int, flops: float) -> int:
+# a row kernel (`cpu_rows`) costs about a nanosecond an element on one thread of the 16-core AMX host (a
+# prefill's [1,024, 576] RMSNorm 0.66 ms): past ROWS_SPLIT elements its rows are spread, a thread per
+# share of elements worth its hand-off (the Python pool's / the team's)
+ROWS_SPLIT = 1 << 17
+ROWS_PER_THREAD, ROWS_TEAM_PER_THREAD = 1 << 16, 1 << 15
+
+
+def rows(kind: str, part, m: int, x, u, out, bf16: bool, eps: float = 0.0) -> None:
+    """A row kernel over m rows: on the team (`cpu_team`'s RMS / SILU jobs, kind "rms" / "silu"), or
+    part(lo, hi) over `slices`, where the rows are many; else part(0, m) here. x and u (SILU's up; RMS:
+    None) are numpy [m, cols] with rows any whole number of elements apart, out numpy [m, cols]
+    contiguous: the layout `cpu_rows` takes. A row's bits are its own, so every split gives the same."""
+    threads = threads_for(m, x.shape[0] * x.shape[1], ROWS_SPLIT, share(ROWS_PER_THREAD, ROWS_TEAM_PER_THREAD))
+    if threads > 1 and _rows_on_team(kind, m, x, u, out, bf16, eps, threads):
+        return
+    slices(m, part, threads)
+
+
+def _rows_on_team(kind: str, m: int, x, u, out, bf16: bool, eps: float, threads: int) -> bool:
+    t = team()
+    if t is None:
+        return False
+    item = x.itemsize
+    if x.strides[1] != item or x.strides[0] % item or not out.flags.c_contiguous:
+        return False
+    mod = t.mod
+    fields = {mod.X_AT: x.ctypes.data, mod.Y_AT: out.ctypes.data, mod.COLS: x.shape[1]}
+    fields.update({mod.X_STRIDE: x.strides[0] // item, mod.ROW_BF16: int(bf16)})
+    if kind == "rms":
+        fields[mod.EPS] = int(np.float64(eps).view(np.int64))
+        return t.run(mod.RMS, m, threads, fields)
+    if u.strides[1] != item or u.strides[0] % item:
+        return False
+    fields.update({mod.U_AT: u.ctypes.data, mod.U_STRIDE: u.strides[0] // item})
+    return t.run(mod.SILU, m, threads, fields)
+
+
+def kernel_threads(kernel: Kernel, n: int, flops: float) -> int:
     """Threads for `n` calls of `flops` in all: one below `MIN_SPLIT_FLOPS` (a hand-off would cost more
     than it saves), else one per the kernel's `per_thread`, up to torch's thread count."""
-    return threads_for(n, flops, MIN_SPLIT_FLOPS, kernel.per_thread)
+    return threads_for(n, flops, MIN_SPLIT_FLOPS, share(kernel.per_thread, kernel.team_per_thread))
+
+
+def share(pool: float, team_share: float) -> float:
+    """The flops worth a thread of their own: `team_share` where this process has a team (`cpu_team`, whose
+    hand-off costs ~30 us), else `pool` (the Python pool's future and wake-up, ~0.1-0.2 ms). A team found
+    busy at the call hands that table to the pool at the team's share: more threads than the pool's rule,
+    the same calls, so the same bits."""
+    return team_share if _team_wanted() else pool
 
 
 def threads_for(n: int, flops: float, least: float, per_thread: float) -> int:
@@ -296,13 +350,17 @@ def slices(n: int, part, threads: int) -> None:
 
 
 def describe() -> str:
-    """The CPU kernels bio's attention and RMSNorm statistics run on in this process (part of the
+    """The CPU kernels bio's attention, RMSNorm statistics and silu run on in this process (part of the
     backends' descriptions: the two paths give different bits)."""
     why = _unavailable()
     if why is None:
         return (
             "compiled (numba, no fast-math): attention one query row at a time over the keys it sees "
             "(scores in 16 fp32 lanes then pairwise, max, exp as a degree-7 polynomial in fp32 adds and "
-            "multiplies (Cephes expf), sums in key order); RMSNorm sum of squares the same way"
+            "multiplies (Cephes expf), sums in key order); RMSNorm sum of squares the same way; silu(g) * up "
+            "from e = exp(-|g|) by that polynomial: g / (1 + e), below 0 g * e / (1 + e)"
         )
-    return f"PyTorch ops ({why}): attention in KV chunks with an fp32 online softmax; row sums as fixed-shape products"
+    return (
+        f"PyTorch ops ({why}): attention in KV chunks with an fp32 online softmax; row sums as fixed-shape "
+        "products; silu's exp by torch's vml kernel"
+    )

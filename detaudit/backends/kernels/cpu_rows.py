@@ -12,7 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from detaudit.backends.kernels.cpu_attention import _dot, load
+from detaudit.backends.kernels.cpu_attention import _dot, exp_shifted, load
 
 
 @numba.njit(nogil=True, cache=True)
@@ -28,3 +28,57 @@ def rms_rows(x, bf16, eps, out):  # pragma: no cover (compiled)
         scale = np.float32(1) / np.sqrt(var + eps32)
         for i in range(k):
             out[r, i] = row[i] * scale
+
+
+NEG_LIMIT = np.float32(-128)  # past it exp(-|g|) is 0 and silu's numerator g * 0 is -0 (for -inf as well)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _to_bf16(vals, bits):
+    """vals (fp32, its bits in `bits`, uint32) rounded to bf16 in place, as c10::BFloat16 rounds (to
+    nearest even; NaN to 0x7FC0), held as the top half of an fp32."""
+    for i in range(vals.shape[0]):
+        b = bits[i]
+        if vals[i] != vals[i]:
+            bits[i] = np.uint32(0x7FC00000)
+        else:
+            half = np.uint32(16)
+            bits[i] = ((b + ((b >> half) & np.uint32(1)) + np.uint32(0x7FFF)) >> half) << half
+
+
+@numba.njit(nogil=True, cache=True)
+def silu_mul(gate, up, bf16, out):  # pragma: no cover (compiled)
+    """out[M, N] = silu(gate) * up, element by element: gate, up [M, N] (any strides; bf16 bits as int16
+    when `bf16`, else fp32), out int16 bf16 bits or fp32. silu(g) = g / (1 + e) for g >= 0, g * e / (1 + e)
+    below, e = exp(-|g|) by `exp_shifted` (never overflows), in fp32; rounded to bf16 before and after the
+    product with up where `bf16`, as `(silu(g).to(bf16) * up)` rounds."""
+    m, n = gate.shape
+    g_bits = np.empty(n, dtype=np.uint32)
+    u_bits = np.empty(n, dtype=np.uint32)
+    s_bits = np.empty(n, dtype=np.uint32)
+    g, u, s = g_bits.view(np.float32), u_bits.view(np.float32), s_bits.view(np.float32)
+    e = np.empty(n, dtype=np.float32)
+    exp_bits = np.empty(n, dtype=np.int32)
+    one = np.float32(1)
+    for r in range(m):
+        load(gate[r], bf16, g_bits)
+        load(up[r], bf16, u_bits)
+        for i in range(n):
+            e[i] = -abs(g[i])
+        exp_shifted(e, np.float32(0), exp_bits)
+        for i in range(n):
+            x = g[i]
+            num = x
+            if x < 0:
+                num = (NEG_LIMIT if x < NEG_LIMIT else x) * e[i]
+            s[i] = num / (e[i] + one)
+        if bf16:
+            _to_bf16(s, s_bits)
+            for i in range(n):
+                s[i] = s[i] * u[i]
+            _to_bf16(s, s_bits)
+            for i in range(n):
+                out[r, i] = s_bits[i] >> np.uint32(16)  # (an int16 store keeps the low 16 bits)
+        else:
+            for i in range(n):
+                out[r, i] = s[i] * u[i]

@@ -1,16 +1,18 @@
-"""The team that makes a product's compiled calls on several threads (imported only where numba is
-installed; `cpu_calls` owns it).
+"""The team that runs detaudit's compiled CPU work on several threads: a product's micro-kernel calls,
+the compiled attention's KV heads, the row kernels' rows (imported only where numba is installed;
+`cpu_calls` owns it).
 
-`cpu_calls` used to hand a product's slices to a Python thread pool: a future per slice, a sleeping
-thread woken for it, the GIL taken around both. On a 16-core AMX host a decode product's ~70 us of calls
-took 0.34 ms that way (reports/cpu-bf16). Here each worker is a thread that stays inside compiled code
-(`serve`, the GIL released) and polls a word of its own for a few microseconds, then sleeps on it (a
-futex) until the caller wakes it; the caller (`dispatch`, also without the GIL) writes the job into a shared control
+A Python thread pool hands a slice over with a future, a sleeping thread woken for it and the GIL taken
+around both: on a 16-core AMX host a decode product's ~70 us of calls took 0.34 ms that way
+(reports/cpu-bf16). Here each worker is a thread that stays inside compiled code (`serve`, the GIL
+released) and polls a word of its own for a few microseconds, then sleeps on it (a futex) until the
+caller wakes it; the caller (`dispatch`, also without the GIL) writes the job into a shared control
 block, raises the tickets of the workers the job needs, makes slice 0 itself and waits for their done
 words. A ticket is raised with a release store after the job's fields are written and read with an
 acquire load before they are, so a worker never reads a job being written; a worker the job does not
 need sees nothing. The slices are `cpu_calls.slices`' contiguous ones and each is `cpu_loop`'s `loop` or
-`tree_loop`, so a call is made exactly as before, only on another thread: the same bits.
+`tree_loop` (or `cpu_attention.attend` over KV heads, `cpu_rows`' kernels over rows), so the work is
+done exactly as on one thread, only on another: the same bits.
 
 The control block is int64: fields in the first line, then per worker a ticket and a done word in lines
 of their own (no false sharing between workers)."""
@@ -28,7 +30,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from detaudit.backends.kernels import cpu_attention, cpu_loop
+from detaudit.backends.kernels import cpu_attention, cpu_loop, cpu_rows
 
 KIND, THREADS, JOBS, TABLE, LEAVES, OUT, OUT_SIZE, RELEASE, KERNEL_AT, RELEASE_AT = range(10)  # the job's fields
 SHAPE = 10  # m, n, k, lda, ldb, ldc: 10..15
@@ -36,12 +38,17 @@ SHAPE = 10  # m, n, k, lda, ldb, ldc: 10..15
 # [G, R] int64, the cache's k and v (rows `KV_STRIDE` elements apart per head: [G, *, D], the first L
 # keys read; int16 bf16 bits or fp32) and out [G, R, D] fp32, with G (JOBS), R, D, L, BF16, WINDOW
 QS, POS, K_AT, V_AT, ROWS, DIM, KEYS, KV_STRIDE, BF16, WINDOW = range(16, 26)
+# a RMS or SILU job's fields (`cpu_rows` over ranges of rows): x (RMS: the rows; SILU: the gate) and u
+# (SILU's up), rows X_STRIDE / U_STRIDE elements apart (int16 bf16 bits where ROW_BF16, else fp32), out
+# [M, COLS] contiguous (fp32 for RMS, x's dtype for SILU), with M (JOBS), COLS, and RMS's eps (float64 bits)
+X_AT, U_AT, Y_AT, COLS, X_STRIDE, U_STRIDE, ROW_BF16, EPS = range(16, 24)
+SPIN = 26  # the team's polls before a worker sleeps (`SPINS`, written once by the team's owner)
 WORKERS = 32  # worker w's ticket at WORKERS + LINE * w, its done word one line further
 LINE = 16  # int64s between two workers' tickets (two 64-byte lines)
 MAX_WORKERS = 255
 SIZE = WORKERS + LINE * MAX_WORKERS
-LOOP, TREE, PROBE, ATTEND = 0, 1, 2, 3  # job kinds: `cpu_loop.loop`, `cpu_loop.tree_loop`, a test's marks,
-# `cpu_attention.attend`
+LOOP, TREE, PROBE, ATTEND, RMS, SILU = range(6)  # job kinds: `cpu_loop.loop`, `cpu_loop.tree_loop`, a test's
+# marks, `cpu_attention.attend`, `cpu_rows.rms_rows`, `cpu_rows.silu_mul`
 STOP = -1  # a ticket that ends `serve`
 # a waiting worker polls its ticket SPINS times (a `pause` between polls, ~20-40 us: consecutive slices of
 # one product's neighbours), then sleeps in the kernel on the ticket's futex until the dispatcher wakes it:
@@ -128,6 +135,7 @@ def _pointer(of):
 _i64_at = _pointer(types.int64)
 _i16_at = _pointer(types.int16)
 _f32_at = _pointer(types.float32)
+_f64_at = _pointer(types.float64)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -142,6 +150,9 @@ def _slice(ctl, slot, threads):  # pragma: no cover (compiled)
     kind = ctl[KIND]
     if kind == ATTEND:
         _attend(ctl, lo, hi)
+        return
+    if kind == RMS or kind == SILU:
+        _rows(ctl, kind == RMS, lo, hi)
         return
     if kind == PROBE:
         marks = numba.carray(_i64_at(ctl[OUT]), (jobs,))
@@ -181,9 +192,34 @@ def _attend(ctl, lo, hi):  # pragma: no cover (compiled)
 
 
 @numba.njit(nogil=True, cache=True)
+def _rows(ctl, rms, lo, hi):  # pragma: no cover (compiled)
+    """Rows lo..hi of a RMS or SILU job (`cpu_rows`: a row's bits are the row's alone)."""
+    m, n, xs, us = ctl[JOBS], ctl[COLS], ctl[X_STRIDE], ctl[U_STRIDE]
+    if rms:
+        eps = numba.carray(_f64_at(ctl.ctypes.data + EPS * 8), (1,))[0]
+        out = numba.carray(_f32_at(ctl[Y_AT]), (m, n))
+        if ctl[ROW_BF16] != 0:
+            x = numba.carray(_i16_at(ctl[X_AT]), (m, xs))[:, :n]
+            cpu_rows.rms_rows(x[lo:hi], True, eps, out[lo:hi])
+        else:
+            xf = numba.carray(_f32_at(ctl[X_AT]), (m, xs))[:, :n]
+            cpu_rows.rms_rows(xf[lo:hi], False, eps, out[lo:hi])
+    elif ctl[ROW_BF16] != 0:
+        g = numba.carray(_i16_at(ctl[X_AT]), (m, xs))[:, :n]
+        u = numba.carray(_i16_at(ctl[U_AT]), (m, us))[:, :n]
+        y = numba.carray(_i16_at(ctl[Y_AT]), (m, n))
+        cpu_rows.silu_mul(g[lo:hi], u[lo:hi], True, y[lo:hi])
+    else:
+        gf = numba.carray(_f32_at(ctl[X_AT]), (m, xs))[:, :n]
+        uf = numba.carray(_f32_at(ctl[U_AT]), (m, us))[:, :n]
+        yf = numba.carray(_f32_at(ctl[Y_AT]), (m, n))
+        cpu_rows.silu_mul(gf[lo:hi], uf[lo:hi], False, yf[lo:hi])
+
+
+@numba.njit(nogil=True, cache=True)
 def serve(ctl, w):  # pragma: no cover (compiled)
     """Worker w: wait for its ticket to change, make its slice of the job, say so in its done word; until
-    the ticket is STOP. Waiting: SPINS polls, then its SLEEPING word set and the ticket read again (both
+    the ticket is STOP. Waiting: ctl[SPIN] polls, then its SLEEPING word set and the ticket read again (both
     seq_cst, as the dispatcher's ticket store and SLEEPING load: one of the two sees the other), then the
     futex (the kernel sleeps only if the ticket's low word is still the one seen)."""
     base = ctl.ctypes.data
@@ -198,7 +234,7 @@ def serve(ctl, w):  # pragma: no cover (compiled)
         now = _load_acquire(ticket)
         while now == seen:
             polls += 1
-            if polls <= SPINS:
+            if polls <= ctl[SPIN]:
                 _pause()
             else:
                 _store_seq(sleeping, 1)

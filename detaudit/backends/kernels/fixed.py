@@ -125,15 +125,47 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     the two differ in the last bit of about 4% of fp32 elements. A rank's gate is a column slice of its
     merged gate / up product, so its width, and which path an element takes, changed with the TP size
     (and with the batch at a tail): that broke bio+tbik's TP invariance at fp32 on shards narrower than
-    32 columns. Here exp is `torch.exp`, whose CPU kernel (vml) runs every element, tails and strided
-    inputs included, through the same vector code; negation, the add and the division are IEEE
-    operations, exact alike in scalar and vector code. The formula is PyTorch's vector one, in fp32,
-    rounded once to the gate's dtype. GPU: `fused.silu_mul` (the bits of F.silu * up: one thread an
-    element, the same code for each) where Triton runs, else F.silu."""
+    32 columns. Where numba runs (`cpu_calls.compiled`), one compiled call (`cpu_rows.silu_mul`):
+    e = exp(-|gate|) by the attention's polynomial, silu = gate / (1 + e), or gate * e / (1 + e) below
+    0, in fp32 IEEE operations that are the same in vector lanes and in the scalar tail. Else exp is
+    `torch.exp`, whose CPU kernel (vml) runs every element, tails and strided inputs included, through
+    the same vector code; negation, the add and the division are IEEE operations, exact alike in scalar
+    and vector code (PyTorch's vector formula). Either way in fp32, rounded once to the gate's dtype,
+    then * up; the two CPU paths' bits differ (`describe_cpu` names the one taken). GPU:
+    `fused.silu_mul` (the bits of F.silu * up: one thread an element, the same code for each) where
+    Triton runs, else F.silu."""
     if gate.device.type != "cpu":
         return fused.silu_mul(gate, up) if fused.usable(gate) else torch.nn.functional.silu(gate) * up
+    compiled = _silu_compiled(gate, up)
+    if compiled is not None:
+        return compiled
     g = gate.float()
     return (g / (torch.exp(-g) + 1)).to(gate.dtype) * up
+
+
+def _silu_compiled(gate: Tensor, up: Tensor) -> Tensor | None:
+    """silu(gate) * up by the compiled row kernel (`cpu_rows.silu_mul`: its exp is the attention's
+    polynomial, every element by the same IEEE operations; a prefill's rows spread over threads by
+    `cpu_calls.rows`), or None where it does not run (no numba, DETAUDIT_CPU_COMPILED=off, a dtype other
+    than bf16 / fp32). torch.exp's CPU kernel cost 0.15-0.19 ms for a decode step's [8, 1536] gate on the
+    16-core AMX host (reports/cpu-bf16), with the rest of the formula 5 more ops; this is one call."""
+    rows = cpu_calls.compiled("cpu_rows")
+    dtype = gate.dtype
+    if rows is None or dtype not in (torch.bfloat16, torch.float32) or up.dtype != dtype or gate.shape != up.shape:
+        return None
+    shape = gate.shape
+    g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
+    out = torch.empty(g2.shape, dtype=dtype)
+    bf16 = dtype == torch.bfloat16
+    as_bits = torch.int16 if bf16 else dtype  # the bf16 bits as int16 (a view of any strides)
+    gn, un, on = (t.view(as_bits).numpy() for t in (g2, u2, out))
+
+    def part(lo: int, hi: int) -> None:  # an element's bits are its own: any split gives the same
+        rows.silu_mul(gn[lo:hi], un[lo:hi], bf16, on[lo:hi])
+
+    with cpu_gemm.profiled("detaudit::cpu_silu"):
+        cpu_calls.rows("silu", part, g2.shape[0], gn, un, on, bf16)
+    return out.view(shape)
 
 
 _ONES: dict[tuple[int, str], Tensor] = {}
@@ -251,7 +283,8 @@ def attention(
 
 
 ATTENTION_SPLIT_FLOPS = 1e6  # below this one thread computes the compiled attention (a hand-off costs ~0.1 ms)
-ATTENTION_FLOPS_PER_THREAD = 4e6  # past it, a thread per this much (`cpu_calls.threads_for`)
+ATTENTION_FLOPS_PER_THREAD = 4e6  # past it, a thread per this much (`cpu_calls.threads_for`)...
+ATTENTION_TEAM_FLOPS_PER_THREAD = 1e6  # ...or this much on the compiled team (`cpu_calls.share`)
 
 
 def _attention_compiled(
@@ -281,7 +314,8 @@ def _attention_compiled(
 
     work = 4.0 * g * rows * d * length  # flops of the scores and the weighted values, at most
     with cpu_gemm.profiled("detaudit::cpu_attention"):
-        threads = cpu_calls.threads_for(g, work, ATTENTION_SPLIT_FLOPS, ATTENTION_FLOPS_PER_THREAD)
+        per_thread = cpu_calls.share(ATTENTION_FLOPS_PER_THREAD, ATTENTION_TEAM_FLOPS_PER_THREAD)
+        threads = cpu_calls.threads_for(g, work, ATTENTION_SPLIT_FLOPS, per_thread)
         if not (threads > 1 and cpu_calls.attend_on_team(qs, pos, kn, vn, bf16, window or 0, on, threads)):
             cpu_calls.slices(g, part, threads)
     return out
