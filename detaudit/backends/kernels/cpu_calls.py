@@ -112,7 +112,8 @@ def dispatcher() -> str:
     why = _unavailable()
     if why is not None:
         return f"python loop ({why})"
-    return "numba (the call loop compiled, the GIL released for a thread's whole slice)"
+    threads = "the compiled team's workers" if _team_wanted() else f"the Python pool ({TEAM_ENV}=off)"
+    return f"numba (the call loop compiled, the GIL released for a thread's whole slice; slices on {threads})"
 
 
 def _loops(kernel: Kernel):
