@@ -1,6 +1,6 @@
 """The compiled team's checks (`cpu_team`, through `cpu_calls`), run by test_cpu_team.py in a process of
-their own: the calls' symbol is bound here to a fake micro-kernel (a numba cfunc that writes a function
-of its arguments), which a process that bound the real one could not do. No real kernel is needed, so
+their own: the calls go to a fake micro-kernel (a numba cfunc that writes a function of its arguments)
+through its address, kept apart from any process that runs the real one. No real kernel is needed, so
 this runs on any CPU with numba. Prints "ok" when every check holds."""
 
 from __future__ import annotations

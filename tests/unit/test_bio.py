@@ -184,14 +184,44 @@ def test_row_kernels_spread_over_threads_keep_each_rows_bits(dispatch, dtype, mo
         b = get_backend("bio")
         tall = _rand(600, 576, dtype=dtype, seed=3)  # 345,600 elements: past `ROWS_SPLIT`
         wt = _rand(576, dtype=dtype, seed=2)
-        assert cpu_calls.threads_for(600, tall.numel(), cpu_calls.ROWS_SPLIT, cpu_calls.ROWS_PER_THREAD) > 1
+        share = cpu_calls.share(cpu_calls.ROWS_PER_THREAD, cpu_calls.ROWS_TEAM_PER_THREAD)
+        assert cpu_calls.threads_for(600, tall.numel(), cpu_calls.ROWS_SPLIT, share) > 1
+        team = cpu_calls.team()
+        assert (team is not None) == (dispatch == "team")
+        jobs = team.job if team else 0
         norm = b.rms_norm(tall, wt, 1e-5)
         merged = _rand(600, 2 * 288, dtype=dtype, seed=4) * 4
         act = b.silu_mul(merged[:, :288], merged[:, 288:])
+        if team:  # both went to the team's workers, not the pool
+            assert team.job == jobs + 2, (team.job, jobs)
+        # operands the team does not take (up broadcast over the rows: stride 0) go to the pool, same bits
+        up_row = merged[:1, 288:].expand(600, 288)
+        _bitwise(b.silu_mul(merged[:, :288], up_row), b.silu_mul(merged[:, :288], up_row.contiguous()), "broadcast up")
         for i in (0, 149, 150, 299, 300, 449, 450, 599):  # the first and last rows of each thread's slice
             _bitwise(b.rms_norm(tall[i : i + 1], wt, 1e-5), norm[i : i + 1], f"rms_norm row {i} of 600")
             alone = b.silu_mul(merged[i : i + 1, :288], merged[i : i + 1, 288:])
             _bitwise(alone, act[i : i + 1], f"silu_mul row {i} of 600")
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dispatch", ["team", "pool"])
+def test_a_zero_row_with_eps_zero_is_nan_not_an_error(dispatch, cpu_kernels, monkeypatch):
+    """RMSNorm of a zero row with eps 0 divides by zero: NaN, as torch's ops give, on every path, on the
+    Python pool's threads and on the compiled team's workers (an exception there would leave the
+    dispatcher waiting)."""
+    from detaudit.backends.kernels import cpu_calls
+
+    monkeypatch.setenv(cpu_calls.TEAM_ENV, "auto" if dispatch == "team" else "off")
+    b = get_backend("bio")
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        x = _rand(600, 576, dtype=torch.float32, seed=6)
+        x[0] = 0
+        x[599] = 0  # slot 0's rows and the last worker's
+        y = b.rms_norm(x, torch.ones(576), 0.0)
+        assert torch.isnan(y[0]).all() and torch.isnan(y[599]).all() and not torch.isnan(y[1:599]).any()
     finally:
         torch.set_num_threads(before)
 
@@ -244,7 +274,7 @@ def test_silu_mul_at_the_extremes(dtype, cpu_kernels):
         alone = b.silu_mul(gate[i : i + 1][None], up[i : i + 1][None])[0].view(as_bits)
         for j in (i, i + len(vals), i + 2 * len(vals)):
             if torch.isnan(alone.view(dtype)).all():  # NaN (and the ops' silu(-inf)): their payload differs
-                assert torch.isnan(alone.view(dtype)).all() and torch.isnan(row[j : j + 1].view(dtype)).all()
+                assert torch.isnan(row[j : j + 1].view(dtype)).all(), f"value {vals[i]} at {j}"
             else:
                 _bitwise(alone, row[j : j + 1], f"value {vals[i]} at {j}")
 

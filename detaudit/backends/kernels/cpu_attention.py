@@ -29,7 +29,7 @@ import numpy as np
 LANES = 16
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _dot(q, k):
     """sum q[i] * k[i] as the module docstring says: lane i % 16 adds its products in order (16 scalar
     accumulators, which LLVM keeps in one vector register), then the lanes pairwise."""
@@ -92,7 +92,7 @@ def _dot(q, k):
     return a0 + a1
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def load(src, bf16, bits):
     """src[D] into the fp32 buffer `bits.view(float32)`: bf16 stored as int16 bits (the top half of an
     fp32, so exact), or any value converted."""
@@ -105,7 +105,7 @@ def load(src, bf16, bits):
             row[i] = src[i]
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _sees(j, p, window):
     """Whether a query at position p sees key j (window 0: every key up to p)."""
     return j <= p and (window == 0 or j > p - window)
@@ -125,7 +125,7 @@ MAGIC_BITS = np.int32(0x4B400000)  # MAGIC's bits: bits(n + MAGIC) - MAGIC_BITS 
 N_MIN = np.int32(-126)  # the least n whose 2^n is a normal fp32; below it the result is 0
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def exp_shifted(row, shift, bits):
     """row[j] = exp(row[j] - shift) for every j, by the same IEEE fp32 operations for every element.
 
@@ -154,7 +154,7 @@ def exp_shifted(row, shift, bits):
         row[j] = row[j] * scale[j]
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def exp_rows(x, out):  # pragma: no cover (compiled)
     """out[i, :] = exp(x[i, :]) by `exp_shifted` (shift 0), for tests: the elements of one row are
     vector lanes or the scalar remainder depending on the row's length."""
@@ -164,7 +164,7 @@ def exp_rows(x, out):  # pragma: no cover (compiled)
         exp_shifted(out[i], np.float32(0), bits)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _scores(q, keys_t, lo, hi, acc, dest):
     """dest[j - lo] = `_dot`(q, key j) for keys lo..hi of keys_t[D, L] (keys as columns), the same
     additions in the same order, vectorized over the keys: lane l's sum of key j is acc[l, j - lo]."""
@@ -191,7 +191,7 @@ def _scores(q, keys_t, lo, hi, acc, dest):
         dest[jj] = a[jj] + b[jj]
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def attend(qs, pos, k, v, bf16, window, out):  # pragma: no cover (compiled)
     """qs[G, R, D] fp32 (scaled queries), pos[G, R] int64, k / v [G, L, D] (uint16 bf16 bits when
     `bf16`, as int16, else fp32), window (0: none; else key j visible iff pos - window < j <= pos),

@@ -28,6 +28,8 @@ import importlib
 import importlib.util
 import math
 import os
+import platform
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -92,8 +94,8 @@ def _unavailable() -> str | None:
 
 
 def compiled(module: str):
-    """The compiled-code module `module` of this package (`cpu_loop`, `cpu_attention`, `cpu_rows`)
-    where numba is installed and DETAUDIT_CPU_COMPILED allows it, else None. Unlike the call loop, the
+    """The compiled-code module `module` of this package (`cpu_loop`, `cpu_attention`, `cpu_rows`,
+    `cpu_team`) where numba is installed and DETAUDIT_CPU_COMPILED allows it, else None. Unlike the call loop, the
     attention and RMSNorm kernels have their own bits, and `describe` names the path before they run:
     a numba that is installed but cannot load is an error, not a silent switch to the other path."""
     if _unavailable() is not None:
@@ -214,6 +216,8 @@ class Team:
             self.lock.release()
 
     def stop(self) -> None:
+        if os.getpid() != self.pid:  # a forked child: the workers were the parent's (and the lock may be)
+            return
         with self.lock:
             self.mod.stop(self.ctl, len(self.workers))
             for w in self.workers:
@@ -224,10 +228,14 @@ class Team:
 
 
 _team_of: dict[str, Team | None] = {}
+_team_lock = threading.Lock()
 
 
 def _team_wanted() -> bool:
-    """Whether this process makes its compiled tables on the team (decided without importing numba)."""
+    """Whether this process makes its compiled tables on the team (decided without importing numba): the
+    team's waits are x86-64 Linux futexes and `pause`; elsewhere the Python pool."""
+    if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
     return _unavailable() is None and os.environ.get(TEAM_ENV, "auto").strip().lower() != "off"
 
 
@@ -236,15 +244,19 @@ def team() -> Team | None:
     starts its own."""
     if not _team_wanted():
         return None
-    t = _team_of.get("team", False)
-    if t is False or (t is not None and t.pid != os.getpid()):
-        mod = compiled("cpu_team")
-        t = None
-        if mod is not None:
-            t = Team(mod)
-            atexit.register(t.stop)
-        _team_of["team"] = t
-    return t
+    with _team_lock:
+        t = _team_of.get("team", False)
+        if t is False or (t is not None and t.pid != os.getpid()):
+            try:
+                mod = compiled("cpu_team")
+            except DetauditError:  # only the speed is the team's: the kernels' own modules say what broke
+                mod = None
+            t = None
+            if mod is not None:
+                t = Team(mod)
+                atexit.register(t.stop)
+            _team_of["team"] = t
+        return t
 
 
 def _on_team(kernel: Kernel, kind: str, jobs: int, threads: int, shape, table, leaves: int, out) -> bool:
@@ -273,7 +285,8 @@ def attend_on_team(qs, pos, k, v, bf16: bool, window: int, out, threads: int) ->
     item = k.itemsize
     if not (qs.flags.c_contiguous and pos.flags.c_contiguous and out.flags.c_contiguous):
         return False
-    if k.strides != v.strides or k.strides[1:] != (d * item, item) or k.strides[0] % (d * item):
+    heads_apart = k.strides[0] % (d * item) == 0 and k.strides[0] >= k.shape[1] * d * item  # none overlapping
+    if k.strides != v.strides or k.strides[1:] != (d * item, item) or not heads_apart:
         return False
     m = t.mod
     fields = {m.QS: qs.ctypes.data, m.POS: pos.ctypes.data, m.K_AT: k.ctypes.data, m.V_AT: v.ctypes.data}
@@ -304,8 +317,12 @@ def _rows_on_team(kind: str, m: int, x, u, out, bf16: bool, eps: float, threads:
     t = team()
     if t is None:
         return False
-    item = x.itemsize
-    if x.strides[1] != item or x.strides[0] % item or not out.flags.c_contiguous:
+    item, cols = x.itemsize, x.shape[1]
+
+    def rows_apart(a) -> bool:  # whole rows, each a run of contiguous elements, none overlapping the next
+        return a.strides[1] == item and a.strides[0] % item == 0 and a.strides[0] >= cols * item
+
+    if not (rows_apart(x) and out.flags.c_contiguous):
         return False
     mod = t.mod
     fields = {mod.X_AT: x.ctypes.data, mod.Y_AT: out.ctypes.data, mod.COLS: x.shape[1]}
@@ -313,7 +330,7 @@ def _rows_on_team(kind: str, m: int, x, u, out, bf16: bool, eps: float, threads:
     if kind == "rms":
         fields[mod.EPS] = int(np.float64(eps).view(np.int64))
         return t.run(mod.RMS, m, threads, fields)
-    if u.strides[1] != item or u.strides[0] % item:
+    if not rows_apart(u):
         return False
     fields.update({mod.U_AT: u.ctypes.data, mod.U_STRIDE: u.strides[0] // item})
     return t.run(mod.SILU, m, threads, fields)

@@ -44,7 +44,7 @@ def _release(typingctx, fn):
     return types.void(types.int64), codegen
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, release):  # pragma: no cover (compiled)
     """Every call of `table`, then, where `release`, the thread's AMX tiles released (brgemm_release)."""
     for i in range(table.shape[0]):
@@ -53,7 +53,7 @@ def loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, release):  # pragma:
         _release(release_at)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _tree_in_place(nodes):  # pragma: no cover (compiled)
     """nodes[G, S] (G a power of two) summed up the tree into nodes[0]: each level adds every node into its
     left sibling, ((n0 + n1) + (n2 + n3)) + ..., `tree.pairwise`'s adds in its pairs."""
@@ -67,7 +67,7 @@ def _tree_in_place(nodes):  # pragma: no cover (compiled)
         step *= 2
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def tree_loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, leaves, out, release):  # pragma: no cover (compiled)
     """The calls of `table` in jobs of `leaves` rows, a job one output block: each leaf's [m, n] product
     into this thread's scratch, the leaves added pairwise ((l0 + l1) + (l2 + l3)) + ... (`tree.pairwise`'s
@@ -87,7 +87,7 @@ def tree_loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, leaves, out, re
         _release(release_at)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def pairwise(leaves, out):  # pragma: no cover (compiled)
     """out = the tree over leaves[G, S] (fp32, G a power of two, at least 2): (l0 + l1) into out's first
     level, then ((l0 + l1) + (l2 + l3)) + ... in place, `tree.pairwise`'s adds in its pairs, so its bits

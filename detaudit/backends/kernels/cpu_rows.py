@@ -1,10 +1,11 @@
-"""bio's RMSNorm statistics on CPU as one compiled kernel (numba; imported only where it is installed).
+"""bio's row kernels on CPU, compiled (numba; imported only where it is installed): RMSNorm and silu * up.
 
-A row's sum of squares is `cpu_attention._dot(x, x)` (16 fp32 lanes, lane i % 16 in order, then the
-lanes pairwise; every square rounded, then added), divided by K; then y = x * (1 / sqrt(var + eps)),
-all in fp32. A row's bits depend on nothing but the row, so prefill, decode, any batch and any TP size
-agree. It replaces the ~12 small ops of the fixed-shape-product path (`bio._rms_norm`) with one call;
-the backend's description names it.
+RMSNorm: a row's sum of squares is `cpu_attention._dot(x, x)` (16 fp32 lanes, lane i % 16 in order, then
+the lanes pairwise; every square rounded, then added), divided by K; then y = x * (1 / sqrt(var + eps)),
+all in fp32. silu * up (`silu_mul`): element by element, exp by `cpu_attention.exp_shifted`. A row's bits
+depend on nothing but the row, so prefill, decode, any batch and any TP size agree, and its rows can be
+spread over threads (`cpu_calls.rows`). They replace the ~12 small ops of the fixed-shape-product path
+(`bio._rms_norm`) and silu's six ops with one call each; the backend's description names them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 from detaudit.backends.kernels.cpu_attention import _dot, exp_shifted, load
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def rms_rows(x, bf16, eps, out):  # pragma: no cover (compiled)
     """x[M, K] (bf16 bits as int16 when `bf16`, else fp32) -> out[M, K] fp32 = x * rsqrt(mean(x^2) + eps)."""
     m, k = x.shape
@@ -33,10 +34,11 @@ def rms_rows(x, bf16, eps, out):  # pragma: no cover (compiled)
 NEG_LIMIT = np.float32(-128)  # past it exp(-|g|) is 0 and silu's numerator g * 0 is -0 (for -inf as well)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _to_bf16(vals, bits):
-    """vals (fp32, its bits in `bits`, uint32) rounded to bf16 in place, as c10::BFloat16 rounds (to
-    nearest even; NaN to 0x7FC0), held as the top half of an fp32."""
+    """vals (fp32, its bits in `bits`, uint32) rounded to bf16 in place, to nearest even as torch rounds
+    (NaN to 0x7FC0, c10::BFloat16's scalar rule; torch's vector code keeps other NaN bits), held as the top
+    half of an fp32."""
     for i in range(vals.shape[0]):
         b = bits[i]
         if vals[i] != vals[i]:
@@ -46,12 +48,12 @@ def _to_bf16(vals, bits):
             bits[i] = ((b + ((b >> half) & np.uint32(1)) + np.uint32(0x7FFF)) >> half) << half
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def silu_mul(gate, up, bf16, out):  # pragma: no cover (compiled)
     """out[M, N] = silu(gate) * up, element by element: gate, up [M, N] (any strides; bf16 bits as int16
     when `bf16`, else fp32), out int16 bf16 bits or fp32. silu(g) = g / (1 + e) for g >= 0, g * e / (1 + e)
     below, e = exp(-|g|) by `exp_shifted` (never overflows), in fp32; rounded to bf16 before and after the
-    product with up where `bf16`, as `(silu(g).to(bf16) * up)` rounds."""
+    product with up where `bf16`, as `(silu(g).to(bf16) * up)` rounds (NaN: see `_to_bf16`)."""
     m, n = gate.shape
     g_bits = np.empty(n, dtype=np.uint32)
     u_bits = np.empty(n, dtype=np.uint32)

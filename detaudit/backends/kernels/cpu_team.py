@@ -12,7 +12,10 @@ words. A ticket is raised with a release store after the job's fields are writte
 acquire load before they are, so a worker never reads a job being written; a worker the job does not
 need sees nothing. The slices are `cpu_calls.slices`' contiguous ones and each is `cpu_loop`'s `loop` or
 `tree_loop` (or `cpu_attention.attend` over KV heads, `cpu_rows`' kernels over rows), so the work is
-done exactly as on one thread, only on another: the same bits.
+done exactly as on one thread, only on another: the same bits. Every kernel here and in the modules it
+calls is compiled with numba's numpy error model (a division by zero gives IEEE inf / NaN, as torch's ops
+do, instead of raising): an exception would end a worker with its done word unwritten and the dispatcher
+waiting for it.
 
 The control block is int64: fields in the first line, then per worker a ticket and a done word in lines
 of their own (no false sharing between workers)."""
@@ -138,7 +141,7 @@ _f32_at = _pointer(types.float32)
 _f64_at = _pointer(types.float64)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def _slice(ctl, slot, threads):  # pragma: no cover (compiled)
     """Slot `slot` of `threads` contiguous slices of the job's table: its calls, made as `cpu_loop` makes
     them (a PROBE job marks each of its jobs with slot + 1 instead)."""
@@ -173,7 +176,7 @@ def _slice(ctl, slot, threads):  # pragma: no cover (compiled)
         cpu_loop.loop(kernel, release_at, m, n, k, lda, ldb, ldc, table[lo:hi], release)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def _attend(ctl, lo, hi):  # pragma: no cover (compiled)
     """`cpu_attention.attend` over KV heads lo..hi of an ATTEND job (`fixed._attention_compiled`'s part)."""
     g, rows, d, length, stride = ctl[JOBS], ctl[ROWS], ctl[DIM], ctl[KEYS], ctl[KV_STRIDE]
@@ -191,7 +194,7 @@ def _attend(ctl, lo, hi):  # pragma: no cover (compiled)
         cpu_attention.attend(qs[lo:hi], pos[lo:hi], kf[lo:hi], vf[lo:hi], False, window, out[lo:hi])
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def _rows(ctl, rms, lo, hi):  # pragma: no cover (compiled)
     """Rows lo..hi of a RMS or SILU job (`cpu_rows`: a row's bits are the row's alone)."""
     m, n, xs, us = ctl[JOBS], ctl[COLS], ctl[X_STRIDE], ctl[U_STRIDE]
@@ -216,7 +219,7 @@ def _rows(ctl, rms, lo, hi):  # pragma: no cover (compiled)
         cpu_rows.silu_mul(gf[lo:hi], uf[lo:hi], False, yf[lo:hi])
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def serve(ctl, w):  # pragma: no cover (compiled)
     """Worker w: wait for its ticket to change, make its slice of the job, say so in its done word; until
     the ticket is STOP. Waiting: ctl[SPIN] polls, then its SLEEPING word set and the ticket read again (both
@@ -250,7 +253,7 @@ def serve(ctl, w):  # pragma: no cover (compiled)
         _store_release(done, seen)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def dispatch(ctl, threads, job):  # pragma: no cover (compiled)
     """The job whose fields are in ctl, number `job`, on `threads` threads: this one (slice 0) and workers
     0 .. threads - 2 (each woken where it sleeps), then wait for them."""
@@ -268,7 +271,7 @@ def dispatch(ctl, threads, job):  # pragma: no cover (compiled)
             _pause()
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, error_model="numpy")
 def stop(ctl, workers):  # pragma: no cover (compiled)
     """Every worker's ticket to STOP, each woken (its `serve` returns)."""
     base = ctl.ctypes.data

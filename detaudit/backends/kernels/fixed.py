@@ -153,6 +153,8 @@ def _silu_compiled(gate: Tensor, up: Tensor) -> Tensor | None:
     dtype = gate.dtype
     if rows is None or dtype not in (torch.bfloat16, torch.float32) or up.dtype != dtype or gate.shape != up.shape:
         return None
+    if gate.dim() == 0 or gate.numel() == 0:
+        return None
     shape = gate.shape
     g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
     out = torch.empty(g2.shape, dtype=dtype)
