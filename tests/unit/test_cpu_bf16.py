@@ -188,7 +188,6 @@ def test_compiled_and_python_dispatch_give_the_same_bits(bf16_chosen, monkeypatc
     torch.set_num_threads(2)
     for how in ("auto", "off"):
         monkeypatch.setenv(cpu_calls.ENV, how)
-        monkeypatch.setattr(cpu_calls, "_bound", {})
         assert cpu_calls.dispatcher().startswith("numba" if how == "auto" else "python loop")
         outs[how] = fixed.matmul(x, w)
     assert torch.equal(outs["auto"], outs["off"])
@@ -216,7 +215,6 @@ def test_leaf_sums_in_the_threads_cache_give_the_pairwise_trees_bits(bf16_chosen
     outs = {}
     for how, count in (("auto", 1), ("auto", 2), ("off", 2)):
         monkeypatch.setenv(cpu_calls.ENV, how)
-        monkeypatch.setattr(cpu_calls, "_bound", {})
         torch.set_num_threads(count)
         outs[how, count] = tree.tree_matmul(x, w, tp)
     assert outs["auto", 1].dtype == torch.float32
@@ -234,7 +232,6 @@ def test_leaf_sums_are_the_pairwise_sums_of_the_leaf_products_or_left_to_the_cal
     from detaudit.backends.kernels import cpu_calls, tree
 
     monkeypatch.setenv(cpu_calls.ENV, "auto")
-    monkeypatch.setattr(cpu_calls, "_bound", {})
     torch.set_num_threads(2)
     for rows, k, n, wanted in ((100, 1536, 2112, True), (8, 8192, 1024, False)):
         g = torch.Generator().manual_seed(rows)
@@ -360,7 +357,6 @@ def test_each_thread_releases_the_kernel_after_its_calls_where_the_path_says(mon
         )
         monkeypatch.setattr(cpu_bf16, "_kernel", fake)
         monkeypatch.setenv(cpu_calls.ENV, "off")
-        monkeypatch.setattr(cpu_calls, "_bound", {})
         torch.set_num_threads(2)
         assert torch.equal(fixed.matmul(x, w), want)
     finally:

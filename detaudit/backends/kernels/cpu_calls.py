@@ -52,8 +52,6 @@ MIN_SPLIT_FLOPS = 4e6
 # thread's share must pay for its hand-off (a future, a pool thread's wake-up, the GIL around both), so
 # the share follows how fast the kernel's calls are (`cpu_bf16.PER_THREAD`)
 
-_bound: dict[int, object] = {}  # kernel address -> the compiled loop calling it (None: Python's)
-
 
 @dataclass(frozen=True)
 class Kernel:
@@ -118,8 +116,8 @@ def dispatcher() -> str:
     return f"numba (the call loop compiled, the GIL released for a thread's whole slice; slices on {threads})"
 
 
-def _loops(kernel: Kernel):
-    """The compiled loops calling `kernel` (the `cpu_loop` module, which calls it through its address), or
+def _loops():
+    """The compiled loops (the `cpu_loop` module, which calls a kernel through the address it is given), or
     None where the loop stays in Python."""
     return compiled("cpu_loop")
 
@@ -128,7 +126,7 @@ def run_tree(kernel: Kernel, shape, table: np.ndarray, leaves: int, out: np.ndar
     """`run` in jobs of `leaves` consecutive calls (one output block's leaves, `cpu_loop.tree_loop`: each
     job's leaf products summed pairwise in the thread's cache and stored into `out`, flat fp32, at the
     job's C offset), whole jobs a thread. False, and nothing done, where there is no compiled loop."""
-    mod = _loops(kernel)
+    mod = _loops()
     if mod is None:
         return False
     jobs = len(table) // leaves
@@ -154,7 +152,7 @@ def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.nd
         return
     # one call gains nothing from the loop (and so the one-call self-check of `cpu_bf16.choose`, which a
     # backend description runs, imports no numba: see `_numba_installed`)
-    mod = _loops(kernel) if n > 1 else None
+    mod = _loops() if n > 1 else None
     loop = None if mod is None else mod.loop
     fn, release = kernel.fn, kernel.release
     if loop is None:
@@ -186,7 +184,7 @@ class Team:
     def __init__(self, mod) -> None:
         self.mod = mod
         self.ctl = np.zeros(mod.SIZE, dtype=np.int64)
-        self.ctl[mod.SPIN] = mod.SPINS
+        self._fresh()
         self.workers: list[threading.Thread] = []
         self.job = 0
         self.lock = threading.Lock()
@@ -223,8 +221,13 @@ class Team:
             for w in self.workers:
                 w.join(timeout=1.0)
             self.workers = []
-            self.ctl[:] = 0  # tickets back to 0: a worker started later waits for its first job
-            self.ctl[self.mod.SPIN] = self.mod.SPINS
+            self._fresh()
+
+    def _fresh(self) -> None:
+        """The control block as no worker has seen it: tickets 0 (a worker started later waits for its first
+        job), the polls before a worker sleeps."""
+        self.ctl[:] = 0
+        self.ctl[self.mod.SPIN] = self.mod.SPINS
 
 
 _team_of: dict[str, Team | None] = {}
@@ -325,7 +328,7 @@ def _rows_on_team(kind: str, m: int, x, u, out, bf16: bool, eps: float, threads:
     if not (rows_apart(x) and out.flags.c_contiguous):
         return False
     mod = t.mod
-    fields = {mod.X_AT: x.ctypes.data, mod.Y_AT: out.ctypes.data, mod.COLS: x.shape[1]}
+    fields = {mod.X_AT: x.ctypes.data, mod.Y_AT: out.ctypes.data, mod.COLS: cols}
     fields.update({mod.X_STRIDE: x.strides[0] // item, mod.ROW_BF16: int(bf16)})
     if kind == "rms":
         fields[mod.EPS] = int(np.float64(eps).view(np.int64))

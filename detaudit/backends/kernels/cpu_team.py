@@ -86,42 +86,37 @@ def _pause(typingctx):
     return types.void(), codegen
 
 
-@intrinsic
-def _load_seq(typingctx, addr):
-    def codegen(context, builder, signature, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        return builder.load_atomic(ptr, "seq_cst", 8)
+def _atomic_load(order: str):
+    """An intrinsic: the int64 at an address, loaded atomically with memory order `order`."""
 
-    return types.int64(types.int64), codegen
+    @intrinsic
+    def load(typingctx, addr):
+        def codegen(context, builder, signature, args):
+            ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+            return builder.load_atomic(ptr, order, 8)
 
+        return types.int64(types.int64), codegen
 
-@intrinsic
-def _store_seq(typingctx, addr, value):
-    def codegen(context, builder, signature, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        builder.store_atomic(args[1], ptr, "seq_cst", 8)
-        return context.get_dummy_value()
-
-    return types.void(types.int64, types.int64), codegen
+    return load
 
 
-@intrinsic
-def _load_acquire(typingctx, addr):
-    def codegen(context, builder, signature, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        return builder.load_atomic(ptr, "acquire", 8)
+def _atomic_store(order: str):
+    """An intrinsic: an int64 stored at an address atomically with memory order `order`."""
 
-    return types.int64(types.int64), codegen
+    @intrinsic
+    def store(typingctx, addr, value):
+        def codegen(context, builder, signature, args):
+            ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+            builder.store_atomic(args[1], ptr, order, 8)
+            return context.get_dummy_value()
+
+        return types.void(types.int64, types.int64), codegen
+
+    return store
 
 
-@intrinsic
-def _store_release(typingctx, addr, value):
-    def codegen(context, builder, signature, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        builder.store_atomic(args[1], ptr, "release", 8)
-        return context.get_dummy_value()
-
-    return types.void(types.int64, types.int64), codegen
+_load_seq, _store_seq = _atomic_load("seq_cst"), _atomic_store("seq_cst")
+_load_acquire, _store_release = _atomic_load("acquire"), _atomic_store("release")
 
 
 def _pointer(of):
