@@ -1,6 +1,7 @@
 """The compiled CPU attention's pieces (numba, the `cpu` extra): its exp gives an element the same bits
-in a vector lane and in the scalar remainder, close to fp64's exp, and its scores, vectorized across
-keys, are bit for bit the lane-ordered dot product `_dot` that RMSNorm's statistics also use."""
+in a vector lane and in the scalar remainder, close to fp64's exp; its 16-lane loops (`cpu_lanes`) are
+bit for bit the lane-ordered dot product `_dot` that RMSNorm's statistics also use and the key-ordered
+weighted sum; `attend` is its docstring's operations, on the vector path and the scalar one."""
 
 from __future__ import annotations
 
@@ -41,17 +42,129 @@ def test_exp_accuracy_against_fp64():
     assert low[:3].tolist() == [0.0, 0.0, 0.0] and np.isnan(low[3])  # below 2^-126: 0 (e^-88 = 6e-39)
 
 
-@pytest.mark.parametrize("d", [7, 16, 64, 100])
-def test_scores_are_the_lane_ordered_dot_products(d):
-    """`_scores` (a row's scores over keys lo..hi, vectorized across the keys) adds exactly what `_dot`
-    adds, in the same order, for every key: the same bits."""
+import numba  # noqa: E402
+import torch  # noqa: E402
+
+from detaudit.backends.kernels import cpu_lanes as cl  # noqa: E402
+
+
+@numba.njit(error_model="numpy")
+def _lane_dots(q, k, bf16, four, out):  # pragma: no cover (compiled)
+    """out[j] = the lane intrinsics' dot of q with k[j]: one at a time, or four at a time (`four`)."""
+    blocks, step = q.shape[0] // 16, k.strides[0]
+    for j in range(0, k.shape[0] - 3 if four else k.shape[0], 4 if four else 1):
+        at = k.ctypes.data + j * step
+        if four and bf16:
+            cl.dots4_bf16(q.ctypes.data, at, step, blocks, out.ctypes.data + 4 * j)
+        elif four:
+            cl.dots4_f32(q.ctypes.data, at, step, blocks, out.ctypes.data + 4 * j)
+        elif bf16:
+            out[j] = cl.dot_bf16(q.ctypes.data, at, blocks)
+        else:
+            out[j] = cl.dot_f32(q.ctypes.data, at, blocks)
+
+
+@numba.njit(error_model="numpy")
+def _scalar_dots(q, k, out):  # pragma: no cover (compiled)
+    for j in range(k.shape[0]):
+        out[j] = ca._dot(q, k[j])
+
+
+@numba.njit(error_model="numpy")
+def _weighted(out, e, v, lo, hi, bf16):  # pragma: no cover (compiled)
+    blocks = out.shape[0] // 16
+    if bf16:
+        cl.weighted_bf16(out.ctypes.data, e.ctypes.data, v.ctypes.data, v.strides[0], lo, hi, blocks)
+    else:
+        cl.weighted_f32(out.ctypes.data, e.ctypes.data, v.ctypes.data, v.strides[0], lo, hi, blocks)
+
+
+def _bf16_bits(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x rounded to bf16: its int16 bits and its fp32 values."""
+    b = torch.from_numpy(x).bfloat16()
+    return b.view(torch.int16).numpy(), b.float().numpy()
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("d", [16, 64, 128, 80])
+def test_lane_dots_are_the_lane_ordered_dot_products(d):
+    """The 16-lane intrinsics (one key, or four keys whose trees share shuffles) add exactly what `_dot`
+    adds, in its order, on fp32 keys and on bf16 bits: the same bits, over magnitudes where another order
+    of the additions rounds otherwise."""
     rng = np.random.default_rng(d)
-    q = rng.standard_normal(d).astype(np.float32)
-    keys = (rng.standard_normal((50, d)) * rng.uniform(1e-3, 1e3, (50, 1))).astype(np.float32)
-    keys_t = np.ascontiguousarray(keys.T)
-    acc = np.empty((ca.LANES, 50), np.float32)
-    for lo, hi in ((0, 49), (13, 13), (5, 40)):
-        dest = np.empty(hi - lo + 1, np.float32)
-        ca._scores(q, keys_t, lo, hi, acc, dest)
-        want = np.array([ca._dot(q, keys[j]) for j in range(lo, hi + 1)], np.float32)
-        assert np.array_equal(dest.view(np.uint32), want.view(np.uint32)), (lo, hi)
+    q = (rng.standard_normal(d) * rng.uniform(1e-3, 1e3, d)).astype(np.float32)
+    keys = (rng.standard_normal((203, d)) * rng.uniform(1e-3, 1e3, (203, 1))).astype(np.float32)
+    halves, rounded = _bf16_bits(keys)
+    for bf16, k, values in ((False, keys, keys), (True, halves, rounded)):
+        want = np.empty(203, np.float32)
+        _scalar_dots(q, values, want)
+        for four in (False, True):
+            got = np.full(203, np.nan, np.float32)
+            _lane_dots(q, k, bf16, four, got)
+            n = 200 if four else 203
+            assert np.array_equal(_bits(got[:n]), _bits(want[:n])), (bf16, four)
+
+
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
+def test_lane_weighted_sum_adds_each_key_in_order(d):
+    """out += e[j] * v[j] for keys lo..hi, one key after the other (numpy's fp32 products and sums are the
+    reference): the same bits whichever blocks of lanes share a pass over the keys."""
+    rng = np.random.default_rng(d)
+    v = (rng.standard_normal((90, d)) * rng.uniform(1e-3, 1e3, (90, 1))).astype(np.float32)
+    e = rng.uniform(0, 1, 90).astype(np.float32)
+    halves, rounded = _bf16_bits(v)
+    for bf16, vs, values in ((False, v, v), (True, halves, rounded)):
+        start = rng.standard_normal(d).astype(np.float32)
+        want = start.copy()
+        for j in range(7, 84):
+            want = want + e[j] * values[j]
+        got = start.copy()
+        _weighted(got, e, vs, 7, 83, bf16)
+        assert np.array_equal(_bits(got), _bits(want)), bf16
+
+
+def _attention_reference(qs, pos, k, v, window):
+    """The module docstring's operations, one at a time in numpy fp32 (`_dot` for each score)."""
+    g_count, rows, d = qs.shape
+    out = np.empty_like(qs)
+    for g in range(g_count):
+        for r in range(rows):
+            p = pos[g, r]
+            lo, hi = max(p - window + 1 if window else 0, 0), min(p, k.shape[1] - 1)
+            scores = np.empty(hi - lo + 1, np.float32)
+            _scalar_dots(qs[g, r], np.ascontiguousarray(k[g, lo : hi + 1]), scores)
+            weights = _exp((scores - scores.max())[None])[0]
+            total, acc = np.float32(0), np.zeros(d, np.float32)
+            for j in range(hi - lo + 1):
+                total = np.float32(total + weights[j])
+                acc = acc + weights[j] * v[g, lo + j]
+            out[g, r] = acc / total
+    return out
+
+
+@pytest.mark.parametrize("d, window", [(64, 0), (64, 5), (48, 0), (128, 3)])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_attend_is_the_documented_operations(d, window, bf16):
+    """`attend`'s bits are its docstring's operations made one at a time (fp32 scores by `_dot`, their
+    max, exp(score - max) in fp32, the sum and the weighted values in key order, one division): on the
+    16-lane path (D a multiple of 16), on the scalar one (D = 48 is not), and on the scalar one again
+    where the query rows are not contiguous."""
+    rng = np.random.default_rng(d + window)
+    g, rows, length = 3, 6, 23
+    qs = (rng.standard_normal((g, rows, d)) * 3).astype(np.float32)
+    k = (rng.standard_normal((g, length, d)) * rng.uniform(0.1, 3, (g, length, 1))).astype(np.float32)
+    v = rng.standard_normal((g, length, d)).astype(np.float32)
+    pos = rng.integers(0, length, (g, rows)).astype(np.int64)
+    (k_bits, k), (v_bits, v) = (_bf16_bits(x) if bf16 else (x, x) for x in (k, v))
+    want = _attention_reference(qs, pos, k, v, window)
+    out = np.full_like(qs, np.nan)
+    ca.attend(qs, pos, k_bits, v_bits, bf16, window, out)
+    assert np.array_equal(_bits(out), _bits(want))
+    wide = np.zeros((g, rows, 2 * d), np.float32)
+    wide[:, :, ::2] = qs  # every other element: the rows' elements 8 bytes apart (the scalar path)
+    strided = np.full_like(qs, np.nan)
+    ca.attend(wide[:, :, ::2], pos, k_bits, v_bits, bf16, window, strided)
+    assert np.array_equal(_bits(strided), _bits(want))

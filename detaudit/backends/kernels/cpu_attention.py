@@ -8,12 +8,13 @@ many rows or keys share the call, so a row has the same bits in prefill (many ro
 in any batch and at any TP size (heads are never split). No fused multiply-add: numba compiles
 without fast-math, so every product is rounded, then added.
 
-Vectorized across keys, not within a dot product: a KV head's keys are transposed once per call
-([D, L] fp32), and a row's scores are 16 lane rows over all its keys (`_scores`: the additions of
-`_dot`, key by key, in the same order). exp is a polynomial in IEEE fp32 adds and multiplies
-(`exp_shifted`), so a vector lane and the scalar remainder give the same bits; it replaced libm's
-scalar expf (other bits: the description says which exp, so earlier runs' cells are not merged with
-these).
+Vectorized within a dot product: where D is a multiple of 16 and the rows contiguous, a score's 16
+lanes are one LLVM vector and a row's weighted values 16 elements at a time (`cpu_lanes`: the same
+additions in the same order), read from the cache as it is stored, no copy (LLVM leaves `_dot`'s 16
+scalar accumulators scalar). Otherwise the same operations run one lane at a time. exp is a polynomial in IEEE
+fp32 adds and multiplies (`exp_shifted`), so a vector lane and the scalar remainder give the same bits;
+it replaced libm's scalar expf (other bits: the description says which exp, so earlier runs' cells are
+not merged with these).
 
 The cache is read as it is stored: bf16 as its 16 bits (a bf16 is the top half of an fp32), other
 dtypes converted to fp32 by the caller. Against the chunked PyTorch-ops path (`fixed.attention`), this
@@ -25,6 +26,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+
+from detaudit.backends.kernels import cpu_lanes, numba_cache
+
+numba_cache.fresh()  # before any cache is loaded: a caller's cache holds its callees' code
 
 LANES = 16
 
@@ -105,12 +110,6 @@ def load(src, bf16, bits):
             row[i] = src[i]
 
 
-@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
-def _sees(j, p, window):
-    """Whether a query at position p sees key j (window 0: every key up to p)."""
-    return j <= p and (window == 0 or j > p - window)
-
-
 # exp, Cephes' expf (S. Moshier) in IEEE fp32 adds and multiplies: x = n ln2 + r, |r| <= ln2 / 2 (ln2 in
 # two parts, n * LN2_HI exact), exp(r) by a degree-7 polynomial, times 2^n built from n's bits
 LOG2E = np.float32(1.44269504088896341)
@@ -165,30 +164,52 @@ def exp_rows(x, out):  # pragma: no cover (compiled)
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
-def _scores(q, keys_t, lo, hi, acc, dest):
-    """dest[j - lo] = `_dot`(q, key j) for keys lo..hi of keys_t[D, L] (keys as columns), the same
-    additions in the same order, vectorized over the keys: lane l's sum of key j is acc[l, j - lo]."""
-    n = hi - lo + 1
-    for lane in range(LANES):
-        a = acc[lane, :n]
-        for jj in range(n):
-            a[jj] = 0
-    for i in range(q.shape[0]):
-        a = acc[i % LANES, :n]
-        kr = keys_t[i, lo : hi + 1]
-        qi = q[i]
-        for jj in range(n):
-            a[jj] += qi * kr[jj]
-    for half in (8, 4, 2):
-        for lane in range(half):
-            a = acc[lane, :n]
-            b = acc[lane + half, :n]
-            for jj in range(n):
-                a[jj] += b[jj]
-    a = acc[0, :n]
-    b = acc[1, :n]
-    for jj in range(n):
-        dest[jj] = a[jj] + b[jj]
+def _row(q, k, v, bf16, lo, hi, scores, exp_bits, key_bits, out):  # pragma: no cover (compiled)
+    """One query row q[D] over keys lo..hi of k / v [L, D]: its scores (`_dot` each), their max,
+    exp(score - max) in place, their sum in key order, out[D] = the weighted sum of values in key order
+    divided by it. 16-lane vector code (`cpu_lanes`) where D is a multiple of 16 and every row contiguous,
+    else the same operations one lane at a time: the same bits."""
+    d = q.shape[0]
+    contiguous = q.strides[0] == 4 and out.strides[0] == 4 and k.strides[1] == k.itemsize
+    lanes = d % LANES == 0 and contiguous and v.strides[1] == v.itemsize
+    blocks = d // LANES
+    key = key_bits.view(np.float32)
+    quads = lo + (hi + 1 - lo) // 4 * 4 if lanes else lo  # keys lo .. quads - 1 four at a time
+    step = k.strides[0]
+    for j in range(lo, quads, 4):
+        if bf16:
+            cpu_lanes.dots4_bf16(q.ctypes.data, k.ctypes.data + j * step, step, blocks, scores.ctypes.data + 4 * j)
+        else:
+            cpu_lanes.dots4_f32(q.ctypes.data, k.ctypes.data + j * step, step, blocks, scores.ctypes.data + 4 * j)
+    for j in range(quads, hi + 1):
+        if not lanes:
+            load(k[j], bf16, key_bits)
+            scores[j] = _dot(q, key)
+        elif bf16:
+            scores[j] = cpu_lanes.dot_bf16(q.ctypes.data, k.ctypes.data + j * step, blocks)
+        else:
+            scores[j] = cpu_lanes.dot_f32(q.ctypes.data, k.ctypes.data + j * step, blocks)
+    m = np.float32(-np.inf)
+    for j in range(lo, hi + 1):
+        if scores[j] > m:
+            m = scores[j]
+    exp_shifted(scores[lo : hi + 1], m, exp_bits)
+    total = np.float32(0)
+    for j in range(lo, hi + 1):
+        total += scores[j]
+    out[:] = 0
+    if not lanes:
+        for j in range(lo, hi + 1):
+            load(v[j], bf16, key_bits)
+            e = scores[j]
+            for i in range(d):
+                out[i] += e * key[i]
+    elif bf16:
+        cpu_lanes.weighted_bf16(out.ctypes.data, scores.ctypes.data, v.ctypes.data, v.strides[0], lo, hi, blocks)
+    else:
+        cpu_lanes.weighted_f32(out.ctypes.data, scores.ctypes.data, v.ctypes.data, v.strides[0], lo, hi, blocks)
+    for i in range(d):
+        out[i] /= total
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
@@ -198,56 +219,12 @@ def attend(qs, pos, k, v, bf16, window, out):  # pragma: no cover (compiled)
     out[G, R, D] fp32."""
     g_count, rows, d = qs.shape
     length = k.shape[1]
-    scores = np.empty((rows, length), dtype=np.float32)
-    row_max = np.empty(rows, dtype=np.float32)
-    sums = np.empty(rows, dtype=np.float32)
-    bits = np.empty(d, dtype=np.uint32)
-    key = bits.view(np.float32)  # the key or value row `load` wrote
+    scores = np.empty(length, dtype=np.float32)
     exp_bits = np.empty(length, dtype=np.int32)
-    keys_t = np.empty((d, length), dtype=np.float32)
-    acc = np.empty((LANES, length), dtype=np.float32)
+    key_bits = np.empty(d, dtype=np.uint32)
     for g in range(g_count):
-        first = length
-        last = -1
-        for r in range(rows):
-            p = pos[g, r]
-            lo = p - window + 1 if window > 0 else 0
-            first = min(first, max(lo, 0))
-            last = max(last, min(p, length - 1))
-            row_max[r] = -np.inf
-            sums[r] = 0
-            out[g, r, :] = 0
-        for j in range(first, last + 1):
-            load(k[g, j], bf16, bits)
-            for i in range(d):
-                keys_t[i, j] = key[i]
         for r in range(rows):
             p = pos[g, r]
             lo = max(p - window + 1 if window > 0 else 0, 0)
             hi = min(p, length - 1)
-            _scores(qs[g, r], keys_t, lo, hi, acc, scores[r, lo : hi + 1])
-            m = row_max[r]
-            for j in range(lo, hi + 1):
-                if scores[r, j] > m:
-                    m = scores[r, j]
-            row_max[r] = m
-        for r in range(rows):  # the keys a row sees are lo..hi: their weights, then their sum in key order
-            p = pos[g, r]
-            lo = max(p - window + 1 if window > 0 else 0, 0)
-            hi = min(p, length - 1)
-            exp_shifted(scores[r, lo : hi + 1], row_max[r], exp_bits)
-            total = np.float32(0)
-            for j in range(lo, hi + 1):
-                total += scores[r, j]
-            sums[r] = total
-        for j in range(first, last + 1):
-            load(v[g, j], bf16, bits)
-            for r in range(rows):
-                if not _sees(j, pos[g, r], window):
-                    continue
-                e = scores[r, j]
-                for i in range(d):
-                    out[g, r, i] += e * key[i]
-        for r in range(rows):
-            for i in range(d):
-                out[g, r, i] /= sums[r]
+            _row(qs[g, r], k[g], v[g], bf16, lo, hi, scores, exp_bits, key_bits, out[g, r])

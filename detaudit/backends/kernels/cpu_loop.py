@@ -14,6 +14,10 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from detaudit.backends.kernels import numba_cache
+
+numba_cache.fresh()  # before any cache is loaded: a caller's cache holds its callees' code
+
 _I64, _I8 = ir.IntType(64), ir.IntType(8)
 # at::native::cpublas::brgemm(M, N, K, ld_a, ld_b, ld_c, add_C, A, B, C, is_vnni) and brgemm_release(is_vnni)
 _KERNEL = ir.FunctionType(ir.VoidType(), [_I64] * 6 + [_I8, _I64, _I64, _I64, _I8])

@@ -13,7 +13,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from detaudit.backends.kernels import numba_cache
 from detaudit.backends.kernels.cpu_attention import _dot, exp_shifted, load
+
+numba_cache.fresh()  # before any cache is loaded: a caller's cache holds its callees' code
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")

@@ -33,7 +33,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from detaudit.backends.kernels import cpu_attention, cpu_loop, cpu_rows
+from detaudit.backends.kernels import cpu_attention, cpu_loop, cpu_rows, numba_cache
+
+numba_cache.fresh()  # before any cache is loaded: a caller's cache holds its callees' code
 
 KIND, THREADS, JOBS, TABLE, LEAVES, OUT, OUT_SIZE, RELEASE, KERNEL_AT, RELEASE_AT = range(10)  # the job's fields
 SHAPE = 10  # m, n, k, lda, ldb, ldc: 10..15
