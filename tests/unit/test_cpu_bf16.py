@@ -106,6 +106,44 @@ def test_panel_width_divides_n_padded_to_64():
     assert leaves == {576: 576, 1536: 768, 4096: 1024, 300: 320}
 
 
+def test_panels_are_cut_into_column_parts_only_where_threads_would_idle():
+    """`sub_width`: a call makes a whole panel unless the product's panel calls are fewer than its threads
+    (a decode step); then the fewest equal parts (multiples of 64 columns) that give each thread a call."""
+    assert cpu_bf16.sub_width(3, 192, 1) == 192  # one thread: whole panels
+    assert cpu_bf16.sub_width(3, 192, 3) == 192
+    assert cpu_bf16.sub_width(3, 192, 4) == 64  # 3 panels of 3 units: 9 calls
+    assert cpu_bf16.sub_width(3, 192, 16) == 64  # no narrower than 64 columns
+    assert cpu_bf16.sub_width(6, 256, 8) == 128  # a [8, 1536] gate: 12 calls of 128 columns
+    assert cpu_bf16.sub_width(6, 256, 20) == 64
+    assert cpu_bf16.sub_width(40, 256, 16) == 256  # prefill: calls enough
+    assert cpu_bf16.sub_width(1, 64, 8) == 64
+    table = cpu_bf16._offsets(1, 2, 1, 0, 0, 16 * 384, 288 * 192 * 4, 192, 64)
+    assert table[:, 1].tolist() == [0, 256, 512, 288 * 192 * 4, 288 * 192 * 4 + 256, 288 * 192 * 4 + 512]
+    assert table[:, 2].tolist() == [0, 256, 512, 768, 1024, 1280]  # columns 0, 64, ... 320 (fp32)
+
+
+@pytest.mark.parametrize("rows, k, n", [(8, 576, 576), (8, 576, 1536), (16, 1536, 576), (5, 104, 384)])
+def test_column_parts_give_the_whole_panels_bits(bf16_chosen, monkeypatch, rows, k, n):
+    """A product made in 64-column parts of its panels (a decode step's calls spread over more threads)
+    has the bits of the same product made a whole panel a call: each output's K is added in the same
+    order, whatever columns share its call."""
+    g = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    packed = cpu_bf16.pack(w)
+    assert packed.shape[2] > cpu_bf16.PANEL_UNIT  # panels of several parts
+    outs = {}
+    for parts in ("whole", "parts"):
+        cut = (lambda calls, width, threads: width) if parts == "whole" else (lambda *a: cpu_bf16.PANEL_UNIT)
+        monkeypatch.setattr(cpu_bf16, "sub_width", cut)
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            outs[parts, threads] = cpu_bf16.matmul(x, packed, n)
+    want = outs["whole", 1]
+    assert all(torch.equal(out, want) for out in outs.values())
+    assert torch.allclose(want, x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
+
+
 def test_a_table_takes_one_thread_per_share_that_pays_for_its_hand_off(monkeypatch):
     """`cpu_calls.threads_for`: one thread below the split threshold, else one per `per_thread` flops (a
     decode step's products on a 16-core host take a few threads, not all), never more than the pieces or

@@ -338,12 +338,29 @@ def products(a: Tensor, packed: Tensor) -> Tensor:
         raise DetauditError("bf16 CPU products: oneDNN was disabled after the bf16 path was chosen")
     a_group, a_block, lda, _ = a.stride()
     ldc = p * width
-    table = _offsets(g, p, nb, a_group, a_block, r * ldc, half * width * 2 * 2, width) + np.array(
+    flops = 2.0 * g * nb * r * k2 * p * width
+    units = width // PANEL_UNIT
+    cols = sub_width(g * nb * p, width, cpu_calls.kernel_threads(kernel, g * nb * p * units, flops))
+    table = _offsets(g, p, nb, a_group, a_block, r * ldc, half * width * 2 * 2, width, cols) + np.array(
         [a.data_ptr(), packed.data_ptr(), out.data_ptr()], dtype=np.int64
     )
-    shape = (r, width, k2, lda, width, ldc)
-    cpu_calls.run(kernel, shape, table, 2.0 * g * nb * r * k2 * p * width)
+    shape = (r, cols, k2, lda, width, ldc)  # ldb: the panel's W, whatever columns a call makes
+    cpu_calls.run(kernel, shape, table, flops)
     return out
+
+
+def sub_width(calls: int, width: int, threads: int) -> int:
+    """The columns of one call: all of a panel's W, or, where a product has fewer panel calls than the
+    `threads` its flops are worth (a decode step: one block of rows, a few panels), W cut into the fewest
+    equal parts, each a multiple of 64 columns, that give every thread a call. A call over a panel's
+    column range reads the panel in place (ldb = W) and adds each output's K in the same order as the
+    whole panel's call (`vdpbf16ps` runs per lane, AMX per 16-column tile), so the same bits; the
+    panels' weights are read by more threads at once."""
+    units = width // PANEL_UNIT
+    for parts in range(1, units + 1):
+        if units % parts == 0 and calls * parts >= threads:
+            return width // parts
+    return PANEL_UNIT
 
 
 def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
@@ -402,15 +419,20 @@ def _tree_offsets(
 
 
 @functools.lru_cache(maxsize=1024)
-def _offsets(g: int, p: int, nb: int, a_group: int, a_block: int, c_block: int, b_panel: int, width: int) -> np.ndarray:
-    """Byte offsets (A, B, C) of every call of a product, one row per call in (group, panel, block)
-    order: a thread's contiguous share of the table walks a panel across the blocks it meets, so the
-    panel is read from memory once for them. The same for every product of one shape (cached)."""
-    gi, q, j = (x.ravel() for x in np.meshgrid(np.arange(g), np.arange(p), np.arange(nb), indexing="ij"))
+def _offsets(
+    g: int, p: int, nb: int, a_group: int, a_block: int, c_block: int, b_panel: int, width: int, cols: int | None = None
+) -> np.ndarray:
+    """Byte offsets (A, B, C) of every call of a product, one row per call in (group, panel, part, block)
+    order, a call making `cols` (default W) of a panel's columns: a thread's contiguous share of the table
+    walks a panel across the blocks it meets, so the panel is read from memory once for them. The same
+    for every product of one shape (cached)."""
+    cols = cols or width
+    axes = (np.arange(g), np.arange(p), np.arange(width // cols), np.arange(nb))
+    gi, q, part, j = (x.ravel() for x in np.meshgrid(*axes, indexing="ij"))
     table = np.empty((gi.size, 3), dtype=np.int64)
     table[:, 0] = (gi * a_group + j * a_block) * 2  # bf16 rows
-    table[:, 1] = (gi * p + q) * b_panel
-    table[:, 2] = ((gi * nb + j) * c_block + q * width) * 4  # fp32 output
+    table[:, 1] = (gi * p + q) * b_panel + part * cols * 2 * 2  # a part's first column: VNNI pairs of bf16
+    table[:, 2] = ((gi * nb + j) * c_block + q * width + part * cols) * 4  # fp32 output
     table.flags.writeable = False
     return table
 
