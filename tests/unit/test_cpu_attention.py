@@ -168,3 +168,19 @@ def test_attend_is_the_documented_operations(d, window, bf16):
     strided = np.full_like(qs, np.nan)
     ca.attend(wide[:, :, ::2], pos, k_bits, v_bits, bf16, window, strided)
     assert np.array_equal(_bits(strided), _bits(want))
+
+
+def test_a_row_that_sees_no_key_is_nan_and_touches_nothing_else():
+    """A query before every key (position -1 or lower) has no visible key: 0 / 0, NaN, as softmax over
+    nothing; the other rows of its head keep their bits, and the kernel reads and writes inside its arrays."""
+    rng = np.random.default_rng(5)
+    qs = rng.standard_normal((2, 4, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 9, 32)).astype(np.float32) for _ in range(2))
+    pos = np.array([[3, -1, -5, 8], [0, 2, -2, 7]], np.int64)
+    out = np.zeros_like(qs)
+    ca.attend(qs, pos, k, v, False, 0, out)
+    assert np.isnan(out[:, [1, 2]][pos[:, [1, 2]] < 0]).all() and np.isnan(out[1, 2]).all()
+    seen = pos >= 0
+    want = _attention_reference(qs[:, :1], pos[:, :1], k, v, 0)
+    assert seen[:, 0].all() and np.array_equal(_bits(out[:, :1]), _bits(want))
+    assert np.isfinite(out[seen]).all()

@@ -226,5 +226,5 @@ def attend(qs, pos, k, v, bf16, window, out):  # pragma: no cover (compiled)
         for r in range(rows):
             p = pos[g, r]
             lo = max(p - window + 1 if window > 0 else 0, 0)
-            hi = min(p, length - 1)
+            hi = max(min(p, length - 1), lo - 1)  # a row that sees no key (p < 0): an empty range, out 0 / 0
             _row(qs[g, r], k[g], v[g], bf16, lo, hi, scores, exp_bits, key_bits, out[g, r])
