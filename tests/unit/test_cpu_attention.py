@@ -145,20 +145,22 @@ def _attention_reference(qs, pos, k, v, window):
     return out
 
 
-@pytest.mark.parametrize("d, window", [(64, 0), (64, 5), (48, 0), (128, 3)])
+@pytest.mark.parametrize("d, window", [(64, 0), (64, 5), (48, 0), (40, 0), (72, 4), (128, 3)])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_attend_is_the_documented_operations(d, window, bf16):
     """`attend`'s bits are its docstring's operations made one at a time (fp32 scores by `_dot`, their
     max, exp(score - max) in fp32, the sum and the weighted values in key order, one division): on the
-    16-lane path (D a multiple of 16), on the scalar one (D = 48 is not), and on the scalar one again
-    where the query rows are not contiguous."""
+    16-lane path (D a multiple of 16), on the scalar one (D = 40, 72 are not), and on the scalar one
+    again where the query rows are not contiguous. The cache is read as the team passes it: the first L
+    rows of a longer cache."""
     rng = np.random.default_rng(d + window)
     g, rows, length = 3, 6, 23
     qs = (rng.standard_normal((g, rows, d)) * 3).astype(np.float32)
-    k = (rng.standard_normal((g, length, d)) * rng.uniform(0.1, 3, (g, length, 1))).astype(np.float32)
-    v = rng.standard_normal((g, length, d)).astype(np.float32)
+    k = (rng.standard_normal((g, length + 9, d)) * rng.uniform(0.1, 3, (g, length + 9, 1))).astype(np.float32)
+    v = rng.standard_normal((g, length + 9, d)).astype(np.float32)
     pos = rng.integers(0, length, (g, rows)).astype(np.int64)
     (k_bits, k), (v_bits, v) = (_bf16_bits(x) if bf16 else (x, x) for x in (k, v))
+    k_bits, k, v_bits, v = (x[:, :length] for x in (k_bits, k, v_bits, v))  # rows (length + 9) * D apart
     want = _attention_reference(qs, pos, k, v, window)
     out = np.full_like(qs, np.nan)
     ca.attend(qs, pos, k_bits, v_bits, bf16, window, out)
@@ -170,17 +172,17 @@ def test_attend_is_the_documented_operations(d, window, bf16):
     assert np.array_equal(_bits(strided), _bits(want))
 
 
-def test_a_row_that_sees_no_key_is_nan_and_touches_nothing_else():
+@pytest.mark.parametrize("bf16, window", [(False, 0), (True, 3)])
+def test_a_row_that_sees_no_key_is_nan_and_leaves_the_others_alone(bf16, window):
     """A query before every key (position -1 or lower) has no visible key: 0 / 0, NaN, as softmax over
-    nothing; the other rows of its head keep their bits, and the kernel reads and writes inside its arrays."""
+    nothing; the other rows of its head keep their bits."""
     rng = np.random.default_rng(5)
     qs = rng.standard_normal((2, 4, 32)).astype(np.float32)
     k, v = (rng.standard_normal((2, 9, 32)).astype(np.float32) for _ in range(2))
+    (k_bits, k), (v_bits, v) = (_bf16_bits(x) if bf16 else (x, x) for x in (k, v))
     pos = np.array([[3, -1, -5, 8], [0, 2, -2, 7]], np.int64)
     out = np.zeros_like(qs)
-    ca.attend(qs, pos, k, v, False, 0, out)
-    assert np.isnan(out[:, [1, 2]][pos[:, [1, 2]] < 0]).all() and np.isnan(out[1, 2]).all()
-    seen = pos >= 0
-    want = _attention_reference(qs[:, :1], pos[:, :1], k, v, 0)
-    assert seen[:, 0].all() and np.array_equal(_bits(out[:, :1]), _bits(want))
-    assert np.isfinite(out[seen]).all()
+    ca.attend(qs, pos, k_bits, v_bits, bf16, window, out)
+    assert np.isnan(out[pos < 0]).all()
+    want = _attention_reference(qs, np.maximum(pos, 0), k, v, window)
+    assert np.array_equal(_bits(out[pos >= 0]), _bits(want[pos >= 0]))

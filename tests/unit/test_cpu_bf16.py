@@ -369,6 +369,46 @@ def test_self_check_refuses_a_kernel_whose_rows_interact(monkeypatch):
         cpu_bf16.choose()
 
 
+def test_column_parts_only_where_the_self_check_found_the_whole_panels_bits(monkeypatch):
+    """The self-check makes one block in 64-column parts and keeps the parts only where its bits are the
+    whole panel's: on this machine's kernel they are, and a decode product of six 256-column panels with
+    more threads' worth of flops makes narrower calls; with a stand-in whose parts differ (a mock: the
+    real product plus 2^-20 of itself where a call makes a part) it makes whole panels again."""
+    from detaudit.backends.kernels import cpu_calls
+
+    try:
+        cpu_bf16.choose("bf16")
+    except DetauditError as e:
+        pytest.skip(str(e))
+    try:
+        real, run = cpu_bf16.products, cpu_calls.run
+        shapes = []
+        monkeypatch.setattr(cpu_calls, "run", lambda kernel, shape, *a: shapes.append(shape) or run(kernel, shape, *a))
+        monkeypatch.setattr(cpu_calls, "_team_wanted", lambda: True)  # a thread per 4 MFLOP
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+        x, w = torch.ones(8, 1536, dtype=torch.bfloat16), torch.ones(1536, 1536, dtype=torch.bfloat16)
+        operands = cpu_bf16.blocks_of(x)[None], cpu_bf16.pack(w)[None]
+        assert operands[1].shape[1:4] == (6, 768, 256)
+        flops = 2.0 * cpu_bf16.choice().rows * 1536 * 1536
+        parts = cpu_bf16.sub_width(6, 256, cpu_calls.kernel_threads(cpu_bf16._kernel, 24, flops))
+        assert parts < 256  # this path's threads for it: more than its six panels
+        for drift, cols in ((False, parts), (True, 256)):
+            if drift:
+                monkeypatch.setattr(cpu_bf16, "products", lambda a, packed, c=None: _drifting(real, a, packed, c))
+            assert cpu_bf16._self_check() is None and cpu_bf16._parts_checked is not drift
+            shapes.clear()
+            real(*operands)
+            assert [s[1] for s in shapes] == [cols] and shapes[0][4] == 256  # ldb: the panel's W
+    finally:
+        monkeypatch.undo()
+        cpu_bf16.choose()
+
+
+def _drifting(real, a, packed, cols):
+    out = real(a, packed, cols)
+    return out + out * 2.0**-20 if cols == cpu_bf16.PANEL_UNIT else out
+
+
 @pytest.mark.parametrize("release", [True, False])
 def test_each_thread_releases_the_kernel_after_its_calls_where_the_path_says(monkeypatch, release):
     """On AMX every thread that made calls releases its tiles once, after its slice (`Kernel.release`);

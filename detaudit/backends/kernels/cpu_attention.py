@@ -37,7 +37,7 @@ LANES = 16
 @numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _dot(q, k):
     """sum q[i] * k[i] as the module docstring says: lane i % 16 adds its products in order (16 scalar
-    accumulators, which LLVM keeps in one vector register), then the lanes pairwise."""
+    accumulators, which LLVM leaves scalar: `cpu_lanes` is the vector form), then the lanes pairwise."""
     zero = np.float32(0)
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = zero
     d = q.shape[0]
@@ -170,8 +170,9 @@ def _row(q, k, v, bf16, lo, hi, scores, exp_bits, key_bits, out):  # pragma: no 
     divided by it. 16-lane vector code (`cpu_lanes`) where D is a multiple of 16 and every row contiguous,
     else the same operations one lane at a time: the same bits."""
     d = q.shape[0]
-    contiguous = q.strides[0] == 4 and out.strides[0] == 4 and k.strides[1] == k.itemsize
-    lanes = d % LANES == 0 and contiguous and v.strides[1] == v.itemsize
+    item = 2 if bf16 else 4  # the lanes read int16 bf16 bits or fp32, nothing else
+    contiguous = q.strides[0] == 4 and out.strides[0] == 4 and k.strides[1] == item and v.strides[1] == item
+    lanes = d % LANES == 0 and contiguous and k.itemsize == item and v.itemsize == item
     blocks = d // LANES
     key = key_bits.view(np.float32)
     quads = lo + (hi + 1 - lo) // 4 * 4 if lanes else lo  # keys lo .. quads - 1 four at a time

@@ -3,11 +3,14 @@
 The product is oneDNN's brgemm micro-kernel as PyTorch exports it (`at::native::cpublas::brgemm`, the
 call behind PyTorch's CPU flash attention and Inductor's CPU GEMM templates): C[M, N] fp32 = A[M, K]
 bf16 @ B[K, N] bf16, B in VNNI pairs [K/2, N, 2]. The kernel is single-threaded code with no reduction
-across rows, so here, as on the fp32 path (`cpu_gemm`), every call has one shape per weight: R
+across rows, so here, as on the fp32 path (`cpu_gemm`), a product's calls have one shape: R
 zero-padded rows, all of K, and one W-column panel of a weight packed panel-major ([P, K/2, W, 2], each
 panel contiguous). oneDNN generates one kernel per call shape (M, N, K, strides, dtypes), so a call's
 bits depend only on its operands; splitting the blocks or panels over threads changes which thread makes
-a call, never the call. Two paths, by what oneDNN runs on this CPU (its own answer, `_onednn_amx`):
+a call, never the call. A decode product with fewer panel calls than threads makes its calls over
+64-column-multiple parts of its panels (`sub_width`), which the self-check keeps only where a part's
+outputs have the whole panel's bits (each output's K in the same order: so on both paths below). Two
+paths, by what oneDNN runs on this CPU (its own answer, `_onednn_amx`):
 
 - `avx512_bf16` (R = 8): each fp32 output lane is a run of `vdpbf16ps` over K in order (two exact bf16
   products per step, accumulated in fp32; bf16 denormals read as zero).
@@ -177,6 +180,7 @@ def decide(
 
 _kernel: cpu_calls.Kernel | None = None  # the micro-kernel where this process chose a bf16 path
 _chosen: Choice | None = None
+_parts_checked = False  # whether this kernel's calls over parts of a panel gave the whole panel's bits
 
 
 @functools.cache
@@ -226,7 +230,7 @@ def choice() -> Choice:
 def choose(setting: str | None = None) -> Choice:
     """Decide the path from `setting` (auto | bf16 | fp32; None: `DETAUDIT_CPU_GEMM`, default auto) and
     keep it for this process. Called again only by tests, to run both paths on one machine."""
-    global _chosen, _kernel
+    global _chosen, _kernel, _parts_checked
     setting = (os.environ.get(ENV, "auto") if setting is None else setting).strip().lower()
     fn = _find_kernel()
     release = _symbol(_RELEASE, None, [ctypes.c_bool])
@@ -240,6 +244,7 @@ def choose(setting: str | None = None) -> Choice:
         path = _chosen.path
         shares = PER_THREAD[path], TEAM_PER_THREAD[path]
         _kernel = cpu_calls.Kernel(fn, _address(fn), release, _address(release), amx, *shares)
+        _parts_checked = False  # (until `_self_check` compares them)
         if bad := _self_check():
             _kernel = None
             if setting == "bf16":
@@ -272,6 +277,10 @@ def _self_check() -> str | None:
     again = product(mixed)
     if not torch.equal(again[r - 1 :], got[: r + 1]) or not torch.equal(again[: r - 1], got[r + 1 :]):
         return f"the exported brgemm kernel of torch {torch.__version__}: a row's bits depend on the other rows"
+    # the same block in 64-column parts of its panel (`sub_width`): kept only where its bits are the whole's
+    global _parts_checked
+    parts = products(blocks_of(a[:r])[None], packed[None], PANEL_UNIT)
+    _parts_checked = torch.equal(parts.view(r, -1)[:, :160], got[:r])
     return None
 
 
@@ -322,8 +331,10 @@ def _operands(a: Tensor, packed: Tensor, what: str) -> tuple[int, int, int, int]
     return g, nb, r, k2
 
 
-def products(a: Tensor, packed: Tensor) -> Tensor:
-    """fp32 [G, nb, R, P*W]: out[g, j] = a[g, j] @ packed[g], one call per (group, block, panel).
+def products(a: Tensor, packed: Tensor, cols: int | None = None) -> Tensor:
+    """fp32 [G, nb, R, P*W]: out[g, j] = a[g, j] @ packed[g], one call per (group, block, panel), or per
+    (group, block, part of a panel) of `cols` columns (default: `sub_width`'s, where the self-check found
+    parts give the whole panel's bits).
 
     a[G, nb, R, K2] bf16 may be a strided view (the tree's leaves are K slices of the rows' blocks) as
     long as each row is contiguous; packed[G, P, K2/2, W, 2] holds G weights packed by `pack`. All
@@ -339,8 +350,9 @@ def products(a: Tensor, packed: Tensor) -> Tensor:
     a_group, a_block, lda, _ = a.stride()
     ldc = p * width
     flops = 2.0 * g * nb * r * k2 * p * width
-    units = width // PANEL_UNIT
-    cols = sub_width(g * nb * p, width, cpu_calls.kernel_threads(kernel, g * nb * p * units, flops))
+    if cols is None:
+        units = width // PANEL_UNIT if _parts_checked else 1
+        cols = sub_width(g * nb * p, width, cpu_calls.kernel_threads(kernel, g * nb * p * units, flops))
     table = _offsets(g, p, nb, a_group, a_block, r * ldc, half * width * 2 * 2, width, cols) + np.array(
         [a.data_ptr(), packed.data_ptr(), out.data_ptr()], dtype=np.int64
     )

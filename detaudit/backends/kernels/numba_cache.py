@@ -6,8 +6,10 @@ a kernel's cached machine code also holds what it inlined from other modules: `c
 intrinsics. Editing one of those in a checkout left the callers running the old code from the cache.
 Here a digest of every kernel module's source is kept beside the caches, and when it changes the
 caches of all of them are removed before any is loaded (numba then compiles afresh and caches again).
-An installed wheel replaces every file together, so this matters in checkouts; a cache folder that
-cannot be written is left to numba (no numba import here)."""
+An installed wheel replaces every file together, so this matters in checkouts. Not covered: caches numba
+keeps elsewhere (`NUMBA_CACHE_DIR`, or its user-wide folder where `__pycache__` cannot be written), and a
+process that imported the old sources and saves a cache after another has refreshed (restart it). No
+numba import here."""
 
 from __future__ import annotations
 
