@@ -31,7 +31,7 @@ from detaudit.backends.kernels import cpu_lanes, numba_cache
 
 numba_cache.fresh()  # before any cache is loaded: a caller's cache holds its callees' code
 
-LANES = 16
+LANES = cpu_lanes.LANES  # a dot product's lanes, on the vector path and the scalar one
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")

@@ -277,9 +277,12 @@ def _self_check() -> str | None:
     again = product(mixed)
     if not torch.equal(again[r - 1 :], got[: r + 1]) or not torch.equal(again[: r - 1], got[r + 1 :]):
         return f"the exported brgemm kernel of torch {torch.__version__}: a row's bits depend on the other rows"
-    # the same block in 64-column parts of its panel (`sub_width`): kept only where its bits are the whole's
+    # the same block in 64-column parts of its panel (`sub_width`): kept only where its bits are the whole's.
+    # A call at a time: `cpu_calls.run` of one call imports no numba (a description runs this check)
     global _parts_checked
-    parts = products(blocks_of(a[:r])[None], packed[None], PANEL_UNIT)
+    parts, shape, table, flops = _calls(blocks_of(a[:r])[None], packed[None], PANEL_UNIT)
+    for call in table:
+        cpu_calls.run(_kernel, shape, call[None], flops)
     _parts_checked = torch.equal(parts.view(r, -1)[:, :160], got[:r])
     return None
 
@@ -339,11 +342,20 @@ def products(a: Tensor, packed: Tensor, cols: int | None = None) -> Tensor:
     a[G, nb, R, K2] bf16 may be a strided view (the tree's leaves are K slices of the rows' blocks) as
     long as each row is contiguous; packed[G, P, K2/2, W, 2] holds G weights packed by `pack`. All
     calls of one product, every group's, are one table run over the threads at once (`cpu_calls`)."""
+    out, shape, table, flops = _calls(a, packed, cols)
+    if table is not None:
+        cpu_calls.run(_kernel, shape, table, flops)
+    return out
+
+
+def _calls(a: Tensor, packed: Tensor, cols: int | None):
+    """`products`' output, uninitialised, and its calls: (out, shape, table, flops); table None where
+    there is nothing to compute."""
     g, nb, r, k2 = _operands(a, packed, "products")
     _, p, half, width, _ = packed.shape
     out = torch.empty(g, nb, r, p * width, dtype=torch.float32)
     if out.numel() == 0:
-        return out
+        return out, None, None, 0.0
     kernel = _kernel
     if kernel is None or not torch.backends.mkldnn.enabled:  # (calling it then would abort the process)
         raise DetauditError("bf16 CPU products: oneDNN was disabled after the bf16 path was chosen")
@@ -357,8 +369,7 @@ def products(a: Tensor, packed: Tensor, cols: int | None = None) -> Tensor:
         [a.data_ptr(), packed.data_ptr(), out.data_ptr()], dtype=np.int64
     )
     shape = (r, cols, k2, lda, width, ldc)  # ldb: the panel's W, whatever columns a call makes
-    cpu_calls.run(kernel, shape, table, flops)
-    return out
+    return out, shape, table, flops
 
 
 def sub_width(calls: int, width: int, threads: int) -> int:
