@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
 
 import numba
 import numpy as np
@@ -66,6 +67,17 @@ def tree_product(jobs: int, leaves: int, threads: int, team: str) -> np.ndarray:
     return out
 
 
+def asleep_within(team, workers: int, seconds: float) -> None:
+    """Wait until the team's first `workers` workers, those started so far, sleep on the bell (their
+    SLEEPING words set)."""
+    started = min(workers, len(team.workers))
+    words = [cpu_team.WORKERS + cpu_team.LINE * w + cpu_team.SLEEPING for w in range(started)]
+    end = time.monotonic() + seconds
+    while not all(team.ctl[i] == 1 for i in words):
+        assert time.monotonic() < end, "the team's workers did not go to sleep"
+        time.sleep(0.001)
+
+
 def main() -> None:
     os.environ[cpu_calls.TEAM_ENV] = "auto"
     team = cpu_calls.team()
@@ -109,6 +121,18 @@ def main() -> None:
         cuts = [i * jobs // threads for i in range(threads + 1)]
         want = np.concatenate([np.full(cuts[i + 1] - cuts[i], i + 1) for i in range(threads)])
         assert np.array_equal(marks, want), (jobs, threads, marks)
+    # workers asleep are woken by the job's one ring of the bell, those 32 apart sharing a bit included: with
+    # the sleepers' own re-check put off to 60 s, a wake that was lost would hold the job that long
+    team.ctl[cpu_team.WAIT] = 60_000_000_000
+    for threads in (2, 5, 40):
+        for _ in range(3):
+            asleep_within(team, threads - 1, 10.0)
+            marks = np.zeros(threads, np.int64)
+            start = time.monotonic()
+            assert team.run(cpu_team.PROBE, threads, threads, {cpu_team.OUT: marks.ctypes.data})
+            assert time.monotonic() - start < 20.0, (threads, "a sleeping worker was not woken")
+            assert np.array_equal(marks, np.arange(1, threads + 1)), (threads, marks)
+    team.ctl[cpu_team.WAIT] = cpu_team.WAIT_NS
     # a busy team refuses (the caller takes the Python pool); stopped, it starts again
     with team.lock:
         assert not team.run(cpu_team.PROBE, 4, 2, {cpu_team.OUT: np.zeros(4, np.int64).ctypes.data})

@@ -225,9 +225,10 @@ class Team:
 
     def _fresh(self) -> None:
         """The control block as no worker has seen it: tickets 0 (a worker started later waits for its first
-        job), the polls before a worker sleeps."""
+        job), the polls before a worker sleeps, how long it sleeps before it looks anyway."""
         self.ctl[:] = 0
         self.ctl[self.mod.SPIN] = self.mod.SPINS
+        self.ctl[self.mod.WAIT] = self.mod.WAIT_NS
 
 
 _team_of: dict[str, Team | None] = {}

@@ -5,17 +5,21 @@ the compiled attention's KV heads, the row kernels' rows (imported only where nu
 A Python thread pool hands a slice over with a future, a sleeping thread woken for it and the GIL taken
 around both: on a 16-core AMX host a decode product's ~70 us of calls took 0.34 ms that way
 (reports/cpu-bf16). Here each worker is a thread that stays inside compiled code (`serve`, the GIL
-released) and polls a word of its own for a few microseconds, then sleeps on it (a futex) until the
-caller wakes it; the caller (`dispatch`, also without the GIL) writes the job into a shared control
+released) and polls a word of its own for a few microseconds, then sleeps (a futex) until the caller
+wakes it; the caller (`dispatch`, also without the GIL) writes the job into a shared control
 block, raises the tickets of the workers the job needs, makes slice 0 itself and waits for their done
 words. A ticket is raised with a release store after the job's fields are written and read with an
 acquire load before they are, so a worker never reads a job being written; a worker the job does not
-need sees nothing. The slices are `cpu_calls.slices`' contiguous ones and each is `cpu_loop`'s `loop` or
-`tree_loop` (or `cpu_attention.attend` over KV heads, `cpu_rows`' kernels over rows), so the work is
-done exactly as on one thread, only on another: the same bits. Every kernel here and in the modules it
-calls is compiled with numba's numpy error model (a division by zero gives IEEE inf / NaN, as torch's ops
-do, instead of raising): an exception would end a worker with its done word unwritten and the dispatcher
-waiting for it.
+need sees nothing. Sleeping workers wait on one shared word (the bell), each on a bit of its own
+(`FUTEX_WAIT_BITSET`), so the dispatcher wakes all those the job needs with one system call: woken one
+at a time, the last of a 16-thread product's workers started only after 14 calls to the kernel, each
+of which, where the worker's core is idle (a VM's halted vCPU), costs an interrupt. The slices are
+`cpu_calls.slices`' contiguous ones and each is `cpu_loop`'s `loop` or `tree_loop` (or
+`cpu_attention.attend` over KV heads, `cpu_rows`' kernels over rows), so the work is done exactly as on
+one thread, only on another: the same bits. Every kernel here and in the modules it calls is compiled
+with numba's numpy error model (a division by zero gives IEEE inf / NaN, as torch's ops do, instead of
+raising): an exception would end a worker with its done word unwritten and the dispatcher waiting for
+it.
 
 The control block is int64: fields in the first line, then per worker a ticket and a done word in lines
 of their own (no false sharing between workers)."""
@@ -48,6 +52,8 @@ QS, POS, K_AT, V_AT, ROWS, DIM, KEYS, KV_STRIDE, BF16, WINDOW = range(16, 26)
 # [M, COLS] contiguous (fp32 for RMS, x's dtype for SILU), with M (JOBS), COLS, and RMS's eps (float64 bits)
 X_AT, U_AT, Y_AT, COLS, X_STRIDE, U_STRIDE, ROW_BF16, EPS = range(16, 24)
 SPIN = 26  # the team's polls before a worker sleeps (`SPINS`, written once by the team's owner)
+BELL = 27  # the sleepers' futex word: the dispatcher adds one before it wakes them
+WAIT = 28  # ns a sleeping worker waits before it checks its ticket anyway (`WAIT_NS`; a test raises it)
 WORKERS = 32  # worker w's ticket at WORKERS + LINE * w, its done word one line further
 LINE = 16  # int64s between two workers' tickets (two 64-byte lines)
 MAX_WORKERS = 255
@@ -56,13 +62,16 @@ LOOP, TREE, PROBE, ATTEND, RMS, SILU = range(6)  # job kinds: `cpu_loop.loop`, `
 # marks, `cpu_attention.attend`, `cpu_rows.rms_rows`, `cpu_rows.silu_mul`
 STOP = -1  # a ticket that ends `serve`
 # a waiting worker polls its ticket SPINS times (a `pause` between polls, ~20-40 us: consecutive slices of
-# one product's neighbours), then sleeps in the kernel on the ticket's futex until the dispatcher wakes it:
+# one product's neighbours), then sleeps in the kernel on the bell's futex until the dispatcher wakes it:
 # no worker takes a core from torch's OpenMP team while torch runs (polling with sched_yield did, 3-10x
 # slower torch ops on a 16-core host). A sleeping worker re-checks its ticket every WAIT_NS anyway.
 SPINS = 1000
 WAIT_NS = 50_000_000
-SYS_FUTEX, FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 202, 128, 129  # x86-64 Linux
-SLEEPING = 1  # a worker's word, one after its ticket: 1 while it sleeps (or is about to) on the futex
+SYS_FUTEX, SYS_CLOCK_GETTIME, CLOCK_MONOTONIC = 202, 228, 1  # x86-64 Linux
+FUTEX_WAIT_BITSET_PRIVATE, FUTEX_WAKE_BITSET_PRIVATE = 9 | 128, 10 | 128  # (a bitset wait's timeout is absolute)
+BITS = 32  # a futex bitset's width: worker w sleeps on bit w % BITS (workers 32 apart share one: a spare wake)
+ALL_BITS = 0xFFFFFFFF
+SLEEPING = 1  # a worker's word, one after its ticket: 1 while it sleeps (or is about to) on the bell
 
 _SYSCALL = "detaudit_syscall"
 _syscall = types.ExternalFunction(_SYSCALL, types.int64(*([types.int64] * 7)))
@@ -219,15 +228,17 @@ def _rows(ctl, rms, lo, hi):  # pragma: no cover (compiled)
 @numba.njit(nogil=True, cache=True, error_model="numpy")
 def serve(ctl, w):  # pragma: no cover (compiled)
     """Worker w: wait for its ticket to change, make its slice of the job, say so in its done word; until
-    the ticket is STOP. Waiting: ctl[SPIN] polls, then its SLEEPING word set and the ticket read again (both
-    seq_cst, as the dispatcher's ticket store and SLEEPING load: one of the two sees the other), then the
-    futex (the kernel sleeps only if the ticket's low word is still the one seen)."""
+    the ticket is STOP. Waiting: ctl[SPIN] polls, then its SLEEPING word set, the bell read and the ticket
+    read again (all seq_cst, as the dispatcher's ticket store, SLEEPING load and bell store: either this
+    sees the new ticket, or the dispatcher sees SLEEPING and rings the bell after this read it), then the
+    futex on the bell (the kernel sleeps only if the bell's low word is still the one read)."""
     base = ctl.ctypes.data
     ticket = base + (WORKERS + LINE * w) * 8
     sleeping = ticket + SLEEPING * 8
     done = ticket + LINE // 2 * 8
-    timeout = np.zeros(2, dtype=np.int64)  # struct timespec {0 s, WAIT_NS ns}
-    timeout[1] = WAIT_NS
+    bell = base + BELL * 8
+    bit = 1 << (w % BITS)
+    deadline = np.zeros(2, dtype=np.int64)  # struct timespec, CLOCK_MONOTONIC
     seen = 0  # a ticket starts at 0 and jobs count from 1: a job raised before this load is still seen
     while True:
         polls = 0
@@ -238,9 +249,15 @@ def serve(ctl, w):  # pragma: no cover (compiled)
                 _pause()
             else:
                 _store_seq(sleeping, 1)
+                rung = _load_seq(bell)
                 now = _load_seq(ticket)
                 if now == seen:
-                    _syscall(SYS_FUTEX, ticket, FUTEX_WAIT_PRIVATE, seen & 0xFFFFFFFF, timeout.ctypes.data, 0, 0)
+                    _syscall(SYS_CLOCK_GETTIME, CLOCK_MONOTONIC, deadline.ctypes.data, 0, 0, 0, 0)
+                    ns = deadline[1] + ctl[WAIT]
+                    deadline[0] += ns // 1_000_000_000
+                    deadline[1] = ns % 1_000_000_000
+                    at = deadline.ctypes.data
+                    _syscall(SYS_FUTEX, bell, FUTEX_WAIT_BITSET_PRIVATE, rung & 0xFFFFFFFF, at, 0, bit)
                 _store_seq(sleeping, 0)
             now = _load_acquire(ticket)
         if now == STOP:
@@ -253,14 +270,17 @@ def serve(ctl, w):  # pragma: no cover (compiled)
 @numba.njit(nogil=True, cache=True, error_model="numpy")
 def dispatch(ctl, threads, job):  # pragma: no cover (compiled)
     """The job whose fields are in ctl, number `job`, on `threads` threads: this one (slice 0) and workers
-    0 .. threads - 2 (each woken where it sleeps), then wait for them."""
+    0 .. threads - 2 (those asleep woken by one ring of the bell), then wait for them."""
     base = ctl.ctypes.data
     ctl[THREADS] = threads
+    asleep = 0
     for w in range(threads - 1):
         ticket = base + (WORKERS + LINE * w) * 8
         _store_seq(ticket, job)
         if _load_seq(ticket + SLEEPING * 8) != 0:
-            _syscall(SYS_FUTEX, ticket, FUTEX_WAKE_PRIVATE, 1, 0, 0, 0)
+            asleep |= 1 << (w % BITS)
+    if asleep != 0:
+        _ring(ctl, asleep)
     _slice(ctl, 0, threads)
     for w in range(threads - 1):
         done = base + (WORKERS + LINE * w + LINE // 2) * 8
@@ -273,6 +293,14 @@ def stop(ctl, workers):  # pragma: no cover (compiled)
     """Every worker's ticket to STOP, each woken (its `serve` returns)."""
     base = ctl.ctypes.data
     for w in range(workers):
-        ticket = base + (WORKERS + LINE * w) * 8
-        _store_seq(ticket, STOP)
-        _syscall(SYS_FUTEX, ticket, FUTEX_WAKE_PRIVATE, 1, 0, 0, 0)
+        _store_seq(base + (WORKERS + LINE * w) * 8, STOP)
+    _ring(ctl, ALL_BITS)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _ring(ctl, bits):  # pragma: no cover (compiled)
+    """Wake the workers sleeping on `bits` of the bell: the bell moved first (only the team's owner writes
+    it), so a worker about to sleep on the value it read before does not."""
+    bell = ctl.ctypes.data + BELL * 8
+    _store_seq(bell, _load_seq(bell) + 1)
+    _syscall(SYS_FUTEX, bell, FUTEX_WAKE_BITSET_PRIVATE, 0x7FFFFFFF, 0, 0, bits)
