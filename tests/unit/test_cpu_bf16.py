@@ -407,11 +407,11 @@ def test_column_parts_only_where_the_self_check_found_the_whole_panels_bits(monk
 def _drifting(real, a, packed, cols):
     """`_calls`, but where calls make parts, every call after the first reads its weight one column early
     (within the panel): a stand-in for a kernel whose parts give other bits."""
-    out, shape, table, flops = real(a, packed, cols)
+    out, shape, table, flops, threads = real(a, packed, cols)
     if cols == cpu_bf16.PANEL_UNIT:
         table = table.copy()
         table[1:, 1] -= 4  # one column of VNNI pairs (2 bf16)
-    return out, shape, table, flops
+    return out, shape, table, flops, threads
 
 
 @pytest.mark.parametrize("release", [True, False])

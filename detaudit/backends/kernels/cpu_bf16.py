@@ -280,7 +280,7 @@ def _self_check() -> str | None:
     # the same block in 64-column parts of its panel (`sub_width`): kept only where its bits are the whole's.
     # A call at a time: `cpu_calls.run` of one call imports no numba (a description runs this check)
     global _parts_checked
-    parts, shape, table, flops = _calls(blocks_of(a[:r])[None], packed[None], PANEL_UNIT)
+    parts, shape, table, flops, _ = _calls(blocks_of(a[:r])[None], packed[None], PANEL_UNIT)
     for call in table:
         cpu_calls.run(_kernel, shape, call[None], flops)
     _parts_checked = torch.equal(parts.view(r, -1)[:, :160], got[:r])
@@ -342,34 +342,57 @@ def products(a: Tensor, packed: Tensor, cols: int | None = None) -> Tensor:
     a[G, nb, R, K2] bf16 may be a strided view (the tree's leaves are K slices of the rows' blocks) as
     long as each row is contiguous; packed[G, P, K2/2, W, 2] holds G weights packed by `pack`. All
     calls of one product, every group's, are one table run over the threads at once (`cpu_calls`)."""
-    out, shape, table, flops = _calls(a, packed, cols)
+    out, shape, table, flops, threads = _calls(a, packed, cols)
     if table is not None:
-        cpu_calls.run(_kernel, shape, table, flops)
+        cpu_calls.run(_kernel, shape, table, flops, threads)
     return out
 
 
 def _calls(a: Tensor, packed: Tensor, cols: int | None):
-    """`products`' output, uninitialised, and its calls: (out, shape, table, flops); table None where
-    there is nothing to compute."""
+    """`products`' output, uninitialised, and its calls: (out, shape, table, flops, threads); table None
+    where there is nothing to compute."""
     g, nb, r, k2 = _operands(a, packed, "products")
     _, p, half, width, _ = packed.shape
     out = torch.empty(g, nb, r, p * width, dtype=torch.float32)
     if out.numel() == 0:
-        return out, None, None, 0.0
+        return out, None, None, 0.0, 1
     kernel = _kernel
     if kernel is None or not torch.backends.mkldnn.enabled:  # (calling it then would abort the process)
         raise DetauditError("bf16 CPU products: oneDNN was disabled after the bf16 path was chosen")
     a_group, a_block, lda, _ = a.stride()
+    per_thread = cpu_calls.share(kernel.per_thread, kernel.team_per_thread)
+    shape, offsets, flops, threads = _plan(
+        (g, nb, r, k2, p, half, width),
+        (a_group, a_block, lda),
+        cols,
+        _parts_checked,
+        per_thread,
+        torch.get_num_threads(),
+    )
+    table = offsets + np.array([a.data_ptr(), packed.data_ptr(), out.data_ptr()], dtype=np.int64)
+    return out, shape, table, flops, threads
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(dims: tuple, strides: tuple, cols: int | None, parts: bool, per_thread: float, torch_threads: int):
+    """A product's calls apart from its operands' addresses: (shape, byte offsets, flops, threads), the
+    same for every product of its dims and strides at one share of flops a thread (`cpu_calls.share`) and
+    one torch thread count, so a decode step's products look them up instead of working them out again
+    each. The threads are `cpu_calls.kernel_threads`' answer."""
+
+    def threads(n: int, flops: float) -> int:
+        return cpu_calls.threads_for(n, flops, cpu_calls.MIN_SPLIT_FLOPS, per_thread)
+
+    g, nb, r, k2, p, half, width = dims
+    a_group, a_block, lda = strides
     ldc = p * width
     flops = 2.0 * g * nb * r * k2 * p * width
     if cols is None:
-        units = width // PANEL_UNIT if _parts_checked else 1
-        cols = sub_width(g * nb * p, width, cpu_calls.kernel_threads(kernel, g * nb * p * units, flops))
-    table = _offsets(g, p, nb, a_group, a_block, r * ldc, half * width * 2 * 2, width, cols) + np.array(
-        [a.data_ptr(), packed.data_ptr(), out.data_ptr()], dtype=np.int64
-    )
+        units = width // PANEL_UNIT if parts else 1
+        cols = sub_width(g * nb * p, width, threads(g * nb * p * units, flops))
+    offsets = _offsets(g, p, nb, a_group, a_block, r * ldc, half * width * 2 * 2, width, cols)
     shape = (r, cols, k2, lda, width, ldc)  # ldb: the panel's W, whatever columns a call makes
-    return out, shape, table, flops
+    return shape, offsets, flops, threads(len(offsets), flops)
 
 
 def sub_width(calls: int, width: int, threads: int) -> int:

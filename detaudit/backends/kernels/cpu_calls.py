@@ -142,11 +142,18 @@ def run_tree(kernel: Kernel, shape, table: np.ndarray, leaves: int, out: np.ndar
     return True
 
 
-def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.ndarray, flops: float) -> None:
+def run(
+    kernel: Kernel,
+    shape: tuple[int, int, int, int, int, int],
+    table: np.ndarray,
+    flops: float,
+    threads: int | None = None,
+) -> None:
     """Make every call of `table` (int64 [n, 3]: A, B, C addresses) to `kernel` with the fixed `shape`
     (M, N, K, lda, ldb, ldc): in contiguous slices, one per thread, where the table's `flops` pay for the
-    hand-off (`MIN_SPLIT_FLOPS`), else all on this thread. Each thread releases the kernel's
-    hardware state after its slice where `kernel.release` says so."""
+    hand-off (`MIN_SPLIT_FLOPS`), else all on this thread (`threads`: `kernel_threads`' answer, where the
+    caller has it already). Each thread releases the kernel's hardware state after its slice where
+    `kernel.release` says so."""
     n = len(table)
     if n == 0:
         return
@@ -171,7 +178,7 @@ def run(kernel: Kernel, shape: tuple[int, int, int, int, int, int], table: np.nd
         def part(lo: int, hi: int) -> None:
             loop(kernel.addr, kernel.release_addr, *shape, table[lo:hi], release)
 
-    threads = kernel_threads(kernel, n, flops)
+    threads = kernel_threads(kernel, n, flops) if threads is None else threads
     with cpu_gemm.profiled("detaudit::bf16_block_products"):
         if not (loop is not None and threads > 1 and _on_team(kernel, "loop", n, threads, shape, table, 1, None)):
             slices(n, part, threads)
