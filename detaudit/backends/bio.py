@@ -37,7 +37,7 @@ from detaudit.backends.kernels import (
     triton_mm,
     triton_paged,
 )
-from detaudit.backends.row_ops import fused_or_torch
+from detaudit.backends.row_ops import CompiledOps, fused_or_torch
 
 SPLIT = 64  # keys per attention chunk
 
@@ -141,7 +141,7 @@ class BioBackend(Backend):
         return grouped_mm.weighted_tree(y, gates) if grouped_mm.sums_usable(y) else weighted_experts(y, gates)
 
     def row_ops(self, device):
-        return fused_or_torch(self, device)  # its GPU rms_norm is the fused kernel
+        return fused_or_torch(self, device, CompiledOps)  # its GPU rms_norm is the fused kernel
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         return fixed.silu_mul(gate, up)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import fused
+from detaudit.backends.kernels import fixed, fused
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -93,7 +93,21 @@ class FusedOps(TorchOps):
         return fused.rope_rows(x.reshape(x.shape[0], -1), cos, sin, head_dim)
 
 
-def fused_or_torch(backend, device) -> TorchOps:
-    """`FusedOps` where its kernels run (a CUDA device, Triton installed), `TorchOps` otherwise: for
-    backends whose GPU RMSNorm is `fused.rms_norm` (bf16, bio, bio+tbik)."""
-    return FusedOps(backend) if fused.usable(torch.empty(0, device=device)) else TorchOps(backend)
+class CompiledOps(TorchOps):
+    """The PyTorch steps, but a decode step's rotary embedding and cache writes (without Qwen3's head norms)
+    as one compiled call on CPU (`fixed.rope_store`: the same bits): the invariant backends', whose row
+    kernels are compiled there already."""
+
+    def rope_store(self, q: Tensor, k: Tensor, v: Tensor, step, cache, qk_norm: tuple | None) -> Tensor:
+        if qk_norm is None:
+            out = fixed.rope_store(q, k, v, step.cos, step.sin, step.pos, cache, step.head_dim)
+            if out is not None:
+                return out
+        return super().rope_store(q, k, v, step, cache, qk_norm)
+
+
+def fused_or_torch(backend, device, cpu: type[TorchOps] = TorchOps) -> TorchOps:
+    """`FusedOps` where its kernels run (a CUDA device, Triton installed), `cpu` (`TorchOps`, or the
+    invariant backends' `CompiledOps`) otherwise: for backends whose GPU RMSNorm is `fused.rms_norm` (bf16,
+    bio, bio+tbik)."""
+    return FusedOps(backend) if fused.usable(torch.empty(0, device=device)) else cpu(backend)

@@ -169,3 +169,60 @@ def test_silu_mul_on_shards_of_any_width(name, m, w, dtype, seed, data):
     ref = torch.nn.functional.silu(gate.double()) * up.double()
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     assert ((full.double() - ref).abs() <= tol * ref.abs() + 1e-30).all()
+
+
+class _Step:
+    """What `rope_store` reads of a forward step (`model.StepPlan`): sizes, rotary cos / sin, positions and
+    the cache rows of (b, t, h)."""
+
+    def __init__(self, pos: torch.Tensor, head_dim: int, n_kv: int, length: int, dtype: torch.dtype) -> None:
+        from detaudit.builtin.layers import Rotary
+
+        self.B, self.T = pos.shape
+        self.head_dim, self.pos = head_dim, pos
+        self.cos, self.sin = Rotary(head_dim, 10000.0, torch.device("cpu")).cos_sin(pos, dtype)
+        heads = torch.arange(n_kv) * length
+        self.slots = (torch.arange(self.B)[:, None, None] * (n_kv * length) + pos[:, :, None] + heads).reshape(-1)
+
+
+@PROPS
+@given(
+    bsz=st.integers(1, 4),
+    t=st.integers(1, 9),
+    hkv=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    d=st.sampled_from([8, 40, 64, 128]),
+    dtype=DTYPES,
+    seed=SEEDS,
+    data=st.data(),
+)
+def test_compiled_rope_store_gives_the_torch_ops_bits(bsz, t, hkv, groups, d, dtype, seed, data):
+    """bio's CPU rope_store (one compiled call for a step of up to 64 tokens, `fixed.rope_store`) against
+    the PyTorch ops it replaces (`TorchOps.rope_store`): the rotated q and the cache, bitwise, with q / k / v
+    read as the columns of one merged product and positions anywhere in a longer cache."""
+    from detaudit.backends.kernels import cpu_calls
+    from detaudit.backends.row_ops import CompiledOps, TorchOps
+
+    if cpu_calls.compiled("cpu_rows") is None:
+        return  # (numba not installed: bio's CPU steps are the PyTorch ops themselves)
+    b = get_backend("bio")
+    hq, length = hkv * groups, 48
+    start = data.draw(st.integers(0, length - t), "first position")
+    pos = (torch.arange(t) + start).expand(bsz, t).contiguous()
+    pos[0] = torch.arange(t) + data.draw(st.integers(0, length - t), "request 0's first position")
+    step = _Step(pos, d, hkv, length, dtype)
+    qkv = spread(bsz * t, (hq + 2 * hkv) * d, seed=seed, dtype=dtype) * 3
+    q, k, v = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d], qkv[:, (hq + hkv) * d :]
+    caches = []
+    outs = []
+    for ops in (TorchOps(b), CompiledOps(b)):
+        cache = tuple(spread(bsz * hkv * length, d, seed=seed + 7, dtype=dtype).view(bsz, hkv, length, d) for _ in "kv")
+        outs.append(ops.rope_store(q, k, v, step, cache, None))
+        caches.append(cache)
+    from detaudit.backends.kernels import fixed
+
+    spare = tuple(torch.zeros(bsz, hkv, length, d, dtype=dtype) for _ in "kv")
+    assert fixed.rope_store(q, k, v, step.cos, step.sin, pos, spare, d) is not None  # the compiled call ran
+    bits(outs[1], outs[0], "the rotated q")
+    bits(caches[1][0], caches[0][0], "the k cache")
+    bits(caches[1][1], caches[0][1], "the v cache")

@@ -1,4 +1,5 @@
-"""bio's row kernels on CPU, compiled (numba; imported only where it is installed): RMSNorm and silu * up.
+"""bio's row kernels on CPU, compiled (numba; imported only where it is installed): RMSNorm, silu * up and
+a decode step's rotary embedding with its cache writes.
 
 RMSNorm: a row's sum of squares is `cpu_attention._dot(x, x)` (16 fp32 lanes, lane i % 16 in order, then
 the lanes pairwise; every square rounded, then added), divided by K; then y = x * (1 / sqrt(var + eps)),
@@ -87,3 +88,66 @@ def silu_mul(gate, up, bf16, out):  # pragma: no cover (compiled)
         else:
             for i in range(n):
                 out[r, i] = s[i] * u[i]
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _rotate(src, c, s, bf16, x_bits, a_bits, b_bits, o_bits):
+    """HF's rotate half of one head's row src[D] into o_bits: x * cos + rotate_half(x) * sin (rotate_half:
+    [-x[D/2:], x[:D/2]]), each product and the sum rounded to bf16 where `bf16` (`_to_bf16`), as the
+    PyTorch ops in the model dtype round; fp32 throughout otherwise."""
+    load(src, bf16, x_bits)
+    x, a, b = x_bits.view(np.float32), a_bits.view(np.float32), b_bits.view(np.float32)
+    d = x.shape[0]
+    half = d // 2
+    for i in range(d):
+        a[i] = x[i] * c[i]
+        r = -x[i + half] if i < half else x[i - half]
+        b[i] = r * s[i]
+    if bf16:
+        _to_bf16(a, a_bits)
+        _to_bf16(b, b_bits)
+    o = o_bits.view(np.float32)
+    for i in range(d):
+        o[i] = a[i] + b[i]
+    if bf16:
+        _to_bf16(o, o_bits)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _put(dst, bf16, bits):
+    """A row of fp32 values (their bits in `bits`; bf16 values where `bf16`) into dst[D]: int16 bf16 bits
+    or fp32."""
+    if bf16:
+        for i in range(dst.shape[0]):
+            dst[i] = bits[i] >> np.uint32(16)  # (an int16 store keeps the low 16 bits)
+    else:
+        row = bits.view(np.float32)
+        for i in range(dst.shape[0]):
+            dst[i] = row[i]
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def rope_store(q, k, v, cos, sin, pos, bf16, k_cache, v_cache, q_out):  # pragma: no cover (compiled)
+    """A step's rotary embedding and cache writes (`row_ops.TorchOps.rope_store` without Qwen3's head norms,
+    as one call): q[B, T, Hq, D] rotated into q_out[B, T, Hq, D], k[B, T, Hkv, D] rotated into
+    k_cache[B, Hkv, L, D] and v into v_cache at row pos[b, t]; cos / sin [B, T, D]. Any strides; bf16 bits as
+    int16 where `bf16`, else fp32. An element's bits depend on its own x, cos and sin only."""
+    nb, nt, hq, d = q.shape
+    hkv = k.shape[2]
+    x_bits, a_bits = np.empty(d, dtype=np.uint32), np.empty(d, dtype=np.uint32)
+    b_bits, o_bits = np.empty(d, dtype=np.uint32), np.empty(d, dtype=np.uint32)
+    c_bits, s_bits = np.empty(d, dtype=np.uint32), np.empty(d, dtype=np.uint32)
+    c, s = c_bits.view(np.float32), s_bits.view(np.float32)
+    for bi in range(nb):
+        for t in range(nt):
+            load(cos[bi, t], bf16, c_bits)
+            load(sin[bi, t], bf16, s_bits)
+            p = pos[bi, t]
+            for h in range(hq):
+                _rotate(q[bi, t, h], c, s, bf16, x_bits, a_bits, b_bits, o_bits)
+                _put(q_out[bi, t, h], bf16, o_bits)
+            for h in range(hkv):
+                _rotate(k[bi, t, h], c, s, bf16, x_bits, a_bits, b_bits, o_bits)
+                _put(k_cache[bi, h, p], bf16, o_bits)
+                for i in range(d):
+                    v_cache[bi, h, p, i] = v[bi, t, h, i]

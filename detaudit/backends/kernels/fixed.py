@@ -170,6 +170,41 @@ def _silu_compiled(gate: Tensor, up: Tensor) -> Tensor | None:
     return out.view(shape)
 
 
+ROPE_COMPILED_ROWS = 64  # a step of up to this many tokens (decode) rotates in one compiled call; a prefill's
+# rotary runs as torch's ops, whose element loops torch spreads over its threads (the same bits either way)
+
+
+def rope_store(
+    q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, cache, head_dim: int
+) -> Tensor | None:
+    """`cpu_rows.rope_store`: the rotary embedding of q[B*T, Hq*D] and k[B*T, Hkv*D] (any row stride: the
+    columns of the merged q / k / v product) by cos / sin [B, 1, T, D], k and v[B*T, Hkv*D] written into
+    the cache [B, Hkv, L, D] at rows pos[B, T]; returns the rotated q as [B, Hq, T, D] (a transposed
+    view). The PyTorch ops' bits (each product and the sum rounded to the model dtype), in one call instead
+    of about fourteen small ops a layer. None where it does not run (no numba, DETAUDIT_CPU_COMPILED=off, a
+    dtype other than bf16 / fp32, a step of more than ROPE_COMPILED_ROWS tokens)."""
+    k_cache, v_cache = cache
+    dtype = q.dtype
+    if dtype not in (torch.bfloat16, torch.float32) or pos.numel() > ROPE_COMPILED_ROWS or q.device.type != "cpu":
+        return None
+    if any(t.dtype != dtype for t in (k, v, cos, sin, k_cache, v_cache)):
+        return None
+    rows = cpu_calls.compiled("cpu_rows")
+    if rows is None:
+        return None
+    bsz, t = pos.shape
+    out = torch.empty(bsz, t, q.shape[1] // head_dim, head_dim, dtype=dtype)
+    bf16 = dtype == torch.bfloat16
+    as_bits = torch.int16 if bf16 else dtype
+    # numpy's views (torch's reshape and slicing cost several microseconds a call here)
+    qn, kn, vn = (x.view(as_bits).numpy().reshape(bsz, t, -1, head_dim) for x in (q, k, v))
+    cn, sn = (x.view(as_bits).numpy()[:, 0] for x in (cos, sin))
+    kc, vc, on = (x.view(as_bits).numpy() for x in (k_cache, v_cache, out))
+    with cpu_gemm.profiled("detaudit::cpu_rope"):
+        rows.rope_store(qn, kn, vn, cn, sn, pos.numpy(), bf16, kc, vc, on)
+    return out.transpose(1, 2)
+
+
 _ONES: dict[tuple[int, str], Tensor] = {}
 
 
