@@ -94,9 +94,14 @@ class FusedOps(TorchOps):
 
 
 class CompiledOps(TorchOps):
-    """The PyTorch steps, but a decode step's rotary embedding and cache writes (without Qwen3's head norms)
-    as one compiled call on CPU (`fixed.rope_store`: the same bits): the invariant backends', whose row
-    kernels are compiled there already."""
+    """The PyTorch steps, but a decode step's residual add with its RMSNorm (`fixed.add_rms`), and its
+    rotary embedding with the cache writes (without Qwen3's head norms, `fixed.rope_store`), as one compiled
+    call each on CPU, with the same bits: the invariant backends', whose row kernels are compiled there
+    already."""
+
+    def add_norm(self, x: Tensor, delta: Tensor | None, norm) -> tuple[Tensor, Tensor]:
+        out = fixed.add_rms(x, delta, norm.weight, norm.eps)
+        return out if out is not None else super().add_norm(x, delta, norm)
 
     def rope_store(self, q: Tensor, k: Tensor, v: Tensor, step, cache, qk_norm: tuple | None) -> Tensor:
         if qk_norm is None:

@@ -226,3 +226,31 @@ def test_compiled_rope_store_gives_the_torch_ops_bits(bsz, t, hkv, groups, d, dt
     bits(outs[1], outs[0], "the rotated q")
     bits(caches[1][0], caches[0][0], "the k cache")
     bits(caches[1][1], caches[0][1], "the v cache")
+
+
+@PROPS
+@given(
+    m=st.integers(1, 9),
+    k=st.sampled_from([8, 17, 64, 576]),
+    add=st.booleans(),
+    dtype=DTYPES,
+    seed=SEEDS,
+)
+def test_compiled_add_norm_gives_the_torch_ops_bits(m, k, add, dtype, seed):
+    """bio's CPU add_norm for a step of up to 64 rows (one compiled call, `fixed.add_rms`) against the
+    steps it replaces (`TorchOps.add_norm`: the add, bio's RMSNorm rows, the cast, the weight), bitwise:
+    the normed rows and the residual sum, with and without a delta."""
+    from types import SimpleNamespace
+
+    from detaudit.backends.kernels import cpu_calls, fixed
+    from detaudit.backends.row_ops import CompiledOps, TorchOps
+
+    if cpu_calls.compiled("cpu_rows") is None:
+        return  # (numba not installed: bio's CPU steps are the PyTorch ops themselves)
+    b = get_backend("bio")
+    x, delta = spread(m, k, seed=seed, dtype=dtype) * 4, spread(m, k, seed=seed + 1, dtype=dtype) if add else None
+    norm = SimpleNamespace(weight=spread(k, seed=seed + 2, dtype=dtype), eps=1e-6)
+    assert fixed.add_rms(x, delta, norm.weight, norm.eps) is not None  # the compiled call ran
+    want, got = TorchOps(b).add_norm(x, delta, norm), CompiledOps(b).add_norm(x, delta, norm)
+    bits(got[0], want[0], "the normed rows")
+    bits(got[1], want[1], "the residual sum")

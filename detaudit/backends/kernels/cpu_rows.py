@@ -151,3 +151,41 @@ def rope_store(q, k, v, cos, sin, pos, bf16, k_cache, v_cache, q_out):  # pragma
                 _put(k_cache[bi, h, p], bf16, o_bits)
                 for i in range(d):
                     v_cache[bi, h, p, i] = v[bi, t, h, i]
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def add_rms(x, delta, add, weight, bf16, eps, s_out, y_out):  # pragma: no cover (compiled)
+    """A step's residual add and RMSNorm (`row_ops.TorchOps.add_norm` under bio, as one call): s = x + delta
+    (`add`; else s = x), rounded to bf16 where `bf16`, into s_out; y = s * (1 / sqrt(mean(s^2) + eps)) as
+    `rms_rows` computes it, rounded to bf16 then times weight and rounded again where `bf16` (fp32 y *
+    weight otherwise), into y_out. x, delta, s_out, y_out [M, K], weight [K]: bf16 bits as int16 where
+    `bf16`, else fp32."""
+    m, k = x.shape
+    x_bits, d_bits, w_bits = np.empty(k, dtype=np.uint32), np.empty(k, dtype=np.uint32), np.empty(k, dtype=np.uint32)
+    x32, d32, w32 = x_bits.view(np.float32), d_bits.view(np.float32), w_bits.view(np.float32)
+    y_bits = np.empty(k, dtype=np.uint32)
+    y32 = y_bits.view(np.float32)
+    load(weight, bf16, w_bits)
+    eps32 = np.float32(eps)
+    for r in range(m):
+        load(x[r], bf16, x_bits)
+        if add:
+            load(delta[r], bf16, d_bits)
+            for i in range(k):
+                x32[i] = x32[i] + d32[i]
+            if bf16:
+                _to_bf16(x32, x_bits)
+        _put(s_out[r], bf16, x_bits)
+        var = _dot(x32, x32) / np.float32(k)
+        scale = np.float32(1) / np.sqrt(var + eps32)
+        for i in range(k):
+            y32[i] = x32[i] * scale
+        if bf16:
+            _to_bf16(y32, y_bits)
+            for i in range(k):
+                y32[i] = y32[i] * w32[i]
+            _to_bf16(y32, y_bits)
+        else:
+            for i in range(k):
+                y32[i] = y32[i] * w32[i]
+        _put(y_out[r], bf16, y_bits)

@@ -170,8 +170,9 @@ def _silu_compiled(gate: Tensor, up: Tensor) -> Tensor | None:
     return out.view(shape)
 
 
-ROPE_COMPILED_ROWS = 64  # a step of up to this many tokens (decode) rotates in one compiled call; a prefill's
-# rotary runs as torch's ops, whose element loops torch spreads over its threads (the same bits either way)
+COMPILED_STEP_ROWS = 64  # a step of up to this many tokens (decode) has its add + RMSNorm and its rotary in one
+# compiled call each; a prefill's run as before (torch's element loops and the row kernels spread over threads;
+# the same bits either way)
 
 
 def rope_store(
@@ -182,10 +183,10 @@ def rope_store(
     the cache [B, Hkv, L, D] at rows pos[B, T]; returns the rotated q as [B, Hq, T, D] (a transposed
     view). The PyTorch ops' bits (each product and the sum rounded to the model dtype), in one call instead
     of about fourteen small ops a layer. None where it does not run (no numba, DETAUDIT_CPU_COMPILED=off, a
-    dtype other than bf16 / fp32, a step of more than ROPE_COMPILED_ROWS tokens)."""
+    dtype other than bf16 / fp32, a step of more than COMPILED_STEP_ROWS tokens)."""
     k_cache, v_cache = cache
     dtype = q.dtype
-    if dtype not in (torch.bfloat16, torch.float32) or pos.numel() > ROPE_COMPILED_ROWS or q.device.type != "cpu":
+    if dtype not in (torch.bfloat16, torch.float32) or pos.numel() > COMPILED_STEP_ROWS or q.device.type != "cpu":
         return None
     if any(t.dtype != dtype for t in (k, v, cos, sin, k_cache, v_cache)):
         return None
@@ -203,6 +204,31 @@ def rope_store(
     with cpu_gemm.profiled("detaudit::cpu_rope"):
         rows.rope_store(qn, kn, vn, cn, sn, pos.numpy(), bf16, kc, vc, on)
     return out.transpose(1, 2)
+
+
+def add_rms(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor] | None:
+    """`cpu_rows.add_rms`: (RMSNorm(s) * weight, s) for s = x + delta (x where delta is None), bio's
+    add_norm of a step of up to COMPILED_STEP_ROWS rows (x[M, K] contiguous) in one call: the bits of the
+    add, `bio._rms_norm`'s compiled rows, the cast and the product with the weight, op by op. None where it
+    does not run (no numba, DETAUDIT_CPU_COMPILED=off, a dtype other than bf16 / fp32, more rows)."""
+    dtype = x.dtype
+    if dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or x.shape[0] > COMPILED_STEP_ROWS:
+        return None
+    if x.device.type != "cpu" or weight.dtype != dtype or not x.is_contiguous():
+        return None
+    if delta is not None and (delta.dtype != dtype or delta.shape != x.shape):
+        return None
+    rows = cpu_calls.compiled("cpu_rows")
+    if rows is None:
+        return None
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    bf16 = dtype == torch.bfloat16
+    as_bits = torch.int16 if bf16 else dtype
+    xn, wn, sn, yn = (t.view(as_bits).numpy() for t in (x, weight, s, y))
+    dn = xn if delta is None else delta.view(as_bits).numpy()
+    with cpu_gemm.profiled("detaudit::cpu_add_rms"):
+        rows.add_rms(xn, dn, delta is not None, wn, bf16, eps, sn, yn)
+    return y, s
 
 
 _ONES: dict[tuple[int, str], Tensor] = {}
