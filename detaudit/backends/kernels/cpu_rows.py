@@ -29,10 +29,18 @@ def rms_rows(x, bf16, eps, out):  # pragma: no cover (compiled)
     eps32 = np.float32(eps)
     for r in range(m):
         load(x[r], bf16, bits)
-        var = _dot(row, row) / np.float32(k)
-        scale = np.float32(1) / np.sqrt(var + eps32)
-        for i in range(k):
-            out[r, i] = row[i] * scale
+        _normalised(row, eps32, out[r])
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _normalised(row, eps32, out):
+    """out[K] = row * (1 / sqrt(mean(row^2) + eps)) in fp32, the sum of squares by `_dot` (RMSNorm's rows:
+    `rms_rows` and `add_rms` alike)."""
+    k = row.shape[0]
+    var = _dot(row, row) / np.float32(k)
+    scale = np.float32(1) / np.sqrt(var + eps32)
+    for i in range(k):
+        out[i] = row[i] * scale
 
 
 NEG_LIMIT = np.float32(-128)  # past it exp(-|g|) is 0 and silu's numerator g * 0 is -0 (for -inf as well)
@@ -50,6 +58,19 @@ def _to_bf16(vals, bits):
         else:
             half = np.uint32(16)
             bits[i] = ((b + ((b >> half) & np.uint32(1)) + np.uint32(0x7FFF)) >> half) << half
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _put(dst, bf16, bits):
+    """A row of fp32 values (their bits in `bits`; bf16 values where `bf16`) into dst[D]: int16 bf16 bits
+    or fp32."""
+    if bf16:
+        for i in range(dst.shape[0]):
+            dst[i] = bits[i] >> np.uint32(16)  # (an int16 store keeps the low 16 bits)
+    else:
+        row = bits.view(np.float32)
+        for i in range(dst.shape[0]):
+            dst[i] = row[i]
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
@@ -83,8 +104,7 @@ def silu_mul(gate, up, bf16, out):  # pragma: no cover (compiled)
             for i in range(n):
                 s[i] = s[i] * u[i]
             _to_bf16(s, s_bits)
-            for i in range(n):
-                out[r, i] = s_bits[i] >> np.uint32(16)  # (an int16 store keeps the low 16 bits)
+            _put(out[r], True, s_bits)
         else:
             for i in range(n):
                 out[r, i] = s[i] * u[i]
@@ -111,19 +131,6 @@ def _rotate(src, c, s, bf16, x_bits, a_bits, b_bits, o_bits):
         o[i] = a[i] + b[i]
     if bf16:
         _to_bf16(o, o_bits)
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
-def _put(dst, bf16, bits):
-    """A row of fp32 values (their bits in `bits`; bf16 values where `bf16`) into dst[D]: int16 bf16 bits
-    or fp32."""
-    if bf16:
-        for i in range(dst.shape[0]):
-            dst[i] = bits[i] >> np.uint32(16)  # (an int16 store keeps the low 16 bits)
-    else:
-        row = bits.view(np.float32)
-        for i in range(dst.shape[0]):
-            dst[i] = row[i]
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
@@ -176,16 +183,11 @@ def add_rms(x, delta, add, weight, bf16, eps, s_out, y_out):  # pragma: no cover
             if bf16:
                 _to_bf16(x32, x_bits)
         _put(s_out[r], bf16, x_bits)
-        var = _dot(x32, x32) / np.float32(k)
-        scale = np.float32(1) / np.sqrt(var + eps32)
-        for i in range(k):
-            y32[i] = x32[i] * scale
+        _normalised(x32, eps32, y32)
         if bf16:
             _to_bf16(y32, y_bits)
-            for i in range(k):
-                y32[i] = y32[i] * w32[i]
+        for i in range(k):
+            y32[i] = y32[i] * w32[i]
+        if bf16:
             _to_bf16(y32, y_bits)
-        else:
-            for i in range(k):
-                y32[i] = y32[i] * w32[i]
         _put(y_out[r], bf16, y_bits)
