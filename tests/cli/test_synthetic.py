@@ -55,6 +55,22 @@ def test_prepared_preset(qwen3_shaped):
     assert rows["qwen3-8b-shaped"]["state"] == "prepared"
 
 
+def test_a_copied_cache_needs_neither_the_embedded_model_nor_its_wheel(qwen3_shaped, tmp_path, monkeypatch):
+    # an air-gapped GPU machine gets the prepared synthetic model (config, tokenizer, manifest) and nothing
+    # else: preparing it there must not fetch the embedded model whose tokenizer it was built from
+    home = tmp_path / "home"
+    shutil.copytree(qwen3_shaped.path, home / "models" / "qwen3-8b-shaped")
+    monkeypatch.setenv("DETAUDIT_HOME", str(home))
+
+    def offline(requirement, where):
+        raise AssertionError(f"fetched {requirement}")
+
+    monkeypatch.setattr(models, "_fetch_gguf", offline)
+    assert models.prepare("qwen3-8b-shaped") == home / "models" / "qwen3-8b-shaped"
+    assert models.resolve_model("qwen3-8b-shaped", auto_prepare=True).checksum == qwen3_shaped.checksum
+    assert not (home / "models" / models.DEFAULT_TOKENIZER_MODEL).exists()
+
+
 def test_weights_are_seeded_and_shards_are_slices_of_the_same_tensor(small_copy):
     def loader(size, rank=0, emulated=True):
         cfg = json.loads((small_copy / "config.json").read_text())
