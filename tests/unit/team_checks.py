@@ -67,6 +67,43 @@ def tree_product(jobs: int, leaves: int, threads: int, team: str) -> np.ndarray:
     return out
 
 
+def half_panels(calls: int) -> np.ndarray:
+    """Byte offsets of `calls` [M, N] products that fill an output of rows 2N wide, two calls a block of
+    rows (a decode product's column parts: rows ldc = 2N apart)."""
+    i = np.arange(calls)
+    return ((i // 2) * M * 2 * N + (i % 2) * N) * 4
+
+
+def bf16_products(calls: int, threads: int, team: str) -> tuple[np.ndarray, np.ndarray]:
+    """The same calls in column parts, fp32 and rounded to bf16 by the loop: (fp32 [calls * M * N],
+    the loop's int16 bf16 bits)."""
+    os.environ[cpu_calls.TEAM_ENV] = team
+    torch.set_num_threads(threads)
+    out = np.zeros(calls * M * N, np.float32)
+    out16 = np.zeros(calls * M * N, np.int16)
+    table = table_of(calls, out, 0)
+    table[:, 2] = out.ctypes.data + half_panels(calls)
+    cpu_calls.run(KERNEL, (M, N, K, K, N, 2 * N), table, 1e12)
+    table[:, 2] = half_panels(calls)  # relative to out16
+    assert cpu_calls.run(KERNEL, (M, N, K, K, N, 2 * N), table, 1e12, out16=out16)
+    return out, out16
+
+
+def bf16_tree(jobs: int, leaves: int, threads: int, team: str) -> np.ndarray:
+    """`tree_product`'s sums rounded to bf16 by the tree loop: int16 bits."""
+    os.environ[cpu_calls.TEAM_ENV] = team
+    torch.set_num_threads(threads)
+    out16 = np.zeros(jobs * M * N, np.int16)
+    table = table_of(jobs * leaves, out16, 0)
+    table[:, 2] = np.repeat(np.arange(jobs) * M * N * 4, leaves)
+    assert cpu_calls.run_tree(KERNEL, (M, N, K, K, N, N), table, leaves, None, 1e12, out16)
+    return out16
+
+
+def torch_bf16(out: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(out).to(torch.bfloat16).view(torch.int16).numpy()
+
+
 def asleep_within(team, workers: int, seconds: float) -> None:
     """Wait until the team's first `workers` workers, those started so far, sleep on the bell (their
     SLEEPING words set)."""
@@ -97,6 +134,18 @@ def main() -> None:
         assert np.array_equal(tree_product(9, 4, threads, "auto"), one), threads
         assert np.array_equal(tree_product(9, 4, threads, "off"), one), threads
     assert team.job == before + 3, (team.job, before)
+    # products rounded to bf16 as they are made (column parts, rows 2N apart; tree sums): torch's cast of
+    # the fp32 products, on one thread, the Python pool and the team alike
+    fp32, _ = bf16_products(38, 1, "off")
+    assert len(np.unique(torch_bf16(fp32))) < len(np.unique(fp32))  # the rounding does round here
+    tree_fp32 = tree_product(9, 4, 1, "off")
+    before = team.job
+    for threads in (1, 3, 8):
+        for how in ("off", "auto"):
+            again, bits = bf16_products(38, threads, how)
+            assert np.array_equal(again, fp32) and np.array_equal(bits, torch_bf16(fp32)), (threads, how)
+            assert np.array_equal(bf16_tree(9, 4, threads, how), torch_bf16(tree_fp32)), (threads, how)
+    assert team.job == before + 6, (team.job, before)  # 3 and 8 threads: the loop in fp32 and bf16, the tree
     # bio's compiled attention over KV heads on the team: the bits of the Python pool's and of one thread,
     # bf16 and fp32 caches read through a slice of a longer cache, with and without a sliding window
     before = team.job

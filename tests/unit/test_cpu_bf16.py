@@ -232,6 +232,32 @@ def test_compiled_and_python_dispatch_give_the_same_bits(bf16_chosen, monkeypatc
     assert torch.allclose(outs["auto"], x.float() @ w.float().t(), rtol=1e-4, atol=1e-3)
 
 
+# (rows, K, N): a decode step's column parts, a prefill over 2 threads, an odd K and panels past N
+@pytest.mark.parametrize("rows, k, n", [(8, 576, 2560), (480, 576, 1536), (19, 201, 130)])
+def test_products_rounded_in_the_loop_are_torchs_cast_of_the_fp32_products(bf16_chosen, monkeypatch, rows, k, n):
+    """out_dtype bf16: each call's product rounded to bf16 in the thread's scratch (`cpu_loop.loop`), and a
+    TP-1 tree's sums as `leaf_sums` stores them, give `.to(torch.bfloat16)` of the fp32 output, bit for bit,
+    on 1 and 2 threads; with nothing compiled, the fp32 output's cast."""
+    from helpers import require
+
+    require("numba", "cpu")
+    from detaudit.backends.kernels import cpu_calls, tree
+
+    g = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    k8 = k - k % 8
+    want = fixed.matmul(x, w).to(torch.bfloat16)
+    want_tree = tree.tree_matmul(x[:, :k8], w[:, :k8], 1).to(torch.bfloat16)
+    for how, count in (("auto", 1), ("auto", 2), ("off", 2)):
+        monkeypatch.setenv(cpu_calls.ENV, how)
+        torch.set_num_threads(count)
+        got = fixed.matmul(x, w, torch.bfloat16)
+        got_tree = tree.tree_matmul(x[:, :k8], w[:, :k8], 1, out_dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16)), how
+        assert torch.equal(got_tree.view(torch.int16), want_tree.view(torch.int16)), (how, count)
+
+
 # (rows, K, N, TP): an o_proj prefill split over 2 threads, decode rows, an odd leaf (K / 8 = 13: each
 # leaf's columns blocked on their own), 4 and 2 leaves a rank (TP 2 and 4), many column panels
 @pytest.mark.parametrize(

@@ -334,26 +334,36 @@ def _operands(a: Tensor, packed: Tensor, what: str) -> tuple[int, int, int, int]
     return g, nb, r, k2
 
 
-def products(a: Tensor, packed: Tensor, cols: int | None = None) -> Tensor:
+def products(a: Tensor, packed: Tensor, cols: int | None = None, out_dtype: torch.dtype = torch.float32) -> Tensor:
     """fp32 [G, nb, R, P*W]: out[g, j] = a[g, j] @ packed[g], one call per (group, block, panel), or per
     (group, block, part of a panel) of `cols` columns (default: `sub_width`'s, where the self-check found
     parts give the whole panel's bits).
 
     a[G, nb, R, K2] bf16 may be a strided view (the tree's leaves are K slices of the rows' blocks) as
     long as each row is contiguous; packed[G, P, K2/2, W, 2] holds G weights packed by `pack`. All
-    calls of one product, every group's, are one table run over the threads at once (`cpu_calls`)."""
+    calls of one product, every group's, are one table run over the threads at once (`cpu_calls`).
+
+    `out_dtype` bf16: the same products rounded to bf16 as `.to(torch.bfloat16)` rounds them, each call's
+    in the thread's cache as it is made (`cpu_loop.loop`), where the calls are compiled; else the fp32
+    output's cast. (A NaN product becomes 0x7FC0, c10's scalar rule: `cpu_rows._to_bf16`.)"""
+    if out_dtype == torch.bfloat16:
+        out, shape, table, flops, threads = _calls(a, packed, cols, torch.bfloat16)
+        bits = out.view(torch.int16).numpy().reshape(-1)
+        if table is None or cpu_calls.run(_kernel, shape, table, flops, threads, bits):
+            return out
     out, shape, table, flops, threads = _calls(a, packed, cols)
     if table is not None:
         cpu_calls.run(_kernel, shape, table, flops, threads)
-    return out
+    return out.to(out_dtype)
 
 
-def _calls(a: Tensor, packed: Tensor, cols: int | None):
+def _calls(a: Tensor, packed: Tensor, cols: int | None, out_dtype: torch.dtype = torch.float32):
     """`products`' output, uninitialised, and its calls: (out, shape, table, flops, threads); table None
-    where there is nothing to compute."""
+    where there is nothing to compute. A bf16 output's calls have C offsets relative to it (`cpu_loop.loop`
+    rounds each product into it); an fp32 output's, its addresses."""
     g, nb, r, k2 = _operands(a, packed, "products")
     _, p, half, width, _ = packed.shape
-    out = torch.empty(g, nb, r, p * width, dtype=torch.float32)
+    out = torch.empty(g, nb, r, p * width, dtype=out_dtype)
     if out.numel() == 0:
         return out, None, None, 0.0, 1
     kernel = _kernel
@@ -369,7 +379,8 @@ def _calls(a: Tensor, packed: Tensor, cols: int | None):
         per_thread,
         torch.get_num_threads(),
     )
-    table = offsets + np.array([a.data_ptr(), packed.data_ptr(), out.data_ptr()], dtype=np.int64)
+    c_at = out.data_ptr() if out_dtype == torch.float32 else 0
+    table = offsets + np.array([a.data_ptr(), packed.data_ptr(), c_at], dtype=np.int64)
     return out, shape, table, flops, threads
 
 
@@ -409,12 +420,13 @@ def sub_width(calls: int, width: int, threads: int) -> int:
     return PANEL_UNIT
 
 
-def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
+def leaf_sums(a: Tensor, packed: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor | None:
     """fp32 [nb, R, P*W]: the G leaf products of `products(a, packed)` (G a power of two, at least 2)
     added pairwise, ((l0 + l1) + (l2 + l3)) + ..., each output block's leaves summed by the thread that
     computed them while they are in its cache: `tree.pairwise`'s adds in its pairs, so its bits, without
     the [G, ...] products in memory. None where the calls are not compiled, or where a product worth
-    splitting has fewer output blocks than threads: the caller adds the leaves."""
+    splitting has fewer output blocks than threads: the caller adds the leaves. `out_dtype` bf16: each sum
+    rounded to bf16 (torch's rounding) as it is stored, so the fp32 sums never reach memory either."""
     g, nb, r, k2 = _operands(a, packed, "leaf sums")
     if g < 2 or g & (g - 1):
         raise ValueError(f"leaf sums need a power-of-two number of leaves, at least 2, got {g}")
@@ -424,7 +436,8 @@ def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
     flops = 2.0 * g * nb * r * k2 * p * width
     if p * nb < cpu_calls.kernel_threads(_kernel, g * nb * p, flops):
         return None  # fewer jobs than threads (a decode step's few panels): the leaves' calls spread wider
-    out = torch.empty(nb, r, p * width, dtype=torch.float32)
+    bf16 = out_dtype == torch.bfloat16
+    out = torch.empty(nb, r, p * width, dtype=torch.bfloat16 if bf16 else torch.float32)
     if out.numel() == 0:
         return out
     a_group, a_block, lda, _ = a.stride()
@@ -433,7 +446,9 @@ def leaf_sums(a: Tensor, packed: Tensor) -> Tensor | None:
         [a.data_ptr(), packed.data_ptr(), 0], dtype=np.int64
     )
     shape = (r, width, k2, lda, width, ldc)
-    return out if cpu_calls.run_tree(_kernel, shape, table, g, out.numpy().reshape(-1), flops) else None
+    flat = out.view(torch.int16 if bf16 else torch.float32).numpy().reshape(-1)
+    done = cpu_calls.run_tree(_kernel, shape, table, g, None if bf16 else flat, flops, flat if bf16 else None)
+    return out if done else None
 
 
 def leaf_tree(leaves: Tensor) -> Tensor | None:
@@ -483,8 +498,9 @@ def _offsets(
     return table
 
 
-def matmul(x2: Tensor, packed: Tensor, n: int) -> Tensor:
-    """fp32 x2[M, K] @ w^T for w packed by `pack` (N = n columns)."""
+def matmul(x2: Tensor, packed: Tensor, n: int, out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """x2[M, K] @ w^T for w packed by `pack` (N = n columns), accumulated in fp32, rounded once to
+    `out_dtype` (`products`)."""
     m = x2.shape[0]
-    out = products(blocks_of(x2)[None], packed[None])
+    out = products(blocks_of(x2)[None], packed[None], out_dtype=out_dtype)
     return out.view(-1, out.shape[-1])[:m, :n]

@@ -122,22 +122,31 @@ def _loops():
     return compiled("cpu_loop")
 
 
-def run_tree(kernel: Kernel, shape, table: np.ndarray, leaves: int, out: np.ndarray, flops: float) -> bool:
+_NO_OUT16 = np.empty(0, dtype=np.int16)
+_NO_OUT = np.empty(0, dtype=np.float32)
+
+
+def run_tree(
+    kernel: Kernel, shape, table: np.ndarray, leaves: int, out: np.ndarray | None, flops: float, out16=None
+) -> bool:
     """`run` in jobs of `leaves` consecutive calls (one output block's leaves, `cpu_loop.tree_loop`: each
     job's leaf products summed pairwise in the thread's cache and stored into `out`, flat fp32, at the
-    job's C offset), whole jobs a thread. False, and nothing done, where there is no compiled loop."""
+    job's C offset, or rounded to bf16 into `out16`, flat int16 bits, where it is given), whole jobs a
+    thread. False, and nothing done, where there is no compiled loop."""
     mod = _loops()
     if mod is None:
         return False
     jobs = len(table) // leaves
+    out = _NO_OUT if out is None else out
+    out16 = _NO_OUT16 if out16 is None else out16
 
     def part(lo: int, hi: int) -> None:
         rows = table[lo * leaves : hi * leaves]
-        mod.tree_loop(kernel.addr, kernel.release_addr, *shape, rows, leaves, out, kernel.release)
+        mod.tree_loop(kernel.addr, kernel.release_addr, *shape, rows, leaves, out, out16, kernel.release)
 
     threads = kernel_threads(kernel, jobs, flops)
     with cpu_gemm.profiled("detaudit::bf16_block_products"):
-        if not (threads > 1 and _on_team(kernel, "tree", jobs, threads, shape, table, leaves, out)):
+        if not (threads > 1 and _on_team(kernel, "tree", jobs, threads, shape, table, leaves, out, out16)):
             slices(jobs, part, threads)
     return True
 
@@ -148,19 +157,24 @@ def run(
     table: np.ndarray,
     flops: float,
     threads: int | None = None,
-) -> None:
+    out16: np.ndarray | None = None,
+) -> bool:
     """Make every call of `table` (int64 [n, 3]: A, B, C addresses) to `kernel` with the fixed `shape`
     (M, N, K, lda, ldb, ldc): in contiguous slices, one per thread, where the table's `flops` pay for the
     hand-off (`MIN_SPLIT_FLOPS`), else all on this thread (`threads`: `kernel_threads`' answer, where the
     caller has it already). Each thread releases the kernel's hardware state after its slice where
-    `kernel.release` says so."""
+    `kernel.release` says so. With `out16` (flat int16 bf16 bits; the table's C offsets relative to it)
+    each product is stored rounded to bf16 there (`cpu_loop.loop`): False, and nothing done, where the
+    calls are not compiled."""
     n = len(table)
     if n == 0:
-        return
+        return True
     # one call gains nothing from the loop (and so the one-call self-check of `cpu_bf16.choose`, which a
     # backend description runs, imports no numba: see `_numba_installed`)
-    mod = _loops() if n > 1 else None
+    mod = _loops() if n > 1 or out16 is not None else None
     loop = None if mod is None else mod.loop
+    if loop is None and out16 is not None:
+        return False
     fn, release = kernel.fn, kernel.release
     if loop is None:
         rows = table.tolist()
@@ -174,14 +188,17 @@ def run(
                     kernel.release_fn(True)
 
     else:
+        dst = _NO_OUT16 if out16 is None else out16
 
         def part(lo: int, hi: int) -> None:
-            loop(kernel.addr, kernel.release_addr, *shape, table[lo:hi], release)
+            loop(kernel.addr, kernel.release_addr, *shape, table[lo:hi], dst, release)
 
     threads = kernel_threads(kernel, n, flops) if threads is None else threads
     with cpu_gemm.profiled("detaudit::bf16_block_products"):
-        if not (loop is not None and threads > 1 and _on_team(kernel, "loop", n, threads, shape, table, 1, None)):
+        team = loop is not None and threads > 1
+        if not (team and _on_team(kernel, "loop", n, threads, shape, table, 1, None, out16)):
             slices(n, part, threads)
+    return True
 
 
 class Team:
@@ -270,7 +287,7 @@ def team() -> Team | None:
         return t
 
 
-def _on_team(kernel: Kernel, kind: str, jobs: int, threads: int, shape, table, leaves: int, out) -> bool:
+def _on_team(kernel: Kernel, kind: str, jobs: int, threads: int, shape, table, leaves: int, out, out16=None) -> bool:
     """A compiled product's table on the team (`cpu_team`), whose workers wait in compiled code: False
     where there is none or it is busy (the caller takes the Python pool)."""
     t = team()
@@ -282,6 +299,8 @@ def _on_team(kernel: Kernel, kind: str, jobs: int, threads: int, shape, table, l
     fields.update({m.KERNEL_AT: kernel.addr, m.RELEASE_AT: kernel.release_addr})
     if out is not None:
         fields.update({m.OUT: out.ctypes.data, m.OUT_SIZE: out.size})
+    bf16 = out16 is not None
+    fields.update({m.OUT16: out16.ctypes.data if bf16 else 0, m.OUT16_SIZE: out16.size if bf16 else 0})
     return t.run(m.TREE if kind == "tree" else m.LOOP, jobs, threads, fields)
 
 

@@ -15,6 +15,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from detaudit.backends.kernels import numba_cache
+from detaudit.backends.kernels.cpu_rows import _to_bf16
 
 numba_cache.fresh()  # before any cache is loaded: a caller's cache holds its callees' code
 
@@ -48,11 +49,33 @@ def _release(typingctx, fn):
     return types.void(types.int64), codegen
 
 
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _store_bf16(bits, m, n, out16, c, ldc):  # pragma: no cover (compiled)
+    """The [m, n] fp32 block whose bits are `bits` rounded to bf16 as torch rounds (`cpu_rows._to_bf16`)
+    and stored at element c of out16 (int16 bf16 bits), rows ldc apart."""
+    _to_bf16(bits.view(np.float32), bits)
+    for r in range(m):
+        row = c + r * ldc
+        for j in range(n):
+            out16[row + j] = bits[r * n + j] >> np.uint32(16)  # (an int16 store keeps the low 16 bits)
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, release):  # pragma: no cover (compiled)
-    """Every call of `table`, then, where `release`, the thread's AMX tiles released (brgemm_release)."""
-    for i in range(table.shape[0]):
-        _brgemm(kernel, m, n, k, lda, ldb, ldc, table[i, 0], table[i, 1], table[i, 2])
+def loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, out16, release):  # pragma: no cover (compiled)
+    """Every call of `table`, then, where `release`, the thread's AMX tiles released (brgemm_release).
+    Where out16 has elements, each call's [m, n] product is made in this thread's scratch and stored
+    rounded to bf16 at element table[i, 2] // 4 of out16 (int16 bf16 bits, rows ldc apart; the C offsets
+    relative to it): the fp32 products never reach memory, and the bits are the fp32 output's cast by
+    torch (an element's rounding depends on nothing else)."""
+    if out16.shape[0] == 0:
+        for i in range(table.shape[0]):
+            _brgemm(kernel, m, n, k, lda, ldb, ldc, table[i, 0], table[i, 1], table[i, 2])
+    else:
+        bits = np.empty(m * n, dtype=np.uint32)
+        base = bits.ctypes.data
+        for i in range(table.shape[0]):
+            _brgemm(kernel, m, n, k, lda, ldb, n, table[i, 0], table[i, 1], base)
+            _store_bf16(bits, m, n, out16, table[i, 2] // 4, ldc)
     if release:
         _release(release_at)
 
@@ -72,11 +95,12 @@ def _tree_in_place(nodes):  # pragma: no cover (compiled)
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def tree_loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, leaves, out, release):  # pragma: no cover (compiled)
+def tree_loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, leaves, out, out16, release):  # pragma: no cover
     """The calls of `table` in jobs of `leaves` rows, a job one output block: each leaf's [m, n] product
     into this thread's scratch, the leaves added pairwise ((l0 + l1) + (l2 + l3)) + ... (`tree.pairwise`'s
-    adds, in its pairs), the sum stored at element table[job, 2] // 4 of `out` (fp32, rows ldc apart).
-    An element's adds do not depend on which elements share a job, so these are `pairwise`'s bits."""
+    adds, in its pairs), the sum stored at element table[job, 2] // 4 of `out` (fp32, rows ldc apart), or
+    of out16 rounded to bf16 where out16 has elements (as `loop`). An element's adds do not depend on which
+    elements share a job, so these are `pairwise`'s bits."""
     size = m * n
     scratch = np.empty(leaves * size, dtype=np.float32)
     base = scratch.ctypes.data
@@ -85,6 +109,9 @@ def tree_loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, leaves, out, re
             _brgemm(kernel, m, n, k, lda, ldb, n, table[i + j, 0], table[i + j, 1], base + j * size * 4)
         _tree_in_place(scratch.reshape(leaves, size))
         c = table[i, 2] // 4
+        if out16.shape[0] != 0:
+            _store_bf16(scratch[:size].view(np.uint32), m, n, out16, c, ldc)
+            continue
         for r in range(m):
             out[c + r * ldc : c + r * ldc + n] = scratch[r * n : (r + 1) * n]
     if release:

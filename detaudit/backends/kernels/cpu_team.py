@@ -51,6 +51,9 @@ QS, POS, K_AT, V_AT, ROWS, DIM, KEYS, KV_STRIDE, BF16, WINDOW = range(16, 26)
 # (SILU's up), rows X_STRIDE / U_STRIDE elements apart (int16 bf16 bits where ROW_BF16, else fp32), out
 # [M, COLS] contiguous (fp32 for RMS, x's dtype for SILU), with M (JOBS), COLS, and RMS's eps (float64 bits)
 X_AT, U_AT, Y_AT, COLS, X_STRIDE, U_STRIDE, ROW_BF16, EPS = range(16, 24)
+# a LOOP or TREE job's bf16 output (`cpu_loop.loop`'s out16): its address and elements (0: none, the
+# products go to their C addresses or OUT in fp32); written with every such job, these fields being others'
+OUT16, OUT16_SIZE = 16, 17
 SPIN = 26  # the team's polls before a worker sleeps (`SPINS`, written once by the team's owner)
 BELL = 27  # the sleepers' futex word: the dispatcher adds one before it wakes them
 WAIT = 28  # ns a sleeping worker waits before it checks its ticket anyway (`WAIT_NS`; a test raises it)
@@ -174,12 +177,13 @@ def _slice(ctl, slot, threads):  # pragma: no cover (compiled)
     lda, ldb, ldc = ctl[SHAPE + 3], ctl[SHAPE + 4], ctl[SHAPE + 5]
     release = ctl[RELEASE] != 0
     kernel, release_at = ctl[KERNEL_AT], ctl[RELEASE_AT]
+    out16 = numba.carray(_i16_at(ctl[OUT16]), (ctl[OUT16_SIZE],))
     if kind == TREE:
         out = numba.carray(_f32_at(ctl[OUT]), (ctl[OUT_SIZE],))
         rows = table[lo * leaves : hi * leaves]
-        cpu_loop.tree_loop(kernel, release_at, m, n, k, lda, ldb, ldc, rows, leaves, out, release)
+        cpu_loop.tree_loop(kernel, release_at, m, n, k, lda, ldb, ldc, rows, leaves, out, out16, release)
     else:
-        cpu_loop.loop(kernel, release_at, m, n, k, lda, ldb, ldc, table[lo:hi], release)
+        cpu_loop.loop(kernel, release_at, m, n, k, lda, ldb, ldc, table[lo:hi], out16, release)
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")

@@ -75,7 +75,7 @@ def tree_matmul(x: Tensor, w: Tensor, tp_size: int, name: str = "", out_dtype: t
     x2 = x.reshape(-1, k_local)
     if x.is_cuda:
         return triton_mm.mm(x2.contiguous(), w, leaves=leaves, tree=True, out_dtype=out_dtype).reshape(*lead, n)
-    return tree_matmul_cpu(x2, w, leaf, leaves).reshape(*lead, n).to(out_dtype)
+    return tree_matmul_cpu(x2, w, leaf, leaves, out_dtype).reshape(*lead, n).to(out_dtype)
 
 
 def routed(x: Tensor, w: Tensor, tp_size: int, name: str = ""):
@@ -120,7 +120,9 @@ def _packed_bf16(w: Tensor, leaves: int, leaf: int) -> Tensor:
     )
 
 
-def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
+def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int, out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """The tree's sum, fp32, or (`out_dtype` bf16, where `cpu_bf16.leaf_sums` runs) already rounded to bf16:
+    the caller's cast then does nothing, the same bits."""
     m, n = x2.shape[0], w.shape[0]
     if cpu_bf16.usable(x2, w):  # every leaf's products in one spread over the threads
         if leaf % 2:  # an odd leaf: each leaf's columns blocked (padded to an even K) on their own
@@ -129,7 +131,7 @@ def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int) -> Tensor:
             xb = cpu_bf16.blocks_of(x2)
             xl = xb.view(xb.shape[0], xb.shape[1], leaves, leaf).permute(2, 0, 1, 3)
         packed = _packed_bf16(w, leaves, leaf)
-        out = cpu_bf16.leaf_sums(xl, packed) if leaves > 1 else None  # in cache; else the same adds here
+        out = cpu_bf16.leaf_sums(xl, packed, out_dtype) if leaves > 1 else None  # in cache; else the same adds
         if out is None:
             products = cpu_bf16.products(xl, packed)
             out = cpu_bf16.leaf_tree(products)  # (None for one leaf, or nothing compiled)
