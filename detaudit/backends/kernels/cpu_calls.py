@@ -195,8 +195,8 @@ def run(
 
     threads = kernel_threads(kernel, n, flops) if threads is None else threads
     with cpu_gemm.profiled("detaudit::bf16_block_products"):
-        team = loop is not None and threads > 1
-        if not (team and _on_team(kernel, "loop", n, threads, shape, table, 1, None, out16)):
+        spread = loop is not None and threads > 1
+        if not (spread and _on_team(kernel, "loop", n, threads, shape, table, 1, None, out16)):
             slices(n, part, threads)
     return True
 

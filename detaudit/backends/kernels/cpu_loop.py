@@ -15,7 +15,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from detaudit.backends.kernels import numba_cache
-from detaudit.backends.kernels.cpu_rows import _to_bf16
+from detaudit.backends.kernels.cpu_rows import _put, _to_bf16
 
 numba_cache.fresh()  # before any cache is loaded: a caller's cache holds its callees' code
 
@@ -56,8 +56,7 @@ def _store_bf16(bits, m, n, out16, c, ldc):  # pragma: no cover (compiled)
     _to_bf16(bits.view(np.float32), bits)
     for r in range(m):
         row = c + r * ldc
-        for j in range(n):
-            out16[row + j] = bits[r * n + j] >> np.uint32(16)  # (an int16 store keeps the low 16 bits)
+        _put(out16[row : row + n], True, bits[r * n : (r + 1) * n])
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")

@@ -87,7 +87,7 @@ def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype = torch.float32) -> Tens
         return triton_mm.mm(x2, w, out_dtype=out_dtype).reshape(*lead, n)
     if cpu_bf16.usable(x2, w):
         packed = derived(w, "bf16-panels", cpu_bf16.pack)
-        return cpu_bf16.matmul(x2, packed, n, out_dtype).reshape(*lead, n).to(out_dtype)
+        return cpu_bf16.matmul(x2, packed, n, out_dtype).reshape(*lead, n)  # already out_dtype
     out = cpu_gemm.block_products(blocks_of(x2), weight_t(w))
     return out.view(-1, n)[: x2.shape[0]].reshape(*lead, n).to(out_dtype)
 
