@@ -101,6 +101,7 @@ def main() -> None:
     fused_row_ops(g)
     narrow_shapes()
     grouped_experts(g)
+    block_tables(g)
     grouped_layout_tp_invariant()
     grouped_layer_fp32_partials()
     fast_path_end_to_end()
@@ -516,6 +517,40 @@ def fast_path_end_to_end() -> None:
                 for a, b in zip(got, want)
             )
             check(close, f"fast path log-probs {backend}")
+
+
+def _table_reference(counts: torch.Tensor, starts: torch.Tensor, block_m: int, max_blocks: int) -> torch.Tensor:
+    """`grouped_mm.block_table` as torch ops (the table's definition; it was computed this way before)."""
+    experts = counts.shape[0]
+    per = (counts + block_m - 1) // block_m
+    ends = torch.cumsum(per, 0)
+    b = torch.arange(max_blocks)
+    e = torch.searchsorted(ends, b, right=True)
+    live = e < experts
+    ec = e.clamp(max=experts - 1)
+    local = b - (ends[ec] - per[ec])
+    first = starts[ec] + local * block_m
+    rows = (counts[ec] - local * block_m).clamp(max=block_m)
+    return torch.stack([torch.where(live, e, -1), first, torch.where(live, rows, 0)]).to(torch.int32)
+
+
+def block_tables(g: torch.Generator) -> None:
+    """The grouped launches' block table (one kernel) equals its torch definition for skewed and uniform
+    routings, experts with no rows, one expert with every row, an empty step, and tables of several
+    programs' chunks."""
+    cases = [(0, 4, 6), (1, 1, 1), (13, 3, 6), (40, 8, 128), (300, 8, 128), (97, 2, 200), (64, 4, 8)]
+    for t, k, e in cases:
+        for skew in (False, True):
+            scores = torch.rand(t, e, generator=g) * (torch.linspace(6, 1, e) ** 4 if skew else 1)
+            experts = scores.topk(k).indices if t else torch.empty(0, k, dtype=torch.long)
+            if skew and t:
+                experts[:, 0] = 0  # every token's first slot on expert 0: one long run
+            runs = grouped_mm.Runs(experts, e)
+            for block_m in (16, 64, 128):
+                got, max_blocks = runs.tiles(block_m)
+                check(max_blocks == t * k // block_m + e, f"table size t={t} k={k} e={e} m={block_m}")
+                want = _table_reference(runs.counts, runs.starts, block_m, max_blocks)
+                check(torch.equal(got, want), f"block table t={t} k={k} e={e} skew={skew} m={block_m}")
 
 
 def grouped_experts(g: torch.Generator) -> None:
