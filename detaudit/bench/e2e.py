@@ -12,7 +12,10 @@ the device at each boundary; CUDA-graph capture is timed apart and left out of d
 is the host's time to issue one decode step (eager: every launch of the forward; graphed: the input copies
 and the replay), not synchronized: decode runs one step ahead of the host's bookkeeping, so where it is
 below the device's step time the GPU, not the host, sets `ms_per_step` (a slower host moves it up to
-about `host_ms_per_step`). Ratios are to
+about `host_ms_per_step`). `prefill_host_ms` is the same for the median prefill: the host's time to issue
+its launches up to the first logits, not synchronized; where it comes close to the prefill's own time
+(`prompt_tokens * batch / prefill_tok_s`) the GPU waited for the host, and the prefill moves with the host's
+speed (reports/gpu/moe: a MoE prefill of 4,096 tokens at TP 2). Ratios are to
 bf16 of the same model, TP, batch and graph mode in the same run. `cuda_graphs="both"` times every
 configuration eagerly and graphed on the same device (`graphed_speedup`: eager over graphed ms per step).
 With `DETAUDIT_TP1_GROUP=1`, real TP 1 runs in a one-rank process group (NCCL on GPU), as TP > 1 does.
@@ -122,6 +125,7 @@ def bench_e2e(
                         median = sorted(range(repeats), key=per_step.__getitem__)[(repeats - 1) // 2]  # the median call
                         t = runs[median]
                         prefill = [r["prompt_tokens"] / r["prefill_s"] for r in runs]
+                        mid = sorted(range(repeats), key=prefill.__getitem__)[(repeats - 1) // 2]  # the median prefill
                         row = {
                             "model": name,
                             "tp": tp,
@@ -129,7 +133,8 @@ def bench_e2e(
                             "batch": bs,
                             "prompt_tokens": prompt_tokens,
                             "new_tokens": new_tokens,
-                            "prefill_tok_s": sorted(prefill)[(repeats - 1) // 2],
+                            "prefill_tok_s": prefill[mid],
+                            "prefill_host_ms": 1e3 * runs[mid]["prefill_issue_s"],
                             "decode_tok_s": bs * max(1, t["decode_steps"]) / t["decode_s"],
                             "ms_per_step": per_step[median],
                             "host_ms_per_step": 1e3 * t["issue_s"] / max(1, t["decode_steps"]),

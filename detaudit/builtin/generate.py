@@ -206,12 +206,14 @@ class Generator:
             settle_gc()
         capture_s = clock.lap()
         routing = Routing()
+        issued = time.perf_counter()
         h = m.hidden(ids, pos, cache, kv_len=T, routing=routing)
         last_rows = torch.arange(B, device=self.device) * T + lens - 1
         h_last = h.view(B * T, -1)[last_rows][:, None]  # [B, 1, H]
         logits = m.logits(h_last)[:, 0]  # [B, V] fp32
         logprobs = m.ctx.backend.log_softmax(logits)
         route = routing.rows(last_rows)  # the routing of the forward that gave these logits
+        prefill_issue_s = time.perf_counter() - issued  # the host's launches, before the device is waited for
         prefill_s = clock.lap()
         outs = [Generation([], [], [], [], "length") for _ in range(B)]
         if route is not None:
@@ -271,6 +273,7 @@ class Generator:
             logits, logprobs, route = following
         self.timings = {
             "prefill_s": prefill_s,
+            "prefill_issue_s": prefill_issue_s,
             "capture_s": capture_s,
             "decode_s": clock.lap(),
             "decode_steps": steps,
@@ -315,11 +318,13 @@ class Generator:
             settle_gc()
         capture_s = clock.lap()
         routing = Routing()
+        issued = time.perf_counter()
         h = m.hidden(ids, pos, cache, kv_len=T, routing=routing)
         last_rows = torch.arange(B, device=self.device) * T + torch.tensor(lens, device=self.device) - 1
         logits = m.logits(h.view(B * T, -1)[last_rows][:, None])  # [B, 1, V] fp32, as plain decoding's rows
         logprobs = rows_log_softmax(m, logits)
         route = routing.rows(last_rows)
+        prefill_issue_s = time.perf_counter() - issued
         prefill_s = clock.lap()
         outs = [Generation([], [], [], [], "length", drafted=0, accepted=0) for _ in range(B)]
         if route is not None:
@@ -365,6 +370,7 @@ class Generator:
             steps += 1
         self.timings = {
             "prefill_s": prefill_s,
+            "prefill_issue_s": prefill_issue_s,
             "capture_s": capture_s,
             "decode_s": clock.lap(),
             "decode_steps": steps,

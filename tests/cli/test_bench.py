@@ -45,6 +45,9 @@ def test_bench_e2e_on_cpu(tiny_llama):
         assert (r["tp"], r["batch"], r["prompt_tokens"], r["new_tokens"]) == (1, 2, 8, 3), r
         assert not r["cuda_graphs"] and r["workers"] == 0, r  # CPU: eager, in process
         assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["host_ms_per_step"] > 0, r
+        # the prefill's launches are issued within its time, and on a CPU the host does the work itself
+        prefill_ms = 1e3 * r["batch"] * r["prompt_tokens"] / r["prefill_tok_s"]
+        assert 0.5 * prefill_ms < r["prefill_host_ms"] <= prefill_ms, r
         # decode_tok_s = batch * steps / decode_s and ms_per_step = 1e3 * decode_s / steps
         assert r["decode_tok_s"] * r["ms_per_step"] == pytest.approx(1e3 * r["batch"], rel=1e-9), r
         assert r["decode_vs_bf16"] == pytest.approx(r["decode_tok_s"] / rows[0]["decode_tok_s"], rel=1e-12)
@@ -229,7 +232,13 @@ def test_bench_e2e_reports_the_median_prefill_not_the_median_calls(monkeypatch):
         def generate(self, prompts, ids, decoding, batch, profile=False):
             prefill_s, decode_s = next(calls)
             self.last_timings = dict(
-                prompt_tokens=100, prefill_s=prefill_s, decode_s=decode_s, decode_steps=10, issue_s=0.1, capture_s=0.0
+                prompt_tokens=100,
+                prefill_s=prefill_s,
+                prefill_issue_s=prefill_s / 2,
+                decode_s=decode_s,
+                decode_steps=10,
+                issue_s=0.1,
+                capture_s=0.0,
             )
 
         def describe(self):
@@ -244,4 +253,5 @@ def test_bench_e2e_reports_the_median_prefill_not_the_median_calls(monkeypatch):
     (row,) = e2e.bench_e2e([model], ["bf16"], [1], [2], new_tokens=3, device="cpu", repeats=3).to_dict("records")
     assert row["ms_per_step"] == pytest.approx(200.0)  # the median call by decode
     assert row["prefill_tok_s"] == pytest.approx(50.0)  # the median prefill, from another call
+    assert row["prefill_host_ms"] == pytest.approx(1e3)  # that call's host time (its prefill 2.0 s, issued in 1.0)
     assert (row["prefill_tok_s_min"], row["prefill_tok_s_max"]) == (pytest.approx(100 / 3), pytest.approx(100.0))
