@@ -115,8 +115,8 @@ TABLE_CHUNK = 128  # blocks a program of `block_table` fills
 def block_table(counts: Tensor, starts: Tensor, block_m: int, max_blocks: int) -> Tensor:
     """[3, max_blocks] int32: block b's expert (-1 past the last block), first sorted row and rows (0
     past the last), every expert's run (`counts[e]` rows from sorted row `starts[e]`) cut into blocks of
-    `block_m` rows in expert order. One launch: in a prefill the same table as ~15 torch ops took ~0.2 ms
-    of host time a projection, and a batch-8 prefill at TP 2 is host-bound (reports/gpu/moe)."""
+    `block_m` rows in expert order. One launch where the same table took ~15 torch ops, each a launch and
+    its Python: a batch-8 MoE prefill at TP 2 is host-bound (reports/gpu/moe)."""
     blocks = torch.empty(3, max_blocks, dtype=torch.int32, device=counts.device)
     experts = counts.shape[0]
     width = max(16, triton.next_power_of_2(experts))
