@@ -186,3 +186,32 @@ def test_a_row_that_sees_no_key_is_nan_and_leaves_the_others_alone(bf16, window)
     assert np.isnan(out[pos < 0]).all()
     want = _attention_reference(qs, np.maximum(pos, 0), k, v, window)
     assert np.array_equal(_bits(out[pos >= 0]), _bits(want[pos >= 0]))
+
+
+@pytest.mark.parametrize("rows", [5, 14])
+@pytest.mark.parametrize("d, window, bf16", [(64, 0, True), (64, 4, True), (40, 0, True), (64, 0, False)])
+def test_rows_at_one_position_keep_their_own_bits(rows, d, window, bf16):
+    """Query rows at one position (a KV head's query heads) run side by side in runs of up to RUN
+    (`_run`), and from WIDEN_ROWS rows a head's bf16 keys and values are widened once: every row keeps
+    the bits of the documented operations, in runs of 1 to RUN + 1 rows, a run of rows that see no key
+    among them, and on the vector and scalar paths."""
+    rng = np.random.default_rng(rows + d + window)
+    g, length = 2, 19
+    qs = (rng.standard_normal((g, rows, d)) * 3).astype(np.float32)
+    k = (rng.standard_normal((g, length + 5, d)) * rng.uniform(0.1, 3, (g, length + 5, 1))).astype(np.float32)
+    v = rng.standard_normal((g, length + 5, d)).astype(np.float32)
+    runs = [5, 1, 4, 3, 2]  # run lengths (5: a run of RUN and one of 1), cut at `rows` below
+    pos_row = np.concatenate([np.full(n, p) for n, p in zip(runs, [3, 0, -1, 9, 12])])[:rows]
+    pos = np.stack([pos_row, pos_row[::-1]]).astype(np.int64)
+    (k_bits, k), (v_bits, v) = (_bf16_bits(x) if bf16 else (x, x) for x in (k, v))
+    k_bits, k, v_bits, v = (x[:, :length] for x in (k_bits, k, v_bits, v))
+    out = np.full_like(qs, 7.0)
+    ca.attend(qs, pos, k_bits, v_bits, bf16, window, out)
+    assert np.isnan(out[pos < 0]).all()
+    want = _attention_reference(qs, np.maximum(pos, 0), k, v, window)
+    assert np.array_equal(_bits(out[pos >= 0]), _bits(want[pos >= 0]))
+    if bf16 and rows >= ca.WIDEN_ROWS:  # each row alone (no run, nothing widened) gives the same bits
+        alone = np.full_like(qs, 7.0)
+        for r in range(rows):
+            ca.attend(qs[:, r : r + 1], pos[:, r : r + 1], k_bits, v_bits, bf16, window, alone[:, r : r + 1])
+        assert np.array_equal(_bits(alone[pos >= 0]), _bits(out[pos >= 0]))

@@ -163,7 +163,8 @@ def test_a_table_takes_one_thread_per_share_that_pays_for_its_hand_off(monkeypat
     assert cpu_calls.kernel_threads(amx, 100, 40e6) == 3  # AMX: a thread per 16 MFLOP of calls
     assert cpu_calls.kernel_threads(vdpbf16ps, 100, 5e6) == 2  # vdpbf16ps: any table past the threshold splits
     monkeypatch.setattr(cpu_calls, "_team_wanted", lambda: True)  # the compiled team: a cheaper hand-off
-    assert cpu_calls.kernel_threads(amx, 100, 40e6) == 10  # AMX: a thread per 4 MFLOP
+    assert cpu_calls.kernel_threads(amx, 100, 20e6) == 10  # AMX: a thread per 2 MFLOP
+    assert cpu_calls.kernel_threads(amx, 100, 40e6) == 16  # (a decode gate / up product: every thread)
     assert cpu_calls.kernel_threads(vdpbf16ps, 100, 5e6) == 2
 
 

@@ -8,18 +8,21 @@ many rows or keys share the call, so a row has the same bits in prefill (many ro
 in any batch and at any TP size (heads are never split). No fused multiply-add: numba compiles
 without fast-math, so every product is rounded, then added.
 
-Vectorized within a dot product: where D is a multiple of 16 and the rows contiguous, a score's 16
-lanes are one LLVM vector and a row's weighted values 16 elements at a time (`cpu_lanes`: the same
-additions in the same order), read from the cache as it is stored, no copy (LLVM leaves `_dot`'s 16
-scalar accumulators scalar). Otherwise the same operations run one lane at a time. exp is a polynomial in IEEE
-fp32 adds and multiplies (`exp_shifted`), so a vector lane and the scalar remainder give the same bits;
-it replaced libm's scalar expf (other bits: the description says which exp, so earlier runs' cells are
-not merged with these).
+Vectorized within a dot product: where D is a multiple of 16 and the rows contiguous, a score's 16 lanes
+are one LLVM vector and a row's weighted values 16 elements at a time (`cpu_lanes`: the same additions in
+the same order), read from the cache as it is stored (LLVM leaves `_dot`'s 16 scalar accumulators
+scalar). What rows share is done once for them, never changing a row's operations: the query rows at one
+position (a KV head's query heads) run their max and sum loops side by side (`_run`), and where a KV head
+has many query rows (prefill) its bf16 keys and values are widened to fp32 once (exact), not in every
+row's loops (`WIDEN_ROWS`). Where D is not a multiple of 16, or a row is strided, the same operations run
+one lane at a time. exp is a polynomial in IEEE fp32 adds and multiplies (`exp_shifted`), so a vector
+lane and the scalar remainder give the same bits; it replaced libm's scalar expf (other bits: the
+description says which exp, so earlier runs' cells are not merged with these).
 
-The cache is read as it is stored: bf16 as its 16 bits (a bf16 is the top half of an fp32), other
-dtypes converted to fp32 by the caller. Against the chunked PyTorch-ops path (`fixed.attention`), this
-replaces about 60 small ops per layer and step with one call; the backend's description names the
-kernel, so runs made with and without it are never merged as one.
+The cache is read as it is stored (decode), or widened as above: bf16 as its 16 bits (a bf16 is the top
+half of an fp32), other dtypes converted to fp32 by the caller. Against the chunked PyTorch-ops path
+(`fixed.attention`), this replaces about 60 small ops per layer and step with one call; the backend's
+description names the kernel, so runs made with and without it are never merged as one.
 """
 
 from __future__ import annotations
@@ -163,17 +166,16 @@ def exp_rows(x, out):  # pragma: no cover (compiled)
         exp_shifted(out[i], np.float32(0), bits)
 
 
+RUN = 4  # query rows whose max and sum run side by side: four independent addition chains
+# from this many query rows a KV head (prefill; decode's query heads of a KV head) a bf16 cache's keys and
+# values are widened to fp32 once for them, not in every row's loops: the same values, so the same bits
+WIDEN_ROWS = 8
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
-def _row(q, k, v, bf16, lo, hi, scores, exp_bits, key_bits, out):  # pragma: no cover (compiled)
-    """One query row q[D] over keys lo..hi of k / v [L, D]: its scores (`_dot` each), their max,
-    exp(score - max) in place, their sum in key order, out[D] = the weighted sum of values in key order
-    divided by it. 16-lane vector code (`cpu_lanes`) where D is a multiple of 16 and every row contiguous,
-    else the same operations one lane at a time: the same bits."""
-    d = q.shape[0]
-    item = 2 if bf16 else 4  # the lanes read int16 bf16 bits or fp32, nothing else
-    contiguous = q.strides[0] == 4 and out.strides[0] == 4 and k.strides[1] == item and v.strides[1] == item
-    lanes = d % LANES == 0 and contiguous and k.itemsize == item and v.itemsize == item
-    blocks = d // LANES
+def _scores(q, k, bf16, lanes, blocks, lo, hi, scores, key_bits):  # pragma: no cover (compiled)
+    """scores[j] = `_dot`(q, k[j]) for keys lo..hi: four keys at a time in 16-lane vector code (`cpu_lanes`)
+    where `lanes`, else one lane at a time: the same bits."""
     key = key_bits.view(np.float32)
     quads = lo + (hi + 1 - lo) // 4 * 4 if lanes else lo  # keys lo .. quads - 1 four at a time
     step = k.strides[0]
@@ -190,27 +192,62 @@ def _row(q, k, v, bf16, lo, hi, scores, exp_bits, key_bits, out):  # pragma: no 
             scores[j] = cpu_lanes.dot_bf16(q.ctypes.data, k.ctypes.data + j * step, blocks)
         else:
             scores[j] = cpu_lanes.dot_f32(q.ctypes.data, k.ctypes.data + j * step, blocks)
-    m = np.float32(-np.inf)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _run(qs, n, k, v, bf16, lo, hi, scores, exp_bits, key_bits, out):  # pragma: no cover (compiled)
+    """Query rows qs[0..n-1] (n <= RUN), which see the same keys lo..hi of k / v [L, D]: for each, its
+    scores (`_dot` each), their max, exp(score - max) in place, their sum in key order, out[i] = the
+    weighted sum of values in key order divided by it. The rows' max and sum loops run as RUN chains side
+    by side (a row past n re-reads row 0's scores, and its result is dropped): each chain is one row's
+    comparisons or additions in key order, so a row's bits are the ones it has alone, and the core
+    overlaps the chains' latencies. 16-lane vector code (`cpu_lanes`) where D is a multiple of 16 and
+    every row contiguous, else the same operations one lane at a time: the same bits."""
+    d = qs.shape[1]
+    item = 2 if bf16 else 4  # the lanes read int16 bf16 bits or fp32, nothing else
+    contiguous = qs.strides[1] == 4 and out.strides[1] == 4 and k.strides[1] == item and v.strides[1] == item
+    lanes = d % LANES == 0 and contiguous and k.itemsize == item and v.itemsize == item
+    blocks = d // LANES
+    key = key_bits.view(np.float32)
+    for i in range(n):
+        _scores(qs[i], k, bf16, lanes, blocks, lo, hi, scores[i], key_bits)
+    s0, s1 = scores[0], scores[1 if n > 1 else 0]
+    s2, s3 = scores[2 if n > 2 else 0], scores[3 if n > 3 else 0]
+    m0 = m1 = m2 = m3 = np.float32(-np.inf)
     for j in range(lo, hi + 1):
-        if scores[j] > m:
-            m = scores[j]
-    exp_shifted(scores[lo : hi + 1], m, exp_bits)
-    total = np.float32(0)
+        if s0[j] > m0:
+            m0 = s0[j]
+        if s1[j] > m1:
+            m1 = s1[j]
+        if s2[j] > m2:
+            m2 = s2[j]
+        if s3[j] > m3:
+            m3 = s3[j]
+    for i in range(n):
+        m = m0 if i == 0 else (m1 if i == 1 else (m2 if i == 2 else m3))
+        exp_shifted(scores[i, lo : hi + 1], m, exp_bits)
+    t0 = t1 = t2 = t3 = np.float32(0)
     for j in range(lo, hi + 1):
-        total += scores[j]
-    out[:] = 0
-    if not lanes:
-        for j in range(lo, hi + 1):
-            load(v[j], bf16, key_bits)
-            e = scores[j]
-            for i in range(d):
-                out[i] += e * key[i]
-    elif bf16:
-        cpu_lanes.weighted_bf16(out.ctypes.data, scores.ctypes.data, v.ctypes.data, v.strides[0], lo, hi, blocks)
-    else:
-        cpu_lanes.weighted_f32(out.ctypes.data, scores.ctypes.data, v.ctypes.data, v.strides[0], lo, hi, blocks)
-    for i in range(d):
-        out[i] /= total
+        t0 += s0[j]
+        t1 += s1[j]
+        t2 += s2[j]
+        t3 += s3[j]
+    for i in range(n):
+        total = t0 if i == 0 else (t1 if i == 1 else (t2 if i == 2 else t3))
+        row, e = out[i], scores[i]
+        row[:] = 0
+        if not lanes:
+            for j in range(lo, hi + 1):
+                load(v[j], bf16, key_bits)
+                w = e[j]
+                for c in range(d):
+                    row[c] += w * key[c]
+        elif bf16:
+            cpu_lanes.weighted_bf16(row.ctypes.data, e.ctypes.data, v.ctypes.data, v.strides[0], lo, hi, blocks)
+        else:
+            cpu_lanes.weighted_f32(row.ctypes.data, e.ctypes.data, v.ctypes.data, v.strides[0], lo, hi, blocks)
+        for c in range(d):
+            row[c] /= total
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
@@ -220,12 +257,39 @@ def attend(qs, pos, k, v, bf16, window, out):  # pragma: no cover (compiled)
     out[G, R, D] fp32."""
     g_count, rows, d = qs.shape
     length = k.shape[1]
-    scores = np.empty(length, dtype=np.float32)
+    scores = np.empty((RUN, length), dtype=np.float32)
     exp_bits = np.empty(length, dtype=np.int32)
     key_bits = np.empty(d, dtype=np.uint32)
+    wide = bf16 and rows >= WIDEN_ROWS
+    kw = np.empty((length if wide else 0, d), dtype=np.float32)
+    vw = np.empty_like(kw)
     for g in range(g_count):
-        for r in range(rows):
+        if wide:  # the keys any row sees, widened once for all the rows
+            seen = 0
+            for r in range(rows):
+                seen = max(seen, min(pos[g, r], length - 1) + 1)
+            _widen(k[g], seen, kw)
+            _widen(v[g], seen, vw)
+        r = 0
+        while r < rows:  # runs of up to RUN consecutive rows at one position (a KV head's query heads)
             p = pos[g, r]
+            n = 1
+            while n < RUN and r + n < rows and pos[g, r + n] == p:
+                n += 1
             lo = max(p - window + 1 if window > 0 else 0, 0)
             hi = max(min(p, length - 1), lo - 1)  # a row that sees no key (p < 0): an empty range, out 0 / 0
-            _row(qs[g, r], k[g], v[g], bf16, lo, hi, scores, exp_bits, key_bits, out[g, r])
+            q, o = qs[g, r : r + n], out[g, r : r + n]
+            if wide:
+                _run(q, n, kw, vw, False, lo, hi, scores, exp_bits, key_bits, o)
+            else:
+                _run(q, n, k[g], v[g], bf16, lo, hi, scores, exp_bits, key_bits, o)
+            r += n
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _widen(bits, n, out):  # pragma: no cover (compiled)
+    """out[:n] = the bf16 rows bits[:n] (int16 bits) as fp32: exact, the top half of each fp32."""
+    wide = out.view(np.uint32)
+    for j in range(n):
+        for c in range(bits.shape[1]):
+            wide[j, c] = np.uint32(np.uint16(bits[j, c])) << 16

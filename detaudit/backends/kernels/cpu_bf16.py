@@ -65,9 +65,10 @@ ROWS = {"avx512_bf16": 8, "amx": 16}
 PER_THREAD = {"avx512_bf16": 4e6, "amx": 16e6}
 # ...where the compiled team (`cpu_team`) makes the calls: its hand-off is ~30 us, not the pool's 0.1-0.2
 # ms, and a decode product's weight is read from memory at the bandwidth of the threads that share it: on
-# the 16-core AMX host 4 MFLOP (a decode product over 4-7 threads) doubled bio+tbik's decode against 16
+# the 16-core AMX host 4 MFLOP (a decode product over 4-7 threads) doubled bio+tbik's decode against 16,
+# and since the team's sleepers are woken by one bell 2 MFLOP (7-16 threads) beat 1, 4 and 8 there
 # (reports/cpu-bf16). vdpbf16ps keeps its 4 (not measured with the team)
-TEAM_PER_THREAD = {"avx512_bf16": 4e6, "amx": 4e6}
+TEAM_PER_THREAD = {"avx512_bf16": 4e6, "amx": 2e6}
 PANEL_UNIT = 64  # W is a multiple of this...
 PANEL_MAX = 256  # ...and at most this for a linear layer (of 64..512, 256 was at or near the fastest for
 # the embedded model's shapes here; all of a wide N in one call was slower)
