@@ -106,11 +106,13 @@ job_amx() {  # issue 55 on the host's CPU (AMX): the invariance tests on the AMX
     tests/unit/test_bio.py tests/unit/test_tbik.py -k bf16 2>&1 | tail -n 3
   local b=(bench engine --model "$GS/amx-model" --batch-size 8 --max-new-tokens 32)
   for T in ${AMX_THREADS:-2 16}; do  # (the bench reports the threads torch used)
-    echo "== $T threads: before ($(cat "$GS/amx/before/COMMIT" 2>/dev/null))"
-    (cd "$GS/amx/before" && OMP_NUM_THREADS=$T PYTHONPATH=$PWD:$S:$SITE0 timeout 300 $P -m detaudit "${b[@]}") \
+    # fewer threads than cores: on cores 0 .. T-1 only (taskset), as on a T-core machine
+    local pin=(); [ "$T" -lt "$(nproc)" ] && pin=(taskset -c "0-$((T - 1))")
+    echo "== $T threads ${pin[*]}: before ($(cat "$GS/amx/before/COMMIT" 2>/dev/null))"
+    (cd "$GS/amx/before" && OMP_NUM_THREADS=$T PYTHONPATH=$PWD:$S:$SITE0 timeout 300 "${pin[@]}" $P -m detaudit "${b[@]}") \
       || echo "before failed: rc $?"
-    echo "== $T threads: after"
-    OMP_NUM_THREADS=$T timeout 300 $P -m detaudit "${b[@]}" || echo "after failed: rc $?"
+    echo "== $T threads ${pin[*]}: after"
+    OMP_NUM_THREADS=$T timeout 300 "${pin[@]}" $P -m detaudit "${b[@]}" || echo "after failed: rc $?"
   done
 }
 
