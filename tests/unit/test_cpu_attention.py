@@ -1,7 +1,9 @@
 """The compiled CPU attention's pieces (numba, the `cpu` extra): its exp gives an element the same bits
-in a vector lane and in the scalar remainder, close to fp64's exp; its 16-lane loops (`cpu_lanes`) are
-bit for bit the lane-ordered dot product `_dot` that RMSNorm's statistics also use and the key-ordered
-weighted sum; `attend` is its docstring's operations, on the vector path and the scalar one."""
+in a vector lane and in the scalar remainder, close to fp64's exp; its fused multiply-add is IEEE's,
+a * b + c rounded once (against an exact numpy reference, itself checked against rational arithmetic);
+its 16-lane loops (`cpu_lanes`) and the scalar `_fused_dot` are bit for bit the lane-ordered fused dot
+product and the key-ordered fused weighted sum; `attend` is its docstring's operations, on the vector
+path and the scalar one."""
 
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ def test_exp_accuracy_against_fp64():
     assert low[:3].tolist() == [0.0, 0.0, 0.0] and np.isnan(low[3])  # below 2^-126: 0 (e^-88 = 6e-39)
 
 
+from fractions import Fraction  # noqa: E402
+
 import numba  # noqa: E402
 import torch  # noqa: E402
 
@@ -55,9 +59,9 @@ def _lane_dots(q, k, bf16, four, out):  # pragma: no cover (compiled)
     for j in range(0, k.shape[0] - 3 if four else k.shape[0], 4 if four else 1):
         at = k.ctypes.data + j * step
         if four and bf16:
-            cl.dots4_bf16(q.ctypes.data, at, step, blocks, out.ctypes.data + 4 * j)
+            cl.dots4_bf16(q.ctypes.data, 0, at, step, blocks, out.ctypes.data + 4 * j, 0, 1)
         elif four:
-            cl.dots4_f32(q.ctypes.data, at, step, blocks, out.ctypes.data + 4 * j)
+            cl.dots4_f32(q.ctypes.data, 0, at, step, blocks, out.ctypes.data + 4 * j, 0, 1)
         elif bf16:
             out[j] = cl.dot_bf16(q.ctypes.data, at, blocks)
         else:
@@ -65,18 +69,103 @@ def _lane_dots(q, k, bf16, four, out):  # pragma: no cover (compiled)
 
 
 @numba.njit(error_model="numpy")
+def _row_dots(qs, k, bf16, out):  # pragma: no cover (compiled)
+    """out[i, j] for j up to a multiple of 4: the rows of qs [n, D] with k[j], four keys at a time for all
+    the rows in one call (n <= ROWS)."""
+    blocks, step = qs.shape[1] // 16, k.strides[0]
+    for j in range(0, k.shape[0] - 3, 4):
+        at = k.ctypes.data + j * step
+        dest = out.ctypes.data + 4 * j
+        if bf16:
+            cl.dots4_bf16(qs.ctypes.data, qs.strides[0], at, step, blocks, dest, out.strides[0], qs.shape[0])
+        else:
+            cl.dots4_f32(qs.ctypes.data, qs.strides[0], at, step, blocks, dest, out.strides[0], qs.shape[0])
+
+
+@numba.njit(error_model="numpy")
 def _scalar_dots(q, k, out):  # pragma: no cover (compiled)
+    lanes = np.empty(16, np.float32)
     for j in range(k.shape[0]):
-        out[j] = ca._dot(q, k[j])
+        out[j] = ca._fused_dot(q, k[j], lanes)
+
+
+@numba.njit(error_model="numpy")
+def _compiled_fma(a, b, c, out):  # pragma: no cover (compiled)
+    for i in range(a.shape[0]):
+        out[i] = cl.fma(a[i], b[i], c[i])
+
+
+def _fma(a, b, c) -> np.ndarray:
+    """a * b + c rounded once to fp32, in numpy: the product is exact in fp64 (24 + 24 bits), the sum is
+    rounded to odd in fp64 (its error by TwoSum; where inexact, the neighbour with an odd last bit), and a
+    sum rounded to odd 29 bits wider than fp32 rounds to nearest fp32 as the exact sum does (Boldo and
+    Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using rounding to odd",
+    IEEE Trans. Computers, 2008)."""
+    a, b, c = (np.asarray(x, np.float32).astype(np.float64) for x in (a, b, c))
+    p = a * b
+    s = p + c
+    z = s - p
+    err = (p - (s - z)) + (c - z)  # s + err == p + c exactly
+    bits = s.view(np.int64)
+    away = (err > 0) == (s > 0)  # the exact sum lies beyond s, away from zero: the next larger magnitude
+    odd = np.where((err != 0) & (bits % 2 == 0), bits + np.where(away, 1, -1), bits)
+    return odd.view(np.float64).astype(np.float32)
+
+
+def _nearest_f32(x: Fraction) -> np.float32:
+    """The fp32 nearest the rational x (ties to an even last bit), from fp32's three candidates."""
+    f = np.float32(float(x))
+    cands = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
+    return min(cands, key=lambda y: (abs(Fraction(float(y)) - x), int(np.float32(y).view(np.uint32)) % 2))
+
+
+def _fused_dots(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Each row of k's score with q as the attention makes it: lane i % 16 = q[i] * k[i] + lane (`_fma`)
+    from +0, in order, then the lanes pairwise (0+8, 0+4, 0+2, 0+1) in fp32."""
+    lanes = np.zeros((k.shape[0], 16), np.float32)
+    for i in range(k.shape[1]):
+        lanes[:, i % 16] = _fma(q[i], k[:, i], lanes[:, i % 16])
+    width = 8
+    while width:
+        lanes[:, :width] = lanes[:, :width] + lanes[:, width : 2 * width]
+        width //= 2
+    return lanes[:, 0]
+
+
+def test_fma_rounds_once():
+    """`cpu_lanes.fma` is a * b + c rounded once: where the rounded product then the add gives 0, it gives
+    2^-24; on magnitudes far apart, its bits are the numpy reference's, and the reference is the exact
+    rational result rounded to nearest fp32 (cases where a product rounded first would differ among
+    them)."""
+    a = np.float32(1 + 2.0**-12)
+    c = np.float32(-(1 + 2.0**-11))
+    assert np.float32(a * a) + c == 0  # the product rounded first loses its 2^-24
+    got = np.empty(1, np.float32)
+    _compiled_fma(np.array([a]), np.array([a]), np.array([c]), got)
+    assert got[0] == np.float32(2.0**-24) == _fma(a, a, c)
+    rng = np.random.default_rng(0)
+    n = 3000
+    x, y = (rng.standard_normal(n) * 2.0 ** rng.integers(-20, 20, n) for _ in range(2))
+    z = -(x * y) * (1 + rng.standard_normal(n) * 2.0 ** rng.integers(-30, 0, n))  # near cancellation
+    z[::3] = rng.standard_normal(n)[::3] * 2.0 ** rng.integers(-60, 60, n)[::3]
+    x, y, z = (v.astype(np.float32) for v in (x, y, z))
+    want = _fma(x, y, z)
+    got = np.empty(n, np.float32)
+    _compiled_fma(x, y, z, got)
+    assert np.array_equal(_bits(got), _bits(want))
+    assert not np.array_equal(_bits(x * y + z), _bits(want))  # a case where unfused differs
+    exact = [_nearest_f32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))) for a, b, c in zip(x, y, z)]
+    assert np.array_equal(_bits(np.array(exact, np.float32)), _bits(want))
 
 
 @numba.njit(error_model="numpy")
 def _weighted(out, e, v, lo, hi, bf16):  # pragma: no cover (compiled)
-    blocks = out.shape[0] // 16
+    """The lanes' weighted sums of the rows of out [n, D] with the weights e [n, L] (n <= ROWS)."""
+    args = (out.ctypes.data, out.strides[0], e.ctypes.data, e.strides[0], v.ctypes.data, v.strides[0])
     if bf16:
-        cl.weighted_bf16(out.ctypes.data, e.ctypes.data, v.ctypes.data, v.strides[0], lo, hi, blocks)
+        cl.weighted_bf16(*args, lo, hi, out.shape[1] // 16, out.shape[0])
     else:
-        cl.weighted_f32(out.ctypes.data, e.ctypes.data, v.ctypes.data, v.strides[0], lo, hi, blocks)
+        cl.weighted_f32(*args, lo, hi, out.shape[1] // 16, out.shape[0])
 
 
 def _bf16_bits(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -89,18 +178,22 @@ def _bits(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
 
 
-@pytest.mark.parametrize("d", [16, 64, 128, 80])
+@pytest.mark.parametrize("d", [16, 64, 128, 80, 40])
 def test_lane_dots_are_the_lane_ordered_dot_products(d):
-    """The 16-lane intrinsics (one key, or four keys whose trees share shuffles) add exactly what `_dot`
-    adds, in its order, on fp32 keys and on bf16 bits: the same bits, over magnitudes where another order
-    of the additions rounds otherwise."""
+    """The 16-lane intrinsics (one key, or four keys whose trees share shuffles) and the scalar
+    `_fused_dot` make exactly the lane-ordered fused dot (`_fused_dots`), on fp32 keys and on bf16 bits:
+    the same bits, over magnitudes where another order of the additions rounds otherwise."""
     rng = np.random.default_rng(d)
     q = (rng.standard_normal(d) * rng.uniform(1e-3, 1e3, d)).astype(np.float32)
     keys = (rng.standard_normal((203, d)) * rng.uniform(1e-3, 1e3, (203, 1))).astype(np.float32)
     halves, rounded = _bf16_bits(keys)
     for bf16, k, values in ((False, keys, keys), (True, halves, rounded)):
-        want = np.empty(203, np.float32)
-        _scalar_dots(q, values, want)
+        want = _fused_dots(q, values)
+        scalar = np.empty(203, np.float32)
+        _scalar_dots(q, values, scalar)
+        assert np.array_equal(_bits(scalar), _bits(want))
+        if d % 16:
+            continue
         for four in (False, True):
             got = np.full(203, np.nan, np.float32)
             _lane_dots(q, k, bf16, four, got)
@@ -108,39 +201,60 @@ def test_lane_dots_are_the_lane_ordered_dot_products(d):
             assert np.array_equal(_bits(got[:n]), _bits(want[:n])), (bf16, four)
 
 
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_rows_sharing_keys_get_each_rows_dots(d):
+    """1 to ROWS query rows (apart by more than D) given the same four keys in one call: each row's
+    dots are its own lane-ordered fused dots, written to its own row of the output, nothing past them."""
+    rng = np.random.default_rng(d + 1)
+    keys = (rng.standard_normal((41, d)) * rng.uniform(1e-3, 1e3, (41, 1))).astype(np.float32)
+    halves, rounded = _bf16_bits(keys)
+    for rows in range(1, cl.ROWS + 1):
+        qs = (rng.standard_normal((rows, d + 7)) * rng.uniform(1e-3, 1e3, (rows, 1))).astype(np.float32)[:, :d]
+        for bf16, k, values in ((False, keys, keys), (True, halves, rounded)):
+            room = np.full((rows, 45), np.nan, np.float32)
+            _row_dots(qs, k, bf16, room)
+            want = np.stack([_fused_dots(q, values[:40]) for q in qs])
+            assert np.array_equal(_bits(room[:, :40]), _bits(want)), (rows, bf16)
+            assert np.isnan(room[:, 40:]).all()
+
+
 @pytest.mark.parametrize("d", [16, 64, 80, 128])
 def test_lane_weighted_sum_adds_each_key_in_order(d):
-    """out += e[j] * v[j] for keys lo..hi, one key after the other (numpy's fp32 products and sums are the
-    reference): the same bits whichever blocks of lanes share a pass over the keys."""
+    """out = e[j] * v[j] + out, fused, for keys lo..hi, one key after the other (`_fma` is the reference):
+    the same bits whichever blocks of lanes share a pass over the keys, for 1 to ROWS rows sharing it
+    (each row its own weights and output, rows apart by more than D: the strides are honoured)."""
     rng = np.random.default_rng(d)
     v = (rng.standard_normal((90, d)) * rng.uniform(1e-3, 1e3, (90, 1))).astype(np.float32)
-    e = rng.uniform(0, 1, 90).astype(np.float32)
     halves, rounded = _bf16_bits(v)
-    for bf16, vs, values in ((False, v, v), (True, halves, rounded)):
-        start = rng.standard_normal(d).astype(np.float32)
-        want = start.copy()
-        for j in range(7, 84):
-            want = want + e[j] * values[j]
-        got = start.copy()
-        _weighted(got, e, vs, 7, 83, bf16)
-        assert np.array_equal(_bits(got), _bits(want)), bf16
+    for rows in range(1, cl.ROWS + 1):
+        e = rng.uniform(0, 1, (rows, 95)).astype(np.float32)[:, :90]
+        for bf16, vs, values in ((False, v, v), (True, halves, rounded)):
+            start = rng.standard_normal((rows, d + 3)).astype(np.float32)[:, :d]
+            want = start.copy()
+            for j in range(7, 84):
+                want = _fma(e[:, j : j + 1], values[j], want)
+            room = np.full((rows, d + 5), np.nan, np.float32)
+            got = room[:, :d]
+            got[:] = start
+            _weighted(got, e, vs, 7, 83, bf16)
+            assert np.array_equal(_bits(got), _bits(want)), (rows, bf16)
+            assert np.isnan(room[:, d:]).all()  # nothing written past a row's D elements
 
 
 def _attention_reference(qs, pos, k, v, window):
-    """The module docstring's operations, one at a time in numpy fp32 (`_dot` for each score)."""
+    """The module docstring's operations, one at a time in numpy fp32 (`_fused_dots` for the scores)."""
     g_count, rows, d = qs.shape
     out = np.empty_like(qs)
     for g in range(g_count):
         for r in range(rows):
             p = pos[g, r]
             lo, hi = max(p - window + 1 if window else 0, 0), min(p, k.shape[1] - 1)
-            scores = np.empty(hi - lo + 1, np.float32)
-            _scalar_dots(qs[g, r], np.ascontiguousarray(k[g, lo : hi + 1]), scores)
+            scores = _fused_dots(qs[g, r], k[g, lo : hi + 1])
             weights = _exp((scores - scores.max())[None])[0]
             total, acc = np.float32(0), np.zeros(d, np.float32)
             for j in range(hi - lo + 1):
                 total = np.float32(total + weights[j])
-                acc = acc + weights[j] * v[g, lo + j]
+                acc = _fma(weights[j], v[g, lo + j], acc)
             out[g, r] = acc / total
     return out
 
@@ -148,7 +262,7 @@ def _attention_reference(qs, pos, k, v, window):
 @pytest.mark.parametrize("d, window", [(64, 0), (64, 5), (48, 0), (40, 0), (72, 4), (128, 3)])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_attend_is_the_documented_operations(d, window, bf16):
-    """`attend`'s bits are its docstring's operations made one at a time (fp32 scores by `_dot`, their
+    """`attend`'s bits are its docstring's operations made one at a time (fp32 scores by `_fused_dots`, their
     max, exp(score - max) in fp32, the sum and the weighted values in key order, one division): on the
     16-lane path (D a multiple of 16), on the scalar one (D = 40, 72 are not), and on the scalar one
     again where the query rows are not contiguous. The cache is read as the team passes it: the first L
@@ -215,3 +329,30 @@ def test_rows_at_one_position_keep_their_own_bits(rows, d, window, bf16):
         for r in range(rows):
             ca.attend(qs[:, r : r + 1], pos[:, r : r + 1], k_bits, v_bits, bf16, window, alone[:, r : r + 1])
         assert np.array_equal(_bits(alone[pos >= 0]), _bits(out[pos >= 0]))
+
+
+AVX2 = "+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+lzcnt,+movbe,+popcnt,+sse4.2,-avx512f,-avx512bw,-avx512vl,-avx512dq"
+
+
+@pytest.mark.slow
+def test_avx2_code_scores_a_row_at_a_time_with_the_same_bits(tmp_path):
+    """Compiled for AVX2 (16 vector registers: `SCORE_ROWS` is 1, a run's rows scored one at a time) the
+    attention gives the documented operations' bits, as the AVX-512 code does: this module's `attend`
+    tests in a process whose numba targets Haswell's features (its own cache folder)."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 feature names")
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": AVX2, "NUMBA_CACHE_DIR": str(tmp_path)}
+    probe = "from detaudit.backends.kernels import cpu_lanes; print(cpu_lanes.SCORE_ROWS)"
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout.strip() == "1"
+    tests = (
+        f"{__file__}::test_attend_is_the_documented_operations",
+        f"{__file__}::test_rows_at_one_position_keep_their_own_bits",
+    )
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
+    assert done.returncode == 0, done.stdout[-3000:]

@@ -5,16 +5,19 @@ keys it can see (each a dot product over D in 16 fp32 lanes, d to lane d % 16 in
 lanes added pairwise: 0+8, 0+4, 0+2, 0+1 ...), their max, then exp(score - max), the row's sum of
 them and its weighted sum of values, both in key order, and one division. Nothing depends on how
 many rows or keys share the call, so a row has the same bits in prefill (many rows) and decode (one),
-in any batch and at any TP size (heads are never split). No fused multiply-add: numba compiles
-without fast-math, so every product is rounded, then added.
+in any batch and at any TP size (heads are never split). A score lane's and a weighted value's steps
+are fused multiply-adds (a * b + c rounded once: `cpu_lanes.fma`, `_fused_dot`); every other operation
+is an IEEE fp32 one of its own (numba compiles without fast-math, so nothing is contracted or reordered).
 
 Vectorized within a dot product: where D is a multiple of 16 and the rows contiguous, a score's 16 lanes
-are one LLVM vector and a row's weighted values 16 elements at a time (`cpu_lanes`: the same additions in
-the same order), read from the cache as it is stored (LLVM leaves `_dot`'s 16 scalar accumulators
-scalar). What rows share is done once for them, never changing a row's operations: the query rows at one
-position (a KV head's query heads) run their max and sum loops side by side (`_run`), and where a KV head
-has many query rows (prefill) its bf16 keys and values are widened to fp32 once (exact), not in every
-row's loops (`WIDEN_ROWS`). Where D is not a multiple of 16, or a row is strided, the same operations run
+are one LLVM vector and a row's weighted values 16 elements at a time (`cpu_lanes`: the same operations in
+the same order), read from the cache as it is stored. What rows share is done once for them, never
+changing a row's operations: the query rows at one position (a KV head's query heads, up to RUN) read
+each value row once for all their weighted sums, and each key once for all their scores where AVX-512's
+registers hold the accumulators (`cpu_lanes.SCORE_ROWS`), and run their max and sum loops side by side
+(`_run`); where a KV head has many query rows (prefill) its bf16 keys and values are widened to fp32 once
+(exact), not in every row's loops (`WIDEN_ROWS`). The rows' chains are independent, so the core overlaps
+their latencies. Where D is not a multiple of 16, or a row is strided, the same operations run
 one lane at a time. exp is a polynomial in IEEE fp32 adds and multiplies (`exp_shifted`), so a vector
 lane and the scalar remainder give the same bits; it replaced libm's scalar expf (other bits: the
 description says which exp, so earlier runs' cells are not merged with these).
@@ -39,8 +42,9 @@ LANES = cpu_lanes.LANES  # a dot product's lanes, on the vector path and the sca
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _dot(q, k):
-    """sum q[i] * k[i] as the module docstring says: lane i % 16 adds its products in order (16 scalar
-    accumulators, which LLVM leaves scalar: `cpu_lanes` is the vector form), then the lanes pairwise."""
+    """sum q[i] * k[i] in 16 lanes: lane i % 16 adds its products in order, each product rounded, then the
+    lanes pairwise (RMSNorm's sum of squares, `cpu_rows`; 16 scalar accumulators, which LLVM leaves
+    scalar). The attention's scores take the same order with fused steps: `_fused_dot`."""
     zero = np.float32(0)
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = zero
     d = q.shape[0]
@@ -98,6 +102,23 @@ def _dot(q, k):
     a0, a1, a2, a3 = a0 + a4, a1 + a5, a2 + a6, a3 + a7
     a0, a1 = a0 + a2, a1 + a3
     return a0 + a1
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _fused_dot(q, k, lanes):  # pragma: no cover (compiled)
+    """A score, q . k, as the module docstring says: lane i % 16 = q[i] * k[i] + lane, fused, in order from
+    +0, then the lanes pairwise (0+8, 0+4, 0+2, 0+1). `lanes`: 16 fp32 of scratch. The scalar form of
+    `cpu_lanes`' dots (D not a multiple of 16, or strided rows): the same operations, so the same bits."""
+    lanes[:] = 0
+    for i in range(q.shape[0]):
+        lane = i % LANES
+        lanes[lane] = cpu_lanes.fma(q[i], k[i], lanes[lane])
+    width = LANES // 2
+    while width > 0:
+        for lane in range(width):
+            lanes[lane] += lanes[lane + width]
+        width //= 2
+    return lanes[0]
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
@@ -166,51 +187,59 @@ def exp_rows(x, out):  # pragma: no cover (compiled)
         exp_shifted(out[i], np.float32(0), bits)
 
 
-RUN = 4  # query rows whose max and sum run side by side: four independent addition chains
+RUN = cpu_lanes.ROWS  # query rows whose max and sum (four independent chains) and weighted sums run side by side
 # from this many query rows a KV head (prefill; decode's query heads of a KV head) a bf16 cache's keys and
 # values are widened to fp32 once for them, not in every row's loops: the same values, so the same bits
 WIDEN_ROWS = 8
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
-def _scores(q, k, bf16, lanes, blocks, lo, hi, scores, key_bits):  # pragma: no cover (compiled)
-    """scores[j] = `_dot`(q, k[j]) for keys lo..hi: four keys at a time in 16-lane vector code (`cpu_lanes`)
-    where `lanes`, else one lane at a time: the same bits."""
+def _scores(qs, n, k, bf16, lanes, blocks, lo, hi, scores, key_bits):  # pragma: no cover (compiled)
+    """scores[i, j] = `_fused_dot`(qs[i], k[j]) for rows i < n and keys lo..hi: four keys at a time for up
+    to SCORE_ROWS rows in 16-lane vector code (`cpu_lanes`, each key read once for them) where `lanes`, else
+    one lane at a time: the same bits."""
     key = key_bits.view(np.float32)
     quads = lo + (hi + 1 - lo) // 4 * 4 if lanes else lo  # keys lo .. quads - 1 four at a time
     step = k.strides[0]
-    for j in range(lo, quads, 4):
-        if bf16:
-            cpu_lanes.dots4_bf16(q.ctypes.data, k.ctypes.data + j * step, step, blocks, scores.ctypes.data + 4 * j)
-        else:
-            cpu_lanes.dots4_f32(q.ctypes.data, k.ctypes.data + j * step, step, blocks, scores.ctypes.data + 4 * j)
-    for j in range(quads, hi + 1):
-        if not lanes:
-            load(k[j], bf16, key_bits)
-            scores[j] = _dot(q, key)
-        elif bf16:
-            scores[j] = cpu_lanes.dot_bf16(q.ctypes.data, k.ctypes.data + j * step, blocks)
-        else:
-            scores[j] = cpu_lanes.dot_f32(q.ctypes.data, k.ctypes.data + j * step, blocks)
+    q_at, q_step, at, at_step = qs.ctypes.data, qs.strides[0], scores.ctypes.data, scores.strides[0]
+    for first in range(0, n, cpu_lanes.SCORE_ROWS):
+        rows = min(cpu_lanes.SCORE_ROWS, n - first)
+        q_first, at_first = q_at + first * q_step, at + first * at_step
+        for j in range(lo, quads, 4):
+            key_at = k.ctypes.data + j * step
+            if bf16:
+                cpu_lanes.dots4_bf16(q_first, q_step, key_at, step, blocks, at_first + 4 * j, at_step, rows)
+            else:
+                cpu_lanes.dots4_f32(q_first, q_step, key_at, step, blocks, at_first + 4 * j, at_step, rows)
+    for i in range(n):
+        q = qs[i]
+        for j in range(quads, hi + 1):
+            if not lanes:
+                load(k[j], bf16, key_bits)
+                scores[i, j] = _fused_dot(q, key, key[q.shape[0] :])
+            elif bf16:
+                scores[i, j] = cpu_lanes.dot_bf16(q.ctypes.data, k.ctypes.data + j * step, blocks)
+            else:
+                scores[i, j] = cpu_lanes.dot_f32(q.ctypes.data, k.ctypes.data + j * step, blocks)
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _run(qs, n, k, v, bf16, lo, hi, scores, exp_bits, key_bits, out):  # pragma: no cover (compiled)
     """Query rows qs[0..n-1] (n <= RUN), which see the same keys lo..hi of k / v [L, D]: for each, its
-    scores (`_dot` each), their max, exp(score - max) in place, their sum in key order, out[i] = the
+    scores (`_fused_dot` each), their max, exp(score - max) in place, their sum in key order, out[i] = the
     weighted sum of values in key order divided by it. The rows' max and sum loops run as RUN chains side
-    by side (a row past n re-reads row 0's scores, and its result is dropped): each chain is one row's
-    comparisons or additions in key order, so a row's bits are the ones it has alone, and the core
-    overlaps the chains' latencies. 16-lane vector code (`cpu_lanes`) where D is a multiple of 16 and
-    every row contiguous, else the same operations one lane at a time: the same bits."""
+    by side (a row past n re-reads row 0's scores, and its result is dropped), as do their scores and
+    weighted sums (`cpu_lanes`, each key and value read once for the rows): each chain is one row's
+    operations in key order, so a row's bits are the ones it has alone, and the core overlaps the chains'
+    latencies. 16-lane vector code where D is a multiple of 16 and the elements of every row contiguous,
+    else the same operations one lane at a time: the same bits."""
     d = qs.shape[1]
     item = 2 if bf16 else 4  # the lanes read int16 bf16 bits or fp32, nothing else
     contiguous = qs.strides[1] == 4 and out.strides[1] == 4 and k.strides[1] == item and v.strides[1] == item
     lanes = d % LANES == 0 and contiguous and k.itemsize == item and v.itemsize == item
     blocks = d // LANES
     key = key_bits.view(np.float32)
-    for i in range(n):
-        _scores(qs[i], k, bf16, lanes, blocks, lo, hi, scores[i], key_bits)
+    _scores(qs, n, k, bf16, lanes, blocks, lo, hi, scores, key_bits)
     s0, s1 = scores[0], scores[1 if n > 1 else 0]
     s2, s3 = scores[2 if n > 2 else 0], scores[3 if n > 3 else 0]
     m0 = m1 = m2 = m3 = np.float32(-np.inf)
@@ -232,22 +261,40 @@ def _run(qs, n, k, v, bf16, lo, hi, scores, exp_bits, key_bits, out):  # pragma:
         t1 += s1[j]
         t2 += s2[j]
         t3 += s3[j]
-    for i in range(n):
-        total = t0 if i == 0 else (t1 if i == 1 else (t2 if i == 2 else t3))
-        row, e = out[i], scores[i]
-        row[:] = 0
-        if not lanes:
+    out[:n] = 0
+    if not lanes:
+        for i in range(n):
+            row, e = out[i], scores[i]
             for j in range(lo, hi + 1):
                 load(v[j], bf16, key_bits)
                 w = e[j]
                 for c in range(d):
-                    row[c] += w * key[c]
-        elif bf16:
-            cpu_lanes.weighted_bf16(row.ctypes.data, e.ctypes.data, v.ctypes.data, v.strides[0], lo, hi, blocks)
-        else:
-            cpu_lanes.weighted_f32(row.ctypes.data, e.ctypes.data, v.ctypes.data, v.strides[0], lo, hi, blocks)
+                    row[c] = cpu_lanes.fma(w, key[c], row[c])
+    elif bf16:  # the rows' weighted sums in one pass over the values (each key's read once for them)
+        cpu_lanes.weighted_bf16(*_weighted_args(out, scores, v, lo, hi, blocks), n)
+    else:
+        cpu_lanes.weighted_f32(*_weighted_args(out, scores, v, lo, hi, blocks), n)
+    for i in range(n):
+        total = t0 if i == 0 else (t1 if i == 1 else (t2 if i == 2 else t3))
+        row = out[i]
         for c in range(d):
             row[c] /= total
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _weighted_args(out, scores, v, lo, hi, blocks):  # pragma: no cover (compiled)
+    """`cpu_lanes`' weighted sums' addresses and strides for the rows of out and scores."""
+    return (
+        out.ctypes.data,
+        out.strides[0],
+        scores.ctypes.data,
+        scores.strides[0],
+        v.ctypes.data,
+        v.strides[0],
+        lo,
+        hi,
+        blocks,
+    )
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
@@ -259,7 +306,7 @@ def attend(qs, pos, k, v, bf16, window, out):  # pragma: no cover (compiled)
     length = k.shape[1]
     scores = np.empty((RUN, length), dtype=np.float32)
     exp_bits = np.empty(length, dtype=np.int32)
-    key_bits = np.empty(d, dtype=np.uint32)
+    key_bits = np.empty(d + LANES, dtype=np.uint32)  # a key's D values, then `_fused_dot`'s 16 lanes
     wide = bf16 and rows >= WIDEN_ROWS
     kw = np.empty((length if wide else 0, d), dtype=np.float32)
     vw = np.empty_like(kw)

@@ -404,8 +404,10 @@ def describe() -> str:
     if why is None:
         return (
             "compiled (numba, no fast-math): attention one query row at a time over the keys it sees "
-            "(scores in 16 fp32 lanes then pairwise, max, exp as a degree-7 polynomial in fp32 adds and "
-            "multiplies (Cephes expf), sums in key order); RMSNorm sum of squares the same way; silu(g) * up "
+            "(scores in 16 fp32 lanes of fused multiply-adds then pairwise, max, exp as a degree-7 polynomial "
+            "in fp32 adds and multiplies (Cephes expf), sums in key order, values weighted by fused "
+            "multiply-adds); RMSNorm sum of squares in 16 fp32 lanes, each square rounded, then pairwise; "
+            "silu(g) * up "
             "from e = exp(-|g|) by that polynomial: g / (1 + e), below 0 g * e / (1 + e)"
         )
     return (
