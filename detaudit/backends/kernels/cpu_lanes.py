@@ -33,10 +33,14 @@ ROWS = 4  # query rows (a run of `cpu_attention`) whose scores and weighted sums
 
 
 def _avx512() -> bool:
-    """Whether numba compiles for AVX-512 here (its `NUMBA_CPU_FEATURES`, else the host's)."""
+    """Whether numba compiles for AVX-512 here (its `NUMBA_CPU_FEATURES`, else the host's; False where LLVM
+    cannot read the host's: a row at a time is right on any CPU)."""
     from numba.core import config
 
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
+    try:
+        features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
+    except RuntimeError:
+        return False
     return "+avx512f" in features.split(",")
 
 
