@@ -53,16 +53,12 @@ from detaudit.backends.kernels import cpu_lanes as cl  # noqa: E402
 
 
 @numba.njit(error_model="numpy")
-def _lane_dots(q, k, bf16, four, out):  # pragma: no cover (compiled)
-    """out[j] = the lane intrinsics' dot of q with k[j]: one at a time, or four at a time (`four`)."""
+def _lane_dots(q, k, bf16, out):  # pragma: no cover (compiled)
+    """out[j] = the lane intrinsics' dot of q with k[j], one key at a time (four at a time: `_row_dots`)."""
     blocks, step = q.shape[0] // 16, k.strides[0]
-    for j in range(0, k.shape[0] - 3 if four else k.shape[0], 4 if four else 1):
+    for j in range(k.shape[0]):
         at = k.ctypes.data + j * step
-        if four and bf16:
-            cl.dots4_bf16(q.ctypes.data, 0, at, step, blocks, out.ctypes.data + 4 * j, 0, 1)
-        elif four:
-            cl.dots4_f32(q.ctypes.data, 0, at, step, blocks, out.ctypes.data + 4 * j, 0, 1)
-        elif bf16:
+        if bf16:
             out[j] = cl.dot_bf16(q.ctypes.data, at, blocks)
         else:
             out[j] = cl.dot_f32(q.ctypes.data, at, blocks)
@@ -194,11 +190,12 @@ def test_lane_dots_are_the_lane_ordered_dot_products(d):
         assert np.array_equal(_bits(scalar), _bits(want))
         if d % 16:
             continue
-        for four in (False, True):
-            got = np.full(203, np.nan, np.float32)
-            _lane_dots(q, k, bf16, four, got)
-            n = 200 if four else 203
-            assert np.array_equal(_bits(got[:n]), _bits(want[:n])), (bf16, four)
+        got = np.full(203, np.nan, np.float32)
+        _lane_dots(q, k, bf16, got)
+        assert np.array_equal(_bits(got), _bits(want)), bf16
+        fours = np.full((1, 203), np.nan, np.float32)
+        _row_dots(q[None], k, bf16, fours)
+        assert np.array_equal(_bits(fours[0, :200]), _bits(want[:200])), bf16
 
 
 @pytest.mark.parametrize("d", [16, 64, 128])

@@ -211,16 +211,16 @@ def _scores(qs, n, k, bf16, lanes, blocks, lo, hi, scores, key_bits):  # pragma:
                 cpu_lanes.dots4_bf16(q_first, q_step, key_at, step, blocks, at_first + 4 * j, at_step, rows)
             else:
                 cpu_lanes.dots4_f32(q_first, q_step, key_at, step, blocks, at_first + 4 * j, at_step, rows)
-    for i in range(n):
-        q = qs[i]
-        for j in range(quads, hi + 1):
+    for j in range(quads, hi + 1):
+        if not lanes:
+            load(k[j], bf16, key_bits)  # once for the rows
+        for i in range(n):
             if not lanes:
-                load(k[j], bf16, key_bits)
-                scores[i, j] = _fused_dot(q, key, key[q.shape[0] :])
+                scores[i, j] = _fused_dot(qs[i], key, key[qs.shape[1] :])
             elif bf16:
-                scores[i, j] = cpu_lanes.dot_bf16(q.ctypes.data, k.ctypes.data + j * step, blocks)
+                scores[i, j] = cpu_lanes.dot_bf16(q_at + i * q_step, k.ctypes.data + j * step, blocks)
             else:
-                scores[i, j] = cpu_lanes.dot_f32(q.ctypes.data, k.ctypes.data + j * step, blocks)
+                scores[i, j] = cpu_lanes.dot_f32(q_at + i * q_step, k.ctypes.data + j * step, blocks)
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
@@ -263,11 +263,10 @@ def _run(qs, n, k, v, bf16, lo, hi, scores, exp_bits, key_bits, out):  # pragma:
         t3 += s3[j]
     out[:n] = 0
     if not lanes:
-        for i in range(n):
-            row, e = out[i], scores[i]
-            for j in range(lo, hi + 1):
-                load(v[j], bf16, key_bits)
-                w = e[j]
+        for j in range(lo, hi + 1):
+            load(v[j], bf16, key_bits)  # once for the rows, as in the vector code
+            for i in range(n):
+                row, w = out[i], scores[i, j]
                 for c in range(d):
                     row[c] = cpu_lanes.fma(w, key[c], row[c])
     elif bf16:  # the rows' weighted sums in one pass over the values (each key's read once for them)

@@ -60,6 +60,11 @@ def _lanes(builder, addr, element: int, bf16: bool):
     return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(_I32, LANES), [16] * LANES)), _VEC)
 
 
+def _nth(builder, at, step, i: int):
+    """The address of row i of rows `step` bytes apart from address `at` (int64s)."""
+    return builder.add(at, builder.mul(step, ir.Constant(step.type, i)))
+
+
 def _fma(builder, a, b, c):
     """a * b + c rounded once (`llvm.fma` on fp32 or a vector of them)."""
     lanes = a.type.count if isinstance(a.type, ir.VectorType) else 0
@@ -146,17 +151,16 @@ def _dots4(bf16: bool):
     def dots4(typingctx, q, q_step, k, k_step, blocks, dest, dest_step, rows):
         def codegen(context, builder, signature, args):
             q_at, q_step_, k_at, step, count, dest_at, dest_step_, n = args
-            keys = [builder.add(k_at, builder.mul(step, ir.Constant(step.type, r))) for r in range(4)]
+            keys = [_nth(builder, k_at, step, r) for r in range(4)]
 
             def body(r: int):
-                queries = [builder.add(q_at, builder.mul(q_step_, ir.Constant(step.type, i))) for i in range(r)]
+                queries = [_nth(builder, q_at, q_step_, i) for i in range(r)]
                 for i, (a, b, c, d) in enumerate(_accumulate(builder, queries, keys, count, bf16)):
                     four = _fold(builder, _fold(builder, a, b, 2, 16), _fold(builder, c, d, 2, 16), 4, 8)
                     two = _fold(builder, four, four, 4, 4)
                     one = _fold(builder, two, two, 4, 2)
-                    dest = builder.add(dest_at, builder.mul(dest_step_, ir.Constant(step.type, i)))
-                    at = builder.bitcast(builder.inttoptr(dest, _F32.as_pointer()), ir.VectorType(_F32, 4).as_pointer())
-                    builder.store(one, at, align=4)
+                    dest = builder.inttoptr(_nth(builder, dest_at, dest_step_, i), ir.VectorType(_F32, 4).as_pointer())
+                    builder.store(one, dest, align=4)
 
             _by_rows(builder, n, body)
             return context.get_dummy_value()
@@ -182,14 +186,8 @@ def _weighted_rows(builder, rows: int, out_at, out_step, e_at, e_step, v_at, ste
     at e_at + i * e_step bytes; each pass over the keys carries up to GROUP blocks of every row, so a key's
     value lanes are loaded (and widened from bf16) once for all the rows."""
     i64 = lo.type
-    outs = [
-        builder.inttoptr(builder.add(out_at, builder.mul(out_step, ir.Constant(i64, r))), _F32.as_pointer())
-        for r in range(rows)
-    ]
-    weights = [
-        builder.inttoptr(builder.add(e_at, builder.mul(e_step, ir.Constant(i64, r))), _F32.as_pointer())
-        for r in range(rows)
-    ]
+    outs = [_nth(builder, out_at, out_step, r) for r in range(rows)]
+    weights = [builder.inttoptr(_nth(builder, e_at, e_step, r), _F32.as_pointer()) for r in range(rows)]
     accs = [[cgutils.alloca_once(builder, _VEC) for _ in range(GROUP)] for _ in range(rows)]
 
     def passes(first, width: int):
@@ -197,7 +195,7 @@ def _weighted_rows(builder, rows: int, out_at, out_step, e_at, e_step, v_at, ste
         elements = [builder.mul(builder.add(first, ir.Constant(i64, b)), ir.Constant(i64, LANES)) for b in range(width)]
         for out, row_accs in zip(outs, accs):
             for acc, element in zip(row_accs, elements):
-                builder.store(_lanes(builder, builder.ptrtoint(out, i64), element, False), acc)
+                builder.store(_lanes(builder, out, element, False), acc)
         with cgutils.for_range(builder, builder.add(hi, ir.Constant(i64, 1)), start=lo) as key:
             splats = [_splat(builder, builder.load(builder.gep(w, [key.index]))) for w in weights]
             row = builder.add(v_at, builder.mul(key.index, step))
@@ -207,7 +205,9 @@ def _weighted_rows(builder, rows: int, out_at, out_step, e_at, e_step, v_at, ste
                     builder.store(_fma(builder, splat, value, builder.load(row_accs[b])), row_accs[b])
         for out, row_accs in zip(outs, accs):
             for acc, element in zip(row_accs, elements):
-                at = builder.bitcast(builder.gep(out, [element]), _VEC.as_pointer())
+                at = builder.bitcast(
+                    builder.gep(builder.inttoptr(out, _F32.as_pointer()), [element]), _VEC.as_pointer()
+                )
                 builder.store(builder.load(acc), at, align=4)
 
     whole = builder.udiv(count, ir.Constant(i64, GROUP))
