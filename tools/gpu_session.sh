@@ -22,7 +22,7 @@
 #   bash tools/gpu_session.sh prof       bench e2e --profile of TP 1's dense prefill (issue 53: where the rest goes)
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
-# Knobs: AMX_BACKENDS (amxprof), AMX_WAITS and AMX_THREADS (amxwait), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
+# Knobs: AMX_BACKENDS (amx, amxprof), AMX_ROUNDS and AMX_TESTS (amx), AMX_WAITS and AMX_THREADS (amx, amxwait), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
 set -uo pipefail
 
 GS=${GS:-/tmp/gs}
@@ -99,12 +99,15 @@ job_amx() {  # issue 55 on the host's CPU (AMX): the invariance tests on the AMX
   echo "AMX flags: $(grep -ow 'amx[a-z0-9_]*' /proc/cpuinfo | sort -u | tr '\n' ' ')"
   amx_model
   $P -c "from detaudit.backends import describe_machine as d; print(d())"
-  [ "${AMX_TESTS:-1}" = 1 ] && DETAUDIT_CPU_GEMM=bf16 timeout 400 $P -m pytest -q -p no:cacheprovider -rs tests/unit/test_cpu_bf16.py \
-    tests/unit/test_bio.py tests/unit/test_tbik.py tests/unit/test_cpu_attention.py 2>&1 | tail -n 12
-  echo "== vdpbf16ps path (oneDNN capped below AMX):"
-  [ "${AMX_TESTS:-1}" = 1 ] && ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 DETAUDIT_CPU_GEMM=bf16 timeout 200 $P -m pytest -q -p no:cacheprovider -rs \
+  # AMX_TESTS: 0 none, 1 the AMX path's, 2 also the vdpbf16ps path's (oneDNN capped below AMX)
+  [ "${AMX_TESTS:-1}" -ge 1 ] && DETAUDIT_CPU_GEMM=bf16 timeout 400 $P -m pytest -q -p no:cacheprovider -rs \
+    tests/unit/test_cpu_bf16.py tests/unit/test_bio.py tests/unit/test_tbik.py tests/unit/test_cpu_attention.py \
+    tests/unit/test_cpu_team.py 2>&1 | tail -n 12
+  [ "${AMX_TESTS:-1}" -ge 2 ] && echo "== vdpbf16ps path (oneDNN capped below AMX):" && ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 DETAUDIT_CPU_GEMM=bf16 timeout 200 $P -m pytest -q -p no:cacheprovider -rs \
     tests/unit/test_bio.py tests/unit/test_tbik.py -k bf16 2>&1 | tail -n 3
-  local b=(bench engine --model "$GS/amx-model" --batch-size 8 --max-new-tokens 32)
+  local b=(bench engine --model "$GS/amx-model" --batch-size 8 --max-new-tokens 32 --backends "${AMX_BACKENDS:-bf16,bio+tbik}")
+  local round
+  for round in $(seq "${AMX_ROUNDS:-1}"); do
   for T in ${AMX_THREADS:-2 16}; do  # (the bench reports the threads torch used)
     # fewer threads than cores: on cores 0 .. T-1 only (taskset), as on a T-core machine
     local pin=(); [ "$T" -lt "$(nproc)" ] && pin=(taskset -c "0-$((T - 1))")
@@ -113,6 +116,7 @@ job_amx() {  # issue 55 on the host's CPU (AMX): the invariance tests on the AMX
       || echo "before failed: rc $?"
     echo "== $T threads ${pin[*]}: after"
     OMP_NUM_THREADS=$T timeout 300 "${pin[@]}" $P -m detaudit "${b[@]}" || echo "after failed: rc $?"
+  done
   done
 }
 
