@@ -145,7 +145,7 @@ step_amxprof() {  # issue 55: bench e2e on the host's CPU at AMX_THREADS (defaul
 }
 
 step_amxwait() {  # issue 55: bench engine on the host's CPU under each OpenMP wait of AMX_WAITS, in turn
-  # (reports/cpu-bf16: "torch's OpenMP threads spinning"); `default`: the command line's GOMP_SPINCOUNT=10000,
+  # (reports/cpu-bf16's settings table: GOMP_SPINCOUNT); `default`: the command line's GOMP_SPINCOUNT=10000,
   # GOMP_SPINCOUNT=300000: libgomp's own default (a user's variable is kept)
   amx_model
   local b=(bench engine --model "$GS/amx-model" --batch-size 8 --max-new-tokens 32 --backends bf16,bio+tbik)
