@@ -100,12 +100,25 @@ def test_wheel_install_finds_suites_and_sweeps(wheel_venv, smollm):
         [
             str(venv / "bin" / "detaudit"),
             "sweep",
-            *sweep_args(limit=1, max_new_tokens=2, backends="bio", tp=1, batch_sizes=1, output_path=out),
+            *sweep_args(limit=1, max_new_tokens=2, backends="bf16", tp=1, batch_sizes=1, output_path=out),
         ],
         cwd=work,
         env=env,
     )
     assert (out / "manifest.json").is_file() and list(out.rglob("*.parquet"))
+    # bio's compiled kernels compile from the wheel's own copy (numba caches by source path, so a bio sweep
+    # here would spend about a minute of CI compiling all of them; the checkout's sweeps run bio): one
+    # kernel, compiled and cached beside the installed module, gives torch's silu * up to the bit
+    check = (
+        "import torch; from detaudit.backends.kernels import cpu_calls, fixed; "
+        "g, u = torch.randn(3, 40), torch.randn(3, 40); rows = cpu_calls.compiled('cpu_rows'); "
+        "assert rows is not None and rows.__file__.startswith(%r); "
+        "torch.testing.assert_close(fixed.silu_mul(g, u), torch.nn.functional.silu(g) * u, rtol=1e-6, atol=1e-6); "
+        "import pathlib; here = pathlib.Path(rows.__file__).parent; "
+        "print(sorted(p.name for p in here.glob('__pycache__/cpu_rows*.nbi')))"
+    ) % str(purelib)
+    cached = _run([str(venv / "bin" / "python"), "-c", check], cwd=work, env=env)
+    assert "cpu_rows" in cached.stdout, cached.stdout
 
 
 def test_ci_example_installs_detaudit_as_a_package():
