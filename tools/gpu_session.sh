@@ -22,7 +22,7 @@
 #   bash tools/gpu_session.sh prof       bench e2e --profile of TP 1's dense prefill (issue 53: where the rest goes)
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
-# Knobs: AMX_BACKENDS (amx, amxprof), AMX_ROUNDS and AMX_TESTS (amx), AMX_WAITS and AMX_THREADS (amx, amxwait), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
+# Knobs: AMX_BACKENDS (amx, amxprof), AMX_ROUNDS and AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait), AMX_WAITS (amxwait), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
 set -uo pipefail
 
 GS=${GS:-/tmp/gs}
@@ -108,15 +108,15 @@ job_amx() {  # issue 55 on the host's CPU (AMX): the invariance tests on the AMX
   local b=(bench engine --model "$GS/amx-model" --batch-size 8 --max-new-tokens 32 --backends "${AMX_BACKENDS:-bf16,bio+tbik}")
   local round
   for round in $(seq "${AMX_ROUNDS:-1}"); do
-  for T in ${AMX_THREADS:-2 16}; do  # (the bench reports the threads torch used)
-    # fewer threads than cores: on cores 0 .. T-1 only (taskset), as on a T-core machine
-    local pin=(); [ "$T" -lt "$(nproc)" ] && pin=(taskset -c "0-$((T - 1))")
-    echo "== $T threads ${pin[*]}: before ($(cat "$GS/amx/before/COMMIT" 2>/dev/null))"
-    (cd "$GS/amx/before" && OMP_NUM_THREADS=$T PYTHONPATH=$PWD:$S:$SITE0 timeout 300 "${pin[@]}" $P -m detaudit "${b[@]}") \
-      || echo "before failed: rc $?"
-    echo "== $T threads ${pin[*]}: after"
-    OMP_NUM_THREADS=$T timeout 300 "${pin[@]}" $P -m detaudit "${b[@]}" || echo "after failed: rc $?"
-  done
+    for T in ${AMX_THREADS:-2 16}; do  # (the bench reports the threads torch used)
+      # fewer threads than cores: on cores 0 .. T-1 only (taskset), as on a T-core machine
+      local pin=(); [ "$T" -lt "$(nproc)" ] && pin=(taskset -c "0-$((T - 1))")
+      echo "== round $round, $T threads ${pin[*]}: before ($(cat "$GS/amx/before/COMMIT" 2>/dev/null))"
+      (cd "$GS/amx/before" && OMP_NUM_THREADS=$T PYTHONPATH=$PWD:$S:$SITE0 timeout 300 "${pin[@]}" $P -m detaudit \
+        "${b[@]}") || echo "before failed: rc $?"
+      echo "== round $round, $T threads ${pin[*]}: after"
+      OMP_NUM_THREADS=$T timeout 300 "${pin[@]}" $P -m detaudit "${b[@]}" || echo "after failed: rc $?"
+    done
   done
 }
 

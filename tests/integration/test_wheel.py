@@ -108,7 +108,8 @@ def test_wheel_install_finds_suites_and_sweeps(wheel_venv, smollm):
     assert (out / "manifest.json").is_file() and list(out.rglob("*.parquet"))
     # bio's compiled kernels compile from the wheel's own copy (numba caches by source path, so a bio sweep
     # here would spend about a minute of CI compiling all of them; the checkout's sweeps run bio): one
-    # kernel, compiled and cached beside the installed module, gives torch's silu * up to the bit
+    # kernel, compiled and cached beside the installed module, gives torch's silu * up within fp32 rounding
+    # (its exp is the attention's polynomial, not torch's)
     check = (
         "import torch; from detaudit.backends.kernels import cpu_calls, fixed; "
         "g, u = torch.randn(3, 40), torch.randn(3, 40); rows = cpu_calls.compiled('cpu_rows'); "
