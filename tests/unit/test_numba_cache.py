@@ -37,4 +37,58 @@ def test_every_compiled_kernel_module_is_covered():
     compiled = {p.stem for p in folder.glob("*.py") if "numba.njit" in p.read_text() or "@intrinsic" in p.read_text()}
     assert compiled == set(numba_cache.COMPILED)
     for name in compiled:
-        assert "numba_cache.fresh()" in (folder / f"{name}.py").read_text(), name
+        source = (folder / f"{name}.py").read_text()
+        assert "numba_cache.fresh()" in source, name
+        if "numba.njit" in source:  # its dispatchers behind the compile lock, every one defined above it
+            assert source.rstrip().splitlines()[-1].startswith("numba_cache.one_compiler(globals())"), name
+
+
+KERNEL = """
+import numba
+from detaudit.backends.kernels import numba_cache
+
+
+@numba.njit(cache=True)
+def total(x):
+    s = 0.0
+    for v in x:
+        s += v * v + 1.0
+    return s
+
+
+numba_cache.one_compiler(globals())
+"""
+
+
+def _compile_after(barrier, folder, queue):
+    """Import the kernel module in `folder`, wait for every process, call it; report cache misses/hits."""
+    import sys
+
+    import numpy as np
+
+    sys.path.insert(0, str(folder))
+    import lock_kernel
+
+    barrier.wait()
+    lock_kernel.total(np.ones(4))
+    stats = lock_kernel.total.stats
+    queue.put((sum(stats.cache_misses.values()), sum(stats.cache_hits.values())))
+
+
+def test_processes_starting_together_compile_a_kernel_once(tmp_path):
+    """TP ranks start together on a fresh install: one compiles and saves, the others load its cache."""
+    import multiprocessing as mp
+
+    import pytest
+
+    pytest.importorskip("numba")
+    (tmp_path / "lock_kernel.py").write_text(KERNEL)
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_compile_after, args=(barrier, tmp_path, queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    got = sorted(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert got == [(0, 1), (0, 1), (1, 0)], got  # one miss (the compile) and two loads

@@ -339,3 +339,6 @@ def _widen(bits, n, out):  # pragma: no cover (compiled)
     for j in range(n):
         for c in range(bits.shape[1]):
             wide[j, c] = np.uint32(np.uint16(bits[j, c])) << 16
+
+
+numba_cache.one_compiler(globals())  # after every kernel above: one process compiles, the others load

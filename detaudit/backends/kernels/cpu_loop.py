@@ -128,3 +128,6 @@ def pairwise(leaves, out):  # pragma: no cover (compiled)
         for e in range(size):
             dst[e] = left[e] + right[e]
     _tree_in_place(out)
+
+
+numba_cache.one_compiler(globals())  # after every kernel above: one process compiles, the others load

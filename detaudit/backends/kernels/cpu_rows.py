@@ -191,3 +191,6 @@ def add_rms(x, delta, add, weight, bf16, eps, s_out, y_out):  # pragma: no cover
         if bf16:
             _to_bf16(y32, y_bits)
         _put(y_out[r], bf16, y_bits)
+
+
+numba_cache.one_compiler(globals())  # after every kernel above: one process compiles, the others load

@@ -308,3 +308,6 @@ def _ring(ctl, bits):  # pragma: no cover (compiled)
     bell = ctl.ctypes.data + BELL * 8
     _store_seq(bell, _load_seq(bell) + 1)
     _syscall(SYS_FUTEX, bell, FUTEX_WAKE_BITSET_PRIVATE, 0x7FFFFFFF, 0, 0, bits)
+
+
+numba_cache.one_compiler(globals())  # after every kernel above: one process compiles, the others load
