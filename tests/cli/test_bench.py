@@ -60,15 +60,16 @@ def test_bench_e2e_on_cpu(tiny_llama):
 @pytest.mark.slow  # two engines and transformers on a checkpoint
 def test_bench_engine_splits_prefill_and_decode(tiny_sweep_model):
     """Each row's call splits into its prefill and its decode; ratios are to detaudit's bf16 in the run,
-    and the title names the CPU product path."""
-    args = ["bench", "engine", "--model", str(tiny_sweep_model), "--batch-size", "2", "--max-new-tokens", "4"]
+    and the title names the CPU product path. A batch larger than the suite (smoke: 8 prompts) repeats them."""
+    args = ["bench", "engine", "--model", str(tiny_sweep_model), "--batch-size", "10", "--max-new-tokens", "4"]
     res = runner.invoke(app, [*args, "--backends", "bf16,bio", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     rows = {r["engine"]: r for r in out["rows"]}
     assert list(rows) == ["detaudit (bf16)", "detaudit (bio)", "transformers generate"]
+    assert out["meta"]["batch_size"] == 10 and out["meta"]["prompts"] == "8 distinct, repeated to fill the batch of 10"
     for r in rows.values():
-        assert r["tokens"] == 8 and 0 < r["prefill_s"] < r["seconds"] and r["decode_tokens_per_s"] > 0, r
+        assert r["tokens"] == 40 and 0 < r["prefill_s"] < r["seconds"] and r["decode_tokens_per_s"] > 0, r
         assert r["decode_vs_bf16"] == pytest.approx(
             r["decode_tokens_per_s"] / rows["detaudit (bf16)"]["decode_tokens_per_s"], rel=1e-12
         )

@@ -3,6 +3,8 @@ file (`numba_cache`: a caller's cached code holds what it inlined from the other
 
 from __future__ import annotations
 
+from helpers import require
+
 from detaudit.backends.kernels import numba_cache
 
 
@@ -45,6 +47,8 @@ def test_every_compiled_kernel_module_is_covered():
 
 KERNEL = """
 import numba
+from helpers import require
+
 from detaudit.backends.kernels import numba_cache
 
 
@@ -79,9 +83,7 @@ def test_processes_starting_together_compile_a_kernel_once(tmp_path):
     """TP ranks start together on a fresh install: one compiles and saves, the others load its cache."""
     import multiprocessing as mp
 
-    import pytest
-
-    pytest.importorskip("numba")
+    require("numba", "cpu")
     (tmp_path / "lock_kernel.py").write_text(KERNEL)
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(3), ctx.Queue()
