@@ -73,7 +73,7 @@ def test_listings_have_json():
     for kind, names in want.items():
         result = runner.invoke(app, [kind, "ls", "--json"])
         assert result.exit_code == 0, result.output
-        rows = json.loads(result.output)
+        rows = json.loads(result.stdout)
         assert isinstance(rows, list) and names <= {r["name"] for r in rows}, (kind, rows)
         assert all(r.get("description") or r.get("attention") for r in rows), (kind, rows)  # described
 
@@ -83,7 +83,7 @@ def test_doctor_prints_the_fingerprint():
 
     result = runner.invoke(app, ["doctor", "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     env, checks = data["environment"], data["checks"]
     assert env["torch_threads"] >= 1 and env["cpu_cores"] >= 1 and "torch" in env["versions"]
     assert "cpu_capability" in env["torch_build"] and env["hardware_key"]

@@ -94,3 +94,34 @@ def test_processes_starting_together_compile_a_kernel_once(tmp_path):
     for p in procs:
         p.join(timeout=30)
     assert got == [(0, 1), (0, 1), (1, 0)], got  # one miss (the compile) and two loads
+
+
+NOTICE = """
+import sys
+import types
+from numba.core import event
+from detaudit.backends.kernels import numba_cache
+
+numba_cache._announce_compiles()
+def compile_of(module):
+    disp = types.SimpleNamespace(py_func=types.SimpleNamespace(__module__=module))
+    event.start_event("numba:compile", data={"dispatcher": disp})
+    event.end_event("numba:compile", data={"dispatcher": disp})
+compile_of("someone_elses.kernels")
+print("after another package's compile", file=sys.stderr, flush=True)
+compile_of("detaudit.backends.kernels.cpu_rows")
+compile_of("detaudit.backends.kernels.cpu_team")
+"""
+
+
+def test_the_first_kernel_compile_of_a_process_says_so_once():
+    """A fresh install's first run compiles for about a minute: one line on stderr at the first compile of
+    a detaudit kernel, none for another package's numba function, none again after."""
+    import subprocess
+    import sys
+
+    require("numba", "cpu")
+    done = subprocess.run([sys.executable, "-c", NOTICE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines == ["after another package's compile", numba_cache.NOTE], done.stderr

@@ -13,13 +13,16 @@ process that imported the old sources and saves a cache after another has refres
 `one_compiler` makes the processes of one machine compile a kernel one at a time: the TP ranks of a
 fresh install start together and each found no cache, so all compiled every kernel at once (a real
 TP-8 bio run on a 2-core VM: 126 s, 15 s with the caches in place). Behind a file lock the first
-compiles and saves; the others wait, then load its cache. No numba import here."""
+compiles and saves; the others wait, then load its cache. The first compile of a process says so in one
+line on stderr (a fresh install's first run otherwise sits silent for a minute). No numba import at
+this module's import."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -80,6 +83,7 @@ def one_compiler(namespace: dict) -> None:
     the cache the first one saved. Calls of types already compiled never reach `compile`, so a running
     kernel never waits. The lock is always taken before numba's own compiler lock, so it cannot deadlock
     with it (no other code compiles these dispatchers)."""
+    _announce_compiles()
     for obj in list(namespace.values()):
         py_func = getattr(obj, "py_func", None)  # a dispatcher's; only this module's (not those it imported)
         if getattr(py_func, "__module__", None) == namespace["__name__"] and hasattr(obj, "overloads"):
@@ -93,3 +97,27 @@ def _locked(compile_fn):
             return compile_fn(sig)
 
     return compile_one_at_a_time
+
+
+NOTE = "detaudit: compiling the CPU kernels (numba; first use, about a minute on 2 cores; cached for later runs)"
+
+
+@functools.cache
+def _announce_compiles() -> None:
+    """One line on stderr at the first compile of a detaudit kernel in this process (numba's compile event
+    fires for a compile, not for a cache load; other packages' numba functions are not ours to announce)."""
+    from numba.core import event
+
+    class Note(event.Listener):
+        said = False
+
+        def on_start(self, ev) -> None:
+            module = getattr(getattr(ev.data.get("dispatcher"), "py_func", None), "__module__", "") or ""
+            if not self.said and module.startswith("detaudit."):
+                self.said = True
+                print(NOTE, file=sys.stderr, flush=True)
+
+        def on_end(self, ev) -> None:
+            pass
+
+    event.register("numba:compile", Note())
