@@ -25,7 +25,7 @@
 #   bash tools/gpu_session.sh prof       bench e2e --profile of TP 1's dense prefill (issue 53: where the rest goes)
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
-# Knobs: AMX_BACKENDS (amx, amxprof), AMX_ROUNDS and AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch, amxspy), SPY_RATE (amxspy), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
+# Knobs: AMX_BACKENDS (amx, amxprof, amxbatch: comma-separated; amxspy: space-separated, a run each), AMX_ROUNDS and AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch, amxspy), SPY_RATE (amxspy), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
 set -uo pipefail
 
 GS=${GS:-/tmp/gs}
@@ -39,6 +39,9 @@ SITE0=$GS/site0
 export PYTHONPATH=${SITE:-/tmp/site}:$SITE0:$PWD
 BEFORE=${BEFORE:-$GS/before}
 say() { echo "== $(date +%T) $*"; }
+# taskset's arguments for T threads: cores 0 .. T-1 where T is below the host's count (as on a T-core
+# machine), none otherwise
+pin_cores() { [ "$1" -lt "$(nproc)" ] && echo taskset -c "0-$(($1 - 1))"; }
 
 step_stage() {
   if [ -d .whl ]; then
@@ -112,8 +115,7 @@ job_amx() {  # issue 55 on the host's CPU (AMX): the invariance tests on the AMX
   local round
   for round in $(seq "${AMX_ROUNDS:-1}"); do
     for T in ${AMX_THREADS:-2 16}; do  # (the bench reports the threads torch used)
-      # fewer threads than cores: on cores 0 .. T-1 only (taskset), as on a T-core machine
-      local pin=(); [ "$T" -lt "$(nproc)" ] && pin=(taskset -c "0-$((T - 1))")
+      local pin; read -ra pin <<< "$(pin_cores "$T")"
       echo "== round $round, $T threads ${pin[*]}: before ($(cat "$GS/amx/before/COMMIT" 2>/dev/null))"
       (cd "$GS/amx/before" && OMP_NUM_THREADS=$T PYTHONPATH=$PWD:$S:$SITE0 timeout 300 "${pin[@]}" $P -m detaudit \
         "${b[@]}") || echo "before failed: rc $?"
@@ -164,13 +166,13 @@ step_amxwait() {  # issue 55: bench engine on the host's CPU under each OpenMP w
 }
 
 step_amxbatch() {  # issue 55: bench engine on the host's CPU at each of AMX_BATCHES (default 8 32) and
-  # AMX_THREADS (default 16), this checkout only, pinned to cores 0 .. T-1 below the host's count
+  # AMX_THREADS (default 16), this checkout only, pinned as `pin_cores` says
   amx_model
   local b=(bench engine --model "$GS/amx-model" --max-new-tokens 32 --backends "${AMX_BACKENDS:-bf16,bio+tbik}")
   local t bs pin
   for t in ${AMX_THREADS:-16}; do
     for bs in ${AMX_BATCHES:-8 32}; do
-      pin=(); [ "$t" -lt "$(nproc)" ] && pin=(taskset -c "0-$((t - 1))")
+      read -ra pin <<< "$(pin_cores "$t")"
       echo "== $t threads, batch $bs"
       env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$t" PYTHONPATH="$GS/amx/site:$PYTHONPATH" timeout 300 "${pin[@]}" \
         python3 -m detaudit "${b[@]}" --batch-size "$bs" --save "$OUT/amx-b$bs-t$t.md" >/dev/null \
@@ -189,8 +191,9 @@ step_amxspy() {  # issue 55: where a decode step's time goes on the host's CPU, 
     echo "== $bk, $t threads, batch ${AMX_BATCHES:-8}"
     # --nonblocking: stopping 30 threads for each sample slowed bio+tbik fivefold
     env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$t" PYTHONPATH="$GS/amx/site:$PYTHONPATH" timeout 300 "$spy" record \
-      --nonblocking --idle -r "${SPY_RATE:-100}" -f raw -o "$OUT/spy-${bk/+/-}-t$t.txt" -- python3 -m detaudit bench engine --model "$GS/amx-model" \
-      --batch-size "${AMX_BATCHES:-8}" --max-new-tokens 32 --backends "$bk" 2>&1 | grep -E "^. detaudit|py-spy>" | cut -c1-200
+      --nonblocking --idle -r "${SPY_RATE:-100}" -f raw -o "$OUT/spy-${bk/+/-}-t$t.txt" -- \
+      python3 -m detaudit bench engine --model "$GS/amx-model" --batch-size "${AMX_BATCHES:-8}" \
+      --max-new-tokens 32 --backends "$bk" 2>&1 | grep -E "^. detaudit|py-spy>" | cut -c1-200
   done
 }
 

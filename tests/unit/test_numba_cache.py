@@ -47,7 +47,6 @@ def test_every_compiled_kernel_module_is_covered():
 
 KERNEL = """
 import numba
-from helpers import require
 
 from detaudit.backends.kernels import numba_cache
 
