@@ -25,7 +25,7 @@
 #   bash tools/gpu_session.sh prof       bench e2e --profile of TP 1's dense prefill (issue 53: where the rest goes)
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
-# Knobs: AMX_BACKENDS (amx, amxprof, amxbatch: comma-separated; amxspy: space-separated, a run each), AMX_ROUNDS and AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch, amxspy), SPY_RATE (amxspy), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
+# Knobs: AMX_BACKENDS (amx, amxprof, amxbatch: comma-separated; amxspy: space-separated, a run each), AMX_ROUNDS and AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch, amxspy), AMX_REPLAY (amxbatch), SPY_RATE (amxspy), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
 set -uo pipefail
 
 GS=${GS:-/tmp/gs}
@@ -108,7 +108,7 @@ job_amx() {  # issue 55 on the host's CPU (AMX): the invariance tests on the AMX
   # AMX_TESTS: 0 none, 1 the AMX path's, 2 also the vdpbf16ps path's (oneDNN capped below AMX)
   [ "${AMX_TESTS:-1}" -ge 1 ] && DETAUDIT_CPU_GEMM=bf16 timeout 400 $P -m pytest -q -p no:cacheprovider -rs \
     tests/unit/test_cpu_bf16.py tests/unit/test_bio.py tests/unit/test_tbik.py tests/unit/test_cpu_attention.py \
-    tests/unit/test_cpu_team.py 2>&1 | tail -n 12
+    tests/unit/test_cpu_team.py tests/unit/test_cpu_replay.py 2>&1 | tail -n 12
   [ "${AMX_TESTS:-1}" -ge 2 ] && echo "== vdpbf16ps path (oneDNN capped below AMX):" && ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 DETAUDIT_CPU_GEMM=bf16 timeout 200 $P -m pytest -q -p no:cacheprovider -rs \
     tests/unit/test_bio.py tests/unit/test_tbik.py -k bf16 2>&1 | tail -n 3
   local b=(bench engine --model "$GS/amx-model" --batch-size 8 --max-new-tokens 32 --backends "${AMX_BACKENDS:-bf16,bio+tbik}")
@@ -166,18 +166,21 @@ step_amxwait() {  # issue 55: bench engine on the host's CPU under each OpenMP w
 }
 
 step_amxbatch() {  # issue 55: bench engine on the host's CPU at each of AMX_BATCHES (default 8 32) and
-  # AMX_THREADS (default 16), this checkout only, pinned as `pin_cores` says
+  # AMX_THREADS (default 16), under each DETAUDIT_CPU_REPLAY of AMX_REPLAY (default auto) in turn, this
+  # checkout only, pinned as `pin_cores` says
   amx_model
   local b=(bench engine --model "$GS/amx-model" --max-new-tokens 32 --backends "${AMX_BACKENDS:-bf16,bio+tbik}")
-  local t bs pin
+  local t bs r pin
   for t in ${AMX_THREADS:-16}; do
     for bs in ${AMX_BATCHES:-8 32}; do
-      read -ra pin <<< "$(pin_cores "$t")"
-      echo "== $t threads, batch $bs"
-      env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$t" PYTHONPATH="$GS/amx/site:$PYTHONPATH" timeout 300 "${pin[@]}" \
-        python3 -m detaudit "${b[@]}" --batch-size "$bs" --save "$OUT/amx-b$bs-t$t.md" >/dev/null \
-        2>"$GS/logs/amxbatch.err" || tail -3 "$GS/logs/amxbatch.err"
-      grep "^| detaudit" "$OUT/amx-b$bs-t$t.md" | cut -c1-220
+      for r in ${AMX_REPLAY:-auto}; do
+        read -ra pin <<< "$(pin_cores "$t")"
+        echo "== $t threads, batch $bs, replay $r"
+        env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$t" DETAUDIT_CPU_REPLAY="$r" PYTHONPATH="$GS/amx/site:$PYTHONPATH" \
+          timeout 300 "${pin[@]}" python3 -m detaudit "${b[@]}" --batch-size "$bs" --save "$OUT/amx-b$bs-t$t-$r.md" \
+          >/dev/null 2>"$GS/logs/amxbatch.err" || tail -3 "$GS/logs/amxbatch.err"
+        grep "^| detaudit" "$OUT/amx-b$bs-t$t-$r.md" | cut -c1-220
+      done
     done
   done
 }

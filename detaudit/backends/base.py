@@ -13,6 +13,8 @@ backend can do (the model of vLLM's `quant_method`: a layer calls `self.quant_me
 - `row_ops(device)`: the per-token steps between the products (add + RMSNorm, q / k norm +
   rotary + cache write, silu * up), PyTorch ops around this backend's reductions or one fused GPU kernel
   each (`backends/row_ops.py`);
+- `replays_decode(device, tp, routes)` / `capture(forward)`: whether the built-in engine records a CPU
+  decode step once and replays it, and the recorder (`kernels/cpu_replay.py`; `WHOLE_CACHE_EXACT`);
 - `attention(q, k, v, q_pos, scale, window, plan)` with a per-step memo `attention_plan(...)`;
   `paged_attention(...)`: the same function over vLLM's paged KV cache and ragged query runs, read in
   place on the device (the vLLM plugin's attention on CUDA); None where the backend has no such kernel;
@@ -56,6 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from detaudit.backends import experts as layouts
+from detaudit.backends.kernels import cpu_replay
 from detaudit.backends.row_ops import TorchOps
 
 
@@ -122,11 +125,14 @@ class Backend:
     column's bits of `linear` do not depend on how many columns share the product (merged q / k / v and
     gate / up then give the same bits as separate products, so the engine merges them on CPU too);
     `REDUCE_ORDER`: the order the fixed-order all-reduce adds in ("rank" or "tree", as the peer kernels
-    name them)."""
+    name them); `WHOLE_CACHE_EXACT`: attention over a whole cache gives the bits of attention over the slots
+    up to the furthest position (slots past a query's position are never added), so a CPU decode step can
+    be captured once over the whole cache and replayed (`builtin.graphs.replayed_step`)."""
 
     name = "?"
     COLUMN_INVARIANT = False
     REDUCE_ORDER = "rank"
+    WHOLE_CACHE_EXACT = False
 
     def __init__(self) -> None:
         self._flags = TorchFlags()
@@ -204,6 +210,17 @@ class Backend:
     def row_ops(self, device: torch.device):
         """The engine's per-token steps (`backends/row_ops.py`), chosen once per model load."""
         return TorchOps(self)
+
+    def replays_decode(self, device: torch.device, tp: int, routes: bool) -> bool:
+        """Whether the built-in engine records a CPU decode step once and replays it (`capture`): this
+        backend's attention over the whole cache is exact (`WHOLE_CACHE_EXACT`), TP 1, no MoE routing, and
+        DETAUDIT_CPU_REPLAY allows it (`kernels/cpu_replay.py`)."""
+        return cpu_replay.wanted(device.type, self.WHOLE_CACHE_EXACT, tp, routes)
+
+    def capture(self, forward):
+        """`forward()` run once and recorded: a `cpu_replay.Replay` whose `run()` makes its calls again and
+        returns its outputs. Raises `cpu_replay.ReplayUnsupported` where the step cannot be recorded."""
+        return cpu_replay.capture(forward)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         raise NotImplementedError

@@ -48,6 +48,7 @@ class BioBackend(Backend):
     # a product's column is computed alone (no reduction follows the column tiling), so merged q / k / v
     # and gate / up products give the same bits as separate ones (`backends/row_ops.py`)
     COLUMN_INVARIANT = True
+    WHOLE_CACHE_EXACT = True  # the attention walks only the keys each row's position reaches
     REDUCE_ORDER = "rank"  # `_reduce`'s order, as the peer all-reduce kernels name it
 
     def __init__(self) -> None:

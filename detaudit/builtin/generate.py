@@ -26,6 +26,7 @@ from detaudit.builtin.graphs import (
     eager_step,
     graphed_rows_step,
     graphed_step,
+    replayed_step,
     rows_log_softmax,
 )
 from detaudit.builtin.layers import TPContext
@@ -97,6 +98,7 @@ class Generator:
         pad_id: int = 0,
         cuda_graphs: bool = False,
         decode: Callable[[list[int]], str] | None = None,
+        cpu_replay: bool = False,
     ) -> None:
         self.model = model
         self.eos = set(int(e) for e in eos_ids)
@@ -104,34 +106,43 @@ class Generator:
         self.pad_id = pad_id
         self.device = model.device
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
+        # CPU: decode steps recorded once per batch and replayed (`graphs.replayed_step`); the caller
+        # says where the model and backend allow it
+        self.cpu_replay = cpu_replay and model.device.type == "cpu"
         self.timings: dict[str, float] = {}  # of the last generate call: prefill_s, capture_s, decode_s, ...
-        # batch -> (cache, graphed decode step, graphed verify steps by rows per request)
+        # batch -> (cache, graphed or replayed decode step, graphed verify steps by rows per request)
         self._graphs: dict[int, tuple[list[tuple[Tensor, Tensor]], DecodeStep, dict[int, RowsStep]]] = {}
         self._drafts: dict[str, DraftModel] = {}  # draft models by checksum, loaded on first use
 
     def _decode_setup(self, batch: int, needed: int) -> tuple[list[tuple[Tensor, Tensor]], DecodeStep | None]:
-        """A KV cache of at least `needed` slots and, with CUDA graphs, the graphed step over it. A batch
-        size's cache and graph are reused while they are long enough (slots another batch left behind sit
-        past every query's position: masked), and replaced by a longer pair (`_slots`) when not. Eager
-        decode on GPU attends the whole cache too, so its cache is rounded the same way: a sweep's calls
-        then share a few key lengths, and the library attention (bf16: cuDNN, which builds an execution
-        plan per new key length, about as long as a whole decode step's launches) plans once per length.
-        bio's attention walks only the chunks a row can see: the extra slots change no bit."""
-        if not self.cuda_graphs:
-            return self.model.new_cache(batch, self._slots(needed) if self.device.type == "cuda" else needed), None
+        """A KV cache of at least `needed` slots and, with CUDA graphs (or CPU replay), the graphed
+        (replayed) step over it. A batch size's cache and graph are reused while they are long enough
+        (slots another batch left behind sit past every query's position: masked), and replaced by a
+        longer pair (`_slots`) when not. Eager decode on GPU attends the whole cache too, so its cache is
+        rounded the same way: a sweep's calls then share a few key lengths, and the library attention
+        (bf16: cuDNN, which builds an execution plan per new key length, about as long as a whole decode
+        step's launches) plans once per length. bio's attention walks only the chunks a row can see: the
+        extra slots change no bit. A CPU step that cannot be recorded now (a profiler is recording) is
+        eager for this call."""
+        if not (self.cuda_graphs or self.cpu_replay) or (self.cpu_replay and torch.autograd._profiler_enabled()):
+            return self._eager_cache(batch, needed), None
         hit = self._graphs.get(batch)
         if hit is None or hit[0][0][0].shape[2] < needed:
             self._graphs.pop(batch, None)
             cache = self.model.new_cache(batch, self._slots(needed))
-            hit = self._graphs[batch] = (cache, graphed_step(self.model, cache, batch, self.pad_id), {})
+            make = graphed_step if self.cuda_graphs else replayed_step
+            hit = self._graphs[batch] = (cache, make(self.model, cache, batch, self.pad_id), {})
         return hit[0], hit[1]
+
+    def _eager_cache(self, batch: int, needed: int) -> list[tuple[Tensor, Tensor]]:
+        return self.model.new_cache(batch, self._slots(needed) if self.device.type == "cuda" else needed)
 
     def _verify_setup(self, batch: int, needed: int) -> tuple[list[tuple[Tensor, Tensor]], Callable[[int], RowsStep]]:
         """As `_decode_setup`, for speculative decoding: the cache and a function giving the step of R query
         rows per request, graphed per (batch, R) on first use with CUDA graphs (over the batch's decode
         cache, which it shares), else eager."""
         if not self.cuda_graphs:
-            cache = self._decode_setup(batch, needed)[0]
+            cache = self._eager_cache(batch, needed)
             eager = eager_rows_step(self.model, cache)
             return cache, lambda rows: eager
         cache, _ = self._decode_setup(batch, needed)
@@ -201,6 +212,7 @@ class Generator:
         gens = request_generators(decoding, prompt_ids)
         clock = _Clock(self.device)
         cache, step_fn = self._decode_setup(B, T + decoding.max_new_tokens)
+        replayed = step_fn is not None and not self.cuda_graphs
         step_fn = step_fn or eager_step(m, cache)
         if self.device.type == "cuda":
             settle_gc()
@@ -281,6 +293,7 @@ class Generator:
             "batch": B,
             "prompt_tokens": int(lens.sum()),
             "cuda_graphs": self.cuda_graphs,
+            "cpu_replay": replayed,
         }
         return outs
 
@@ -381,6 +394,7 @@ class Generator:
             "batch": B,
             "prompt_tokens": sum(lens),
             "cuda_graphs": self.cuda_graphs,
+            "cpu_replay": False,  # verify steps run eager
         }
         return outs
 

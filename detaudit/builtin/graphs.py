@@ -1,4 +1,4 @@
-"""Decode steps for the generator: eager, or replayed from a CUDA graph.
+"""Decode steps for the generator: eager, replayed from a CUDA graph, or on CPU replayed from a recording.
 
 A decode step maps each request's next token and position to its fp32 logits and log-probabilities.
 The graphed step captures that forward once per batch (static input buffers, the batch's own KV cache)
@@ -7,6 +7,9 @@ from Python. It attends over the whole cache every step: slots past a query's po
 which for `bio` / `bio+tbik` is an exact no-op (their attention skips nothing it would have added), so
 graphed and eager decode give the same bits; for `bf16` the library attention sees a longer masked
 sequence, as a graphed engine's does. Sampling stays outside the graph (per-request CPU generators).
+On CPU the invariant backends' step is recorded instead (`replayed_step`, `kernels/cpu_replay.py`): its
+compiled calls and the PyTorch ops between them, made again without the layers' Python (the backend's
+`capture`: its kernels' recorder).
 """
 
 from __future__ import annotations
@@ -78,6 +81,33 @@ def graphed_step(model: Decoder, cache: list[tuple[Tensor, Tensor]], batch: int,
         return out
 
     step.graph = graph  # keep the graph (and its memory pool) alive with the step
+    return step
+
+
+def replayed_step(model: Decoder, cache: list[tuple[Tensor, Tensor]], batch: int, pad_id: int) -> DecodeStep:
+    """A CPU decode step of `batch` requests over the whole `cache`, recorded once (`cpu_replay.capture`,
+    after a warm-up step that packs the weights and loads the kernels) and replayed every step: the
+    eager step's calls on the same memory, so its bits (the backend's `WHOLE_CACHE_EXACT`: attending the
+    whole cache adds nothing past a row's position). As `graphed_step`, warm-up and capture write a pad
+    token's K/V into the last cache slot, which no real position reaches. Raises
+    `cpu_replay.ReplayUnsupported` where the step cannot be recorded (`Backend.capture`)."""
+    length = cache[0][0].shape[2]
+    tokens = torch.full((batch,), pad_id, dtype=torch.long)
+    positions = torch.full((batch,), length - 1, dtype=torch.long)
+    eager = eager_step(model, cache)
+
+    def forward() -> tuple:
+        return eager(tokens, positions, length)
+
+    forward()
+    replay = model.ctx.backend.capture(forward)
+
+    def step(new_tokens: Tensor, new_positions: Tensor, kv_len: int) -> tuple:
+        tokens.copy_(new_tokens)
+        positions.copy_(new_positions)
+        return replay.run()
+
+    step.replay = replay  # (its recording keeps every buffer the calls address alive)
     return step
 
 

@@ -75,8 +75,13 @@ class LocalEngine:
         # decode from CUDA graphs on a GPU: TP 1, emulated TP, and every rank of real TP (the all-reduce is
         # captured into each rank's graph)
         self.cuda_graphs = s.cuda_graphs and self.device.type == "cuda"
+        self.cpu_replay = self.backend.replays_decode(self.device, options.tp, self.model.routes)
         self.generator = Generator(
-            self.model, options.eos_ids, cuda_graphs=self.cuda_graphs, decode=_Detokenizer(options.model.path)
+            self.model,
+            options.eos_ids,
+            cuda_graphs=self.cuda_graphs,
+            decode=_Detokenizer(options.model.path),
+            cpu_replay=self.cpu_replay,
         )
         self.last_timings: dict = {}  # summed over the chunks of the last generate call
         self.last_score_routing: list | None = None
@@ -143,6 +148,7 @@ class LocalEngine:
             "tp_mode": "emulated" if self.emulated else "real",
             "threads_per_rank": self.threads if self.device.type == "cpu" else None,
             "cuda_graphs": self.cuda_graphs,
+            "cpu_replay": self.cpu_replay,
             "routing": self.model.routes,
             "device": str(self.device),
             "backend": self.backend.describe(),

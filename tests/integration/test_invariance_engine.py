@@ -111,3 +111,20 @@ def test_bf16_negative_control(smollm, prompts, capsys):
     # The control must detect variance: if bf16 ever agrees bitwise at every batch size here, this fails
     # loudly (the kernels underneath changed) instead of passing silently.
     assert sum(report.values()) > 0, "bf16 agreed bitwise across batch sizes: the negative control found nothing"
+
+
+@pytest.mark.parametrize("backend", ["bio", "bio+tbik"])
+def test_replayed_decode_gives_the_eager_bits(smollm, prompts, backend, monkeypatch):
+    """The CPU decode steps recorded once and replayed (the engine's default at TP 1,
+    `kernels/cpu_replay.py`) against eager steps (DETAUDIT_CPU_REPLAY=off): every token and top-k
+    log-probability of 8 sampled requests, bit for bit."""
+    from detaudit.backends.kernels import cpu_replay
+
+    ids, pids = prompts
+    runs = []
+    for setting in ("auto", "off"):
+        monkeypatch.setenv(cpu_replay.ENV, setting)
+        eng = local_engine(smollm, backend, 1, dtype="bfloat16")
+        runs.append(eng.generate(ids[:8], pids[:8], SAMPLED, batch_size=8))
+        assert eng.last_timings["cpu_replay"] == (setting == "auto")
+    assert generation_difference(runs[0], runs[1]) is None

@@ -130,6 +130,7 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
     "device, graphs",
     [
         ("cpu", False),
+        ("cpu", True),  # CPU: decode steps replayed from a recording
         pytest.param("cuda", False, marks=[pytest.mark.gpu, GPU]),
         pytest.param("cuda", True, marks=[pytest.mark.gpu, GPU]),
     ],  # fmt: skip
@@ -137,14 +138,15 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 def test_builtin_engine_stops_at_a_stop_string(tiny_llama, device, graphs):
     """Greedy rows of the real engine: with a stop string taken from a row's own output, that row ends at
     the token completing it (finish reason "stop", the tokens a prefix of the unstopped row, bitwise), and
-    the other rows of the batch are unchanged. On a GPU the decode loop runs a step ahead of the host (and
-    from CUDA graphs): a row stopped by a string must still end where the host saw the string."""
+    the other rows of the batch are unchanged. The decode loop runs a step ahead of the host (from CUDA
+    graphs, or on CPU replayed steps, whose outputs each step overwrites): a row stopped by a string must
+    still end where the host saw the string."""
     from helpers import local_engine
 
     from detaudit.builtin.generate import Generator
 
     eng = local_engine(tiny_llama, "bio", dtype="float32", device=device, cuda_graphs=graphs)
-    gen = Generator(eng.model, eos_ids=(), cuda_graphs=graphs, decode=_decode)
+    gen = Generator(eng.model, eos_ids=(), cuda_graphs=graphs, cpu_replay=graphs, decode=_decode)
     prompts, ids = [[1, 2, 3], [4, 5, 6, 7], [8, 9]], ["a", "b", "c"]
     free = DecodingParams(greedy=True, max_new_tokens=12)
     with eng.backend.activate():

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import cpu_calls
+from detaudit.backends.kernels import cpu_calls, cpu_replay
 from detaudit.errors import DetauditError
 
 ENV = "DETAUDIT_CPU_GEMM"
@@ -463,7 +463,7 @@ def leaf_tree(leaves: Tensor) -> Tensor | None:
     if mod is None or g < 2 or g & (g - 1) or leaves.dtype != torch.float32 or not leaves.is_contiguous():
         return None
     out = torch.empty(g // 2, *leaves.shape[1:], dtype=torch.float32)
-    mod.pairwise(leaves.view(g, -1).numpy(), out.view(g // 2, -1).numpy())
+    cpu_replay.call(mod.pairwise, leaves.view(g, -1).numpy(), out.view(g // 2, -1).numpy())
     return out[0]
 
 

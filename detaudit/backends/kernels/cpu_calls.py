@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from detaudit.backends.kernels import cpu_gemm
+from detaudit.backends.kernels import cpu_gemm, cpu_replay
 from detaudit.errors import DetauditError
 
 ENV = "DETAUDIT_CPU_COMPILED"  # auto (numba's compiled code where installed) | off
@@ -126,6 +126,7 @@ _NO_OUT16 = np.empty(0, dtype=np.int16)
 _NO_OUT = np.empty(0, dtype=np.float32)
 
 
+@cpu_replay.unit
 def run_tree(
     kernel: Kernel, shape, table: np.ndarray, leaves: int, out: np.ndarray | None, flops: float, out16=None
 ) -> bool:
@@ -151,6 +152,7 @@ def run_tree(
     return True
 
 
+@cpu_replay.unit
 def run(
     kernel: Kernel,
     shape: tuple[int, int, int, int, int, int],
@@ -332,6 +334,7 @@ ROWS_SPLIT = 1 << 17
 ROWS_PER_THREAD, ROWS_TEAM_PER_THREAD = 1 << 16, 1 << 15
 
 
+@cpu_replay.unit
 def rows(kind: str, part, m: int, x, u, out, bf16: bool, eps: float = 0.0) -> None:
     """A row kernel over m rows: on the team (`cpu_team`'s RMS / SILU jobs, kind "rms" / "silu"), or
     part(lo, hi) over `slices`, where the rows are many; else part(0, m) here. x and u (SILU's up; RMS:

@@ -23,6 +23,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from detaudit.backends.kernels import cpu_replay
+
 # torch's own setter: vLLM's CPU worker replaces `torch.set_num_threads` with a no-op after binding its
 # threads, which would silently leave these products multi-threaded inside vLLM processes
 _set_num_threads = torch._C.set_num_threads
@@ -133,6 +135,8 @@ def run_jobs(jobs: list, run, torch_ops: bool = True) -> None:
     # torch's intra-op thread count is process-wide, not per thread: one intra-op thread from before the
     # first job is handed out until the last has finished, or a worker starting late would run its
     # product with the caller's count restored, and other bits (1 vs 2 threads differ at K >= 1536)
+    if torch_ops:
+        cpu_replay.refuse_threads("cpu_gemm.run_jobs")
     with one_thread() if torch_ops else contextlib.nullcontext():
         if len(jobs) < 2:
             for job in jobs:
@@ -168,6 +172,7 @@ def _widened(rhs: Tensor, n: int) -> Tensor:
     return torch.nn.functional.pad(rhs, (0, n - rhs.shape[-1]))
 
 
+@cpu_replay.unit
 def block_products(a: Tensor, b: Tensor) -> Tensor:
     """fp32 block products of one fixed shape [R, K] @ [K, N], each computed by one thread.
 

@@ -17,7 +17,16 @@ import weakref
 import torch
 from torch import Tensor
 
-from detaudit.backends.kernels import cpu_bf16, cpu_calls, cpu_gemm, fused, triton_attn, triton_mm, triton_rows
+from detaudit.backends.kernels import (
+    cpu_bf16,
+    cpu_calls,
+    cpu_gemm,
+    cpu_replay,
+    fused,
+    triton_attn,
+    triton_mm,
+    triton_rows,
+)
 
 ROWS = 16  # R: rows per fixed-shape fp32 block on CPU (the bf16 paths' are cpu_bf16.ROWS)
 
@@ -203,7 +212,7 @@ def rope_store(
     cn, sn = (x.view(as_bits).numpy()[:, 0] for x in (cos, sin))
     kc, vc, on = (x.view(as_bits).numpy() for x in (k_cache, v_cache, out))
     with cpu_gemm.profiled("detaudit::cpu_rope"):
-        rows.rope_store(qn, kn, vn, cn, sn, pos.numpy(), bf16, kc, vc, on)
+        cpu_replay.call(rows.rope_store, qn, kn, vn, cn, sn, pos.numpy(), bf16, kc, vc, on)
     return out.transpose(1, 2)
 
 
@@ -228,7 +237,7 @@ def add_rms(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tupl
     xn, wn, sn, yn = (t.view(as_bits).numpy() for t in (x, weight, s, y))
     dn = xn if delta is None else delta.view(as_bits).numpy()
     with cpu_gemm.profiled("detaudit::cpu_add_rms"):
-        rows.add_rms(xn, dn, delta is not None, wn, bf16, eps, sn, yn)
+        cpu_replay.call(rows.add_rms, xn, dn, delta is not None, wn, bf16, eps, sn, yn)
     return y, s
 
 
@@ -371,18 +380,24 @@ def _attention_compiled(
     else:
         kn, vn = (x.reshape(g, length, d).float().numpy() for x in (k, v))
     out = torch.empty(g, rows, d, dtype=torch.float32)
-    on = out.numpy()
-
-    def part(lo: int, hi: int) -> None:
-        kernel.attend(qs[lo:hi], pos[lo:hi], kn[lo:hi], vn[lo:hi], bf16, window or 0, on[lo:hi])
-
     work = 4.0 * g * rows * d * length  # flops of the scores and the weighted values, at most
     with cpu_gemm.profiled("detaudit::cpu_attention"):
         per_thread = cpu_calls.share(ATTENTION_FLOPS_PER_THREAD, ATTENTION_TEAM_FLOPS_PER_THREAD)
         threads = cpu_calls.threads_for(g, work, ATTENTION_SPLIT_FLOPS, per_thread)
-        if not (threads > 1 and cpu_calls.attend_on_team(qs, pos, kn, vn, bf16, window or 0, on, threads)):
-            cpu_calls.slices(g, part, threads)
+        _attend(kernel, qs, pos, kn, vn, bf16, window or 0, out.numpy(), threads)
     return out
+
+
+@cpu_replay.unit
+def _attend(kernel, qs, pos, kn, vn, bf16: bool, window: int, on, threads: int) -> None:
+    """`kernel.attend` over the KV heads (qs[G, R, D]) on `threads` threads: the team's, else the Python
+    pool's (one recorded unit: which of the two runs is decided again at each replay)."""
+
+    def part(lo: int, hi: int) -> None:
+        kernel.attend(qs[lo:hi], pos[lo:hi], kn[lo:hi], vn[lo:hi], bf16, window, on[lo:hi])
+
+    if not (threads > 1 and cpu_calls.attend_on_team(qs, pos, kn, vn, bf16, window, on, threads)):
+        cpu_calls.slices(qs.shape[0], part, threads)
 
 
 def _memo(plan: dict | None, key, make):

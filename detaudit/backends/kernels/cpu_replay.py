@@ -1,0 +1,197 @@
+"""A CPU forward step recorded once and replayed: the CPU's counterpart of a CUDA graph.
+
+A decode step of the invariant backends on CPU is a few hundred compiled calls (the bf16 micro-kernel's
+call tables, numba's row, attention and tree kernels) with Python between them: the layers, the
+backends' dispatch, each product's operand checks, padding and call tables. At 16 threads of an AMX
+Xeon that Python was two thirds of a step (reports/cpu-bf16). `capture(forward)` runs `forward` once
+and records what it computed, in order:
+
+- each *unit*: a function that makes compiled calls (`unit`-wrapped: `cpu_calls.run`, the row and
+  attention kernels, `cpu_gemm.block_products`) or one compiled call (`call`), with its arguments: the
+  numpy views and call tables it was given point into tensors that stay alive with the recording, so
+  calling it again reads and writes the same memory;
+- each PyTorch op outside a unit (the glue: casts, copies, padding, the final log-softmax), seen by a
+  `TorchDispatchMode`: ops that write an argument are made again as they were, ops that return a new
+  tensor are made again and copied into the tensor the capture got, views and `empty` are not made at all
+  (a captured view already aliases its base; an empty buffer's contents are whatever the next op writes).
+
+`Replay.run()` then makes exactly those calls, with no Python of the layers in between. The inputs that
+change from step to step (token ids, positions) live in tensors the forward read at capture, which the
+caller overwrites in place before each replay. Each replayed call computes what the eager call computes
+from the same inputs (the same functions on the same memory, in the same order), so a replayed step's bits
+are the eager step's: `tests/unit/test_cpu_replay.py` and the engine's replay-against-eager test check it.
+
+What a capture cannot replay is refused (`ReplayUnsupported`), never recorded wrongly: a tensor's value
+read into Python (`.item()`, `bool(t)`: a decision replay would not retake), torch ops run on other
+threads outside a unit (`cpu_gemm.run_jobs`), or a profiler that is recording.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from detaudit.errors import DetauditError
+
+ENV = "DETAUDIT_CPU_REPLAY"  # auto (the builtin engine replays CPU decode steps where it can) | off
+
+_tls = threading.local()  # .rec: the Recording this thread captures into; .depth: units entered
+
+
+class ReplayUnsupported(DetauditError):
+    """The forward did something a replay cannot redo (the message says what)."""
+
+
+_SCALAR_READS = {"_local_scalar_dense", "item", "equal", "is_nonzero"}
+_NOT_MADE = {"empty", "empty_strided", "empty_like"}
+
+
+def wanted(device_type: str, whole_cache_exact: bool, tp: int, routes: bool) -> bool:
+    """Whether the builtin engine records its CPU decode steps and replays them: a TP-1 dense model (MoE
+    routing records and all-reduces are not replayed) on a backend whose attention over the whole cache is
+    exact (`Backend.WHOLE_CACHE_EXACT`), unless DETAUDIT_CPU_REPLAY=off."""
+    setting = os.environ.get(ENV, "auto").strip().lower()
+    if setting not in ("auto", "off"):
+        raise DetauditError(f"{ENV}={setting!r}: use auto or off")
+    return setting == "auto" and device_type == "cpu" and whole_cache_exact and tp == 1 and not routes
+
+
+def _writes(func) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
+def _aliased(func, args, outs: list) -> bool:
+    """Whether the op's outputs alias its inputs: a view, or an op that may return its input (`to`,
+    `contiguous`) and did (one that made a copy instead is redone like any other)."""
+    if not any(r.alias_info is not None for r in func._schema.returns):  # (`is_view` is True for `to` too)
+        return False
+    bases = {t.untyped_storage().data_ptr() for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
+    return all(t.untyped_storage().data_ptr() in bases for t in outs)
+
+
+class _Ops(TorchDispatchMode):
+    """Records the PyTorch ops the capturing thread makes outside a unit."""
+
+    def __init__(self, rec: "Recording") -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(_tls, "depth", 0) or getattr(_tls, "rec", None) is not self.rec:
+            return out
+        name = func._schema.name.split("::")[-1]
+        if name in _SCALAR_READS:
+            raise ReplayUnsupported(f"the step reads a tensor's value into Python ({func}): replay would not")
+        if func.namespace == "profiler":
+            raise ReplayUnsupported("a profiler is recording: the step is not captured")
+        self.rec.keep(out)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if name in _NOT_MADE or (not _writes(func) and _aliased(func, args, outs)):
+            return out
+        if _writes(func):
+            self.rec.steps.append(lambda: func(*args, **kwargs))
+            return out
+
+        def again() -> None:
+            fresh = [t for t in tree_flatten(func(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
+            for have, new in zip(outs, fresh):
+                have.copy_(new)
+
+        self.rec.steps.append(again)
+        return out
+
+
+class Recording:
+    def __init__(self) -> None:
+        self.steps: list[Callable[[], None]] = []
+        self._alive: list = []  # every tensor the capture made: tables and numpy views hold raw addresses
+
+    def keep(self, x) -> None:
+        self._alive.append(x)
+
+
+def recording() -> bool:
+    """Whether this thread is capturing a step (outside any unit)."""
+    return getattr(_tls, "rec", None) is not None and not getattr(_tls, "depth", 0)
+
+
+def unit(fn: Callable) -> Callable:
+    """`fn` recorded as one step of a capture (the Python and ops inside it are made again by calling it
+    again). `fn` must compute only from its arguments and write only into them or its result; a tensor
+    result is copied into the captured one at replay."""
+
+    def wrapped(*args, **kwargs):
+        rec = getattr(_tls, "rec", None)
+        if rec is None or getattr(_tls, "depth", 0):
+            return fn(*args, **kwargs)
+        _tls.depth = 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _tls.depth = 0
+        rec.keep((args, kwargs, out))
+        if isinstance(out, torch.Tensor):
+            rec.steps.append(lambda: out.copy_(fn(*args, **kwargs)))
+        else:
+            rec.steps.append(lambda: fn(*args, **kwargs))
+        return out
+
+    wrapped.__wrapped__ = fn
+    wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
+    return wrapped
+
+
+def call(fn: Callable, *args) -> None:
+    """fn(*args) (a compiled kernel writing into its arguments), recorded where a capture is running."""
+    fn(*args)
+    rec = getattr(_tls, "rec", None)
+    if rec is not None and not getattr(_tls, "depth", 0):
+        rec.keep(args)
+        rec.steps.append(lambda: fn(*args))
+
+
+def refuse_threads(what: str) -> None:
+    """Called where torch ops are about to run on worker threads: a capture outside a unit cannot see
+    them."""
+    if recording():
+        raise ReplayUnsupported(f"{what} runs torch ops on worker threads outside a recorded unit")
+
+
+class Replay:
+    """The recorded steps of one capture and the forward's outputs (the tensors each replay rewrites)."""
+
+    def __init__(self, rec: Recording, out) -> None:
+        self._rec = rec
+        self.steps = tuple(rec.steps)
+        self.out = out
+
+    def run(self):
+        for step in self.steps:
+            step()
+        return self.out
+
+
+def capture(forward: Callable[[], object]) -> Replay:
+    """Run `forward()` once, recording it (see the module's doc): its outputs and the Replay that makes
+    them again. `forward` should have run once before (lazy caches: packed weights, compiled kernels), or
+    their making is recorded and repeated every replay."""
+    if torch.autograd._profiler_enabled():
+        raise ReplayUnsupported("a profiler is recording: the step is not captured")
+    if getattr(_tls, "rec", None) is not None:
+        raise ReplayUnsupported("a capture is already running on this thread")
+    rec = Recording()
+    _tls.rec, _tls.depth = rec, 0
+    try:
+        with _Ops(rec):
+            out = forward()
+    finally:
+        _tls.rec = None
+    rec.keep(out)
+    return Replay(rec, out)

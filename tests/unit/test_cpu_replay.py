@@ -1,0 +1,133 @@
+"""A CPU decode step recorded once and replayed (`kernels/cpu_replay.py`, `graphs.replayed_step`): the
+replay makes the eager step's bits (fp32 logits and log-probabilities, the cache it writes) at every step
+and position, on the compiled kernels and on the PyTorch ops; what a capture cannot redo is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from detaudit.backends.kernels import cpu_gemm, cpu_replay
+from detaudit.config import DecodingParams
+from detaudit.errors import DetauditError
+
+
+def _twice(x: torch.Tensor, out: np.ndarray) -> None:  # stands in for a compiled kernel writing `out`
+    out[:] = x.numpy() * 2
+
+
+@cpu_replay.unit
+def _unit_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.stack([a, b]).sum(0)
+
+
+def test_a_replay_redoes_ops_units_and_calls_on_new_inputs():
+    """Each kind of record: a new tensor (copied into the captured one), an op writing its argument, a
+    view (not made), an empty buffer filled by a call, a unit returning a tensor; then new inputs written in
+    place give what a fresh eager run gives."""
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+
+    def forward():
+        y = x * 3 + 1
+        y.add_(x)
+        view = y.t()
+        buf = torch.empty(2, 3)
+        cpu_replay.call(_twice, x, buf.numpy())
+        return _unit_sum(view.t(), buf).exp2()
+
+    first = forward().clone()
+    replay = cpu_replay.capture(forward)
+    assert torch.equal(replay.out, first) and torch.equal(replay.run(), first)
+    for seed in range(3):
+        x.copy_(torch.randn(2, 3, generator=torch.Generator().manual_seed(seed)))
+        assert torch.equal(replay.run(), forward())
+
+
+@pytest.mark.parametrize(
+    "step, named",
+    [
+        (lambda x: x if bool(x.sum() > 0) else -x, "value into Python"),
+        (lambda x: x * x.max().item(), "value into Python"),
+        (lambda x: cpu_gemm.run_jobs([0], lambda j: x.sum()), "worker threads"),
+    ],
+)
+def test_what_a_replay_cannot_redo_is_refused(step, named):
+    x = torch.ones(4)
+    with pytest.raises(cpu_replay.ReplayUnsupported, match=named):
+        cpu_replay.capture(lambda: step(x))
+    assert not cpu_replay.recording()  # a refused capture leaves nothing behind
+
+
+def test_the_setting_is_read_strictly(monkeypatch):
+    monkeypatch.setenv(cpu_replay.ENV, "fast")
+    with pytest.raises(DetauditError, match="DETAUDIT_CPU_REPLAY='fast'"):
+        cpu_replay.wanted("cpu", True, 1, False)
+    monkeypatch.setenv(cpu_replay.ENV, "off")
+    assert not cpu_replay.wanted("cpu", True, 1, False)
+    monkeypatch.setenv(cpu_replay.ENV, "auto")
+    assert cpu_replay.wanted("cpu", True, 1, False)
+    refused = (("cuda", True, 1, False), ("cpu", False, 1, False), ("cpu", True, 2, False), ("cpu", True, 1, True))
+    assert not any(cpu_replay.wanted(*args) for args in refused)
+
+
+def _prefilled(eng, prompts):
+    """A cache of 40 slots with `prompts` prefilled (right padded), and each row's next position."""
+    m = eng.model
+    cache = m.new_cache(len(prompts), 40)
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    m.hidden(ids, torch.arange(width).expand(len(prompts), width), cache, kv_len=width)
+    return cache, torch.tensor([len(p) for p in prompts])
+
+
+@pytest.mark.parametrize("backend", ["bio", "bio+tbik"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_replayed_step_gives_the_eager_steps_bits(tiny_qwen3, cpu_kernels, backend, dtype):
+    """Rows at different positions, six steps: every step's fp32 logits and log-probabilities and the
+    cache it wrote, replayed against eager on a copy of the same cache, bit for bit (Qwen3: per-head q / k
+    norms in the step too)."""
+    from helpers import local_engine
+
+    from detaudit.builtin.graphs import eager_step, replayed_step
+
+    eng = local_engine(tiny_qwen3, backend, dtype=dtype)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    with torch.inference_mode(), eng.backend.activate():
+        cache, pos = _prefilled(eng, prompts)
+        twin = [(k.clone(), v.clone()) for k, v in cache]
+        replayed = replayed_step(eng.model, cache, len(prompts), pad_id=0)
+        eager = eager_step(eng.model, twin)
+        tokens = torch.tensor([5, 6, 7])
+        for step in range(6):
+            got, want = replayed(tokens, pos, int(pos.max()) + 1), eager(tokens, pos, int(pos.max()) + 1)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"step {step}"
+            assert got[0].dtype == torch.float32
+            tokens, pos = want[0].argmax(-1), pos + 1
+        for (k, v), (k2, v2) in zip(cache, twin):  # (the pad K / V of warm-up and capture sits in slot 39)
+            assert torch.equal(k[:, :, :39], k2[:, :, :39]) and torch.equal(v[:, :, :39], v2[:, :, :39])
+    assert len(replayed.replay.steps) > 0
+
+
+@pytest.mark.parametrize("backend", ["bio", "bio+tbik"])
+def test_the_engine_replays_its_cpu_decode_and_outputs_do_not_change(tiny_llama, backend, monkeypatch):
+    """The engine's default on CPU: generations (sampled, top-k log-probabilities) with replayed steps equal
+    those with DETAUDIT_CPU_REPLAY=off bit for bit; the engine and each call say which ran; a call under
+    the profiler decodes eagerly, and so does bf16 (whose library attention would see the masked slots)."""
+    from helpers import generation_difference, local_engine
+
+    prompts, ids = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [3, 1]], ["a", "b", "c", "d"]
+    decoding = DecodingParams(temperature=0.8, top_p=0.95, max_new_tokens=10, logprobs=5)
+    runs = {}
+    for setting in ("off", "auto"):
+        monkeypatch.setenv(cpu_replay.ENV, setting)
+        eng = local_engine(tiny_llama, backend, dtype="bfloat16")
+        runs[setting] = eng.generate(prompts, ids, decoding, batch_size=4)
+        assert eng.describe()["cpu_replay"] == eng.last_timings["cpu_replay"] == (setting == "auto")
+    assert generation_difference(runs["auto"], runs["off"]) is None
+    profiled = eng.generate(prompts, ids, decoding, batch_size=4, profile=True)  # (a profiler: eager steps)
+    assert eng.last_timings["cpu_replay"] is False and generation_difference(profiled, runs["off"]) is None
+    monkeypatch.setenv(cpu_replay.ENV, "auto")
+    assert local_engine(tiny_llama, "bf16", dtype="bfloat16").describe()["cpu_replay"] is False
