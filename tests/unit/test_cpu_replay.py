@@ -22,19 +22,24 @@ def _unit_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([a, b]).sum(0)
 
 
-def test_a_replay_redoes_ops_units_and_calls_on_new_inputs():
-    """Each kind of record: a new tensor (copied into the captured one), an op writing its argument, a
+@pytest.mark.parametrize("out_overloads", [True, False], ids=["out-overloads", "made-then-copied"])
+def test_a_replay_redoes_ops_units_and_calls_on_new_inputs(out_overloads, monkeypatch):
+    """Each kind of record: a new tensor (made into the captured one by its out= overload, as a cast's
+    copy, or made and copied in: every op so where out= overloads are not looked up, as for an op without
+    one), an op writing its argument, a
     view (not made), an empty buffer filled by a call, a unit returning a tensor; then new inputs written in
     place give what a fresh eager run gives."""
+    if not out_overloads:
+        monkeypatch.setattr(cpu_replay, "_out_overload", lambda func: None)
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
 
     def forward():
-        y = x * 3 + 1
+        y = x.double().float() * 3 + 1
         y.add_(x)
         view = y.t()
         buf = torch.empty(2, 3)
         cpu_replay.call(_twice, x, buf.numpy())
-        return _unit_sum(view.t(), buf).exp2()
+        return _unit_sum(view.t(), buf).exp2() + torch.arange(3, dtype=torch.float32) * x[0, 0]
 
     first = forward().clone()
     replay = cpu_replay.capture(forward)

@@ -12,7 +12,8 @@ and records what it computed, in order:
   calling it again reads and writes the same memory;
 - each PyTorch op outside a unit (the glue: casts, copies, padding, the final log-softmax), seen by a
   `TorchDispatchMode`: ops that write an argument are made again as they were, ops that return a new
-  tensor are made again and copied into the tensor the capture got, views and `empty` are not made at all
+  tensor are made again into the tensor the capture got (by their out= overload, a cast as the copy it
+  is), views and `empty` are not made at all
   (a captured view already aliases its base; an empty buffer's contents are whatever the next op writes).
 
 `Replay.run()` then makes exactly those calls, with no Python of the layers in between. The inputs that
@@ -97,15 +98,45 @@ class _Ops(TorchDispatchMode):
             return out
         if _writes(func):
             self.rec.steps.append(lambda: func(*args, **kwargs))
-            return out
-
-        def again() -> None:
-            fresh = [t for t in tree_flatten(func(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
-            for have, new in zip(outs, fresh):
-                have.copy_(new)
-
-        self.rec.steps.append(again)
+        else:
+            self.rec.steps.append(_into(func, args, kwargs, outs))
         return out
+
+
+def _into(func, args, kwargs, outs: list) -> Callable[[], None]:
+    """A step making `func(*args, **kwargs)` again into the captured `outs`: by its out= overload where
+    it has one (no new tensor: a fresh allocation of a large output is page faults at every replay), a cast
+    (`to`, `_to_copy`) as the copy into the captured tensor that `_to_copy` itself is; else the op, then
+    its results copied in."""
+    name = func._schema.name.split("::")[-1]
+    if name in ("to", "_to_copy") and len(outs) == 1 and isinstance(args[0], torch.Tensor):
+        src, dst = args[0], outs[0]
+        return lambda: dst.copy_(src)
+    out_op = _out_overload(func)
+    if out_op is not None and len(out_op[1]) == len(outs):
+        op, names = out_op
+        given = {**kwargs, **dict(zip(names, outs))}
+        return lambda: op(*args, **given)
+
+    def again() -> None:
+        fresh = [t for t in tree_flatten(func(*args, **kwargs))[0] if isinstance(t, torch.Tensor)]
+        for have, new in zip(outs, fresh):
+            have.copy_(new)
+
+    return again
+
+
+def _out_overload(func):
+    """(the out= overload of `func`, its out arguments' names): the overload whose other arguments are
+    `func`'s, by name and type; None where there is none."""
+    want = [(a.name, str(a.type)) for a in func._schema.arguments]
+    packet = func.overloadpacket
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        outs = [a.name for a in op._schema.arguments if a.is_out]
+        if outs and [(a.name, str(a.type)) for a in op._schema.arguments if not a.is_out] == want:
+            return op, outs
+    return None
 
 
 class Recording:
