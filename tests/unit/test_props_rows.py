@@ -254,3 +254,29 @@ def test_compiled_add_norm_gives_the_torch_ops_bits(m, k, add, dtype, seed):
     want, got = TorchOps(b).add_norm(x, delta, norm), CompiledOps(b).add_norm(x, delta, norm)
     bits(got[0], want[0], "the normed rows")
     bits(got[1], want[1], "the residual sum")
+
+
+@PROPS
+@given(
+    g=st.integers(1, 4),
+    rows=st.integers(1, 9),
+    d=st.sampled_from([1, 16, 64, 80]),
+    transposed=st.booleans(),
+    dtype=DTYPES,
+    seed=SEEDS,
+)
+def test_compiled_scaled_queries_give_the_torch_ops_bits(g, rows, d, transposed, dtype, seed):
+    """The compiled attention's queries (`fixed._scaled_queries`: `cpu_rows.scaled_rows`) against
+    `qg.float() * scale`, bitwise, strided (a transposed view) or not, at scales that are and are not
+    powers of two, with infinities, NaN and subnormals among the queries."""
+    from detaudit.backends.kernels import cpu_calls, fixed
+
+    if cpu_calls.compiled("cpu_rows") is None:
+        return  # (numba not installed: the torch ops are the path)
+    q = spread(g, d, rows, seed=seed, dtype=torch.float32) * 8
+    q.view(-1)[: min(4, q.numel())] = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e-39])[: q.numel()]
+    q = q.to(dtype)
+    qg = q.transpose(1, 2) if transposed else q.reshape(g, rows, d)
+    for scale in (d**-0.5, 0.125, 1 / 3):
+        got = torch.from_numpy(fixed._scaled_queries(qg, scale))
+        bits(got.view(torch.int32), (qg.float() * scale).view(torch.int32), f"the queries times {scale}")  # (NaN too)

@@ -368,7 +368,7 @@ def _attention_compiled(
     g, rows, d = qg.shape
     bsz, hkv, length = k.shape[0], k.shape[1], k.shape[2]
     t = rows // groups
-    qs = (qg.float() * scale).contiguous().numpy()
+    qs = _scaled_queries(qg, scale)
     pos = _memo(
         plan,
         ("pos2", hkv, groups),
@@ -398,6 +398,20 @@ def _attend(kernel, qs, pos, kn, vn, bf16: bool, window: int, on, threads: int) 
 
     if not (threads > 1 and cpu_calls.attend_on_team(qs, pos, kn, vn, bf16, window, on, threads)):
         cpu_calls.slices(qs.shape[0], part, threads)
+
+
+def _scaled_queries(qg: Tensor, scale: float):
+    """fp32 qg * scale as a contiguous numpy array [G, R, D]: `(qg.float() * scale)`'s bits, by the compiled
+    row kernel (`cpu_rows.scaled_rows`, one call on this thread where the two torch ops were two parallel
+    regions a layer on a many-core host), or those ops where the kernel does not run."""
+    rows = cpu_calls.compiled("cpu_rows")
+    if rows is None or qg.dtype not in (torch.bfloat16, torch.float32):
+        return (qg.float() * scale).contiguous().numpy()
+    out = torch.empty(qg.shape, dtype=torch.float32)
+    bf16 = qg.dtype == torch.bfloat16
+    src = (qg.view(torch.int16) if bf16 else qg).numpy()
+    cpu_replay.call(rows.scaled_rows, src, bf16, scale, out.numpy())
+    return out.numpy()
 
 
 def _memo(plan: dict | None, key, make):
