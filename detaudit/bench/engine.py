@@ -59,11 +59,12 @@ def bench_engine(
     ids = [str(i) for i in range(len(prompts))]
     # eos disabled on both sides so both generate exactly max_new_tokens per prompt
     decoding = DecodingParams(greedy=True, max_new_tokens=max_new_tokens)
-    rows = []
+    rows, replayed = [], {}
     for backend in backends:
         eng = LocalEngine(EngineOptions(EngineSettings(dtype=dtype), model, backend))
         _, best, gens, t = time_generate(eng, prompts, ids, decoding, batch_size, repeats)
         ntok = sum(len(g.token_ids) for g in gens)
+        replayed[backend] = bool(t.get("cpu_replay"))
         rows.append(
             {
                 "engine": f"detaudit ({backend})",
@@ -124,4 +125,6 @@ def bench_engine(
     df.attrs["cpu_gemm"] = describe_cpu()["cpu_gemm"]  # bio / bio+tbik's CPU product path (bf16 inputs or fp32)
     if choice().bf16:  # how its calls were made (the same bits either way; the speed differs)
         df.attrs["cpu_dispatch"] = dispatcher()
+    # decode steps replayed from a recording or made eagerly (`graphs.replayed_step`; the same bits)
+    df.attrs["decode_steps"] = ", ".join(f"{b} {'replayed' if r else 'eager'}" for b, r in replayed.items())
     return df

@@ -60,7 +60,8 @@ def test_bench_e2e_on_cpu(tiny_llama):
 @pytest.mark.slow  # two engines and transformers on a checkpoint
 def test_bench_engine_splits_prefill_and_decode(tiny_sweep_model):
     """Each row's call splits into its prefill and its decode; ratios are to detaudit's bf16 in the run,
-    and the title names the CPU product path. A batch larger than the suite (smoke: 8 prompts) repeats them."""
+    and the title names the CPU product path and how each backend's decode steps ran. A batch larger than
+    the suite (smoke: 8 prompts) repeats them."""
     args = ["bench", "engine", "--model", str(tiny_sweep_model), "--batch-size", "10", "--max-new-tokens", "4"]
     res = runner.invoke(app, [*args, "--backends", "bf16,bio", "--json"])
     assert res.exit_code == 0, res.output
@@ -78,6 +79,7 @@ def test_bench_engine_splits_prefill_and_decode(tiny_sweep_model):
     from detaudit.backends import describe_machine
 
     assert out["meta"]["cpu_gemm"] == describe_machine()["cpu_gemm"]
+    assert out["meta"]["decode_steps"] == "bf16 eager, bio replayed"  # (CPU: bio's steps from a recording)
 
 
 @pytest.mark.slow  # engines on a checkpoint, several timed calls
