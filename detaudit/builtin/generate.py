@@ -129,6 +129,8 @@ class Generator:
         hit = self._graphs.get(batch)
         if hit is None or hit[0][0][0].shape[2] < needed:
             self._graphs.pop(batch, None)
+            if self.cpu_replay:  # one batch size's cache and recording at a time: host memory is the model's
+                self._graphs.clear()
             cache = self.model.new_cache(batch, self._slots(needed))
             make = graphed_step if self.cuda_graphs else replayed_step
             hit = self._graphs[batch] = (cache, make(self.model, cache, batch, self.pad_id), {})

@@ -136,3 +136,18 @@ def test_the_engine_replays_its_cpu_decode_and_outputs_do_not_change(tiny_llama,
     assert eng.last_timings["cpu_replay"] is False and generation_difference(profiled, runs["off"]) is None
     monkeypatch.setenv(cpu_replay.ENV, "auto")
     assert local_engine(tiny_llama, "bf16", dtype="bfloat16").describe()["cpu_replay"] is False
+
+
+def test_the_engine_keeps_one_recorded_batch_size(tiny_llama):
+    """A CPU engine keeps the cache and recording of the batch size it decoded last only (each is a KV
+    cache's worth of host memory); a batch size met again is recorded again, with the same outputs."""
+    from helpers import generation_difference, local_engine
+
+    eng = local_engine(tiny_llama, "bio", dtype="bfloat16")
+    prompts, ids = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], ["a", "b", "c"]
+    decoding = DecodingParams(greedy=True, max_new_tokens=5)
+    first = eng.generate(prompts, ids, decoding, batch_size=3)
+    assert list(eng.generator._graphs) == [3]
+    eng.generate(prompts[:2], ids[:2], decoding, batch_size=2)
+    assert list(eng.generator._graphs) == [2]
+    assert generation_difference(eng.generate(prompts, ids, decoding, batch_size=3), first) is None
