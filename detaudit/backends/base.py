@@ -61,6 +61,8 @@ from detaudit.backends import experts as layouts
 from detaudit.backends.kernels import cpu_replay
 from detaudit.backends.row_ops import TorchOps
 
+ReplayUnsupported = cpu_replay.ReplayUnsupported  # (`capture`'s refusal, for the engine)
+
 
 class ProcessGroup:
     """A TP process group: `builtin/dist.py`'s `TorchGroup` (the only place, with the peer transport

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from detaudit.backends.base import ReplayUnsupported
 from detaudit.backends.sampling import top_p_drop
 from detaudit.builtin.graphs import (
     DecodeStep,
@@ -132,8 +133,14 @@ class Generator:
             if self.cpu_replay:  # one batch size's cache and recording at a time: host memory is the model's
                 self._graphs.clear()
             cache = self.model.new_cache(batch, self._slots(needed))
-            make = graphed_step if self.cuda_graphs else replayed_step
-            hit = self._graphs[batch] = (cache, make(self.model, cache, batch, self.pad_id), {})
+            if self.cuda_graphs:
+                hit = self._graphs[batch] = (cache, graphed_step(self.model, cache, batch, self.pad_id), {})
+            else:
+                try:
+                    hit = self._graphs[batch] = (cache, replayed_step(self.model, cache, batch, self.pad_id), {})
+                except ReplayUnsupported:  # (speed only: this engine's steps stay eager, which `timings` say)
+                    self.cpu_replay = False
+                    return self._eager_cache(batch, needed), None
         return hit[0], hit[1]
 
     def _eager_cache(self, batch: int, needed: int) -> list[tuple[Tensor, Tensor]]:

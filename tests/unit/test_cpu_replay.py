@@ -17,6 +17,11 @@ def _twice(x: torch.Tensor, out: np.ndarray) -> None:  # stands in for a compile
     out[:] = x.numpy() * 2
 
 
+@torch.library.custom_op("detaudit_test::twice", mutates_args=())
+def _twice_op(x: torch.Tensor) -> torch.Tensor:  # an op outside ATen (as a collective is)
+    return x * 2
+
+
 @cpu_replay.unit
 def _unit_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([a, b]).sum(0)
@@ -55,6 +60,7 @@ def test_a_replay_redoes_ops_units_and_calls_on_new_inputs(out_overloads, monkey
         (lambda x: x if bool(x.sum() > 0) else -x, "value into Python"),
         (lambda x: x * x.max().item(), "value into Python"),
         (lambda x: cpu_gemm.run_jobs([0], lambda j: x.sum()), "worker threads"),
+        (lambda x: _twice_op(x) + 1, "detaudit_test.twice"),
     ],
 )
 def test_what_a_replay_cannot_redo_is_refused(step, named):
@@ -120,7 +126,8 @@ def test_a_replayed_step_gives_the_eager_steps_bits(tiny_qwen3, cpu_kernels, bac
 def test_the_engine_replays_its_cpu_decode_and_outputs_do_not_change(tiny_llama, backend, monkeypatch):
     """The engine's default on CPU: generations (sampled, top-k log-probabilities) with replayed steps equal
     those with DETAUDIT_CPU_REPLAY=off bit for bit; the engine and each call say which ran; a call under
-    the profiler decodes eagerly, and so does bf16 (whose library attention would see the masked slots)."""
+    the profiler decodes eagerly, as does an engine whose capture is refused, and bf16 (whose library
+    attention would see the masked slots)."""
     from helpers import generation_difference, local_engine
 
     prompts, ids = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [3, 1]], ["a", "b", "c", "d"]
@@ -134,6 +141,14 @@ def test_the_engine_replays_its_cpu_decode_and_outputs_do_not_change(tiny_llama,
     assert generation_difference(runs["auto"], runs["off"]) is None
     profiled = eng.generate(prompts, ids, decoding, batch_size=4, profile=True)  # (a profiler: eager steps)
     assert eng.last_timings["cpu_replay"] is False and generation_difference(profiled, runs["off"]) is None
+
+    def refused(*a, **k):
+        raise cpu_replay.ReplayUnsupported("a step this recorder cannot redo")
+
+    monkeypatch.setattr("detaudit.builtin.generate.replayed_step", refused)
+    eng = local_engine(tiny_llama, backend, dtype="bfloat16")  # a capture refused: eager steps, same outputs
+    assert generation_difference(eng.generate(prompts, ids, decoding, batch_size=4), runs["off"]) is None
+    assert eng.last_timings["cpu_replay"] is False
     monkeypatch.setenv(cpu_replay.ENV, "auto")
     assert local_engine(tiny_llama, "bf16", dtype="bfloat16").describe()["cpu_replay"] is False
 
@@ -151,3 +166,12 @@ def test_the_engine_keeps_one_recorded_batch_size(tiny_llama):
     eng.generate(prompts[:2], ids[:2], decoding, batch_size=2)
     assert list(eng.generator._graphs) == [2]
     assert generation_difference(eng.generate(prompts, ids, decoding, batch_size=3), first) is None
+
+
+def test_out_overloads_only_for_ops_with_kernels_of_their_own():
+    """A composite op's out= overload may decompose otherwise than the op (`linear`, `matmul`): such ops are
+    made again and copied in; an op with a kernel of its own writes the captured tensor (`mul.out`)."""
+    aten = torch.ops.aten
+    assert cpu_replay._out_overload(aten.mul.Tensor) == (aten.mul.out, ["out"])
+    assert cpu_replay._out_overload(aten.linear.default) is None
+    assert cpu_replay._out_overload(aten.matmul.default) is None

@@ -382,6 +382,7 @@ def _calls(a: Tensor, packed: Tensor, cols: int | None, out_dtype: torch.dtype =
     )
     c_at = out.data_ptr() if out_dtype == torch.float32 else 0
     table = offsets + np.array([a.data_ptr(), packed.data_ptr(), c_at], dtype=np.int64)
+    cpu_replay.keep(a, packed, out)  # (the table's addresses)
     return out, shape, table, flops, threads
 
 
@@ -446,6 +447,7 @@ def leaf_sums(a: Tensor, packed: Tensor, out_dtype: torch.dtype = torch.float32)
     table = _tree_offsets(g, p, nb, a_group, a_block, r * ldc, half * width * 2 * 2, width) + np.array(
         [a.data_ptr(), packed.data_ptr(), 0], dtype=np.int64
     )
+    cpu_replay.keep(a, packed)  # (the table's addresses)
     shape = (r, width, k2, lda, width, ldc)
     flat = out.view(torch.int16 if bf16 else torch.float32).numpy().reshape(-1)
     done = cpu_calls.run_tree(_kernel, shape, table, g, None if bf16 else flat, flops, flat if bf16 else None)

@@ -22,9 +22,11 @@ caller overwrites in place before each replay. Each replayed call computes what 
 from the same inputs (the same functions on the same memory, in the same order), so a replayed step's bits
 are the eager step's: `tests/unit/test_cpu_replay.py` and the engine's replay-against-eager test check it.
 
-What a capture cannot replay is refused (`ReplayUnsupported`), never recorded wrongly: a tensor's value
-read into Python (`.item()`, `bool(t)`: a decision replay would not retake), torch ops run on other
-threads outside a unit (`cpu_gemm.run_jobs`), or a profiler that is recording.
+What a capture sees it cannot replay is refused (`ReplayUnsupported`): a tensor's value read into Python
+through the dispatcher (`.item()`, `bool(t)`: a decision replay would not retake), an op outside ATen (a
+collective, whose completion its Python caller waits for), torch ops run on other threads outside a unit
+(`cpu_gemm.run_jobs`), a profiler that is recording. Reads that bypass the dispatcher (`.tolist()`, numpy
+views read in Python) are not seen: the replay-against-eager tests guard the decode step's code there.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class _Ops(TorchDispatchMode):
             raise ReplayUnsupported(f"the step reads a tensor's value into Python ({func}): replay would not")
         if func.namespace == "profiler":
             raise ReplayUnsupported("a profiler is recording: the step is not captured")
+        if func.namespace != "aten":
+            raise ReplayUnsupported(f"the step calls {func}, which a replay cannot redo")
         self.rec.keep(out)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if name in _NOT_MADE or (not _writes(func) and _aliased(func, args, outs)):
@@ -128,7 +132,11 @@ def _into(func, args, kwargs, outs: list) -> Callable[[], None]:
 
 def _out_overload(func):
     """(the out= overload of `func`, its out arguments' names): the overload whose other arguments are
-    `func`'s, by name and type; None where there is none."""
+    `func`'s, by name and type, for an op with a kernel of its own (a composite op's out= overload may
+    decompose otherwise than the op: `linear`, `matmul`); None where there is none."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    if not (has(func.name(), "CPU") or has(func.name(), "CompositeExplicitAutograd")):
+        return None
     want = [(a.name, str(a.type)) for a in func._schema.arguments]
     packet = func.overloadpacket
     for overload in packet.overloads():
@@ -186,6 +194,14 @@ def call(fn: Callable, *args) -> None:
     if rec is not None and not getattr(_tls, "depth", 0):
         rec.keep(args)
         rec.steps.append(lambda: fn(*args))
+
+
+def keep(*objects) -> None:
+    """Keep `objects` alive with the recording this thread is capturing into, if any: operands a call table
+    addresses by raw pointer that nothing recorded holds (a packed weight cached elsewhere)."""
+    rec = getattr(_tls, "rec", None)
+    if rec is not None:
+        rec.keep(objects)
 
 
 def refuse_threads(what: str) -> None:
