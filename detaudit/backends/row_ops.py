@@ -34,6 +34,10 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class TorchOps:
+    # its steps are PyTorch ops and compiled CPU calls, which a CPU decode step's recording sees
+    # (`kernels/cpu_replay.py`); FusedOps' Triton kernels (on CPU tensors: the interpreter) it would not
+    REPLAYABLE = True
+
     def __init__(self, backend) -> None:
         self.backend = backend
         self.merge_projections = backend.COLUMN_INVARIANT
@@ -70,6 +74,8 @@ class FusedOps(TorchOps):
     own GPU RMSNorm kernel, the rotary kernel rounds where the PyTorch ops round (a head size it does not
     take goes op by op, with the same bits; silu * up is the backend's, on GPU `fused.silu_mul` already).
     Only for a backend whose GPU `rms_norm` is that kernel (`fused_or_torch`)."""
+
+    REPLAYABLE = False
 
     def __init__(self, backend) -> None:
         super().__init__(backend)

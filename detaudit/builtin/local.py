@@ -75,8 +75,10 @@ class LocalEngine:
         # decode from CUDA graphs on a GPU: TP 1, emulated TP, and every rank of real TP (the all-reduce is
         # captured into each rank's graph)
         self.cuda_graphs = s.cuda_graphs and self.device.type == "cuda"
-        # (a TP-1 rank in a process group, DETAUDIT_TP1_GROUP, all-reduces: eager)
-        self.cpu_replay = group is None and self.backend.replays_decode(self.device, options.tp, self.model.routes)
+        # (a TP-1 rank in a process group, DETAUDIT_TP1_GROUP, all-reduces, and Triton's row kernels on CPU
+        # tensors run in its interpreter, which a recording does not see: eager)
+        replayable = group is None and self.model.ops.REPLAYABLE
+        self.cpu_replay = replayable and self.backend.replays_decode(self.device, options.tp, self.model.routes)
         self.generator = Generator(
             self.model,
             options.eos_ids,
