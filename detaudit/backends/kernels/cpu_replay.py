@@ -31,6 +31,7 @@ views read in Python) are not seen: the replay-against-eager tests guard the dec
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Callable
@@ -87,7 +88,7 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if getattr(_tls, "depth", 0) or getattr(_tls, "rec", None) is not self.rec:
+        if _recorder() is not self.rec:
             return out
         name = func._schema.name.split("::")[-1]
         if name in _SCALAR_READS:
@@ -98,21 +99,18 @@ class _Ops(TorchDispatchMode):
             raise ReplayUnsupported(f"the step calls {func}, which a replay cannot redo")
         self.rec.keep(out)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if name in _NOT_MADE or (not _writes(func) and _aliased(func, args, outs)):
+        writes = _writes(func)
+        if name in _NOT_MADE or (not writes and _aliased(func, args, outs)):
             return out
-        if _writes(func):
-            self.rec.steps.append(lambda: func(*args, **kwargs))
-        else:
-            self.rec.steps.append(_into(func, args, kwargs, outs))
+        self.rec.steps.append((lambda: func(*args, **kwargs)) if writes else _into(func, name, args, kwargs, outs))
         return out
 
 
-def _into(func, args, kwargs, outs: list) -> Callable[[], None]:
+def _into(func, name: str, args, kwargs, outs: list) -> Callable[[], None]:
     """A step making `func(*args, **kwargs)` again into the captured `outs`: by its out= overload where
     it has one (no new tensor: a fresh allocation of a large output is page faults at every replay), a cast
     (`to`, `_to_copy`) as the copy into the captured tensor that `_to_copy` itself is; else the op, then
     its results copied in."""
-    name = func._schema.name.split("::")[-1]
     if name in ("to", "_to_copy") and len(outs) == 1 and isinstance(args[0], torch.Tensor):
         src, dst = args[0], outs[0]
         return lambda: dst.copy_(src)
@@ -156,9 +154,15 @@ class Recording:
         self._alive.append(x)
 
 
+def _recorder() -> Recording | None:
+    """The Recording this thread captures into, where it is outside any unit (inside one, the unit is
+    what is recorded)."""
+    return None if getattr(_tls, "depth", 0) else getattr(_tls, "rec", None)
+
+
 def recording() -> bool:
     """Whether this thread is capturing a step (outside any unit)."""
-    return getattr(_tls, "rec", None) is not None and not getattr(_tls, "depth", 0)
+    return _recorder() is not None
 
 
 def unit(fn: Callable) -> Callable:
@@ -166,9 +170,10 @@ def unit(fn: Callable) -> Callable:
     again). `fn` must compute only from its arguments and write only into them or its result; a tensor
     result is copied into the captured one at replay."""
 
+    @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        rec = getattr(_tls, "rec", None)
-        if rec is None or getattr(_tls, "depth", 0):
+        rec = _recorder()
+        if rec is None:
             return fn(*args, **kwargs)
         _tls.depth = 1
         try:
@@ -182,16 +187,14 @@ def unit(fn: Callable) -> Callable:
             rec.steps.append(lambda: fn(*args, **kwargs))
         return out
 
-    wrapped.__wrapped__ = fn
-    wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
     return wrapped
 
 
 def call(fn: Callable, *args) -> None:
     """fn(*args) (a compiled kernel writing into its arguments), recorded where a capture is running."""
     fn(*args)
-    rec = getattr(_tls, "rec", None)
-    if rec is not None and not getattr(_tls, "depth", 0):
+    rec = _recorder()
+    if rec is not None:
         rec.keep(args)
         rec.steps.append(lambda: fn(*args))
 
