@@ -24,10 +24,12 @@ from detaudit.config import DecodingParams, EngineOptions, EngineSettings, Model
 def time_generate(
     engine, prompts: list[list[int]], ids: list[str], decoding: DecodingParams, batch_size: int, repeats: int
 ) -> tuple[float, float, list, dict]:
-    """(seconds of a 2-token warm-up call, best seconds of `repeats` timed generate calls, the best
-    call's outputs and the engine's own timings of it: `last_timings`, {} where it keeps none)."""
+    """(seconds of a warm-up call, best seconds of `repeats` timed generate calls, the best call's outputs
+    and the engine's own timings of it: `last_timings`, {} where it keeps none). The warm-up decodes as
+    the timed calls do, so what an engine builds for them (packed weights, kernels, a CPU engine's recorded
+    decode step: `generate.REPLAY_AFTER_STEPS`) is built before the clock runs."""
     t = time.perf_counter()
-    engine.generate(prompts, ids, DecodingParams(greedy=True, max_new_tokens=2), batch_size)  # warm-up / build
+    engine.generate(prompts, ids, decoding, batch_size)
     warm_s = time.perf_counter() - t
     best, gens, timings = float("inf"), [], {}
     for _ in range(repeats):

@@ -91,6 +91,14 @@ def _to_host(*tensors: Tensor, lists: bool = True):
     return wait
 
 
+# CPU replay: a batch size's decode steps are recorded once it has this many of them to run (a call's, and
+# the eager ones before it). The capture (a warm-up step and a recorded one, with the dispatch of every op
+# watched) costs about ten eager steps and a replayed step saves a third of one (the embedded model at
+# batch 4 on a 2-core EPYC: capture 0.6 s, eager steps 76 ms, replayed 49 ms), so calls of a few tokens, as
+# tests make, stay eager, and a sweep's batch size is recorded by its second call of 16 tokens
+REPLAY_AFTER_STEPS = 24
+
+
 class Generator:
     def __init__(
         self,
@@ -114,8 +122,11 @@ class Generator:
         # batch -> (cache, graphed or replayed decode step, graphed verify steps by rows per request)
         self._graphs: dict[int, tuple[list[tuple[Tensor, Tensor]], DecodeStep, dict[int, RowsStep]]] = {}
         self._drafts: dict[str, DraftModel] = {}  # draft models by checksum, loaded on first use
+        self._eager_steps: dict[int, int] = {}  # CPU: decode steps run eagerly per batch size (`_decode_setup`)
 
-    def _decode_setup(self, batch: int, needed: int) -> tuple[list[tuple[Tensor, Tensor]], DecodeStep | None]:
+    def _decode_setup(
+        self, batch: int, needed: int, steps: int = 0
+    ) -> tuple[list[tuple[Tensor, Tensor]], DecodeStep | None]:
         """A KV cache of at least `needed` slots and, with CUDA graphs (or CPU replay), the graphed
         (replayed) step over it. A batch size's cache and graph are reused while they are long enough
         (slots another batch left behind sit past every query's position: masked), and replaced by a
@@ -124,11 +135,16 @@ class Generator:
         (bf16: cuDNN, which builds an execution plan per new key length, about as long as a whole decode
         step's launches) plans once per length. bio's attention walks only the chunks a row can see: the
         extra slots change no bit. A CPU step that cannot be recorded now (a profiler is recording) is
-        eager for this call."""
+        eager for this call, and so are the `steps` decode steps of a call at a batch size that has not
+        yet run REPLAY_AFTER_STEPS of them (this call's included): a capture costs about ten eager steps
+        (`replayed_step`), which a replayed step repays by a third of its time at most."""
         if not (self.cuda_graphs or self.cpu_replay) or (self.cpu_replay and torch.autograd._profiler_enabled()):
             return self._eager_cache(batch, needed), None
         hit = self._graphs.get(batch)
         if hit is None or hit[0][0][0].shape[2] < needed:
+            if self.cpu_replay and self._eager_steps.get(batch, 0) + steps < REPLAY_AFTER_STEPS:
+                self._eager_steps[batch] = self._eager_steps.get(batch, 0) + steps
+                return self._eager_cache(batch, needed), None
             self._graphs.pop(batch, None)
             if self.cpu_replay:  # one batch size's cache and recording at a time: host memory is the model's
                 self._graphs.clear()
@@ -220,7 +236,7 @@ class Generator:
         pos = torch.arange(T, device=self.device).expand(B, T)
         gens = request_generators(decoding, prompt_ids)
         clock = _Clock(self.device)
-        cache, step_fn = self._decode_setup(B, T + decoding.max_new_tokens)
+        cache, step_fn = self._decode_setup(B, T + decoding.max_new_tokens, decoding.max_new_tokens - 1)
         replayed = step_fn is not None and not self.cuda_graphs
         step_fn = step_fn or eager_step(m, cache)
         if self.device.type == "cuda":

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from detaudit.backends.kernels import cpu_gemm, cpu_replay
+from detaudit.builtin import generate
 from detaudit.config import DecodingParams
 from detaudit.errors import DetauditError
 
@@ -130,6 +131,7 @@ def test_the_engine_replays_its_cpu_decode_and_outputs_do_not_change(tiny_llama,
     attention would see the masked slots)."""
     from helpers import generation_difference, local_engine
 
+    monkeypatch.setattr(generate, "REPLAY_AFTER_STEPS", 0)  # (recorded at once: short calls)
     prompts, ids = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [3, 1]], ["a", "b", "c", "d"]
     decoding = DecodingParams(temperature=0.8, top_p=0.95, max_new_tokens=10, logprobs=5)
     runs = {}
@@ -153,11 +155,12 @@ def test_the_engine_replays_its_cpu_decode_and_outputs_do_not_change(tiny_llama,
     assert local_engine(tiny_llama, "bf16", dtype="bfloat16").describe()["cpu_replay"] is False
 
 
-def test_the_engine_keeps_one_recorded_batch_size(tiny_llama):
+def test_the_engine_keeps_one_recorded_batch_size(tiny_llama, monkeypatch):
     """A CPU engine keeps the cache and recording of the batch size it decoded last only (each is a KV
     cache's worth of host memory); a batch size met again is recorded again, with the same outputs."""
     from helpers import generation_difference, local_engine
 
+    monkeypatch.setattr(generate, "REPLAY_AFTER_STEPS", 0)
     eng = local_engine(tiny_llama, "bio", dtype="bfloat16")
     prompts, ids = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], ["a", "b", "c"]
     decoding = DecodingParams(greedy=True, max_new_tokens=5)
@@ -175,3 +178,32 @@ def test_out_overloads_only_for_ops_with_kernels_of_their_own():
     assert cpu_replay._out_overload(aten.mul.Tensor) == (aten.mul.out, ["out"])
     assert cpu_replay._out_overload(aten.linear.default) is None
     assert cpu_replay._out_overload(aten.matmul.default) is None
+
+
+def test_a_batch_size_is_recorded_once_it_has_run_enough_steps(tiny_llama):
+    """The capture costs several eager steps: a batch size's calls decode eagerly until it has run
+    `REPLAY_AFTER_STEPS` decode steps (the call's own included), then its steps are replayed; each batch
+    size counts its own, and a call long enough is recorded at once. The outputs never change."""
+    from helpers import generation_difference, local_engine
+
+    n = generate.REPLAY_AFTER_STEPS
+    eng = local_engine(tiny_llama, "bio", dtype="bfloat16")
+    prompts, ids = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], ["a", "b", "c"]
+    short = DecodingParams(greedy=True, max_new_tokens=n // 2)  # n / 2 - 1 decode steps a call
+    seen, first = [], None
+    for _ in range(3):
+        out = eng.generate(prompts, ids, short, batch_size=3)
+        seen.append(eng.last_timings["cpu_replay"])
+        assert first is None or generation_difference(out, first) is None
+        first = first or out
+    assert seen == [False, False, True], seen  # n - 2 steps run eagerly, then the third call's reach n
+    eng.generate(prompts[:2], ids[:2], short, batch_size=2)
+    assert eng.last_timings["cpu_replay"] is False  # batch 2 counts from nothing
+    long = DecodingParams(greedy=True, max_new_tokens=n + 1)
+    eng = local_engine(tiny_llama, "bio", dtype="bfloat16")
+    out = eng.generate(prompts, ids, long, batch_size=3)
+    assert eng.last_timings["cpu_replay"] is True  # n decode steps in one call: recorded at once
+    for a, b in zip(out, first):  # greedy: the short calls' tokens are the long one's first, bit for bit
+        k = len(b.token_ids)
+        assert a.token_ids[:k] == b.token_ids and a.token_logprobs[:k] == b.token_logprobs
+        assert a.topk_logprobs[:k] == b.topk_logprobs

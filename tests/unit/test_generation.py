@@ -135,7 +135,7 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
         pytest.param("cuda", True, marks=[pytest.mark.gpu, GPU]),
     ],  # fmt: skip
 )
-def test_builtin_engine_stops_at_a_stop_string(tiny_llama, device, graphs):
+def test_builtin_engine_stops_at_a_stop_string(tiny_llama, device, graphs, monkeypatch):
     """Greedy rows of the real engine: with a stop string taken from a row's own output, that row ends at
     the token completing it (finish reason "stop", the tokens a prefix of the unstopped row, bitwise), and
     the other rows of the batch are unchanged. The decode loop runs a step ahead of the host (from CUDA
@@ -143,8 +143,10 @@ def test_builtin_engine_stops_at_a_stop_string(tiny_llama, device, graphs):
     still end where the host saw the string."""
     from helpers import local_engine
 
+    from detaudit.builtin import generate
     from detaudit.builtin.generate import Generator
 
+    monkeypatch.setattr(generate, "REPLAY_AFTER_STEPS", 0)  # (CPU: recorded at once, a short call)
     eng = local_engine(tiny_llama, "bio", dtype="float32", device=device, cuda_graphs=graphs)
     gen = Generator(eng.model, eos_ids=(), cuda_graphs=graphs, cpu_replay=graphs, decode=_decode)
     prompts, ids = [[1, 2, 3], [4, 5, 6, 7], [8, 9]], ["a", "b", "c"]
