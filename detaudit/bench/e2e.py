@@ -2,7 +2,7 @@
 
 For each (model, TP, backend) one engine is built and, per batch size, a batch of random prompts of
 `prompt_tokens` ids (seeded: every backend sees the same ids) is generated greedily for `new_tokens`
-tokens with EOS disabled, after a short warm-up call (compilation, caches), `repeats` times (the rows
+tokens with EOS disabled, after a warm-up call (compilation, caches, graphs), `repeats` times (the rows
 report the median call by decode ms per step, and the median of the calls' prefill rates: one eager prefill
 a call is a single sample, at times 5-20% slow on the GPU machines' hosts; with more than one
 call, `ms_per_step_min` / `_max` and `prefill_tok_s_min` / `_max` show the spread: eager decode is
@@ -18,7 +18,9 @@ its launches up to the first logits, not synchronized; where it comes close to t
 speed (reports/gpu/moe: a MoE prefill of 4,096 tokens at TP 2). Ratios are to
 bf16 of the same model, TP, batch and graph mode in the same run. `cuda_graphs="both"` times every
 configuration eagerly and graphed on the same device (`graphed_speedup`: eager over graphed ms per step).
-With `DETAUDIT_TP1_GROUP=1`, real TP 1 runs in a one-rank process group (NCCL on GPU), as TP > 1 does.
+On CPU, `cpu_replayed_calls` is how many of the timed calls decoded from a recorded step (`replayed_step`;
+the warm-up decodes as they do, so the recording is made before them: all or none). With
+`DETAUDIT_TP1_GROUP=1`, real TP 1 runs in a one-rank process group (NCCL on GPU), as TP > 1 does.
 
 `profile` > 0: after an engine's timed calls (all batch sizes: a profiler may leave the process slower),
 two more calls per batch size run under torch.profiler in the engine's process (under real TP rank 0's,
@@ -103,7 +105,10 @@ def bench_e2e(
 
     rows = []
     timed = DecodingParams(greedy=True, max_new_tokens=new_tokens)
-    warm = DecodingParams(greedy=True, max_new_tokens=min(4, new_tokens))
+    # the warm-up builds what the timed calls use: a few tokens make a GPU engine's CUDA graphs, a CPU
+    # engine records its decode step only once a batch size has enough of them (`generate.REPLAY_AFTER_STEPS`):
+    # there the warm-up decodes as the timed calls do, or the first timed call would be eager, the rest not
+    warm = timed if device == "cpu" else DecodingParams(greedy=True, max_new_tokens=min(4, new_tokens))
     modes = (False, True) if cuda_graphs == "both" else (bool(cuda_graphs),)
     for model in models:
         name, vocab = model.name, ModelConfig.of(model).vocab_size
@@ -140,6 +145,11 @@ def bench_e2e(
                             "host_ms_per_step": 1e3 * t["issue_s"] / max(1, t["decode_steps"]),
                             "capture_s": t["capture_s"],
                             "cuda_graphs": bool(t.get("cuda_graphs")),
+                            **(
+                                {"cpu_replayed_calls": sum(bool(r.get("cpu_replay")) for r in runs)}
+                                if device == "cpu"
+                                else {}
+                            ),
                             "workers": eng.describe().get("workers", 0),
                         }
                         if repeats > 1:

@@ -14,6 +14,20 @@ runner = CliRunner()
 
 
 @pytest.mark.slow  # three engines on a checkpoint
+def test_bench_e2e_on_cpu_times_replayed_steps_in_every_call(tiny_llama):
+    """A CPU engine records its decode step once a batch size has run enough steps: the warm-up decodes as
+    the timed calls do, so every timed call's steps are replayed (none eager among them)."""
+    from detaudit.builtin.generate import REPLAY_AFTER_STEPS
+
+    tokens = REPLAY_AFTER_STEPS // 2 + 1  # (the warm-up's steps and the first timed call's reach the threshold)
+    args = ["bench", "e2e", "--models", str(tiny_llama), "--device", "cpu", "--batch-sizes", "2"]
+    args += ["--prompt-tokens", "8", "--new-tokens", str(tokens), "--repeats", "2", "--backends", "bio", "--json"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(res.stdout)["rows"]
+    assert row["cpu_replayed_calls"] == 2, row
+
+
 def test_bench_e2e_on_cpu(tiny_llama):
     """One row per backend, bf16's ratios are 1, bad TP input is one line."""
     res = runner.invoke(
