@@ -1,13 +1,15 @@
 """Where a replayed CPU decode step's time goes, call by call (a tuning aid for issue 55, not a test).
 
     python3 tools/replay_split.py MODEL_DIR [--batch 32] [--tokens 32] [--backend bio+tbik] [--torch-threads K]
+        [--spins N] [--team-share FLOPS] [--team-threads N] [--no-eager]
 
 Builds the built-in engine on MODEL_DIR, decodes a batch of repeated prompts once to warm up (the
 recording is made there), then times every recorded call of the next call's replayed steps, grouped by
 what it is (a compiled unit or call by its function's name, a PyTorch op by its name, `cast` for a cast's
 copy), and prints milliseconds per step, with the whole step's and the eager step's for comparison.
 `--torch-threads K` runs the replay's PyTorch ops on K intra-op threads (torch.set_num_threads around each
-replay), to see what the switches between torch's OpenMP team and detaudit's cost. The OpenMP wait is
+replay), to see what the switches between torch's OpenMP team and detaudit's cost; `--spins`,
+`--team-share` and `--team-threads` set the team's polls, flops a thread and most threads. The OpenMP wait is
 the command line's (`detaudit.omp_wait`), set before torch loads."""
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def main() -> None:
     n = replays[0]
     print(
         f"batch {a.batch}, {torch.get_num_threads()} torch threads, {omp_wait.describe()}, {a.backend}, spins "
-        f"{a.spins or 'default'}, team share {a.team_share or 'default'}"
+        f"{a.spins or 'default'}, team share {a.team_share or 'default'}, team threads {a.team_threads or 'torch'}"
     )
     print(f"replay's torch threads {a.torch_threads or 'as torch'}: eager step {1e3 * eager_step:.2f} ms, replayed")
     print(f"{1e3 * whole:.2f} ms (untimed), timed {1e3 * sum(totals.values()) / n:.2f} ms")

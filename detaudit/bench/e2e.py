@@ -145,13 +145,10 @@ def bench_e2e(
                             "host_ms_per_step": 1e3 * t["issue_s"] / max(1, t["decode_steps"]),
                             "capture_s": t["capture_s"],
                             "cuda_graphs": bool(t.get("cuda_graphs")),
-                            **(
-                                {"cpu_replayed_calls": sum(bool(r.get("cpu_replay")) for r in runs)}
-                                if device == "cpu"
-                                else {}
-                            ),
                             "workers": eng.describe().get("workers", 0),
                         }
+                        if device == "cpu":
+                            row["cpu_replayed_calls"] = sum(bool(r.get("cpu_replay")) for r in runs)
                         if repeats > 1:
                             row.update(
                                 repeats=repeats,

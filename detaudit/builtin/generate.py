@@ -136,14 +136,14 @@ class Generator:
         step's launches) plans once per length. bio's attention walks only the chunks a row can see: the
         extra slots change no bit. A CPU step that cannot be recorded now (a profiler is recording) is
         eager for this call, and so are the `steps` decode steps of a call at a batch size that has not
-        yet run REPLAY_AFTER_STEPS of them (this call's included): a capture costs about ten eager steps
-        (`replayed_step`), which a replayed step repays by a third of its time at most."""
+        yet run REPLAY_AFTER_STEPS of them (this call's included; why: at the constant)."""
         if not (self.cuda_graphs or self.cpu_replay) or (self.cpu_replay and torch.autograd._profiler_enabled()):
             return self._eager_cache(batch, needed), None
         hit = self._graphs.get(batch)
         if hit is None or hit[0][0][0].shape[2] < needed:
-            if self.cpu_replay and self._eager_steps.get(batch, 0) + steps < REPLAY_AFTER_STEPS:
-                self._eager_steps[batch] = self._eager_steps.get(batch, 0) + steps
+            ran = self._eager_steps.get(batch, 0) + steps
+            if self.cpu_replay and ran < REPLAY_AFTER_STEPS:
+                self._eager_steps[batch] = ran
                 return self._eager_cache(batch, needed), None
             self._graphs.pop(batch, None)
             if self.cpu_replay:  # one batch size's cache and recording at a time: host memory is the model's
