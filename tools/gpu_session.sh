@@ -14,6 +14,8 @@
 #   bash tools/gpu_session.sh amxprof    bench e2e on the host CPU (AMX), before / after, first round profiled
 #   bash tools/gpu_session.sh amxwait    bench engine on the host CPU (AMX) under each OpenMP wait of AMX_WAITS
 #   bash tools/gpu_session.sh amxbatch   bench engine on the host CPU (AMX) at each batch size of AMX_BATCHES
+#   bash tools/gpu_session.sh amxab      bench engine on the host CPU (AMX), the `before` tree and this checkout in turn
+#   bash tools/gpu_session.sh amxsplit   tools/replay_split.py on the host CPU (AMX) under each team poll count of AMX_SPINS
 #   bash tools/gpu_session.sh amxspy     bench engine on the host CPU (AMX) under py-spy (.carry/pyspy's wheel),
 #                                        each backend of AMX_BACKENDS alone: raw samples into $OUT
 #   bash tools/gpu_session.sh wait       until the background jobs are done (or WAIT_S seconds)
@@ -25,7 +27,7 @@
 #   bash tools/gpu_session.sh prof       bench e2e --profile of TP 1's dense prefill (issue 53: where the rest goes)
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
-# Knobs: AMX_BACKENDS (amx, amxprof, amxbatch: comma-separated; amxspy: space-separated, a run each), AMX_ROUNDS and AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch, amxspy), AMX_REPLAY (amxbatch), SPY_RATE (amxspy), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
+# Knobs: AMX_BACKENDS (amx, amxprof, amxbatch: comma-separated; amxspy: space-separated, a run each), AMX_ROUNDS and AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch, amxspy), AMX_REPLAY (amxbatch), AMX_SPINS (amxsplit), SPY_RATE (amxspy), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
 set -uo pipefail
 
 GS=${GS:-/tmp/gs}
@@ -185,6 +187,36 @@ step_amxbatch() {  # issue 55: bench engine on the host's CPU at each of AMX_BAT
   done
 }
 
+step_amxab() {  # issue 55: bench engine on the host's CPU, the `before` tree ($BEFORE) and this checkout in
+  # turn (one process each, from its own tree), at each of AMX_BATCHES, AMX_ROUNDS times, AMX_THREADS threads
+  amx_model
+  local b=(bench engine --model "$GS/amx-model" --max-new-tokens 32 --backends "${AMX_BACKENDS:-bf16,bio+tbik}")
+  local t=${AMX_THREADS:-16} bs round tree name
+  for bs in ${AMX_BATCHES:-8 32}; do
+    for round in $(seq "${AMX_ROUNDS:-1}"); do
+      for tree in "$BEFORE" "$PWD"; do
+        name=$([ "$tree" = "$PWD" ] && echo after || echo "before $(cat "$BEFORE/COMMIT")")
+        echo "== batch $bs, round $round, $name"
+        (cd "$tree" && env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$t" PYTHONPATH="$GS/amx/site:${PYTHONPATH/$PWD/$tree}" \
+          timeout 300 python3 -m detaudit "${b[@]}" --batch-size "$bs" --save "$OUT/ab-b$bs-r$round-${name%% *}.md" \
+          >/dev/null 2>"$GS/logs/amxab.err") || tail -3 "$GS/logs/amxab.err"
+        grep "^| detaudit" "$OUT/ab-b$bs-r$round-${name%% *}.md" | cut -c1-220
+      done
+    done
+  done
+}
+
+step_amxsplit() {  # issue 55: tools/replay_split.py on the host's CPU at batch AMX_BATCHES (default 32), AMX_THREADS
+  # threads, once per team poll count of AMX_SPINS (0: the default)
+  amx_model
+  local s
+  for s in ${AMX_SPINS:-0}; do
+    echo "== replay_split, batch ${AMX_BATCHES:-32}, spins $s"
+    env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="${AMX_THREADS:-16}" PYTHONPATH="$GS/amx/site:$PYTHONPATH" timeout 200 \
+      python3 tools/replay_split.py "$GS/amx-model" --batch "${AMX_BATCHES:-32}" --no-eager --spins "$s" 2>&1 | head -16
+  done
+}
+
 step_amxspy() {  # issue 55: where a decode step's time goes on the host's CPU, sampled by py-spy
   amx_model
   python3 -m pip install -q --no-index --no-deps --target "$GS/pyspy" .carry/pyspy/*.whl || return 1
@@ -264,7 +296,7 @@ if [ "${1:-}" = run ]; then  # a background job: marked running while it runs
   rm -f "$GS/running.$2"
   exit 0
 fi
-[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 for step in "$@"; do
   say "step $step"
   "step_$step" || echo "step $step FAILED (exit $?)"

@@ -184,8 +184,7 @@ def test_row_kernels_spread_over_threads_keep_each_rows_bits(dispatch, dtype, mo
         b = get_backend("bio")
         tall = _rand(600, 576, dtype=dtype, seed=3)  # 345,600 elements: past `ROWS_SPLIT`
         wt = _rand(576, dtype=dtype, seed=2)
-        share = cpu_calls.share(cpu_calls.ROWS_PER_THREAD, cpu_calls.ROWS_TEAM_PER_THREAD)
-        assert cpu_calls.threads_for(600, tall.numel(), cpu_calls.ROWS_SPLIT, share) > 1
+        assert cpu_calls.row_threads("rms", 600, tall.numel()) > 1
         team = cpu_calls.team()
         assert (team is not None) == (dispatch == "team")
         jobs = team.job if team else 0

@@ -312,22 +312,37 @@ def test_leaf_sums_are_the_pairwise_sums_of_the_leaf_products_or_left_to_the_cal
             assert torch.equal(got, tree.pairwise(cpu_bf16.products(leaves, packed)))
 
 
-@pytest.mark.parametrize("leaves, shape", [(2, (16, 576)), (4, (3, 5)), (8, (16, 576)), (8, (2, 16, 77))])
-def test_leaf_tree_is_the_pairwise_tree_bit_for_bit(monkeypatch, leaves, shape):
+@pytest.mark.parametrize("dispatch", ["team", "pool"])
+@pytest.mark.parametrize(
+    "leaves, shape", [(2, (16, 576)), (4, (3, 5)), (8, (16, 576)), (8, (2, 16, 77)), (8, (32, 1, 576))]
+)
+def test_leaf_tree_is_the_pairwise_tree_bit_for_bit(monkeypatch, leaves, shape, dispatch):
     """The compiled tree over leaf products (`cpu_bf16.leaf_tree`: a decode step's leaves where
     `leaf_sums` leaves them to the caller) adds what `tree.pairwise`'s torch ops add, in the same pairs:
-    the same fp32 bits, on magnitudes where another order would round differently. Any CPU with numba."""
+    the same fp32 bits, on magnitudes where another order would round differently, and rounded to bf16
+    as it stores them, torch's cast of them; many elements spread over threads (the team's PAIRWISE jobs,
+    or the Python pool's slices where the team is off). Any CPU with numba."""
     from helpers import require
 
     require("numba", "cpu")
     from detaudit.backends.kernels import cpu_calls, tree
 
     monkeypatch.setenv(cpu_calls.ENV, "auto")
+    monkeypatch.setenv(cpu_calls.TEAM_ENV, "auto" if dispatch == "team" else "off")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # (the threads' rule reads it)
     g = torch.Generator().manual_seed(leaves)
     x = torch.randn(leaves, *shape, generator=g) * torch.logspace(-6, 6, leaves).view(-1, *[1] * len(shape))
+    team = cpu_calls.team()
+    jobs = team.job if team else 0
     got = cpu_bf16.leaf_tree(x)
     assert got is not None and got.shape == shape
     assert torch.equal(got, tree.pairwise(x))
+    rounded = cpu_bf16.leaf_tree(x, torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, got.bfloat16())
+    spread = cpu_calls.row_threads("pairwise", -(-got.numel() // 2048), x.numel()) > 1
+    assert spread or x.numel() < 100_000  # a batch-32 decode step's 8 leaves spread on every dispatch
+    if team:  # both went to the team's workers where they were many (batch 16 and 32 decode steps)
+        assert spread == (x.numel() > 50_000) and team.job == jobs + 2 * spread, (x.numel(), team.job, jobs)
     if leaves >= 4 and got.numel() > 1000:  # in leaf order the sum rounds otherwise: the pairs are tested
         in_order = x[0]
         for leaf in x[1:]:

@@ -13,6 +13,7 @@ operands whatever the model dtype, so the CPU product path (`cpu_path`) does not
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -201,15 +202,22 @@ def test_compiled_rope_store_gives_the_torch_ops_bits(bsz, t, hkv, groups, d, dt
     the PyTorch ops it replaces (`TorchOps.rope_store`): the rotated q and the cache, bitwise, with q / k / v
     read as the columns of one merged product and positions anywhere in a longer cache."""
     from detaudit.backends.kernels import cpu_calls
-    from detaudit.backends.row_ops import CompiledOps, TorchOps
 
     if cpu_calls.compiled("cpu_rows") is None:
         return  # (numba not installed: bio's CPU steps are the PyTorch ops themselves)
-    b = get_backend("bio")
-    hq, length = hkv * groups, 48
-    start = data.draw(st.integers(0, length - t), "first position")
-    pos = (torch.arange(t) + start).expand(bsz, t).contiguous()
+    length = 48
+    pos = (torch.arange(t) + data.draw(st.integers(0, length - t), "first position")).expand(bsz, t).contiguous()
     pos[0] = torch.arange(t) + data.draw(st.integers(0, length - t), "request 0's first position")
+    _rope_against_torch(pos, hkv, groups, d, length, dtype, seed)
+
+
+def _rope_against_torch(pos, hkv, groups, d, length, dtype, seed):
+    """`CompiledOps.rope_store` against `TorchOps.rope_store` at positions pos[B, T]: q and both caches."""
+    from detaudit.backends.kernels import fixed
+    from detaudit.backends.row_ops import CompiledOps, TorchOps
+
+    b = get_backend("bio")
+    (bsz, t), hq = pos.shape, hkv * groups
     step = _Step(pos, d, hkv, length, dtype)
     qkv = spread(bsz * t, (hq + 2 * hkv) * d, seed=seed, dtype=dtype) * 3
     q, k, v = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d], qkv[:, (hq + hkv) * d :]
@@ -219,13 +227,37 @@ def test_compiled_rope_store_gives_the_torch_ops_bits(bsz, t, hkv, groups, d, dt
         cache = tuple(spread(bsz * hkv * length, d, seed=seed + 7, dtype=dtype).view(bsz, hkv, length, d) for _ in "kv")
         outs.append(ops.rope_store(q, k, v, step, cache, None))
         caches.append(cache)
-    from detaudit.backends.kernels import fixed
-
     spare = tuple(torch.zeros(bsz, hkv, length, d, dtype=dtype) for _ in "kv")
     assert fixed.rope_store(q, k, v, step.cos, step.sin, pos, spare, d) is not None  # the compiled call ran
     bits(outs[1], outs[0], "the rotated q")
     bits(caches[1][0], caches[0][0], "the k cache")
     bits(caches[1][1], caches[0][1], "the v cache")
+
+
+@pytest.mark.parametrize("dispatch", ["team", "pool"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_rope_spread_over_threads_gives_the_torch_ops_bits(dispatch, dtype, monkeypatch):
+    """A batch-32 decode step's rotary (the embedded model's 24 / 8 heads of 64) is spread over threads
+    (`cpu_calls.rope`: the team's ROPE jobs, or the Python pool's slices where the team is off): the torch
+    ops' bits in every row, whichever thread made it."""
+    from detaudit.backends.kernels import cpu_calls
+
+    if cpu_calls.compiled("cpu_rows") is None:
+        pytest.skip("numba not installed (the cpu extra)")
+    monkeypatch.setenv(cpu_calls.TEAM_ENV, "auto" if dispatch == "team" else "off")
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        assert cpu_calls.row_threads("rope", 32, 32 * 32 * 64) > 2
+        team = cpu_calls.team()
+        assert (team is not None) == (dispatch == "team")
+        jobs = team.job if team else 0
+        pos = torch.randint(0, 47, (32, 1), generator=torch.Generator().manual_seed(5))
+        _rope_against_torch(pos, 8, 3, 64, 48, dtype, seed=11)
+        if team:  # the compiled calls' two went to the team's workers
+            assert team.job == jobs + 2, (team.job, jobs)
+    finally:
+        torch.set_num_threads(before)
 
 
 @PROPS

@@ -454,19 +454,23 @@ def leaf_sums(a: Tensor, packed: Tensor, out_dtype: torch.dtype = torch.float32)
     return out if done else None
 
 
-def leaf_tree(leaves: Tensor) -> Tensor | None:
+def leaf_tree(leaves: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor | None:
     """fp32 leaves[G, ...] (G a power of two, at least 2) added pairwise, ((l0 + l1) + (l2 + l3)) + ...:
-    `tree.pairwise`'s adds in its pairs, so its bits, as one compiled call on this thread instead of a
-    torch op per level. Where `leaf_sums` leaves the sums to the caller (a decode step's few output
-    blocks), those torch adds were a parallel region each on a many-core host (reports/cpu-bf16). None
-    where nothing is compiled."""
+    `tree.pairwise`'s adds in its pairs, so its bits, in compiled calls (spread over threads where the
+    elements are many: `cpu_calls.pairwise`) instead of a torch op per level. Where `leaf_sums` leaves the
+    sums to the caller (a decode step's few output blocks), those torch adds were a parallel region each
+    on a many-core host (reports/cpu-bf16). `out_dtype` bf16: the sums rounded to bf16 as they are stored
+    (torch's rounding, as `leaf_sums`), the caller's cast then none. None where nothing is compiled."""
     g = leaves.shape[0]
     mod = cpu_calls.compiled("cpu_loop")
     if mod is None or g < 2 or g & (g - 1) or leaves.dtype != torch.float32 or not leaves.is_contiguous():
         return None
     out = torch.empty(g // 2, *leaves.shape[1:], dtype=torch.float32)
-    cpu_replay.call(mod.pairwise, leaves.view(g, -1).numpy(), out.view(g // 2, -1).numpy())
-    return out[0]
+    bf16 = out_dtype == torch.bfloat16
+    out16 = torch.empty(leaves.shape[1:] if bf16 else (0,), dtype=torch.bfloat16)
+    flat16 = out16.view(torch.int16).view(-1).numpy()
+    cpu_calls.pairwise(leaves.view(g, -1).numpy(), out.view(g // 2, -1).numpy(), flat16)
+    return out16 if bf16 else out[0]
 
 
 @functools.lru_cache(maxsize=1024)

@@ -328,10 +328,19 @@ def attend_on_team(qs, pos, k, v, bf16: bool, window: int, out, threads: int) ->
 
 
 # a row kernel (`cpu_rows`) costs about a nanosecond an element on one thread of the 16-core AMX host (a
-# prefill's [1,024, 576] RMSNorm 0.66 ms): past ROWS_SPLIT elements its rows are spread, a thread per
-# share of elements worth its hand-off (the Python pool's / the team's)
-ROWS_SPLIT = 1 << 17
+# prefill's [1,024, 576] RMSNorm 0.66 ms), silu * up three (its exp; a batch-32 decode step's [32, 1,536]
+# 0.18 ms), the rotary about five a rotated element (a batch-32 step's q and k, [32, 32 heads, 64], with the
+# cache writes 0.4 ms): past ROWS_SPLIT such elements (the team's hand-off being cheaper, ROWS_TEAM_SPLIT)
+# its rows are spread, a thread per share of elements worth its hand-off (the Python pool's / the team's)
+ROW_COST = {"rms": 1, "silu": 3, "rope": 5, "pairwise": 1}  # (pairwise: an element of the leaves)
+ROWS_SPLIT, ROWS_TEAM_SPLIT = 1 << 17, 1 << 15
 ROWS_PER_THREAD, ROWS_TEAM_PER_THREAD = 1 << 16, 1 << 15
+
+
+def row_threads(kind: str, m: int, elements: int) -> int:
+    """Threads for a row kernel of kind `kind` (ROW_COST) over m rows of `elements` in all."""
+    cost = elements * ROW_COST[kind]
+    return threads_for(m, cost, share(ROWS_SPLIT, ROWS_TEAM_SPLIT), share(ROWS_PER_THREAD, ROWS_TEAM_PER_THREAD))
 
 
 @cpu_replay.unit
@@ -340,10 +349,49 @@ def rows(kind: str, part, m: int, x, u, out, bf16: bool, eps: float = 0.0) -> No
     part(lo, hi) over `slices`, where the rows are many; else part(0, m) here. x and u (SILU's up; RMS:
     None) are numpy [m, cols] with rows any whole number of elements apart, out numpy [m, cols]
     contiguous: the layout `cpu_rows` takes. A row's bits are its own, so every split gives the same."""
-    threads = threads_for(m, x.shape[0] * x.shape[1], ROWS_SPLIT, share(ROWS_PER_THREAD, ROWS_TEAM_PER_THREAD))
+    threads = row_threads(kind, m, x.shape[0] * x.shape[1])
     if threads > 1 and _rows_on_team(kind, m, x, u, out, bf16, eps, threads):
         return
     slices(m, part, threads)
+
+
+@cpu_replay.unit
+def rope(block, m: int, elements: int, bf16: bool) -> None:
+    """`cpu_rows.rope_rows` over a step's m rows (b, t) of `elements` rotated in all, its arrays in `block`
+    (`cpu_rows.rope_block`; they must outlive the call): on the team (a ROPE job) or over `slices`, where
+    they are many; else here. An element's bits are its own, so every split gives the same."""
+    mod = compiled("cpu_rows")
+    threads = row_threads("rope", m, elements)
+    if threads > 1:
+        t = team()
+        fields = None if t is None else {t.mod.X_AT: block.ctypes.data, t.mod.ROW_BF16: int(bf16)}
+        if t is not None and t.run(t.mod.ROPE, m, threads, fields):
+            return
+    slices(m, lambda lo, hi: mod.rope_rows(block, bf16, lo, hi), threads)
+
+
+@cpu_replay.unit
+def pairwise(leaves, out, out16) -> None:
+    """`cpu_loop.pairwise` over all of leaves[G, S]' elements (out [G / 2, S], out16 [S] or empty): on the
+    team (a PAIRWISE job) or over `slices`, in chunks of `cpu_loop.PAIRWISE_CHUNK`, where they are many;
+    else here. An element's adds are its own, so every split gives the same."""
+    mod = compiled("cpu_loop")
+    size = leaves.shape[1]
+    chunks = -(-size // mod.PAIRWISE_CHUNK)
+    threads = row_threads("pairwise", chunks, leaves.size)
+    if threads > 1:
+        t = team()
+        fields = None
+        if t is not None:
+            fields = {t.mod.X_AT: leaves.ctypes.data, t.mod.Y_AT: out.ctypes.data, t.mod.COLS: size}
+            fields.update({t.mod.X_STRIDE: leaves.shape[0], t.mod.U_AT: out16.ctypes.data if out16.size else 0})
+        if t is not None and t.run(t.mod.PAIRWISE, chunks, threads, fields):
+            return
+
+    def part(lo: int, hi: int) -> None:
+        mod.pairwise(leaves, out, out16, lo * mod.PAIRWISE_CHUNK, min(hi * mod.PAIRWISE_CHUNK, size))
+
+    slices(chunks, part, threads)
 
 
 def _rows_on_team(kind: str, m: int, x, u, out, bf16: bool, eps: float, threads: int) -> bool:

@@ -80,15 +80,15 @@ def loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, out16, release):  # 
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
-def _tree_in_place(nodes):  # pragma: no cover (compiled)
-    """nodes[G, S] (G a power of two) summed up the tree into nodes[0]: each level adds every node into its
-    left sibling, ((n0 + n1) + (n2 + n3)) + ..., `tree.pairwise`'s adds in its pairs."""
-    g, size = nodes.shape
+def _tree_in_place(nodes, lo, hi):  # pragma: no cover (compiled)
+    """Elements lo..hi of nodes[G, S] (G a power of two) summed up the tree into nodes[0]: each level adds
+    every node into its left sibling, ((n0 + n1) + (n2 + n3)) + ..., `tree.pairwise`'s adds in its pairs."""
+    g = nodes.shape[0]
     step = 1
     while step < g:
         for j in range(0, g, 2 * step):
             left, right = nodes[j], nodes[j + step]
-            for e in range(size):
+            for e in range(lo, hi):
                 left[e] += right[e]
         step *= 2
 
@@ -106,7 +106,7 @@ def tree_loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, leaves, out, ou
     for i in range(0, table.shape[0], leaves):
         for j in range(leaves):
             _brgemm(kernel, m, n, k, lda, ldb, n, table[i + j, 0], table[i + j, 1], base + j * size * 4)
-        _tree_in_place(scratch.reshape(leaves, size))
+        _tree_in_place(scratch.reshape(leaves, size), 0, size)
         c = table[i, 2] // 4
         if out16.shape[0] != 0:
             _store_bf16(scratch[:size].view(np.uint32), m, n, out16, c, ldc)
@@ -117,17 +117,28 @@ def tree_loop(kernel, release_at, m, n, k, lda, ldb, ldc, table, leaves, out, ou
         _release(release_at)
 
 
+PAIRWISE_CHUNK = 2048  # `pairwise`'s elements a piece of work (the team's jobs split a tree's elements so)
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def pairwise(leaves, out):  # pragma: no cover (compiled)
-    """out = the tree over leaves[G, S] (fp32, G a power of two, at least 2): (l0 + l1) into out's first
-    level, then ((l0 + l1) + (l2 + l3)) + ... in place, `tree.pairwise`'s adds in its pairs, so its bits
-    (an element's adds never depend on the other elements). out: fp32 [G / 2, S], the sum in out[0]."""
-    g, size = leaves.shape
+def pairwise(leaves, out, out16, lo, hi):  # pragma: no cover (compiled)
+    """Elements lo..hi of the tree over leaves[G, S] (fp32, G a power of two, at least 2): (l0 + l1) into
+    out's first level, then ((l0 + l1) + (l2 + l3)) + ... in place, `tree.pairwise`'s adds in its pairs, so
+    its bits (an element's adds never depend on the other elements). out: fp32 [G / 2, S], the sum in
+    out[0]; where out16 has elements (int16 bf16 bits, [S]) the sums are rounded to bf16 into it as
+    torch's cast rounds (`cpu_rows._to_bf16`), as `tree_loop`'s out16."""
+    g = leaves.shape[0]
     for j in range(0, g, 2):  # the first level out of place (the leaves stay the caller's)
         left, right, dst = leaves[j], leaves[j + 1], out[j // 2]
-        for e in range(size):
+        for e in range(lo, hi):
             dst[e] = left[e] + right[e]
-    _tree_in_place(out)
+    _tree_in_place(out, lo, hi)
+    if out16.shape[0] != 0 and hi > lo:
+        sums = np.empty(hi - lo, dtype=np.float32)
+        sums[:] = out[0, lo:hi]
+        bits = sums.view(np.uint32)
+        _to_bf16(sums, bits)
+        _put(out16[lo:hi], True, bits)
 
 
 numba_cache.one_compiler(globals())  # after every kernel above: one process compiles, the others load

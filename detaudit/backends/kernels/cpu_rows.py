@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import types
+from numba.extending import intrinsic
 
 from detaudit.backends.kernels import numba_cache
 from detaudit.backends.kernels.cpu_attention import _dot, exp_shifted, load
@@ -149,31 +151,83 @@ def _rotate(src, c, s, bf16, x_bits, a_bits, b_bits, o_bits):
         _to_bf16(o, o_bits)
 
 
+# `rope_rows`' argument block (int64): per array, in ROPE_ARRAYS' order, its address then the strides of its
+# leading dimensions in elements (its last dimension's is 1: the D values of a head, or pos's T); then the
+# step's sizes
+ROPE_ARRAYS = ("q", "k", "v", "cos", "sin", "pos", "k_cache", "v_cache", "q_out")
+ROPE_SLOTS = 4  # an array's address and up to three strides
+Q, K, V, COS, SIN, POS, K_CACHE, V_CACHE, Q_OUT = range(0, ROPE_SLOTS * len(ROPE_ARRAYS), ROPE_SLOTS)
+STEPS, HQ, HKV, DIM = range(ROPE_SLOTS * len(ROPE_ARRAYS), ROPE_SLOTS * len(ROPE_ARRAYS) + 4)
+ROPE_BLOCK = DIM + 1
+
+
+@intrinsic
+def _ptr(typingctx, addr, proto):
+    """A pointer of proto's type (int16 bf16 bits, fp32, int64) to the address `addr`."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return types.CPointer(proto)(types.int64, proto), codegen
+
+
+def rope_block(arrays, steps: int, hq: int, hkv: int, d: int) -> np.ndarray | None:
+    """`rope_rows`' argument block for the numpy arrays `arrays` (ROPE_ARRAYS' order and shapes), or None
+    where one's last dimension is not contiguous. The block holds addresses: the arrays must outlive its
+    use."""
+    block = np.zeros(ROPE_BLOCK, dtype=np.int64)
+    for slot, x in zip(range(0, ROPE_SLOTS * len(arrays), ROPE_SLOTS), arrays):
+        lead = x.strides if slot == POS else x.strides[:-1]  # (pos has no D: both its strides lead)
+        if slot != POS and x.strides[-1] != x.itemsize:
+            return None
+        block[slot] = x.ctypes.data
+        block[slot + 1 : slot + 1 + len(lead)] = [s // x.itemsize for s in lead]
+    block[STEPS], block[HQ], block[HKV], block[DIM] = steps, hq, hkv, d
+    return block
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _at(a, which, i, j, h, n, proto, item):
+    """The n elements (`item` bytes each, of proto's type) of the array in slot `which` of the block `a`
+    at leading indices (i, j, h)."""
+    addr = a[which] + (i * a[which + 1] + j * a[which + 2] + h * a[which + 3]) * item
+    return numba.carray(_ptr(addr, proto), (n,))
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def rope_store(q, k, v, cos, sin, pos, bf16, k_cache, v_cache, q_out):  # pragma: no cover (compiled)
-    """A step's rotary embedding and cache writes (`row_ops.TorchOps.rope_store` without Qwen3's head norms,
-    as one call): q[B, T, Hq, D] rotated into q_out[B, T, Hq, D], k[B, T, Hkv, D] rotated into
-    k_cache[B, Hkv, L, D] and v into v_cache at row pos[b, t]; cos / sin [B, T, D]. Any strides; bf16 bits as
-    int16 where `bf16`, else fp32. An element's bits depend on its own x, cos and sin only."""
-    nb, nt, hq, d = q.shape
-    hkv = k.shape[2]
+def rope_rows(a, bf16, lo, hi):  # pragma: no cover (compiled)
+    """Rows lo..hi of a step's rotary embedding and cache writes (`row_ops.TorchOps.rope_store` without
+    Qwen3's head norms), the arrays in the block `a` (ROPE_ARRAYS; bf16 bits as int16 where `bf16`, else
+    fp32): row r is (b, t) = divmod(r, STEPS); q[B, T, Hq, D] rotated into q_out[B, T, Hq, D], k[B, T, Hkv,
+    D] rotated into k_cache[B, Hkv, L, D] and v into v_cache at row pos[b, t]; cos / sin [B, T, D]. An
+    element's bits depend on its own x, cos and sin only, so rows can be made on any thread."""
+    if bf16:
+        _rope(a, lo, hi, True, np.int16(0), 2)
+    else:
+        _rope(a, lo, hi, False, np.float32(0), 4)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _rope(a, lo, hi, bf16, proto, item):  # pragma: no cover (compiled)
+    nt, hq, hkv, d = a[STEPS], a[HQ], a[HKV], a[DIM]
     x_bits, a_bits = np.empty(d, dtype=np.uint32), np.empty(d, dtype=np.uint32)
     b_bits, o_bits = np.empty(d, dtype=np.uint32), np.empty(d, dtype=np.uint32)
     c_bits, s_bits = np.empty(d, dtype=np.uint32), np.empty(d, dtype=np.uint32)
     c, s = c_bits.view(np.float32), s_bits.view(np.float32)
-    for bi in range(nb):
-        for t in range(nt):
-            load(cos[bi, t], bf16, c_bits)
-            load(sin[bi, t], bf16, s_bits)
-            p = pos[bi, t]
-            for h in range(hq):
-                _rotate(q[bi, t, h], c, s, bf16, x_bits, a_bits, b_bits, o_bits)
-                _put(q_out[bi, t, h], bf16, o_bits)
-            for h in range(hkv):
-                _rotate(k[bi, t, h], c, s, bf16, x_bits, a_bits, b_bits, o_bits)
-                _put(k_cache[bi, h, p], bf16, o_bits)
-                for i in range(d):
-                    v_cache[bi, h, p, i] = v[bi, t, h, i]
+    for r in range(lo, hi):
+        bi, t = r // nt, r % nt
+        load(_at(a, COS, bi, t, 0, d, proto, item), bf16, c_bits)
+        load(_at(a, SIN, bi, t, 0, d, proto, item), bf16, s_bits)
+        p = _at(a, POS, bi, t, 0, 1, np.int64(0), 8)[0]
+        for h in range(hq):
+            _rotate(_at(a, Q, bi, t, h, d, proto, item), c, s, bf16, x_bits, a_bits, b_bits, o_bits)
+            _put(_at(a, Q_OUT, bi, t, h, d, proto, item), bf16, o_bits)
+        for h in range(hkv):
+            _rotate(_at(a, K, bi, t, h, d, proto, item), c, s, bf16, x_bits, a_bits, b_bits, o_bits)
+            _put(_at(a, K_CACHE, bi, h, p, d, proto, item), bf16, o_bits)
+            src, dst = _at(a, V, bi, t, h, d, proto, item), _at(a, V_CACHE, bi, h, p, d, proto, item)
+            for i in range(d):
+                dst[i] = src[i]
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")

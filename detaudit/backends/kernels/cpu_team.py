@@ -51,6 +51,10 @@ QS, POS, K_AT, V_AT, ROWS, DIM, KEYS, KV_STRIDE, BF16, WINDOW = range(16, 26)
 # (SILU's up), rows X_STRIDE / U_STRIDE elements apart (int16 bf16 bits where ROW_BF16, else fp32), out
 # [M, COLS] contiguous (fp32 for RMS, x's dtype for SILU), with M (JOBS), COLS, and RMS's eps (float64 bits)
 X_AT, U_AT, Y_AT, COLS, X_STRIDE, U_STRIDE, ROW_BF16, EPS = range(16, 24)
+# a ROPE job's fields (`cpu_rows.rope_rows` over a step's rows (b, t)): X_AT the address of its argument
+# block (`cpu_rows.rope_block`), ROW_BF16. A PAIRWISE job's (`cpu_loop.pairwise` over chunks of
+# `cpu_loop.PAIRWISE_CHUNK` elements): X_AT the leaves [X_STRIDE, COLS] fp32, Y_AT out [X_STRIDE / 2, COLS]
+# fp32, U_AT out16 [COLS] (int16 bf16 bits; 0: none)
 # a LOOP or TREE job's bf16 output (`cpu_loop.loop`'s out16): its address and elements (0: none, the
 # products go to their C addresses or OUT in fp32); written with every such job, these fields being others'
 OUT16, OUT16_SIZE = 16, 17
@@ -61,8 +65,8 @@ WORKERS = 32  # worker w's ticket at WORKERS + LINE * w, its done word one line 
 LINE = 16  # int64s between two workers' tickets (two 64-byte lines)
 MAX_WORKERS = 255
 SIZE = WORKERS + LINE * MAX_WORKERS
-LOOP, TREE, PROBE, ATTEND, RMS, SILU = range(6)  # job kinds: `cpu_loop.loop`, `cpu_loop.tree_loop`, a test's
-# marks, `cpu_attention.attend`, `cpu_rows.rms_rows`, `cpu_rows.silu_mul`
+LOOP, TREE, PROBE, ATTEND, RMS, SILU, ROPE, PAIRWISE = range(8)  # job kinds: `cpu_loop.loop`, `tree_loop`,
+# a test's marks, `cpu_attention.attend`, `cpu_rows.rms_rows`, `silu_mul`, `rope_rows`, `cpu_loop.pairwise`
 STOP = -1  # a ticket that ends `serve`
 # a waiting worker polls its ticket SPINS times (a `pause` between polls, ~20-40 us: consecutive slices of
 # one product's neighbours), then sleeps in the kernel on the bell's futex until the dispatcher wakes it:
@@ -166,6 +170,12 @@ def _slice(ctl, slot, threads):  # pragma: no cover (compiled)
     if kind == RMS or kind == SILU:
         _rows(ctl, kind == RMS, lo, hi)
         return
+    if kind == ROPE:
+        cpu_rows.rope_rows(numba.carray(_i64_at(ctl[X_AT]), (cpu_rows.ROPE_BLOCK,)), ctl[ROW_BF16] != 0, lo, hi)
+        return
+    if kind == PAIRWISE:
+        _pairwise(ctl, lo, hi)
+        return
     if kind == PROBE:
         marks = numba.carray(_i64_at(ctl[OUT]), (jobs,))
         for j in range(lo, hi):
@@ -227,6 +237,16 @@ def _rows(ctl, rms, lo, hi):  # pragma: no cover (compiled)
         uf = numba.carray(_f32_at(ctl[U_AT]), (m, us))[:, :n]
         yf = numba.carray(_f32_at(ctl[Y_AT]), (m, n))
         cpu_rows.silu_mul(gf[lo:hi], uf[lo:hi], False, yf[lo:hi])
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _pairwise(ctl, lo, hi):  # pragma: no cover (compiled)
+    """Chunks lo..hi of a PAIRWISE job (`cpu_loop.pairwise`: an element's adds are its own)."""
+    g, size, chunk = ctl[X_STRIDE], ctl[COLS], cpu_loop.PAIRWISE_CHUNK
+    leaves = numba.carray(_f32_at(ctl[X_AT]), (g, size))
+    out = numba.carray(_f32_at(ctl[Y_AT]), (g // 2, size))
+    out16 = numba.carray(_i16_at(ctl[U_AT]), (size if ctl[U_AT] != 0 else 0,))
+    cpu_loop.pairwise(leaves, out, out16, lo * chunk, min(hi * chunk, size))
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")

@@ -188,15 +188,18 @@ COMPILED_STEP_ROWS = 64  # a step of up to this many tokens (decode) has its add
 def rope_store(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, cache, head_dim: int
 ) -> Tensor | None:
-    """`cpu_rows.rope_store`: the rotary embedding of q[B*T, Hq*D] and k[B*T, Hkv*D] (any row stride: the
+    """`cpu_rows.rope_rows`: the rotary embedding of q[B*T, Hq*D] and k[B*T, Hkv*D] (any row stride: the
     columns of the merged q / k / v product) by cos / sin [B, 1, T, D], k and v[B*T, Hkv*D] written into
     the cache [B, Hkv, L, D] at rows pos[B, T]; returns the rotated q as [B, Hq, T, D] (a transposed
     view). The PyTorch ops' bits (each product and the sum rounded to the model dtype), in one call instead
-    of about fourteen small ops a layer. None where it does not run (no numba, DETAUDIT_CPU_COMPILED=off, a
-    dtype other than bf16 / fp32, a step of more than COMPILED_STEP_ROWS tokens)."""
+    of about fourteen small ops a layer, its rows spread over the team where they are many (`cpu_calls.rope`).
+    None where it does not run (no numba, DETAUDIT_CPU_COMPILED=off, a dtype other than bf16 / fp32, a step
+    of more than COMPILED_STEP_ROWS tokens, positions not int64, a head's values not contiguous)."""
     k_cache, v_cache = cache
     dtype = q.dtype
     if dtype not in (torch.bfloat16, torch.float32) or pos.numel() > COMPILED_STEP_ROWS or q.device.type != "cpu":
+        return None
+    if pos.dtype != torch.int64:
         return None
     if any(t.dtype != dtype for t in (k, v, cos, sin, k_cache, v_cache)):
         return None
@@ -211,8 +214,13 @@ def rope_store(
     qn, kn, vn = (x.view(as_bits).numpy().reshape(bsz, t, -1, head_dim) for x in (q, k, v))
     cn, sn = (x.view(as_bits).numpy()[:, 0] for x in (cos, sin))
     kc, vc, on = (x.view(as_bits).numpy() for x in (k_cache, v_cache, out))
+    arrays = (qn, kn, vn, cn, sn, pos.numpy(), kc, vc, on)
+    block = rows.rope_block(arrays, t, qn.shape[2], kn.shape[2], head_dim)
+    if block is None:  # a head's values not contiguous
+        return None
+    cpu_replay.keep(arrays)  # (the block holds their addresses)
     with cpu_gemm.profiled("detaudit::cpu_rope"):
-        cpu_replay.call(rows.rope_store, qn, kn, vn, cn, sn, pos.numpy(), bf16, kc, vc, on)
+        cpu_calls.rope(block, bsz * t, bsz * t * (qn.shape[2] + kn.shape[2]) * head_dim, bf16)
     return out.transpose(1, 2)
 
 

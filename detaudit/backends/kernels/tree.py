@@ -121,8 +121,8 @@ def _packed_bf16(w: Tensor, leaves: int, leaf: int) -> Tensor:
 
 
 def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int, out_dtype: torch.dtype = torch.float32) -> Tensor:
-    """The tree's sum, fp32, or (`out_dtype` bf16, where `cpu_bf16.leaf_sums` runs) already rounded to bf16:
-    the caller's cast then does nothing, the same bits."""
+    """The tree's sum, fp32, or (`out_dtype` bf16, where `cpu_bf16.leaf_sums` or `leaf_tree` runs) already
+    rounded to bf16: the caller's cast then does nothing, the same bits."""
     m, n = x2.shape[0], w.shape[0]
     if cpu_bf16.usable(x2, w):  # every leaf's products in one spread over the threads
         if leaf % 2:  # an odd leaf: each leaf's columns blocked (padded to an even K) on their own
@@ -134,7 +134,7 @@ def tree_matmul_cpu(x2: Tensor, w: Tensor, leaf: int, leaves: int, out_dtype: to
         out = cpu_bf16.leaf_sums(xl, packed, out_dtype) if leaves > 1 else None  # in cache; else the same adds
         if out is None:
             products = cpu_bf16.products(xl, packed)
-            out = cpu_bf16.leaf_tree(products)  # (None for one leaf, or nothing compiled)
+            out = cpu_bf16.leaf_tree(products, out_dtype)  # (None for one leaf, or nothing compiled)
             out = pairwise(products) if out is None else out
         return out.view(-1, out.shape[-1])[:m, :n]
     xb = fixed.blocks_of(x2)  # [nb, R, K_local]
