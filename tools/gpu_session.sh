@@ -213,7 +213,8 @@ step_amxsplit() {  # issue 55: tools/replay_split.py on the host's CPU at batch 
   for s in ${AMX_SPINS:-0}; do
     echo "== replay_split, batch ${AMX_BATCHES:-32}, spins $s"
     env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="${AMX_THREADS:-16}" PYTHONPATH="$GS/amx/site:$PYTHONPATH" timeout 200 \
-      python3 tools/replay_split.py "$GS/amx-model" --batch "${AMX_BATCHES:-32}" --no-eager --spins "$s" 2>&1 | head -16
+      python3 tools/replay_split.py "$GS/amx-model" --batch "${AMX_BATCHES:-32}" --no-eager --spins "$s" \
+      > "$OUT/split-$s.txt" 2>&1; head -16 "$OUT/split-$s.txt"
   done
 }
 
