@@ -312,3 +312,31 @@ def test_compiled_scaled_queries_give_the_torch_ops_bits(g, rows, d, transposed,
     for scale in (d**-0.5, 0.125, 1 / 3):
         got = torch.from_numpy(fixed._scaled_queries(qg, scale))
         bits(got.view(torch.int32), (qg.float() * scale).view(torch.int32), f"the queries times {scale}")  # (NaN too)
+
+
+@PROPS
+@given(n=st.integers(1, 3000), scale=st.sampled_from([1e-40, 1.0, 3e38]), seed=SEEDS)
+def test_compiled_cast_to_bf16_is_torchs(n, scale, seed):
+    """A decode step's attention output cast in one compiled call (`cpu_rows.to_bf16`, `fixed._cast_step`)
+    against torch's `.to(bfloat16)`, bitwise: ties, subnormals, overflow to infinity, across its chunks;
+    NaN stays NaN (its payload is the scalar rule's, `cpu_rows._to_bf16`)."""
+    from detaudit.backends.kernels import cpu_calls, fixed
+
+    if cpu_calls.compiled("cpu_rows") is None:
+        return  # (numba not installed: torch's cast is the path)
+    x = spread(1, n, seed=seed, dtype=torch.float32).view(-1) * scale
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-133, float("inf"), 3.4e38, -0.0])
+    x[: min(n, 7)] = ties[: min(n, 7)]  # (halfway cases round to even; 3.4e38 rounds past bf16's largest)
+    nan = n > 8
+    if nan:
+        x[8] = float("nan")
+    out = x.view(1, 1, n)
+    got = fixed._cast_step(out, torch.bfloat16, 1)
+    assert got.dtype == torch.bfloat16
+    want = x.bfloat16().view(1, 1, n)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    if nan:  # (the NaN's payload aside)
+        got, want = got.clone(), want.clone()
+        got.view(-1)[8] = want.view(-1)[8] = 0
+    bits(got.view(torch.int16), want.view(torch.int16), "the cast")
+    assert fixed._cast_step(out, torch.bfloat16, fixed.COMPILED_STEP_ROWS + 1) is out  # a prefill: the caller's

@@ -91,6 +91,23 @@ def _put(dst, bf16, bits):
             dst[i] = row[i]
 
 
+CAST_CHUNK = 1024  # `to_bf16`'s elements at a time (its buffer stays in the L1 cache)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def to_bf16(x, out):  # pragma: no cover (compiled)
+    """x[N] fp32 rounded to bf16 into out[N] (int16 bits) as torch's cast rounds (`_to_bf16`)."""
+    bits = np.empty(CAST_CHUNK, dtype=np.uint32)
+    vals = bits.view(np.float32)
+    n = x.shape[0]
+    for lo in range(0, n, CAST_CHUNK):
+        hi = min(lo + CAST_CHUNK, n)
+        for i in range(hi - lo):
+            vals[i] = x[lo + i]
+        _to_bf16(vals[: hi - lo], bits[: hi - lo])
+        _put(out[lo:hi], True, bits[: hi - lo])
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy")
 def silu_mul(gate, up, bf16, out):  # pragma: no cover (compiled)
     """out[M, N] = silu(gate) * up, element by element: gate, up [M, N] (any strides; bf16 bits as int16

@@ -321,6 +321,7 @@ def attention(
     kernel = cpu_calls.compiled("cpu_attention") if q.device.type == "cpu" else None
     if kernel is not None:
         out = _attention_compiled(kernel, qg, k, v, q_pos, scale, window, groups, plan)
+        out = _cast_step(out, q.dtype, bsz * t)
         return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
     pos = _memo(
         plan, ("pos", hkv, groups), lambda: q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, -1, 1)
@@ -406,6 +407,19 @@ def _attend(kernel, qs, pos, kn, vn, bf16: bool, window: int, on, threads: int) 
 
     if not (threads > 1 and cpu_calls.attend_on_team(qs, pos, kn, vn, bf16, window, on, threads)):
         cpu_calls.slices(qs.shape[0], part, threads)
+
+
+def _cast_step(out: Tensor, dtype: torch.dtype, tokens: int) -> Tensor:
+    """fp32 `out` (contiguous) as `dtype`: for bf16 and a step of up to COMPILED_STEP_ROWS tokens (decode)
+    one compiled call on this thread (`cpu_rows.to_bf16`: torch's rounding; NaN as `cpu_rows._to_bf16`),
+    where torch's cast of a batch-32 step's attention output was a parallel region a layer on a many-core
+    host; else `out` (the caller's cast)."""
+    rows = cpu_calls.compiled("cpu_rows")
+    if rows is None or dtype != torch.bfloat16 or tokens > COMPILED_STEP_ROWS:
+        return out
+    cast = torch.empty(out.shape, dtype=dtype)
+    cpu_replay.call(rows.to_bf16, out.view(-1).numpy(), cast.view(torch.int16).view(-1).numpy())
+    return cast
 
 
 def _scaled_queries(qg: Tensor, scale: float):
