@@ -31,3 +31,27 @@ def cpu_kernels(request, monkeypatch):
     if request.param == "compiled" and cpu_calls.compiled("cpu_attention") is None:
         pytest.skip("numba not installed (the cpu extra)")
     yield request.param
+
+
+@pytest.fixture(params=["team", "pool"])
+def spread_on(request, monkeypatch):
+    """spread_on(n): the compiled row kernels spread over n threads, on the compiled team's workers (the
+    "team" run) or the Python pool's (DETAUDIT_CPU_TEAM=off, the "pool" run); returns the team (None for
+    the pool). torch's thread count is put back after the test. Skipped where numba is not installed."""
+    import torch
+
+    from detaudit.backends.kernels import cpu_calls
+
+    if cpu_calls.compiled("cpu_rows") is None:
+        pytest.skip("numba not installed (the cpu extra)")
+    monkeypatch.setenv(cpu_calls.TEAM_ENV, "auto" if request.param == "team" else "off")
+    before = torch.get_num_threads()
+
+    def spread(threads: int):
+        torch.set_num_threads(threads)
+        team = cpu_calls.team()
+        assert (team is not None) == (request.param == "team")
+        return team
+
+    yield spread
+    torch.set_num_threads(before)

@@ -167,41 +167,31 @@ def test_silu_mul_rounds_as_torch_does(cpu_kernels):
     _bitwise(b.silu_mul(gate, up).view(torch.int16), want.view(torch.int16), "bf16 silu * up")
 
 
-@pytest.mark.parametrize("dispatch", ["team", "pool"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_row_kernels_spread_over_threads_keep_each_rows_bits(dispatch, dtype, monkeypatch):
+def test_row_kernels_spread_over_threads_keep_each_rows_bits(dtype, spread_on):
     """A prefill's rows are spread over threads (`cpu_calls.rows`: the team's RMS / SILU jobs, or the
     Python pool's slices where the team is off): every row of RMSNorm and silu * up, the gate and up
     strided slices of a merged product as in the MLP, gets the bits it has computed alone."""
     from detaudit.backends.kernels import cpu_calls
 
-    if cpu_calls.compiled("cpu_rows") is None:
-        pytest.skip("numba not installed (the cpu extra)")
-    monkeypatch.setenv(cpu_calls.TEAM_ENV, "auto" if dispatch == "team" else "off")
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
-        b = get_backend("bio")
-        tall = _rand(600, 576, dtype=dtype, seed=3)  # 345,600 elements: past `ROWS_SPLIT`
-        wt = _rand(576, dtype=dtype, seed=2)
-        assert cpu_calls.row_threads("rms", 600, tall.numel()) > 1
-        team = cpu_calls.team()
-        assert (team is not None) == (dispatch == "team")
-        jobs = team.job if team else 0
-        norm = b.rms_norm(tall, wt, 1e-5)
-        merged = _rand(600, 2 * 288, dtype=dtype, seed=4) * 4
-        act = b.silu_mul(merged[:, :288], merged[:, 288:])
-        if team:  # both went to the team's workers, not the pool
-            assert team.job == jobs + 2, (team.job, jobs)
-        # operands the team does not take (up broadcast over the rows: stride 0) go to the pool, same bits
-        up_row = merged[:1, 288:].expand(600, 288)
-        _bitwise(b.silu_mul(merged[:, :288], up_row), b.silu_mul(merged[:, :288], up_row.contiguous()), "broadcast up")
-        for i in (0, 149, 150, 299, 300, 449, 450, 599):  # the first and last rows of each thread's slice
-            _bitwise(b.rms_norm(tall[i : i + 1], wt, 1e-5), norm[i : i + 1], f"rms_norm row {i} of 600")
-            alone = b.silu_mul(merged[i : i + 1, :288], merged[i : i + 1, 288:])
-            _bitwise(alone, act[i : i + 1], f"silu_mul row {i} of 600")
-    finally:
-        torch.set_num_threads(before)
+    team = spread_on(4)
+    b = get_backend("bio")
+    tall = _rand(600, 576, dtype=dtype, seed=3)  # 345,600 elements: past `ROWS_SPLIT`
+    wt = _rand(576, dtype=dtype, seed=2)
+    assert cpu_calls.row_threads("rms", 600, tall.numel()) > 1
+    jobs = team.job if team else 0
+    norm = b.rms_norm(tall, wt, 1e-5)
+    merged = _rand(600, 2 * 288, dtype=dtype, seed=4) * 4
+    act = b.silu_mul(merged[:, :288], merged[:, 288:])
+    if team:  # both went to the team's workers, not the pool
+        assert team.job == jobs + 2, (team.job, jobs)
+    # operands the team does not take (up broadcast over the rows: stride 0) go to the pool, same bits
+    up_row = merged[:1, 288:].expand(600, 288)
+    _bitwise(b.silu_mul(merged[:, :288], up_row), b.silu_mul(merged[:, :288], up_row.contiguous()), "broadcast up")
+    for i in (0, 149, 150, 299, 300, 449, 450, 599):  # the first and last rows of each thread's slice
+        _bitwise(b.rms_norm(tall[i : i + 1], wt, 1e-5), norm[i : i + 1], f"rms_norm row {i} of 600")
+        alone = b.silu_mul(merged[i : i + 1, :288], merged[i : i + 1, 288:])
+        _bitwise(alone, act[i : i + 1], f"silu_mul row {i} of 600")
 
 
 @pytest.mark.parametrize("dispatch", ["team", "pool"])

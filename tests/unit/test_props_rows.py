@@ -234,30 +234,20 @@ def _rope_against_torch(pos, hkv, groups, d, length, dtype, seed):
     bits(caches[1][1], caches[0][1], "the v cache")
 
 
-@pytest.mark.parametrize("dispatch", ["team", "pool"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compiled_rope_spread_over_threads_gives_the_torch_ops_bits(dispatch, dtype, monkeypatch):
+def test_compiled_rope_spread_over_threads_gives_the_torch_ops_bits(dtype, spread_on):
     """A batch-32 decode step's rotary (the embedded model's 24 / 8 heads of 64) is spread over threads
     (`cpu_calls.rope`: the team's ROPE jobs, or the Python pool's slices where the team is off): the torch
     ops' bits in every row, whichever thread made it."""
     from detaudit.backends.kernels import cpu_calls
 
-    if cpu_calls.compiled("cpu_rows") is None:
-        pytest.skip("numba not installed (the cpu extra)")
-    monkeypatch.setenv(cpu_calls.TEAM_ENV, "auto" if dispatch == "team" else "off")
-    before = torch.get_num_threads()
-    torch.set_num_threads(8)
-    try:
-        assert cpu_calls.row_threads("rope", 32, 32 * 32 * 64) > 2
-        team = cpu_calls.team()
-        assert (team is not None) == (dispatch == "team")
-        jobs = team.job if team else 0
-        pos = torch.randint(0, 47, (32, 1), generator=torch.Generator().manual_seed(5))
-        _rope_against_torch(pos, 8, 3, 64, 48, dtype, seed=11)
-        if team:  # the compiled calls' two went to the team's workers
-            assert team.job == jobs + 2, (team.job, jobs)
-    finally:
-        torch.set_num_threads(before)
+    team = spread_on(8)
+    assert cpu_calls.row_threads("rope", 32, 32 * 32 * 64) > 2
+    jobs = team.job if team else 0
+    pos = torch.randint(0, 47, (32, 1), generator=torch.Generator().manual_seed(5))
+    _rope_against_torch(pos, 8, 3, 64, 48, dtype, seed=11)
+    if team:  # the compiled calls' two went to the team's workers
+        assert team.job == jobs + 2, (team.job, jobs)
 
 
 @PROPS

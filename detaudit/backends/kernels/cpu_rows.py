@@ -1,5 +1,5 @@
-"""bio's row kernels on CPU, compiled (numba; imported only where it is installed): RMSNorm, silu * up and
-a decode step's rotary embedding with its cache writes.
+"""bio's row kernels on CPU, compiled (numba; imported only where it is installed): RMSNorm, silu * up, a
+decode step's rotary embedding with its cache writes, and its attention output's cast to bf16.
 
 RMSNorm: a row's sum of squares is `cpu_attention._dot(x, x)` (16 fp32 lanes, lane i % 16 in order, then
 the lanes pairwise; every square rounded, then added), divided by K; then y = x * (1 / sqrt(var + eps)),
