@@ -234,17 +234,22 @@ def _rope_against_torch(pos, hkv, groups, d, length, dtype, seed):
     bits(caches[1][1], caches[0][1], "the v cache")
 
 
+@pytest.mark.parametrize("steps", ["decode", "prefill"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compiled_rope_spread_over_threads_gives_the_torch_ops_bits(dtype, spread_on):
-    """A batch-32 decode step's rotary (the embedded model's 24 / 8 heads of 64) is spread over threads
-    (`cpu_calls.rope`: the team's ROPE jobs, or the Python pool's slices where the team is off): the torch
-    ops' bits in every row, whichever thread made it."""
-    from detaudit.backends.kernels import cpu_calls
+def test_compiled_rope_spread_over_threads_gives_the_torch_ops_bits(dtype, steps, spread_on):
+    """A batch-32 decode step's rotary (the embedded model's 24 / 8 heads of 64), and a prefill's of 4
+    requests of 40 tokens, is spread over threads (`cpu_calls.rope`: the team's ROPE jobs, or the Python
+    pool's slices where the team is off): the torch ops' bits in every row, whichever thread made it."""
+    from detaudit.backends.kernels import cpu_calls, fixed
 
     team = spread_on(8)
-    assert cpu_calls.row_threads("rope", 32, 32 * 32 * 64) > 2
+    if steps == "decode":
+        pos = torch.randint(0, 47, (32, 1), generator=torch.Generator().manual_seed(5))
+    else:  # more rows than a decode step's compiled calls take elsewhere
+        pos = (torch.arange(40) + torch.tensor([[0], [8], [3], [5]])).contiguous()
+        assert pos.numel() > fixed.COMPILED_STEP_ROWS
+    assert cpu_calls.row_threads("rope", pos.numel(), pos.numel() * 32 * 64) > 2
     jobs = team.job if team else 0
-    pos = torch.randint(0, 47, (32, 1), generator=torch.Generator().manual_seed(5))
     _rope_against_torch(pos, 8, 3, 64, 48, dtype, seed=11)
     if team:  # the compiled calls' two went to the team's workers
         assert team.job == jobs + 2, (team.job, jobs)

@@ -362,11 +362,8 @@ def rope(block, m: int, elements: int, bf16: bool) -> None:
     they are many; else here. An element's bits are its own, so every split gives the same."""
     mod = compiled("cpu_rows")
     threads = row_threads("rope", m, elements)
-    if threads > 1:
-        t = team()
-        fields = None if t is None else {t.mod.X_AT: block.ctypes.data, t.mod.ROW_BF16: int(bf16)}
-        if t is not None and t.run(t.mod.ROPE, m, threads, fields):
-            return
+    if threads > 1 and _team_job("ROPE", m, threads, lambda c: {c.X_AT: block.ctypes.data, c.ROW_BF16: int(bf16)}):
+        return
     slices(m, lambda lo, hi: mod.rope_rows(block, bf16, lo, hi), threads)
 
 
@@ -376,22 +373,28 @@ def pairwise(leaves, out, out16) -> None:
     team (a PAIRWISE job) or over `slices`, in chunks of `cpu_loop.PAIRWISE_CHUNK`, where they are many;
     else here. An element's adds are its own, so every split gives the same."""
     mod = compiled("cpu_loop")
-    size = leaves.shape[1]
+    g, size = leaves.shape
     chunks = -(-size // mod.PAIRWISE_CHUNK)
     threads = row_threads("pairwise", chunks, leaves.size)
-    if threads > 1:
-        t = team()
-        fields = None
-        if t is not None:
-            fields = {t.mod.X_AT: leaves.ctypes.data, t.mod.Y_AT: out.ctypes.data, t.mod.COLS: size}
-            fields.update({t.mod.X_STRIDE: leaves.shape[0], t.mod.U_AT: out16.ctypes.data if out16.size else 0})
-        if t is not None and t.run(t.mod.PAIRWISE, chunks, threads, fields):
-            return
+    at16 = out16.ctypes.data if out16.size else 0
+
+    def fields(c) -> dict[int, int]:
+        return {c.X_AT: leaves.ctypes.data, c.Y_AT: out.ctypes.data, c.COLS: size, c.X_STRIDE: g, c.U_AT: at16}
+
+    if threads > 1 and _team_job("PAIRWISE", chunks, threads, fields):
+        return
 
     def part(lo: int, hi: int) -> None:
         mod.pairwise(leaves, out, out16, lo * mod.PAIRWISE_CHUNK, min(hi * mod.PAIRWISE_CHUNK, size))
 
     slices(chunks, part, threads)
+
+
+def _team_job(kind: str, jobs: int, threads: int, fields) -> bool:
+    """A job of `cpu_team`'s kind named `kind` with the fields fields(cpu_team) on the team: False where there
+    is none or it is busy (the caller takes the Python pool)."""
+    t = team()
+    return t is not None and t.run(getattr(t.mod, kind), jobs, threads, fields(t.mod))
 
 
 def _rows_on_team(kind: str, m: int, x, u, out, bf16: bool, eps: float, threads: int) -> bool:

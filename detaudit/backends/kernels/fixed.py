@@ -180,9 +180,9 @@ def _silu_compiled(gate: Tensor, up: Tensor) -> Tensor | None:
     return out.view(shape)
 
 
-COMPILED_STEP_ROWS = 64  # a step of up to this many tokens (decode) has its add + RMSNorm and its rotary in one
-# compiled call each; a prefill's run as before (torch's element loops and the row kernels spread over threads;
-# the same bits either way)
+COMPILED_STEP_ROWS = 64  # a step of up to this many tokens (decode) has its add + RMSNorm and its attention
+# output's cast in one compiled call each; a prefill's run as before (torch's element loops and the row kernels
+# spread over threads; the same bits either way). The rotary's rows are spread (`cpu_calls.rope`) at any size.
 
 
 def rope_store(
@@ -193,11 +193,12 @@ def rope_store(
     the cache [B, Hkv, L, D] at rows pos[B, T]; returns the rotated q as [B, Hq, T, D] (a transposed
     view). The PyTorch ops' bits (each product and the sum rounded to the model dtype), in one call instead
     of about fourteen small ops a layer, its rows spread over the team where they are many (`cpu_calls.rope`).
-    None where it does not run (no numba, DETAUDIT_CPU_COMPILED=off, a dtype other than bf16 / fp32, a step
-    of more than COMPILED_STEP_ROWS tokens, positions not int64, a head's values not contiguous)."""
+    None where it does not run (no numba, DETAUDIT_CPU_COMPILED=off, a dtype other than bf16 / fp32,
+    positions not int64, a head's values not contiguous). A prefill's rows too: on a 16-core AMX host its
+    rotary was fourteen torch ops a layer, each a parallel region or a copy (reports/cpu-bf16)."""
     k_cache, v_cache = cache
     dtype = q.dtype
-    if dtype not in (torch.bfloat16, torch.float32) or pos.numel() > COMPILED_STEP_ROWS or q.device.type != "cpu":
+    if dtype not in (torch.bfloat16, torch.float32) or q.device.type != "cpu":
         return None
     if pos.dtype != torch.int64:
         return None
