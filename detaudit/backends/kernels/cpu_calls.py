@@ -289,30 +289,34 @@ def team() -> Team | None:
         return t
 
 
+def _team_job(kind: str, jobs: int, threads: int, fields) -> bool:
+    """A job of `cpu_team`'s kind named `kind` with the fields fields(cpu_team) on the team: False where there
+    is none or it is busy (the caller takes the Python pool)."""
+    t = team()
+    return t is not None and t.run(getattr(t.mod, kind), jobs, threads, fields(t.mod))
+
+
 def _on_team(kernel: Kernel, kind: str, jobs: int, threads: int, shape, table, leaves: int, out, out16=None) -> bool:
     """A compiled product's table on the team (`cpu_team`), whose workers wait in compiled code: False
     where there is none or it is busy (the caller takes the Python pool)."""
-    t = team()
-    if t is None:
-        return False
-    m = t.mod
-    fields = {m.SHAPE + i: v for i, v in enumerate(shape)}
-    fields.update({m.TABLE: table.ctypes.data, m.LEAVES: leaves, m.RELEASE: int(kernel.release)})
-    fields.update({m.KERNEL_AT: kernel.addr, m.RELEASE_AT: kernel.release_addr})
-    if out is not None:
-        fields.update({m.OUT: out.ctypes.data, m.OUT_SIZE: out.size})
-    bf16 = out16 is not None
-    fields.update({m.OUT16: out16.ctypes.data if bf16 else 0, m.OUT16_SIZE: out16.size if bf16 else 0})
-    return t.run(m.TREE if kind == "tree" else m.LOOP, jobs, threads, fields)
+
+    def fields(m) -> dict[int, int]:
+        f = {m.SHAPE + i: v for i, v in enumerate(shape)}
+        f.update({m.TABLE: table.ctypes.data, m.LEAVES: leaves, m.RELEASE: int(kernel.release)})
+        f.update({m.KERNEL_AT: kernel.addr, m.RELEASE_AT: kernel.release_addr})
+        if out is not None:
+            f.update({m.OUT: out.ctypes.data, m.OUT_SIZE: out.size})
+        bf16 = out16 is not None
+        f.update({m.OUT16: out16.ctypes.data if bf16 else 0, m.OUT16_SIZE: out16.size if bf16 else 0})
+        return f
+
+    return _team_job("TREE" if kind == "tree" else "LOOP", jobs, threads, fields)
 
 
 def attend_on_team(qs, pos, k, v, bf16: bool, window: int, out, threads: int) -> bool:
     """`cpu_attention.attend` over the KV heads (G, qs[G, R, D]) on the team: False where there is none,
     it is busy, or an operand's layout is not one it takes (qs, pos, out contiguous; k and v [G, L, D]
     with rows of D contiguous elements and heads a whole number of rows apart, as a cache slice is)."""
-    t = team()
-    if t is None:
-        return False
     g, rows, d = qs.shape
     item = k.itemsize
     if not (qs.flags.c_contiguous and pos.flags.c_contiguous and out.flags.c_contiguous):
@@ -320,11 +324,14 @@ def attend_on_team(qs, pos, k, v, bf16: bool, window: int, out, threads: int) ->
     heads_apart = k.strides[0] % (d * item) == 0 and k.strides[0] >= k.shape[1] * d * item  # none overlapping
     if k.strides != v.strides or k.strides[1:] != (d * item, item) or not heads_apart:
         return False
-    m = t.mod
-    fields = {m.QS: qs.ctypes.data, m.POS: pos.ctypes.data, m.K_AT: k.ctypes.data, m.V_AT: v.ctypes.data}
-    fields.update({m.OUT: out.ctypes.data, m.ROWS: rows, m.DIM: d, m.KEYS: k.shape[1]})
-    fields.update({m.KV_STRIDE: k.strides[0] // item, m.BF16: int(bf16), m.WINDOW: window})
-    return t.run(m.ATTEND, g, threads, fields)
+
+    def fields(m) -> dict[int, int]:
+        f = {m.QS: qs.ctypes.data, m.POS: pos.ctypes.data, m.K_AT: k.ctypes.data, m.V_AT: v.ctypes.data}
+        f.update({m.OUT: out.ctypes.data, m.ROWS: rows, m.DIM: d, m.KEYS: k.shape[1]})
+        f.update({m.KV_STRIDE: k.strides[0] // item, m.BF16: int(bf16), m.WINDOW: window})
+        return f
+
+    return _team_job("ATTEND", g, threads, fields)
 
 
 # a row kernel (`cpu_rows`) costs about a nanosecond an element on one thread of the 16-core AMX host (a
@@ -390,34 +397,25 @@ def pairwise(leaves, out, out16) -> None:
     slices(chunks, part, threads)
 
 
-def _team_job(kind: str, jobs: int, threads: int, fields) -> bool:
-    """A job of `cpu_team`'s kind named `kind` with the fields fields(cpu_team) on the team: False where there
-    is none or it is busy (the caller takes the Python pool)."""
-    t = team()
-    return t is not None and t.run(getattr(t.mod, kind), jobs, threads, fields(t.mod))
-
-
 def _rows_on_team(kind: str, m: int, x, u, out, bf16: bool, eps: float, threads: int) -> bool:
-    t = team()
-    if t is None:
-        return False
     item, cols = x.itemsize, x.shape[1]
 
     def rows_apart(a) -> bool:  # whole rows, each a run of contiguous elements, none overlapping the next
         return a.strides[1] == item and a.strides[0] % item == 0 and a.strides[0] >= cols * item
 
-    if not (rows_apart(x) and out.flags.c_contiguous):
+    if not (rows_apart(x) and out.flags.c_contiguous) or (kind == "silu" and not rows_apart(u)):
         return False
-    mod = t.mod
-    fields = {mod.X_AT: x.ctypes.data, mod.Y_AT: out.ctypes.data, mod.COLS: cols}
-    fields.update({mod.X_STRIDE: x.strides[0] // item, mod.ROW_BF16: int(bf16)})
-    if kind == "rms":
-        fields[mod.EPS] = int(np.float64(eps).view(np.int64))
-        return t.run(mod.RMS, m, threads, fields)
-    if not rows_apart(u):
-        return False
-    fields.update({mod.U_AT: u.ctypes.data, mod.U_STRIDE: u.strides[0] // item})
-    return t.run(mod.SILU, m, threads, fields)
+
+    def fields(c) -> dict[int, int]:
+        f = {c.X_AT: x.ctypes.data, c.Y_AT: out.ctypes.data, c.COLS: cols}
+        f.update({c.X_STRIDE: x.strides[0] // item, c.ROW_BF16: int(bf16)})
+        if kind == "rms":
+            f[c.EPS] = int(np.float64(eps).view(np.int64))
+        else:
+            f.update({c.U_AT: u.ctypes.data, c.U_STRIDE: u.strides[0] // item})
+        return f
+
+    return _team_job(kind.upper(), m, threads, fields)
 
 
 def kernel_threads(kernel: Kernel, n: int, flops: float) -> int:

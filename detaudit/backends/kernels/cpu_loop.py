@@ -15,7 +15,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from detaudit.backends.kernels import numba_cache
-from detaudit.backends.kernels.cpu_rows import _put, _to_bf16
+from detaudit.backends.kernels.cpu_rows import _put, _to_bf16, to_bf16
 
 numba_cache.fresh()  # before any cache is loaded: a caller's cache holds its callees' code
 
@@ -126,19 +126,15 @@ def pairwise(leaves, out, out16, lo, hi):  # pragma: no cover (compiled)
     out's first level, then ((l0 + l1) + (l2 + l3)) + ... in place, `tree.pairwise`'s adds in its pairs, so
     its bits (an element's adds never depend on the other elements). out: fp32 [G / 2, S], the sum in
     out[0]; where out16 has elements (int16 bf16 bits, [S]) the sums are rounded to bf16 into it as
-    torch's cast rounds (`cpu_rows._to_bf16`), as `tree_loop`'s out16."""
+    torch's cast rounds (`cpu_rows.to_bf16`), as `tree_loop`'s out16."""
     g = leaves.shape[0]
     for j in range(0, g, 2):  # the first level out of place (the leaves stay the caller's)
         left, right, dst = leaves[j], leaves[j + 1], out[j // 2]
         for e in range(lo, hi):
             dst[e] = left[e] + right[e]
     _tree_in_place(out, lo, hi)
-    if out16.shape[0] != 0 and hi > lo:
-        sums = np.empty(hi - lo, dtype=np.float32)
-        sums[:] = out[0, lo:hi]
-        bits = sums.view(np.uint32)
-        _to_bf16(sums, bits)
-        _put(out16[lo:hi], True, bits)
+    if out16.shape[0] != 0:
+        to_bf16(out[0, lo:hi], out16[lo:hi])
 
 
 numba_cache.one_compiler(globals())  # after every kernel above: one process compiles, the others load

@@ -188,10 +188,10 @@ def _ptr(typingctx, addr, proto):
     return types.CPointer(proto)(types.int64, proto), codegen
 
 
-def rope_block(arrays, steps: int, hq: int, hkv: int, d: int) -> np.ndarray | None:
-    """`rope_rows`' argument block for the numpy arrays `arrays` (ROPE_ARRAYS' order and shapes), or None
-    where one's last dimension is not contiguous. The block holds addresses: the arrays must outlive its
-    use."""
+def rope_block(arrays) -> np.ndarray | None:
+    """`rope_rows`' argument block for the numpy arrays `arrays` (ROPE_ARRAYS' order and shapes; the step's
+    sizes read from q [B, T, Hq, D] and k [B, T, Hkv, D]), or None where one's last dimension is not
+    contiguous. The block holds addresses: the arrays must outlive its use."""
     block = np.zeros(ROPE_BLOCK, dtype=np.int64)
     for slot, x in zip(range(0, ROPE_SLOTS * len(arrays), ROPE_SLOTS), arrays):
         lead = x.strides if slot == POS else x.strides[:-1]  # (pos has no D: both its strides lead)
@@ -199,6 +199,7 @@ def rope_block(arrays, steps: int, hq: int, hkv: int, d: int) -> np.ndarray | No
             return None
         block[slot] = x.ctypes.data
         block[slot + 1 : slot + 1 + len(lead)] = [s // x.itemsize for s in lead]
+    (_, steps, hq, d), hkv = arrays[0].shape, arrays[1].shape[2]
     block[STEPS], block[HQ], block[HKV], block[DIM] = steps, hq, hkv, d
     return block
 

@@ -216,7 +216,7 @@ def rope_store(
     cn, sn = (x.view(as_bits).numpy()[:, 0] for x in (cos, sin))
     kc, vc, on = (x.view(as_bits).numpy() for x in (k_cache, v_cache, out))
     arrays = (qn, kn, vn, cn, sn, pos.numpy(), kc, vc, on)
-    block = rows.rope_block(arrays, t, qn.shape[2], kn.shape[2], head_dim)
+    block = rows.rope_block(arrays)
     if block is None:  # a head's values not contiguous
         return None
     cpu_replay.keep(arrays)  # (the block holds their addresses)
