@@ -11,7 +11,8 @@
 #                                        embedded model, then bench e2e before / after (issue 50) and the
 #                                        MoE bench (issue 53), one after another on GPU 0
 #   bash tools/gpu_session.sh amx        the CPU (AMX) job in the background: tests and bench engine
-#   bash tools/gpu_session.sh amxprof    bench e2e on the host CPU (AMX), before / after, first round profiled
+#   bash tools/gpu_session.sh amxprof    bench e2e's prefill on the host CPU (AMX), the `before` tree and this
+#                                        checkout in turn, the first round profiled
 #   bash tools/gpu_session.sh amxwait    bench engine on the host CPU (AMX) under each OpenMP wait of AMX_WAITS
 #   bash tools/gpu_session.sh amxbatch   bench engine on the host CPU (AMX) at each batch size of AMX_BATCHES
 #   bash tools/gpu_session.sh amxab      bench engine on the host CPU (AMX), the `before` tree and this checkout in turn
@@ -27,7 +28,7 @@
 #   bash tools/gpu_session.sh prof       bench e2e --profile of TP 1's dense prefill (issue 53: where the rest goes)
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
-# Knobs: AMX_BACKENDS (amx, amxprof, amxbatch: comma-separated; amxspy: space-separated, a run each), AMX_ROUNDS and AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch, amxspy), AMX_REPLAY (amxbatch), AMX_SPINS (amxsplit), SPY_RATE (amxspy), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
+# Knobs: AMX_BACKENDS (amx, amxprof, amxbatch: comma-separated; amxspy: space-separated, a run each), AMX_ROUNDS (amx, amxprof, amxab), AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch, amxab, amxspy; amxprof: comma-separated), AMX_REPLAY (amxbatch), AMX_SPINS (amxsplit), SPY_RATE (amxspy), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
 set -uo pipefail
 
 GS=${GS:-/tmp/gs}
@@ -127,27 +128,25 @@ job_amx() {  # issue 55 on the host's CPU (AMX): the invariance tests on the AMX
   done
 }
 
-step_amxprof() {  # issue 55: bench e2e on the host's CPU at AMX_THREADS (default 16), the `before` package
-  # (.carry/amx/before, its commit in COMMIT) and this checkout in turn, two rounds, the first profiled
+step_amxprof() {  # issue 55: bench e2e's prefill on the host's CPU at AMX_THREADS (default 16), the `before`
+  # tree ($BEFORE) and this checkout in turn (one process each, from its own tree), AMX_ROUNDS rounds (default
+  # 2), the first profiled; batch sizes AMX_BATCHES (comma-separated, default 8,32), 40-token prompts
   amx_model
-  local b=(bench e2e --models "$GS/amx-model" --device cpu --tp 1 --batch-sizes 8 --prompt-tokens 128
-    --new-tokens 16 --backends "${AMX_BACKENDS:-bf16,bio,bio+tbik}")
-  local env=(env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="${AMX_THREADS:-16}")
-  for round in 1 2; do
-    local prof=()
-    [ "$round" = 1 ] && prof=(--profile 15)
-    if [ -d "$GS/amx/before" ]; then
-      echo "== round $round: before ($(cat "$GS/amx/before/COMMIT" 2>/dev/null))"
-      (cd "$GS/amx/before" && "${env[@]}" PYTHONPATH="$PWD:$GS/amx/site:$PYTHONPATH" timeout 400 python3 -m detaudit \
-        "${b[@]}" "${prof[@]}" --save "$OUT/amx-e2e-before-$round.md" >/dev/null 2>"$GS/logs/amx-before-$round.err") \
-        || tail -3 "$GS/logs/amx-before-$round.err"
-      grep "^| amx" "$OUT/amx-e2e-before-$round.md"
-    fi
-    echo "== round $round: after"
-    "${env[@]}" PYTHONPATH="$GS/amx/site:$PYTHONPATH" timeout 400 python3 -m detaudit "${b[@]}" "${prof[@]}" \
-      --save "$OUT/amx-e2e-after-$round.md" >/dev/null 2>"$GS/logs/amx-after-$round.err" \
-      || tail -3 "$GS/logs/amx-after-$round.err"
-    grep "^| amx" "$OUT/amx-e2e-after-$round.md"
+  local b=(bench e2e --models "$GS/amx-model" --device cpu --tp 1 --batch-sizes "${AMX_BATCHES:-8,32}"
+    --prompt-tokens 40 --new-tokens 4 --repeats 2 --backends "${AMX_BACKENDS:-bf16,bio+tbik}")
+  local t=${AMX_THREADS:-16} round tree name prof
+  for round in $(seq "${AMX_ROUNDS:-2}"); do
+    prof=()
+    [ "$round" = 1 ] && prof=(--profile 12)
+    for tree in "$BEFORE" "$PWD"; do
+      [ -d "$tree" ] || continue
+      name=$([ "$tree" = "$PWD" ] && echo after || echo "before $(cat "$BEFORE/COMMIT")")
+      echo "== round $round, $t threads, $name"
+      (cd "$tree" && env CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS="$t" PYTHONPATH="$GS/amx/site:${PYTHONPATH/$PWD/$tree}" \
+        timeout 400 $(pin_cores "$t") python3 -m detaudit "${b[@]}" "${prof[@]}" \
+        --save "$OUT/amx-e2e-r$round-${name%% *}.md" >/dev/null 2>"$GS/logs/amxprof.err") || tail -3 "$GS/logs/amxprof.err"
+      grep "^| " "$OUT/amx-e2e-r$round-${name%% *}.md" | grep -v "^| ---" | cut -c1-240
+    done
   done
 }
 
