@@ -100,10 +100,10 @@ class FusedOps(TorchOps):
 
 
 class CompiledOps(TorchOps):
-    """The PyTorch steps, but a decode step's residual add with its RMSNorm (`fixed.add_rms`) as one
-    compiled call, and every step's rotary embedding with the cache writes (without Qwen3's head norms,
-    `fixed.rope_store`) as compiled rows spread over threads, on CPU, with the same bits: the invariant
-    backends', whose row kernels are compiled there already."""
+    """The PyTorch steps, but the residual add with its RMSNorm (`fixed.add_rms`) and the rotary embedding
+    with the cache writes (without Qwen3's head norms, `fixed.rope_store`) as compiled rows, spread over
+    threads where they are many, on CPU, with the same bits: the invariant backends', whose row kernels
+    are compiled there already."""
 
     def add_norm(self, x: Tensor, delta: Tensor | None, norm) -> tuple[Tensor, Tensor]:
         out = fixed.add_rms(x, delta, norm.weight, norm.eps)

@@ -240,14 +240,13 @@ def test_compiled_rope_spread_over_threads_gives_the_torch_ops_bits(dtype, steps
     """A batch-32 decode step's rotary (the embedded model's 24 / 8 heads of 64), and a prefill's of 4
     requests of 40 tokens, is spread over threads (`cpu_calls.rope`: the team's ROPE jobs, or the Python
     pool's slices where the team is off): the torch ops' bits in every row, whichever thread made it."""
-    from detaudit.backends.kernels import cpu_calls, fixed
+    from detaudit.backends.kernels import cpu_calls
 
     team = spread_on(8)
     if steps == "decode":
         pos = torch.randint(0, 47, (32, 1), generator=torch.Generator().manual_seed(5))
-    else:  # more rows than a decode step's compiled calls take elsewhere
+    else:
         pos = (torch.arange(40) + torch.tensor([[0], [8], [3], [5]])).contiguous()
-        assert pos.numel() > fixed.COMPILED_STEP_ROWS
     assert cpu_calls.row_threads("rope", pos.numel(), pos.numel() * 32 * 64) > 2
     jobs = team.job if team else 0
     _rope_against_torch(pos, 8, 3, 64, 48, dtype, seed=11)
@@ -283,41 +282,125 @@ def test_compiled_add_norm_gives_the_torch_ops_bits(m, k, add, dtype, seed):
     bits(got[1], want[1], "the residual sum")
 
 
+@pytest.mark.parametrize("add", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_add_norm_spread_over_threads_gives_the_torch_ops_bits(dtype, add, spread_on):
+    """A prefill's add + RMSNorm (600 rows of 576, a delta whose rows are a longer row's columns) spread
+    over 8 threads (the team's ADD_RMS job, or the Python pool's slices): the torch ops' bits in every
+    row, whichever thread made it."""
+    from types import SimpleNamespace
+
+    from detaudit.backends.kernels import cpu_calls
+    from detaudit.backends.row_ops import CompiledOps, TorchOps
+
+    team = spread_on(8)
+    m, k = 600, 576
+    assert cpu_calls.row_threads("add_rms", m, m * k) == 8
+    x = spread(m, k, seed=3, dtype=dtype) * 4
+    delta = spread(m, k + 64, seed=4, dtype=dtype)[:, 32 : 32 + k] if add else None
+    norm = SimpleNamespace(weight=spread(k, seed=5, dtype=dtype), eps=1e-6)
+    b = get_backend("bio")
+    jobs = team.job if team else 0
+    got = CompiledOps(b).add_norm(x, delta, norm)
+    if team:  # the one call went to the team's workers
+        assert team.job == jobs + 1, (team.job, jobs)
+    want = TorchOps(b).add_norm(x, delta, norm)
+    bits(got[0], want[0], "the normed rows")
+    bits(got[1], want[1], "the residual sum")
+
+
+def _attention_heads_against_torch(pos, hkv, groups, d, length, dtype, seed, layout="rotary", window=None):
+    """bio's compiled CPU attention (`fixed.attention`: each thread scales its KV heads' queries from q's own
+    layout and puts its output rows in [B, T, Hq, D], `cpu_rows.scaled_heads` / `heads_out`) against the
+    steps those replaced around the same kernel: the queries' transposed copy, `qg.float() * scale`,
+    `kernel.attend`, the output's transposed copy and torch's cast. Bitwise; a NaN's payload aside (see
+    `cpu_rows._to_bf16`). q: a [B, Hq, T, D] view of [B, T, Hq, D] (`layout` "rotary", as the rotary leaves
+    it) or contiguous; k / v a slice of a longer cache."""
+    import numpy as np
+
+    from detaudit.backends.kernels import cpu_calls, fixed
+
+    kernel = cpu_calls.compiled("cpu_attention")
+    (bsz, t), hq, scale = pos.shape, hkv * groups, d**-0.5
+    q = spread(bsz, t, hq, d, seed=seed, dtype=torch.float32) * 4
+    q.view(-1)[:3] = torch.tensor([float("inf"), 1e-39, float("nan")])
+    q = q.to(dtype).transpose(1, 2)
+    if layout != "rotary":
+        q = q.contiguous()
+    k, v = (spread(bsz, hkv, length + 5, d, seed=seed + i, dtype=dtype)[:, :, :length] for i in (1, 2))
+    got = fixed.attention(q, k, v, pos, scale, 64, window)
+    assert got.transpose(1, 2).is_contiguous()  # (o_proj's input, a view)
+    g, rows = bsz * hkv, t * groups
+    qg = q.reshape(bsz, hkv, groups, t, d).transpose(2, 3).reshape(g, rows, d)
+    qs = (qg.float() * scale).contiguous().numpy()
+    p = pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, rows).contiguous().numpy()
+    as_bits = torch.int16 if dtype == torch.bfloat16 else torch.float32
+    kn, vn = (x.reshape(g, length, d).view(as_bits).numpy() for x in (k, v))
+    out = np.empty((g, rows, d), dtype=np.float32)
+    kernel.attend(qs, p, kn, vn, dtype == torch.bfloat16, window or 0, out)
+    want = torch.from_numpy(out).view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(dtype)
+    nan = torch.isnan(want)
+    assert nan.any() and torch.equal(torch.isnan(got), nan)  # (the NaN query's rows)
+    bits(got.masked_fill(nan, 0), want.masked_fill(nan, 0), "the attention output")
+
+
 @PROPS
 @given(
-    g=st.integers(1, 4),
-    rows=st.integers(1, 9),
-    d=st.sampled_from([1, 16, 64, 80]),
-    transposed=st.booleans(),
+    bsz=st.integers(1, 3),
+    t=st.integers(1, 9),
+    hkv=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    d=st.sampled_from([8, 64, 80]),
+    layout=st.sampled_from(["rotary", "contiguous"]),
+    window=st.sampled_from([None, 5]),
     dtype=DTYPES,
     seed=SEEDS,
 )
-def test_compiled_scaled_queries_give_the_torch_ops_bits(g, rows, d, transposed, dtype, seed):
-    """The compiled attention's queries (`fixed._scaled_queries`: `cpu_rows.scaled_rows`) against
-    `qg.float() * scale`, bitwise, strided (a transposed view) or not, at scales that are and are not
-    powers of two, with infinities, NaN and subnormals among the queries."""
-    from detaudit.backends.kernels import cpu_calls, fixed
+def test_compiled_attention_reads_and_writes_heads_in_place_with_the_torch_ops_bits(
+    bsz, t, hkv, groups, d, layout, window, dtype, seed
+):
+    """The compiled attention's queries read and output written where the layers keep them, against the
+    copies, scaling and cast they replaced (`_attention_heads_against_torch`), prefill and decode shapes."""
+    from detaudit.backends.kernels import cpu_calls
 
-    if cpu_calls.compiled("cpu_rows") is None:
+    if cpu_calls.compiled("cpu_attention") is None:
         return  # (numba not installed: the torch ops are the path)
-    q = spread(g, d, rows, seed=seed, dtype=torch.float32) * 8
-    q.view(-1)[: min(4, q.numel())] = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e-39])[: q.numel()]
-    q = q.to(dtype)
-    qg = q.transpose(1, 2) if transposed else q.reshape(g, rows, d)
-    for scale in (d**-0.5, 0.125, 1 / 3):
-        got = torch.from_numpy(fixed._scaled_queries(qg, scale))
-        bits(got.view(torch.int32), (qg.float() * scale).view(torch.int32), f"the queries times {scale}")  # (NaN too)
+    length = 20
+    pos = (torch.arange(t) + torch.arange(bsz)[:, None] + length - t - bsz + 1).clamp(min=0).contiguous()
+    _attention_heads_against_torch(pos, hkv, groups, d, length, dtype, seed, layout, window)
+
+
+@pytest.mark.parametrize("steps", ["decode", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_attention_spread_over_threads_reads_and_writes_heads_in_place(dtype, steps, spread_on):
+    """A batch-32 decode step's attention (the embedded model's 24 / 8 heads of 64) and a prefill's of 4
+    requests of 40 tokens, spread over 8 threads (the team's ATTEND job, or the Python pool's slices): each
+    thread's scaled queries and output rows in place give the torch ops' bits."""
+    from detaudit.backends.kernels import fixed
+
+    team = spread_on(8)
+    if steps == "decode":
+        pos = torch.randint(0, 47, (32, 1), generator=torch.Generator().manual_seed(5))
+    else:
+        pos = (torch.arange(40) + torch.tensor([[0], [8], [3], [5]])).contiguous()
+    rows = pos.numel() * 3
+    assert 4.0 * pos.shape[0] * 8 * rows * 64 * 48 > fixed.ATTENTION_SPLIT_FLOPS  # (spread, not one thread)
+    jobs = team.job if team else 0
+    _attention_heads_against_torch(pos, 8, 3, 64, 48, dtype, seed=11)
+    if team:  # the one attention call went to the team's workers
+        assert team.job == jobs + 1, (team.job, jobs)
 
 
 @PROPS
 @given(n=st.integers(1, 3000), scale=st.sampled_from([1e-40, 1.0, 3e38]), seed=SEEDS)
 def test_compiled_cast_to_bf16_is_torchs(n, scale, seed):
-    """A decode step's attention output cast in one compiled call (`cpu_rows.to_bf16`, `fixed._cast_step`)
-    against torch's `.to(bfloat16)`, bitwise: ties, subnormals, overflow to infinity, across its chunks;
-    NaN stays NaN (its payload is the scalar rule's, `cpu_rows._to_bf16`)."""
-    from detaudit.backends.kernels import cpu_calls, fixed
+    """The compiled cast (`cpu_rows.to_bf16`: the leaf sums' rounding, `cpu_loop.pairwise`) against torch's
+    `.to(bfloat16)`, bitwise: ties, subnormals, overflow to infinity, across its chunks; NaN stays NaN (its
+    payload is the scalar rule's, `cpu_rows._to_bf16`)."""
+    from detaudit.backends.kernels import cpu_calls
 
-    if cpu_calls.compiled("cpu_rows") is None:
+    rows = cpu_calls.compiled("cpu_rows")
+    if rows is None:
         return  # (numba not installed: torch's cast is the path)
     x = spread(1, n, seed=seed, dtype=torch.float32).view(-1) * scale
     ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-133, float("inf"), 3.4e38, -0.0])
@@ -325,13 +408,11 @@ def test_compiled_cast_to_bf16_is_torchs(n, scale, seed):
     nan = n > 8
     if nan:
         x[8] = float("nan")
-    out = x.view(1, 1, n)
-    got = fixed._cast_step(out, torch.bfloat16, 1)
-    assert got.dtype == torch.bfloat16
-    want = x.bfloat16().view(1, 1, n)
+    got = torch.empty(n, dtype=torch.bfloat16)
+    rows.to_bf16(x.numpy(), got.view(torch.int16).numpy())
+    want = x.bfloat16()
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     if nan:  # (the NaN's payload aside)
         got, want = got.clone(), want.clone()
         got.view(-1)[8] = want.view(-1)[8] = 0
     bits(got.view(torch.int16), want.view(torch.int16), "the cast")
-    assert fixed._cast_step(out, torch.bfloat16, fixed.COMPILED_STEP_ROWS + 1) is out  # a prefill: the caller's

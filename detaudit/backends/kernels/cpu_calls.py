@@ -313,10 +313,12 @@ def _on_team(kernel: Kernel, kind: str, jobs: int, threads: int, shape, table, l
     return _team_job("TREE" if kind == "tree" else "LOOP", jobs, threads, fields)
 
 
-def attend_on_team(qs, pos, k, v, bf16: bool, window: int, out, threads: int) -> bool:
-    """`cpu_attention.attend` over the KV heads (G, qs[G, R, D]) on the team: False where there is none,
-    it is busy, or an operand's layout is not one it takes (qs, pos, out contiguous; k and v [G, L, D]
-    with rows of D contiguous elements and heads a whole number of rows apart, as a cache slice is)."""
+def attend_on_team(qs, pos, k, v, bf16: bool, window: int, out, threads: int, heads) -> bool:
+    """`cpu_attention.attend` over the KV heads (G, qs[G, R, D]) on the team, each worker's heads' queries
+    scaled into qs first and its rows of out put in the model's layout after (`heads`, a
+    `cpu_rows.heads_block`: `fixed._attend`'s part): False where there is none, it is busy, or an
+    operand's layout is not one it takes (qs, pos, out contiguous; k and v [G, L, D] with rows of D
+    contiguous elements and heads a whole number of rows apart, as a cache slice is)."""
     g, rows, d = qs.shape
     item = k.itemsize
     if not (qs.flags.c_contiguous and pos.flags.c_contiguous and out.flags.c_contiguous):
@@ -329,6 +331,7 @@ def attend_on_team(qs, pos, k, v, bf16: bool, window: int, out, threads: int) ->
         f = {m.QS: qs.ctypes.data, m.POS: pos.ctypes.data, m.K_AT: k.ctypes.data, m.V_AT: v.ctypes.data}
         f.update({m.OUT: out.ctypes.data, m.ROWS: rows, m.DIM: d, m.KEYS: k.shape[1]})
         f.update({m.KV_STRIDE: k.strides[0] // item, m.BF16: int(bf16), m.WINDOW: window})
+        f[m.HEADS] = heads.ctypes.data
         return f
 
     return _team_job("ATTEND", g, threads, fields)
@@ -339,7 +342,7 @@ def attend_on_team(qs, pos, k, v, bf16: bool, window: int, out, threads: int) ->
 # 0.18 ms), the rotary about five a rotated element (a batch-32 step's q and k, [32, 32 heads, 64], with the
 # cache writes 0.4 ms): past ROWS_SPLIT such elements (the team's hand-off being cheaper, ROWS_TEAM_SPLIT)
 # its rows are spread, a thread per share of elements worth its hand-off (the Python pool's / the team's)
-ROW_COST = {"rms": 1, "silu": 3, "rope": 5, "pairwise": 1}  # (pairwise: an element of the leaves)
+ROW_COST = {"rms": 1, "add_rms": 2, "silu": 3, "rope": 5, "pairwise": 1}  # (pairwise: an element of the leaves)
 ROWS_SPLIT, ROWS_TEAM_SPLIT = 1 << 17, 1 << 15
 ROWS_PER_THREAD, ROWS_TEAM_PER_THREAD = 1 << 16, 1 << 15
 
@@ -375,6 +378,36 @@ def rope(block, m: int, elements: int, bf16: bool) -> None:
 
 
 @cpu_replay.unit
+def add_rms(x, delta, weight, bf16: bool, eps: float, s, y) -> None:
+    """`cpu_rows.add_rms` over the rows of x[M, K] (delta [M, K] or None; weight [K]; s, y [M, K]
+    contiguous; every row a run of contiguous elements): on the team (an ADD_RMS job) or over `slices`,
+    where they are many; else here. A row's bits are its own, so every split gives the same."""
+    mod = compiled("cpu_rows")
+    m, k = x.shape
+    threads = row_threads("add_rms", m, x.size)
+    add = delta is not None
+    d = delta if add else x  # (unread)
+
+    def fields(c) -> dict[int, int]:
+        f = {c.X_AT: x.ctypes.data, c.U_AT: delta.ctypes.data if add else 0, c.Y_AT: y.ctypes.data, c.COLS: k}
+        f.update({c.X_STRIDE: x.strides[0] // x.itemsize, c.U_STRIDE: d.strides[0] // x.itemsize})
+        f.update({c.ROW_BF16: int(bf16), c.EPS: int(np.float64(eps).view(np.int64))})
+        f.update({c.S_AT: s.ctypes.data, c.W_AT: weight.ctypes.data})
+        return f
+
+    if threads > 1 and _rows_apart(x) and _rows_apart(d) and _team_job("ADD_RMS", m, threads, fields):
+        return
+    slices(m, lambda lo, hi: mod.add_rms(x[lo:hi], d[lo:hi], add, weight, bf16, eps, s[lo:hi], y[lo:hi]), threads)
+
+
+def _rows_apart(a) -> bool:
+    """Whether a[M, K]'s rows are each a run of contiguous elements, none overlapping the next: the layout
+    the team's row jobs address by a row stride."""
+    item = a.itemsize
+    return a.strides[1] == item and a.strides[0] % item == 0 and a.strides[0] >= a.shape[1] * item
+
+
+@cpu_replay.unit
 def pairwise(leaves, out, out16) -> None:
     """`cpu_loop.pairwise` over all of leaves[G, S]' elements (out [G / 2, S], out16 [S] or empty): on the
     team (a PAIRWISE job) or over `slices`, in chunks of `cpu_loop.PAIRWISE_CHUNK`, where they are many;
@@ -399,11 +432,7 @@ def pairwise(leaves, out, out16) -> None:
 
 def _rows_on_team(kind: str, m: int, x, u, out, bf16: bool, eps: float, threads: int) -> bool:
     item, cols = x.itemsize, x.shape[1]
-
-    def rows_apart(a) -> bool:  # whole rows, each a run of contiguous elements, none overlapping the next
-        return a.strides[1] == item and a.strides[0] % item == 0 and a.strides[0] >= cols * item
-
-    if not (rows_apart(x) and out.flags.c_contiguous) or (kind == "silu" and not rows_apart(u)):
+    if not (_rows_apart(x) and out.flags.c_contiguous) or (kind == "silu" and not _rows_apart(u)):
         return False
 
     def fields(c) -> dict[int, int]:

@@ -1,5 +1,6 @@
-"""bio's row kernels on CPU, compiled (numba; imported only where it is installed): RMSNorm, silu * up, a
-decode step's rotary embedding with its cache writes, and its attention output's cast to bf16.
+"""bio's row kernels on CPU, compiled (numba; imported only where it is installed): RMSNorm, silu * up, the
+rotary embedding with its cache writes, a decode step's add + RMSNorm, the attention's queries scaled and
+its output cast in the layers' layout, and the cast to bf16 of the leaves' sums.
 
 RMSNorm: a row's sum of squares is `cpu_attention._dot(x, x)` (16 fp32 lanes, lane i % 16 in order, then
 the lanes pairwise; every square rounded, then added), divided by K; then y = x * (1 / sqrt(var + eps)),
@@ -43,22 +44,6 @@ def _normalised(row, eps32, out):
     scale = np.float32(1) / np.sqrt(var + eps32)
     for i in range(k):
         out[i] = row[i] * scale
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy")
-def scaled_rows(x, bf16, scale, out):  # pragma: no cover (compiled)
-    """x[G, R, D] (bf16 bits as int16 when `bf16`, else fp32; any strides) -> out[G, R, D] fp32 = x * scale,
-    each element one fp32 multiply by scale rounded to fp32: `x.float() * scale`'s bits (the attention's
-    queries, in one call instead of a cast and a product)."""
-    g, rows, d = x.shape
-    bits = np.empty(d, dtype=np.uint32)
-    row = bits.view(np.float32)
-    s = np.float32(scale)
-    for i in range(g):
-        for r in range(rows):
-            load(x[i, r], bf16, bits)
-            for j in range(d):
-                out[i, r, j] = row[j] * s
 
 
 NEG_LIMIT = np.float32(-128)  # past it exp(-|g|) is 0 and silu's numerator g * 0 is -0 (for -inf as well)
@@ -246,6 +231,92 @@ def _rope(a, lo, hi, bf16, proto, item):  # pragma: no cover (compiled)
             src, dst = _at(a, V, bi, t, h, d, proto, item), _at(a, V_CACHE, bi, h, p, d, proto, item)
             for i in range(d):
                 dst[i] = src[i]
+
+
+# `scaled_heads` / `heads_out`'s argument block (int64): the queries q[B, T, Hq, D] and the output o[B, T,
+# Hq, D], each as its address then its strides over B, T and heads in elements (a head's D values
+# contiguous), then Hkv, T, D, whether q and o hold bf16 bits (else fp32) and the scale's fp32 bits. The
+# attention's rows of KV head g = b * Hkv + h are (t, j) for query head h * groups + j, position-major
+# (`fixed.attention`'s layout): these two read and write them where the model's layers keep them
+H_Q, H_OUT = 0, ROPE_SLOTS
+H_KV, H_STEPS, H_DIM, H_BF16, H_SCALE = range(2 * ROPE_SLOTS, 2 * ROPE_SLOTS + 5)
+HEADS_BLOCK = H_SCALE + 1
+
+
+def heads_block(q, o, hkv: int, scale: float) -> np.ndarray | None:
+    """The argument block of `scaled_heads` and `heads_out` for numpy q and o [B, T, Hq, D] (int16 bf16
+    bits or fp32, both the same), or None where a head's values are not contiguous in either. The block
+    holds addresses: the arrays must outlive its use."""
+    block = np.zeros(HEADS_BLOCK, dtype=np.int64)
+    for slot, x in ((H_Q, q), (H_OUT, o)):
+        if x.strides[-1] != x.itemsize:
+            return None
+        block[slot] = x.ctypes.data
+        block[slot + 1 : slot + 4] = [s // x.itemsize for s in x.strides[:-1]]
+    _, t, _, d = q.shape
+    block[H_KV], block[H_STEPS], block[H_DIM], block[H_BF16] = hkv, t, d, q.dtype == np.int16
+    block[H_SCALE] = np.array([scale], dtype=np.float32).view(np.int32)[0]
+    return block
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def scaled_heads(a, qs, lo, hi):  # pragma: no cover (compiled)
+    """qs[g, t * groups + j] = q[b, t, h * groups + j] * scale in fp32 for the KV heads g = b * Hkv + h in
+    lo..hi (the block `a`): each element one fp32 multiply rounded to fp32, `q.float() * scale`'s bits, read
+    where the rotary left the queries instead of from a copy in the attention's layout. qs [G, T * groups,
+    D]."""
+    if a[H_BF16] != 0:
+        _scaled_heads(a, qs, lo, hi, True, np.int16(0), 2)
+    else:
+        _scaled_heads(a, qs, lo, hi, False, np.float32(0), 4)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _scaled_heads(a, qs, lo, hi, bf16, proto, item):  # pragma: no cover (compiled)
+    hkv, nt, d = a[H_KV], a[H_STEPS], a[H_DIM]
+    groups = qs.shape[1] // nt
+    scale_bits = np.empty(1, dtype=np.int32)
+    scale_bits[0] = a[H_SCALE]
+    s = scale_bits.view(np.float32)[0]
+    bits = np.empty(d, dtype=np.uint32)
+    row = bits.view(np.float32)
+    for g in range(lo, hi):
+        b, h = g // hkv, g % hkv
+        for t in range(nt):
+            for j in range(groups):
+                load(_at(a, H_Q, b, t, h * groups + j, d, proto, item), bf16, bits)
+                dst = qs[g, t * groups + j]
+                for i in range(d):
+                    dst[i] = row[i] * s
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def heads_out(a, out, lo, hi):  # pragma: no cover (compiled)
+    """o[b, t, h * groups + j] = out[g, t * groups + j] for the KV heads g = b * Hkv + h in lo..hi (the block
+    `a`), rounded to bf16 as torch's cast rounds (`_to_bf16`) where o holds bf16: the attention's fp32
+    output [G, T * groups, D] cast and put where o_proj reads it, instead of a transposed copy and a cast."""
+    if a[H_BF16] != 0:
+        _heads_out(a, out, lo, hi, True, np.int16(0), 2)
+    else:
+        _heads_out(a, out, lo, hi, False, np.float32(0), 4)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _heads_out(a, out, lo, hi, bf16, proto, item):  # pragma: no cover (compiled)
+    hkv, nt, d = a[H_KV], a[H_STEPS], a[H_DIM]
+    groups = out.shape[1] // nt
+    bits = np.empty(d, dtype=np.uint32)
+    row = bits.view(np.float32)
+    for g in range(lo, hi):
+        b, h = g // hkv, g % hkv
+        for t in range(nt):
+            for j in range(groups):
+                src = out[g, t * groups + j]
+                for i in range(d):
+                    row[i] = src[i]
+                if bf16:
+                    _to_bf16(row, bits)
+                _put(_at(a, H_OUT, b, t, h * groups + j, d, proto, item), bf16, bits)
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")

@@ -51,6 +51,9 @@ QS, POS, K_AT, V_AT, ROWS, DIM, KEYS, KV_STRIDE, BF16, WINDOW = range(16, 26)
 # (SILU's up), rows X_STRIDE / U_STRIDE elements apart (int16 bf16 bits where ROW_BF16, else fp32), out
 # [M, COLS] contiguous (fp32 for RMS, x's dtype for SILU), with M (JOBS), COLS, and RMS's eps (float64 bits)
 X_AT, U_AT, Y_AT, COLS, X_STRIDE, U_STRIDE, ROW_BF16, EPS = range(16, 24)
+# an ADD_RMS job's (`cpu_rows.add_rms` over ranges of rows): those of RMS, U_AT the delta (0: none), Y_AT the
+# normed rows and S_AT the residual sum ([M, COLS] contiguous, x's dtype), W_AT the weight [COLS]
+S_AT, W_AT = 24, 25
 # a ROPE job's fields (`cpu_rows.rope_rows` over a step's rows (b, t)): X_AT the address of its argument
 # block (`cpu_rows.rope_block`), ROW_BF16. A PAIRWISE job's (`cpu_loop.pairwise` over chunks of
 # `cpu_loop.PAIRWISE_CHUNK` elements): X_AT the leaves [X_STRIDE, COLS] fp32, Y_AT out [X_STRIDE / 2, COLS]
@@ -58,6 +61,9 @@ X_AT, U_AT, Y_AT, COLS, X_STRIDE, U_STRIDE, ROW_BF16, EPS = range(16, 24)
 # a LOOP or TREE job's bf16 output (`cpu_loop.loop`'s out16): its address and elements (0: none, the
 # products go to their C addresses or OUT in fp32); written with every such job, these fields being others'
 OUT16, OUT16_SIZE = 16, 17
+# an ATTEND job's queries and output where the model keeps them: the address of a `cpu_rows.heads_block`
+# (a worker scales its KV heads' queries into QS first and puts its rows of OUT there after; 0: neither)
+HEADS = 29
 SPIN = 26  # the team's polls before a worker sleeps (`SPINS`, written once by the team's owner)
 BELL = 27  # the sleepers' futex word: the dispatcher adds one before it wakes them
 WAIT = 28  # ns a sleeping worker waits before it checks its ticket anyway (`WAIT_NS`; a test raises it)
@@ -65,8 +71,9 @@ WORKERS = 32  # worker w's ticket at WORKERS + LINE * w, its done word one line 
 LINE = 16  # int64s between two workers' tickets (two 64-byte lines)
 MAX_WORKERS = 255
 SIZE = WORKERS + LINE * MAX_WORKERS
-LOOP, TREE, PROBE, ATTEND, RMS, SILU, ROPE, PAIRWISE = range(8)  # job kinds: `cpu_loop.loop`, `tree_loop`,
-# a test's marks, `cpu_attention.attend`, `cpu_rows.rms_rows`, `silu_mul`, `rope_rows`, `cpu_loop.pairwise`
+LOOP, TREE, PROBE, ATTEND, RMS, SILU, ROPE, PAIRWISE, ADD_RMS = range(9)  # job kinds: `cpu_loop.loop`,
+# `tree_loop`, a test's marks, `cpu_attention.attend`, `cpu_rows.rms_rows`, `silu_mul`, `rope_rows`,
+# `cpu_loop.pairwise`, `cpu_rows.add_rms`
 STOP = -1  # a ticket that ends `serve`
 # a waiting worker polls its ticket SPINS times (a `pause` between polls, ~20-40 us: consecutive slices of
 # one product's neighbours), then sleeps in the kernel on the bell's futex until the dispatcher wakes it:
@@ -176,6 +183,9 @@ def _slice(ctl, slot, threads):  # pragma: no cover (compiled)
     if kind == PAIRWISE:
         _pairwise(ctl, lo, hi)
         return
+    if kind == ADD_RMS:
+        _add_rms(ctl, lo, hi)
+        return
     if kind == PROBE:
         marks = numba.carray(_i64_at(ctl[OUT]), (jobs,))
         for j in range(lo, hi):
@@ -204,6 +214,9 @@ def _attend(ctl, lo, hi):  # pragma: no cover (compiled)
     pos = numba.carray(_i64_at(ctl[POS]), (g, rows))
     out = numba.carray(_f32_at(ctl[OUT]), (g, rows, d))
     bf16, window = ctl[BF16] != 0, ctl[WINDOW]
+    heads = numba.carray(_i64_at(ctl[HEADS]), (cpu_rows.HEADS_BLOCK if ctl[HEADS] != 0 else 0,))
+    if heads.size:
+        cpu_rows.scaled_heads(heads, qs, lo, hi)
     if bf16:
         k = numba.carray(_i16_at(ctl[K_AT]), (g, stride // d, d))[:, :length]
         v = numba.carray(_i16_at(ctl[V_AT]), (g, stride // d, d))[:, :length]
@@ -212,6 +225,8 @@ def _attend(ctl, lo, hi):  # pragma: no cover (compiled)
         kf = numba.carray(_f32_at(ctl[K_AT]), (g, stride // d, d))[:, :length]
         vf = numba.carray(_f32_at(ctl[V_AT]), (g, stride // d, d))[:, :length]
         cpu_attention.attend(qs[lo:hi], pos[lo:hi], kf[lo:hi], vf[lo:hi], False, window, out[lo:hi])
+    if heads.size:
+        cpu_rows.heads_out(heads, out, lo, hi)
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
@@ -237,6 +252,27 @@ def _rows(ctl, rms, lo, hi):  # pragma: no cover (compiled)
         uf = numba.carray(_f32_at(ctl[U_AT]), (m, us))[:, :n]
         yf = numba.carray(_f32_at(ctl[Y_AT]), (m, n))
         cpu_rows.silu_mul(gf[lo:hi], uf[lo:hi], False, yf[lo:hi])
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _add_rms(ctl, lo, hi):  # pragma: no cover (compiled)
+    """Rows lo..hi of an ADD_RMS job (`cpu_rows.add_rms`: a row's bits are the row's alone)."""
+    m, n, xs, us = ctl[JOBS], ctl[COLS], ctl[X_STRIDE], ctl[U_STRIDE]
+    eps = numba.carray(_f64_at(ctl.ctypes.data + EPS * 8), (1,))[0]
+    add = ctl[U_AT] != 0
+    d_at, ds = (ctl[U_AT], us) if add else (ctl[X_AT], xs)  # (no delta: x stands in, unread)
+    if ctl[ROW_BF16] != 0:
+        x = numba.carray(_i16_at(ctl[X_AT]), (m, xs))[:, :n]
+        d = numba.carray(_i16_at(d_at), (m, ds))[:, :n]
+        w = numba.carray(_i16_at(ctl[W_AT]), (n,))
+        s, y = numba.carray(_i16_at(ctl[S_AT]), (m, n)), numba.carray(_i16_at(ctl[Y_AT]), (m, n))
+        cpu_rows.add_rms(x[lo:hi], d[lo:hi], add, w, True, eps, s[lo:hi], y[lo:hi])
+    else:
+        xf = numba.carray(_f32_at(ctl[X_AT]), (m, xs))[:, :n]
+        df = numba.carray(_f32_at(d_at), (m, ds))[:, :n]
+        wf = numba.carray(_f32_at(ctl[W_AT]), (n,))
+        sf, yf = numba.carray(_f32_at(ctl[S_AT]), (m, n)), numba.carray(_f32_at(ctl[Y_AT]), (m, n))
+        cpu_rows.add_rms(xf[lo:hi], df[lo:hi], add, wf, False, eps, sf[lo:hi], yf[lo:hi])
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -180,11 +181,6 @@ def _silu_compiled(gate: Tensor, up: Tensor) -> Tensor | None:
     return out.view(shape)
 
 
-COMPILED_STEP_ROWS = 64  # a step of up to this many tokens (decode) has its add + RMSNorm and its attention
-# output's cast in one compiled call each; a prefill's run as before (torch's element loops and the row kernels
-# spread over threads; the same bits either way). The rotary's rows are spread (`cpu_calls.rope`) at any size.
-
-
 def rope_store(
     q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, cache, head_dim: int
 ) -> Tensor | None:
@@ -227,11 +223,13 @@ def rope_store(
 
 def add_rms(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor] | None:
     """`cpu_rows.add_rms`: (RMSNorm(s) * weight, s) for s = x + delta (x where delta is None), bio's
-    add_norm of a step of up to COMPILED_STEP_ROWS rows (x[M, K] contiguous) in one call: the bits of the
-    add, `bio._rms_norm`'s compiled rows, the cast and the product with the weight, op by op. None where it
-    does not run (no numba, DETAUDIT_CPU_COMPILED=off, a dtype other than bf16 / fp32, more rows)."""
+    add_norm (x[M, K] contiguous) in one compiled call, its rows spread over threads where they are many
+    (`cpu_calls.add_rms`): the bits of the add, `bio._rms_norm`'s compiled rows, the cast and the product
+    with the weight, op by op, where those were four torch ops (each a parallel region on a many-core
+    host) and the rows. None where it does not run (no numba, DETAUDIT_CPU_COMPILED=off, a dtype other
+    than bf16 / fp32)."""
     dtype = x.dtype
-    if dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or x.shape[0] > COMPILED_STEP_ROWS:
+    if dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
         return None
     if x.device.type != "cpu" or weight.dtype != dtype or not x.is_contiguous():
         return None
@@ -244,9 +242,9 @@ def add_rms(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tupl
     bf16 = dtype == torch.bfloat16
     as_bits = torch.int16 if bf16 else dtype
     xn, wn, sn, yn = (t.view(as_bits).numpy() for t in (x, weight, s, y))
-    dn = xn if delta is None else delta.view(as_bits).numpy()
+    dn = None if delta is None else delta.view(as_bits).numpy()
     with cpu_gemm.profiled("detaudit::cpu_add_rms"):
-        cpu_replay.call(rows.add_rms, xn, dn, delta is not None, wn, bf16, eps, sn, yn)
+        cpu_calls.add_rms(xn, dn, wn, bf16, eps, sn, yn)
     return y, s
 
 
@@ -317,13 +315,11 @@ def attention(
         # [B, T, Hq, D] (returned as its [B, Hq, T, D] view: o_proj's input without a copy)
         pos32 = _memo(plan, "pos32", lambda: q_pos.to(torch.int32).contiguous())
         return triton_attn.attention_heads(q, k, v, pos32, scale, split, window)
-    # the queries of one KV head together, position-major: [B*Hkv, T*groups, D]
-    qg = q.reshape(bsz, hkv, groups, t, d).transpose(2, 3).reshape(g, t * groups, d)
     kernel = cpu_calls.compiled("cpu_attention") if q.device.type == "cpu" else None
     if kernel is not None:
-        out = _attention_compiled(kernel, qg, k, v, q_pos, scale, window, groups, plan)
-        out = _cast_step(out, q.dtype, bsz * t)
-        return out.view(bsz, hkv, t, groups, d).transpose(2, 3).reshape(bsz, hq, t, d).to(q.dtype)
+        return _attention_compiled(kernel, q, k, v, q_pos, scale, window, plan)
+    # the queries of one KV head together, position-major: [B*Hkv, T*groups, D]
+    qg = q.reshape(bsz, hkv, groups, t, d).transpose(2, 3).reshape(g, t * groups, d)
     pos = _memo(
         plan, ("pos", hkv, groups), lambda: q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, -1, 1)
     )
@@ -370,71 +366,61 @@ ATTENTION_FLOPS_PER_THREAD = 4e6  # past it, a thread per this much (`cpu_calls.
 ATTENTION_TEAM_FLOPS_PER_THREAD = 1e6  # ...or this much on the compiled team (`cpu_calls.share`)
 
 
-def _attention_compiled(
-    kernel, qg, k, v, q_pos, scale: float, window: int | None, groups: int, plan: dict | None
-) -> Tensor:
-    """`kernel.attend` (the `cpu_attention` module) over the query rows qg[G, T*groups, D]: fp32
-    [G, T*groups, D], the KV heads (G) split over the threads."""
-    g, rows, d = qg.shape
-    bsz, hkv, length = k.shape[0], k.shape[1], k.shape[2]
-    t = rows // groups
-    qs = _scaled_queries(qg, scale)
+def _attention_compiled(kernel, q, k, v, q_pos, scale: float, window: int | None, plan: dict | None) -> Tensor:
+    """`kernel.attend` (the `cpu_attention` module) over q[B, Hq, T, D]'s rows in the attention's layout
+    (KV head g's rows (t, j) for query head h * groups + j, position-major, [G, T * groups, D]), the KV
+    heads split over the threads. Each thread scales its heads' queries into that layout from where the
+    rotary left them (`cpu_rows.scaled_heads`: `qg.float() * scale`'s bits) and puts its rows of the fp32
+    output, cast to q's dtype (`cpu_rows.heads_out`: torch's rounding), into [B, T, Hq, D], o_proj's input:
+    returned as its [B, Hq, T, D] view. On a 16-core AMX host the transposed copies and the cast on either
+    side of the kernel, and the queries scaled on this thread, were a prefill's largest costs after the
+    products (reports/cpu-bf16)."""
+    bsz, hq, t, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    g, rows = bsz * hkv, t * (hq // hkv)
+    dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float32) else torch.float32
+    qt = q.transpose(1, 2).to(dtype)  # [B, T, Hq, D]: a view where the rotary wrote [B, T, Hq, D]
+    if qt.stride(-1) != 1:
+        qt = qt.contiguous()
+    o = torch.empty(bsz, t, hq, d, dtype=dtype)
+    as_bits = torch.int16 if dtype == torch.bfloat16 else torch.float32
+    heads = (qt.view(as_bits).numpy(), o.view(as_bits).numpy())
+    block = cpu_calls.compiled("cpu_rows").heads_block(*heads, hkv, scale)
+    cpu_replay.keep(heads)  # (the block holds their addresses)
     pos = _memo(
         plan,
-        ("pos2", hkv, groups),
-        lambda: q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, rows).contiguous().numpy(),
+        ("pos2", hkv, rows // t),
+        lambda: q_pos[:, None, :, None].expand(bsz, hkv, t, rows // t).reshape(g, rows).contiguous().numpy(),
     )
     bf16 = k.dtype == torch.bfloat16
     if bf16:  # the cache's own bits (a view: the cache slice merges B and Hkv without a copy)
         kn, vn = (x.reshape(g, length, d).view(torch.int16).numpy() for x in (k, v))
     else:
         kn, vn = (x.reshape(g, length, d).float().numpy() for x in (k, v))
-    out = torch.empty(g, rows, d, dtype=torch.float32)
+    qs, out = (np.empty((g, rows, d), dtype=np.float32) for _ in range(2))
     work = 4.0 * g * rows * d * length  # flops of the scores and the weighted values, at most
     with cpu_gemm.profiled("detaudit::cpu_attention"):
         per_thread = cpu_calls.share(ATTENTION_FLOPS_PER_THREAD, ATTENTION_TEAM_FLOPS_PER_THREAD)
         threads = cpu_calls.threads_for(g, work, ATTENTION_SPLIT_FLOPS, per_thread)
-        _attend(kernel, qs, pos, kn, vn, bf16, window or 0, out.numpy(), threads)
-    return out
+        _attend(kernel, block, qs, pos, kn, vn, bf16, window or 0, out, threads)
+    o = o.transpose(1, 2)
+    return o if o.dtype == q.dtype else o.to(q.dtype)
 
 
 @cpu_replay.unit
-def _attend(kernel, qs, pos, kn, vn, bf16: bool, window: int, on, threads: int) -> None:
-    """`kernel.attend` over the KV heads (qs[G, R, D]) on `threads` threads: the team's, else the Python
-    pool's (one recorded unit: which of the two runs is decided again at each replay)."""
+def _attend(kernel, heads, qs, pos, kn, vn, bf16: bool, window: int, on, threads: int) -> None:
+    """Over the KV heads (qs[G, R, D]) on `threads` threads, the team's, else the Python pool's (one
+    recorded unit: which of the two runs is decided again at each replay): a slice's queries scaled into
+    qs, `kernel.attend` into `on`, its rows put in the output (`heads`: a `cpu_rows.heads_block`)."""
+    rows = cpu_calls.compiled("cpu_rows")
 
     def part(lo: int, hi: int) -> None:
+        rows.scaled_heads(heads, qs, lo, hi)
         kernel.attend(qs[lo:hi], pos[lo:hi], kn[lo:hi], vn[lo:hi], bf16, window, on[lo:hi])
+        rows.heads_out(heads, on, lo, hi)
 
-    if not (threads > 1 and cpu_calls.attend_on_team(qs, pos, kn, vn, bf16, window, on, threads)):
+    if not (threads > 1 and cpu_calls.attend_on_team(qs, pos, kn, vn, bf16, window, on, threads, heads)):
         cpu_calls.slices(qs.shape[0], part, threads)
-
-
-def _cast_step(out: Tensor, dtype: torch.dtype, tokens: int) -> Tensor:
-    """fp32 `out` (contiguous) as `dtype`: for bf16 and a step of up to COMPILED_STEP_ROWS tokens (decode)
-    one compiled call on this thread (`cpu_rows.to_bf16`: torch's rounding; NaN as `cpu_rows._to_bf16`),
-    where torch's cast of a batch-32 step's attention output was a parallel region a layer on a many-core
-    host; else `out` (the caller's cast)."""
-    rows = cpu_calls.compiled("cpu_rows")
-    if rows is None or dtype != torch.bfloat16 or tokens > COMPILED_STEP_ROWS:
-        return out
-    cast = torch.empty(out.shape, dtype=dtype)
-    cpu_replay.call(rows.to_bf16, out.view(-1).numpy(), cast.view(torch.int16).view(-1).numpy())
-    return cast
-
-
-def _scaled_queries(qg: Tensor, scale: float):
-    """fp32 qg * scale as a contiguous numpy array [G, R, D]: `(qg.float() * scale)`'s bits, by the compiled
-    row kernel (`cpu_rows.scaled_rows`, one call on this thread where the two torch ops were two parallel
-    regions a layer on a many-core host), or those ops where the kernel does not run."""
-    rows = cpu_calls.compiled("cpu_rows")
-    if rows is None or qg.dtype not in (torch.bfloat16, torch.float32):
-        return (qg.float() * scale).contiguous().numpy()
-    out = torch.empty(qg.shape, dtype=torch.float32)
-    bf16 = qg.dtype == torch.bfloat16
-    src = (qg.view(torch.int16) if bf16 else qg).numpy()
-    cpu_replay.call(rows.scaled_rows, src, bf16, scale, out.numpy())
-    return out.numpy()
 
 
 def _memo(plan: dict | None, key, make):
