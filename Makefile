@@ -37,10 +37,15 @@ $(TSTAMP): pyproject.toml
 audit: setup
 	$(VENV)/bin/detaudit sweep --output-path runs/default
 
+# the suite in TEST_WORKERS processes (pytest-xdist), a test file's tests in one of them (its module
+# fixtures, a vLLM server among them, start once): a vLLM or Ray start waits on imports and disk while
+# the other process computes
+TEST_WORKERS ?= 2
+
 test: setup-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) .cache-test runs

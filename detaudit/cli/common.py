@@ -35,6 +35,15 @@ class _Console(Console):
     (no terminal, no COLUMNS) it is 160 columns wide instead of rich's 80, which folded the summary
     table's columns into unreadable slivers."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # rich keeps the COLUMNS / LINES of the environment it was made in as a fixed size: unless a size
+        # was asked for, they are read at each use instead (`size`)
+        if kwargs.get("width") is None:
+            self._width = None
+        if kwargs.get("height") is None:
+            self._height = None
+
     @property
     def size(self) -> ConsoleDimensions:
         dims = super().size

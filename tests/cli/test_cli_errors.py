@@ -161,6 +161,22 @@ def test_doctor_says_which_engines_cannot_run(monkeypatch):
     assert "pip install 'detaudit[absent]'" in text and "'detaudit'" not in text
 
 
+def test_console_width_follows_columns_at_each_use(monkeypatch):
+    """The CLI's console reads COLUMNS when it prints, not when it was made: made under COLUMNS=80 (a test
+    runner's worker), a command invoked with COLUMNS=300 prints 300 wide; without COLUMNS and a terminal,
+    160."""
+    from detaudit.cli.common import _Console
+
+    monkeypatch.setenv("COLUMNS", "80")
+    console = _Console()
+    assert console.width == 80
+    monkeypatch.setenv("COLUMNS", "300")
+    assert console.width == 300
+    monkeypatch.delenv("COLUMNS")
+    assert console.width == 160
+    assert _Console(width=100).width == 100  # (a width asked for stays)
+
+
 def test_doctor_prints_the_cpu_extra_whole(monkeypatch):
     """As on a machine without numba (the describe() of one, since numba is installed here)."""
     from detaudit.backends.kernels import cpu_calls
