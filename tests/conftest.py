@@ -15,6 +15,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DETAUDIT_NO_PLUGINS", "1")  # third-party backend entry points are not loaded in tests
 os.environ.pop("GITHUB_STEP_SUMMARY", None)  # `detaudit gate` in tests must not write CI's job summary
+# the commands' output at the width of no terminal (160), whatever ran the suite: a pytest-xdist worker has
+# COLUMNS=80 LINES=24 set, which folded the tables and errors the tests read
+for _size in ("COLUMNS", "LINES"):
+    os.environ.pop(_size, None)
 
 
 @pytest.fixture(scope="session")
