@@ -265,16 +265,31 @@ def scaled_heads(a, qs, lo, hi):  # pragma: no cover (compiled)
     lo..hi (the block `a`): each element one fp32 multiply rounded to fp32, `q.float() * scale`'s bits, read
     where the rotary left the queries instead of from a copy in the attention's layout. qs [G, T * groups,
     D]."""
-    if a[H_BF16] != 0:
-        _scaled_heads(a, qs, lo, hi, True, np.int16(0), 2)
-    else:
-        _scaled_heads(a, qs, lo, hi, False, np.float32(0), 4)
+    _heads_of(a, qs, lo, hi, True)
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def _scaled_heads(a, qs, lo, hi, bf16, proto, item):  # pragma: no cover (compiled)
+def heads_out(a, out, lo, hi):  # pragma: no cover (compiled)
+    """o[b, t, h * groups + j] = out[g, t * groups + j] for the KV heads g = b * Hkv + h in lo..hi (the block
+    `a`), rounded to bf16 as torch's cast rounds (`_to_bf16`) where o holds bf16: the attention's fp32
+    output [G, T * groups, D] cast and put where o_proj reads it, instead of a transposed copy and a cast."""
+    _heads_of(a, out, lo, hi, False)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _heads_of(a, rows, lo, hi, inward):  # pragma: no cover (compiled)
+    """`scaled_heads` (`inward`: q's rows scaled into `rows`) or `heads_out` (`rows` cast into o), at the
+    element type the block says q and o hold."""
+    if a[H_BF16] != 0:
+        _heads(a, rows, lo, hi, inward, True, np.int16(0), 2)
+    else:
+        _heads(a, rows, lo, hi, inward, False, np.float32(0), 4)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _heads(a, rows, lo, hi, inward, bf16, proto, item):  # pragma: no cover (compiled)
     hkv, nt, d = a[H_KV], a[H_STEPS], a[H_DIM]
-    groups = qs.shape[1] // nt
+    groups = rows.shape[1] // nt
     scale_bits = np.empty(1, dtype=np.int32)
     scale_bits[0] = a[H_SCALE]
     s = scale_bits.view(np.float32)[0]
@@ -284,39 +299,17 @@ def _scaled_heads(a, qs, lo, hi, bf16, proto, item):  # pragma: no cover (compil
         b, h = g // hkv, g % hkv
         for t in range(nt):
             for j in range(groups):
-                load(_at(a, H_Q, b, t, h * groups + j, d, proto, item), bf16, bits)
-                dst = qs[g, t * groups + j]
-                for i in range(d):
-                    dst[i] = row[i] * s
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy")
-def heads_out(a, out, lo, hi):  # pragma: no cover (compiled)
-    """o[b, t, h * groups + j] = out[g, t * groups + j] for the KV heads g = b * Hkv + h in lo..hi (the block
-    `a`), rounded to bf16 as torch's cast rounds (`_to_bf16`) where o holds bf16: the attention's fp32
-    output [G, T * groups, D] cast and put where o_proj reads it, instead of a transposed copy and a cast."""
-    if a[H_BF16] != 0:
-        _heads_out(a, out, lo, hi, True, np.int16(0), 2)
-    else:
-        _heads_out(a, out, lo, hi, False, np.float32(0), 4)
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy")
-def _heads_out(a, out, lo, hi, bf16, proto, item):  # pragma: no cover (compiled)
-    hkv, nt, d = a[H_KV], a[H_STEPS], a[H_DIM]
-    groups = out.shape[1] // nt
-    bits = np.empty(d, dtype=np.uint32)
-    row = bits.view(np.float32)
-    for g in range(lo, hi):
-        b, h = g // hkv, g % hkv
-        for t in range(nt):
-            for j in range(groups):
-                src = out[g, t * groups + j]
-                for i in range(d):
-                    row[i] = src[i]
-                if bf16:
-                    _to_bf16(row, bits)
-                _put(_at(a, H_OUT, b, t, h * groups + j, d, proto, item), bf16, bits)
+                mine = rows[g, t * groups + j]
+                if inward:
+                    load(_at(a, H_Q, b, t, h * groups + j, d, proto, item), bf16, bits)
+                    for i in range(d):
+                        mine[i] = row[i] * s
+                else:
+                    for i in range(d):
+                        row[i] = mine[i]
+                    if bf16:
+                        _to_bf16(row, bits)
+                    _put(_at(a, H_OUT, b, t, h * groups + j, d, proto, item), bf16, bits)
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
