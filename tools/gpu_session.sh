@@ -28,7 +28,7 @@
 #   bash tools/gpu_session.sh prof       bench e2e --profile of TP 1's dense prefill (issue 53: where the rest goes)
 #   bash tools/gpu_session.sh collect    every log and table so far into $OUT
 #
-# Knobs: AMX_BACKENDS (amx, amxprof, amxbatch: comma-separated; amxspy: space-separated, a run each), AMX_ROUNDS (amx, amxprof, amxab), AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch, amxab, amxspy; amxprof: comma-separated), AMX_REPLAY (amxbatch), AMX_SPINS (amxsplit), SPY_RATE (amxspy), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
+# Knobs: AMX_BACKENDS (amx, amxprof, amxbatch: comma-separated; amxspy: space-separated, a run each), AMX_ROUNDS (amx, amxprof, amxab), AMX_TESTS (amx), AMX_THREADS (amx, amxprof, amxwait, amxbatch), AMX_WAITS (amxwait), AMX_BATCHES (amxbatch, amxab, amxspy; amxprof: comma-separated), AMX_REPLAY and AMX_REPEATS (amxbatch: bench engine's timed calls, default 2), AMX_SPINS (amxsplit), SPY_RATE (amxspy), BEFORE (the `before` tree, default /tmp/gs/before), GS (work dir, default /tmp/gs).
 set -uo pipefail
 
 GS=${GS:-/tmp/gs}
@@ -170,7 +170,8 @@ step_amxbatch() {  # issue 55: bench engine on the host's CPU at each of AMX_BAT
   # AMX_THREADS (default 16), under each DETAUDIT_CPU_REPLAY of AMX_REPLAY (default auto) in turn, this
   # checkout only, pinned as `pin_cores` says
   amx_model
-  local b=(bench engine --model "$GS/amx-model" --max-new-tokens 32 --backends "${AMX_BACKENDS:-bf16,bio+tbik}")
+  local b=(bench engine --model "$GS/amx-model" --max-new-tokens 32 --backends "${AMX_BACKENDS:-bf16,bio+tbik}"
+    --repeats "${AMX_REPEATS:-2}")
   local t bs r pin
   for t in ${AMX_THREADS:-16}; do
     for bs in ${AMX_BATCHES:-8 32}; do
