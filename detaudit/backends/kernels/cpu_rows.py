@@ -1,5 +1,5 @@
 """bio's row kernels on CPU, compiled (numba; imported only where it is installed): RMSNorm, silu * up, the
-rotary embedding with its cache writes, a decode step's add + RMSNorm, the attention's queries scaled and
+rotary embedding with its cache writes, the residual add + RMSNorm, the attention's queries scaled and
 its output cast in the layers' layout, and the cast to bf16 of the leaves' sums.
 
 RMSNorm: a row's sum of squares is `cpu_attention._dot(x, x)` (16 fp32 lanes, lane i % 16 in order, then
@@ -243,14 +243,14 @@ H_KV, H_STEPS, H_DIM, H_BF16, H_SCALE = range(2 * ROPE_SLOTS, 2 * ROPE_SLOTS + 5
 HEADS_BLOCK = H_SCALE + 1
 
 
-def heads_block(q, o, hkv: int, scale: float) -> np.ndarray | None:
+def heads_block(q, o, hkv: int, scale: float) -> np.ndarray:
     """The argument block of `scaled_heads` and `heads_out` for numpy q and o [B, T, Hq, D] (int16 bf16
-    bits or fp32, both the same), or None where a head's values are not contiguous in either. The block
-    holds addresses: the arrays must outlive its use."""
+    bits or fp32, both the same; a head's D values contiguous in each, else ValueError). The block holds
+    addresses: the arrays must outlive its use."""
     block = np.zeros(HEADS_BLOCK, dtype=np.int64)
     for slot, x in ((H_Q, q), (H_OUT, o)):
         if x.strides[-1] != x.itemsize:
-            return None
+            raise ValueError(f"heads_block needs a head's values contiguous, got strides {x.strides}")
         block[slot] = x.ctypes.data
         block[slot + 1 : slot + 4] = [s // x.itemsize for s in x.strides[:-1]]
     _, t, _, d = q.shape

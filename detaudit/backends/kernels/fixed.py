@@ -377,7 +377,8 @@ def _attention_compiled(kernel, q, k, v, q_pos, scale: float, window: int | None
     products (reports/cpu-bf16)."""
     bsz, hq, t, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
-    g, rows = bsz * hkv, t * (hq // hkv)
+    groups = hq // hkv
+    g, rows = bsz * hkv, t * groups
     dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float32) else torch.float32
     qt = q.transpose(1, 2).to(dtype)  # [B, T, Hq, D]: a view where the rotary wrote [B, T, Hq, D]
     if qt.stride(-1) != 1:
@@ -389,8 +390,8 @@ def _attention_compiled(kernel, q, k, v, q_pos, scale: float, window: int | None
     cpu_replay.keep(heads)  # (the block holds their addresses)
     pos = _memo(
         plan,
-        ("pos2", hkv, rows // t),
-        lambda: q_pos[:, None, :, None].expand(bsz, hkv, t, rows // t).reshape(g, rows).contiguous().numpy(),
+        ("pos2", hkv, groups),
+        lambda: q_pos[:, None, :, None].expand(bsz, hkv, t, groups).reshape(g, rows).contiguous().numpy(),
     )
     bf16 = k.dtype == torch.bfloat16
     if bf16:  # the cache's own bits (a view: the cache slice merges B and Hkv without a copy)
@@ -412,6 +413,8 @@ def _attend(kernel, heads, qs, pos, kn, vn, bf16: bool, window: int, on, threads
     """Over the KV heads (qs[G, R, D]) on `threads` threads, the team's, else the Python pool's (one
     recorded unit: which of the two runs is decided again at each replay): a slice's queries scaled into
     qs, `kernel.attend` into `on`, its rows put in the output (`heads`: a `cpu_rows.heads_block`)."""
+    if threads > 1 and cpu_calls.attend_on_team(qs, pos, kn, vn, bf16, window, on, threads, heads):
+        return
     rows = cpu_calls.compiled("cpu_rows")
 
     def part(lo: int, hi: int) -> None:
@@ -419,8 +422,7 @@ def _attend(kernel, heads, qs, pos, kn, vn, bf16: bool, window: int, on, threads
         kernel.attend(qs[lo:hi], pos[lo:hi], kn[lo:hi], vn[lo:hi], bf16, window, on[lo:hi])
         rows.heads_out(heads, on, lo, hi)
 
-    if not (threads > 1 and cpu_calls.attend_on_team(qs, pos, kn, vn, bf16, window, on, threads, heads)):
-        cpu_calls.slices(qs.shape[0], part, threads)
+    cpu_calls.slices(qs.shape[0], part, threads)
 
 
 def _memo(plan: dict | None, key, make):
