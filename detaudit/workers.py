@@ -9,7 +9,10 @@ once `serve` has closed the engine on "close", the worker module ends the proces
 
 Failure handling: a worker that dies fails the command at once; a worker that sends no progress for
 `hang_timeout` seconds fails it too. Either way every worker is killed (no orphans: workers also die
-with their parent through PR_SET_PDEATHSIG) and the next call reopens the engine.
+with their parent through PR_SET_PDEATHSIG) and the next call reopens the engine. A worker compiling
+detaudit's CPU kernels, or waiting for another process's compile (`detaudit.compiling`), says so, and
+meanwhile the controller allows it the engine start's `ENGINE_START_S` instead: a fresh install's
+first call compiles for a minute or two without a token, and is not a hang.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+from detaudit import compiling
 from detaudit.errors import CellFailed
 from detaudit.runs.records import Generation, ProgressFn
 
@@ -71,18 +76,25 @@ def serve(rank: int, conn: Connection, open_engine: Callable[[Any, dict], Any]) 
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller handles Ctrl-C and kills us
     engine = None
+    sending = threading.Lock()  # a compile's notice may come from another thread (a team worker's first call)
+
+    def send(msg: tuple) -> None:
+        with sending:
+            conn.send(msg)
+
+    compiling.listen(lambda on: send(("compiling", on)))
     try:
         cmd, (options, extra) = conn.recv()
         assert cmd == "open", cmd
         engine = open_engine(options, extra)
-        conn.send(("ready", engine.describe()))
+        send(("ready", engine.describe()))
         while True:
             cmd, payload = conn.recv()
             if cmd == "close":
                 break
             if cmd == "generate":
                 _inject_fault(rank)
-                progress = (lambda n: conn.send(("progress", n))) if rank == 0 else None
+                progress = (lambda n: send(("progress", n))) if rank == 0 else None
                 args, kwargs = payload
                 res: Any = engine.generate(*args, progress=progress, **kwargs)
             elif cmd == "score":
@@ -98,14 +110,14 @@ def serve(rank: int, conn: Connection, open_engine: Callable[[Any, dict], Any]) 
                 res = getattr(engine, "last_profile", None)
             else:
                 raise ValueError(f"unknown command {cmd}")
-            conn.send(("result", res if rank == 0 else None))
+            send(("result", res if rank == 0 else None))
         engine.close()
         return True
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return False
     except BaseException as e:  # report, then exit non-zero
         try:
-            conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"))
+            send(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"))
         except Exception:
             pass
         os._exit(1)
@@ -207,13 +219,23 @@ class WorkerPool:
         return f"{self.label} (log: {self.log})" if self.hosted else f"{self.label} rank {r}"
 
     def _collect(self, expect: str, timeout: float, progress: ProgressFn | None = None) -> list[Any]:
+        compiles: set[int] = set()  # ranks compiling now: this process says so too (a Ray actor's hang timer)
+        try:
+            return self._gather(expect, timeout, progress, compiles)
+        finally:
+            if compiles:
+                compiling.end()
+
+    def _gather(self, expect: str, timeout: float, progress: ProgressFn | None, compiles: set[int]) -> list[Any]:
         results: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
+        allowed = timeout
+        deadline = time.monotonic() + allowed
         pending = dict(enumerate(self.conns))
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise CellFailed(f"{self.label} hung: no progress for {timeout:.0f} s (workers killed)")
+                what = "compiling the CPU kernels" if compiles else "no progress"
+                raise CellFailed(f"{self.label} hung: {what} for {allowed:.0f} s (workers killed)")
             ready = wait(list(pending.values()), timeout=min(0.5, left))
             for r, p in enumerate(self.procs):
                 if p.poll() is not None and not (r in pending and pending[r].poll()):
@@ -230,9 +252,16 @@ class WorkerPool:
                         code = None
                     raise CellFailed(f"{self._who(r)} died (pipe closed, exit code {code})") from None
                 if kind == "progress":
-                    deadline = time.monotonic() + timeout
+                    deadline = time.monotonic() + allowed
                     if progress:
                         progress(data)
+                elif kind == "compiling":  # a first use's compile, or a wait for another's: not a hang
+                    before = bool(compiles)
+                    (compiles.add if data else compiles.discard)(r)
+                    if bool(compiles) != before:
+                        (compiling.begin if compiles else compiling.end)()
+                    allowed = max(timeout, ENGINE_START_S) if compiles else timeout
+                    deadline = time.monotonic() + allowed
                 elif kind == "error":
                     raise CellFailed(data.splitlines()[0] if data else f"rank {r} failed")
                 elif kind == expect:

@@ -153,7 +153,7 @@ def sweep(
         float,
         typer.Option(
             "--hang-timeout",
-            help="Seconds without progress before a TP worker is declared hung (> 0).",
+            help="Seconds without progress before a TP worker is declared hung (> 0; a kernel compile has 600 s).",
             rich_help_panel="engine",
         ),
     ] = 300.0,

@@ -18,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent
 # or package of detaudit, or a subpackage ("backends.kernels"), which then is a layer of its own: a
 # module belongs to the longest entry its dotted name starts with
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "paths", "omp_wait", "__init__", "inputs", "runs", "analysis"),  # the packages' docstring-only __init__
+    # (__init__, inputs, runs, analysis: the packages' docstring-only __init__)
+    ("errors", "paths", "omp_wait", "compiling", "__init__", "inputs", "runs", "analysis"),
     (
         "config",
         "runs.records",

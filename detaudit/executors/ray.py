@@ -47,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from detaudit import omp_wait
+from detaudit import compiling, omp_wait
 from detaudit.errors import DetauditError
 from detaudit.executors import CellGroup, CellJob, CellOutput, EventFn, OutputFn, ReferenceFn
 from detaudit.workers import ENGINE_START_S
@@ -91,7 +91,9 @@ class GroupActor:
         self._opening = False  # the engine is being opened (loading a model is not a hang)
 
     def tokens(self) -> tuple[int, bool]:
-        return self._tokens, self._opening
+        """Tokens so far, and whether the engine is opening or compiling kernels (here or in its TP ranks):
+        neither is a hang."""
+        return self._tokens, self._opening or compiling.active()
 
     def _event(self, cell_id: str, event: str, n: int) -> None:
         if event == "engine":
@@ -410,6 +412,7 @@ class _Loop:
         self.landed: set[str] = set()
         self.begun: set[str] = set()  # cells whose progress bar exists
         self.attempts: dict[str, int] = {}
+        self.idle_since: float | None = None  # since when no slot has held resources (None: one does)
         self.lost_errors: tuple = tuple(
             getattr(self.ray.exceptions, n)
             for n in (
@@ -527,13 +530,13 @@ class _Loop:
         if ref is slot.tokens_ref:
             slot.tokens_ref = None
             try:
-                tokens, slot.opening = self.ray.get(ref)
+                tokens, opening = self.ray.get(ref)
             except Exception:  # the actor died: its run_cell ref says how
                 return
-            if tokens != slot.tokens:
-                if slot.pending:
-                    self.progress(slot.pending[0].cell_id, "tokens", tokens - slot.tokens)
-                slot.tokens, slot.since = tokens, time.monotonic()
+            if tokens != slot.tokens and slot.pending:
+                self.progress(slot.pending[0].cell_id, "tokens", tokens - slot.tokens)
+            if tokens != slot.tokens or opening != slot.opening:  # a compile's end starts the hang timeout afresh
+                slot.tokens, slot.opening, slot.since = tokens, opening, time.monotonic()
             return
         if slot.phase == "placing" and ref is slot.ref:
             self.ex._placed(slot)
@@ -586,6 +589,14 @@ class _Loop:
         unplaced while no other group holds resources can never be placed, and fails."""
         now = time.monotonic()
         busy = any(s.holding for s in self.slots)
+        # the placement timeout counts from when nothing held resources, not from when the group began to
+        # wait: a TP-2 group that waited minutes behind TP-1 groups is not unplaceable in the instant
+        # between the last of them letting its bundles go and Ray placing it
+        if busy:
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = now
+        idle = now if self.idle_since is None else self.idle_since
         for slot in self.slots:
             if slot.phase == "running" and slot.ref is not None:
                 if slot.tokens_ref is None:
@@ -595,7 +606,7 @@ class _Loop:
                     timeout = max(timeout, ENGINE_START_S)
                 if now - slot.since > timeout:
                     self.lost(slot, f"no token for {timeout:.0f} s (actor killed as hung)")
-            elif slot.phase == "placing" and not busy and now - slot.since > self.ex.placement_timeout:
+            elif slot.phase == "placing" and not busy and now - max(slot.since, idle) > self.ex.placement_timeout:
                 self.give_up(
                     slot,
                     f"{slot.group.label}: its placement group of {slot.group.options.tp} "

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import filelock
 
+from detaudit import compiling
+
 STAMP = "detaudit-kernels.sha256"
 LOCK = "detaudit-kernels.lock"
 COMPILED = ("cpu_lanes", "cpu_attention", "cpu_rows", "cpu_loop", "cpu_team")  # every module numba compiles
@@ -78,11 +80,12 @@ def _compile_lock() -> filelock.FileLock:
 
 def one_compiler(namespace: dict) -> None:
     """Put each numba dispatcher in `namespace` (a compiled module's globals, after its definitions)
-    behind the machine-wide compile lock. numba compiles a dispatcher for new argument types through its
-    `compile` method, which first loads the on-disk cache: under the lock a process that waited finds
-    the cache the first one saved. Calls of types already compiled never reach `compile`, so a running
-    kernel never waits. The lock is always taken before numba's own compiler lock, so it cannot deadlock
-    with it (no other code compiles these dispatchers)."""
+        behind the machine-wide compile lock. numba compiles a dispatcher for new argument types through its
+        `compile` method, which first loads the on-disk cache: under the lock a process that waited finds
+        the cache the first one saved. Calls of types already compiled never reach `compile`, so a running
+        kernel never waits. Meanwhile `detaudit.compiling` says a compile is under way (the hang timers give it
+    the engine start's allowance). The lock is always taken before numba's own compiler lock, so it cannot deadlock
+        with it (no other code compiles these dispatchers)."""
     _announce_compiles()
     for obj in list(namespace.values()):
         py_func = getattr(obj, "py_func", None)  # a dispatcher's; only this module's (not those it imported)
@@ -93,8 +96,12 @@ def one_compiler(namespace: dict) -> None:
 def _locked(compile_fn):
     @functools.wraps(compile_fn)
     def compile_one_at_a_time(sig):
-        with _compile_lock():
-            return compile_fn(sig)
+        compiling.begin()  # the wait for the lock too: another process's compile is not this one's hang
+        try:
+            with _compile_lock():
+                return compile_fn(sig)
+        finally:
+            compiling.end()
 
     return compile_one_at_a_time
 
