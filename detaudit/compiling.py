@@ -33,10 +33,8 @@ def begin() -> None:
     global _depth
     with _lock:
         _depth += 1
-        first = _depth == 1
-        listeners = list(_listeners) if first else []
-    for fn in listeners:
-        fn(True)
+        listeners = list(_listeners) if _depth == 1 else []
+    _tell(listeners, True)
 
 
 def end() -> None:
@@ -45,10 +43,19 @@ def end() -> None:
         if _depth == 0:
             raise RuntimeError("compiling.end() without a begin()")
         _depth -= 1
-        last = _depth == 0
-        listeners = list(_listeners) if last else []
+        listeners = list(_listeners) if _depth == 0 else []
+    _tell(listeners, False)
+
+
+def _tell(listeners: list[Callable[[bool], None]], on: bool) -> None:
+    """A notice is for the hang timers only: one that cannot be delivered (the controller's pipe gone) must
+    not fail the compile it announces, nor leave the count unbalanced; the worker meets the closed pipe
+    at its next message anyway."""
     for fn in listeners:
-        fn(False)
+        try:
+            fn(on)
+        except Exception:
+            pass
 
 
 def listen(fn: Callable[[bool], None]) -> None:

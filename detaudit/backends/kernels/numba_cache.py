@@ -106,7 +106,7 @@ def _locked(compile_fn):
     return compile_one_at_a_time
 
 
-NOTE = "detaudit: compiling the CPU kernels (numba; first use, about a minute on 2 cores; cached for later runs)"
+NOTE = "detaudit: compiling the CPU kernels (numba; first use, about two minutes on 2 cores; cached for later runs)"
 
 
 @functools.cache
