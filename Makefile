@@ -39,8 +39,9 @@ audit: setup
 
 # the suite in TEST_WORKERS processes (pytest-xdist), a test file's tests in one of them (its module
 # fixtures, a vLLM server among them, start once): a vLLM or Ray start waits on imports and disk while
-# the other process computes
-TEST_WORKERS ?= 2
+# the other process computes. One per physical core, at most two (tests/cpu_cores.py: two logical CPUs
+# of one core only slow each other's multi-process tests)
+TEST_WORKERS ?= $(shell python3 tests/cpu_cores.py)
 
 test: setup-test
 	$(VENV)/bin/ruff check .

@@ -119,3 +119,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "smollm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The machine the run came from (a CI log's times mean little without it)."""
+    from cpu_cores import describe
+
+    terminalreporter.write_line(describe())
