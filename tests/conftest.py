@@ -123,6 +123,15 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter):
     """The machine the run came from (a CI log's times mean little without it)."""
-    from cpu_cores import describe
+    from cpu_cores import topology, workers
 
-    terminalreporter.write_line(describe())
+    from detaudit.backends.kernels.cpu_bf16 import cpu_flags
+    from detaudit.runs.fingerprint import cpu_model
+
+    logical, physical, quota = topology()
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()]
+    terminalreporter.write_line(
+        f"CPU: {cpu_model()}; {logical} logical CPUs on {physical} core(s)"
+        f"{'' if quota is None else f', cgroup quota {quota:g} CPUs'}; {' '.join(isa) or 'no AVX2'}; "
+        f"{workers()} test process(es) by default"
+    )

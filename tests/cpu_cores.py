@@ -6,8 +6,8 @@ real TP), and a CPU quota (cgroup `cpu.max`) below the visible CPUs counts as th
 project's 2-core EPYC two processes took CI from 2,100-2,400 s to 1,800; the project's CI machine ran
 2,505 s in two (two tests failing) against 2,268 in one a commit before, its multi-process tests 1.5-2.2x
 slower than on the EPYC in two, its single-process compile as fast. `python
-tests/cpu_cores.py` prints the count (the Makefile's default); `describe()` is the summary line that
-says which machine a CI log came from."""
+tests/cpu_cores.py` prints the count (the Makefile's default; standard library only, no venv needed);
+`topology()` also feeds the summary line (tests/conftest.py) that says which machine a CI log came from."""
 
 from __future__ import annotations
 
@@ -44,34 +44,17 @@ def _quota() -> float | None:
     return None if quota == "max" else int(quota) / int(period)
 
 
-def workers() -> int:
+def topology() -> tuple[int, int, float | None]:
+    """Logical CPUs this process may use, the physical cores among them, and the cgroup quota (or None)."""
     cpus = _logical()
-    n = _physical(cpus)
-    quota = _quota()
+    return len(cpus), _physical(cpus), _quota()
+
+
+def workers() -> int:
+    _, n, quota = topology()
     if quota is not None:
         n = min(n, max(1, math.floor(quota)))
     return max(1, min(MOST, n))
-
-
-def describe() -> str:
-    cpus = _logical()
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    quota = _quota()
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return (
-        f"CPU: {model}; {len(cpus)} logical CPUs on {_physical(cpus)} core(s)"
-        f"{'' if quota is None else f', cgroup quota {quota:g} CPUs'}; {' '.join(isa) or 'no AVX2'}; "
-        f"{workers()} test process(es) by default"
-    )
 
 
 if __name__ == "__main__":

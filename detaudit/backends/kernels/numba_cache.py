@@ -80,12 +80,12 @@ def _compile_lock() -> filelock.FileLock:
 
 def one_compiler(namespace: dict) -> None:
     """Put each numba dispatcher in `namespace` (a compiled module's globals, after its definitions)
-        behind the machine-wide compile lock. numba compiles a dispatcher for new argument types through its
-        `compile` method, which first loads the on-disk cache: under the lock a process that waited finds
-        the cache the first one saved. Calls of types already compiled never reach `compile`, so a running
-        kernel never waits. Meanwhile `detaudit.compiling` says a compile is under way (the hang timers give it
-    the engine start's allowance). The lock is always taken before numba's own compiler lock, so it cannot deadlock
-        with it (no other code compiles these dispatchers)."""
+    behind the machine-wide compile lock. numba compiles a dispatcher for new argument types through its
+    `compile` method, which first loads the on-disk cache: under the lock a process that waited finds
+    the cache the first one saved. Calls of types already compiled never reach `compile`, so a running
+    kernel never waits. Meanwhile `detaudit.compiling` says a compile is under way (the hang timers give
+    it the engine start's allowance). The lock is always taken before numba's own compiler lock, so it
+    cannot deadlock with it (no other code compiles these dispatchers)."""
     _announce_compiles()
     for obj in list(namespace.values()):
         py_func = getattr(obj, "py_func", None)  # a dispatcher's; only this module's (not those it imported)
